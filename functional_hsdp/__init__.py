@@ -1,0 +1,42 @@
+"""functional_hsdp: data-parallel gradient synchronization as pure functions over pytrees.
+
+HSDP with deferred DP-outer reduction (Megatron-LM PR 5743) for ``torch.func`` training loops:
+``reduce_grads(grads, spec, last=...)`` reduce-scatters over the inner axis every microbatch and
+reduces the outer axis only on the last one.
+"""
+
+from .collectives import all_gather, pmean, psum, psum_scatter
+from .mesh import DistMesh, Mesh, SimMesh
+from .placement import Flat, Partial, Placement, Replicate, Shard
+from .reduce import gather, reduce_grads, shard, sync_params
+from .spec import Spec, ddp, fsdp, hfsdp, hsdp
+from .trace import CommLog, Event, comm_log
+
+__all__ = [
+    "CommLog",
+    "DistMesh",
+    "Event",
+    "Flat",
+    "Mesh",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "SimMesh",
+    "Spec",
+    "all_gather",
+    "comm_log",
+    "ddp",
+    "fsdp",
+    "gather",
+    "hfsdp",
+    "hsdp",
+    "pmean",
+    "psum",
+    "psum_scatter",
+    "reduce_grads",
+    "shard",
+    "sync_params",
+]
+
+__version__ = "0.1.0"

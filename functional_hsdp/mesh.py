@@ -1,0 +1,297 @@
+"""The mesh protocol and its two implementations.
+
+Library code talks to a mesh only through :class:`Mesh`; it never asks which mesh it has.
+
+- :class:`SimMesh` simulates every rank in one process: a distributed value is a tensor whose
+  leading dims are the mesh shape (rank ``(o, i)`` holds ``x[o, i]``), and collectives are einops
+  reductions and rearranges over those dims.
+- :class:`DistMesh` wraps a real ``torch.distributed`` ``DeviceMesh``; collectives are
+  ``torch.distributed._functional_collectives`` over ``(device_mesh, dim)``: asynchronous and
+  traceable by ``torch.compile``.
+
+A *bucket* is a tensor ``(*batch_shape, L)``: one flat buffer per rank. ``batch_shape`` is the
+mesh shape on a SimMesh and ``()`` on a DistMesh, so the same code handles both.
+
+*Ragged* pieces: under a Flat placement a leaf's local shard is its part of the rank's chunk,
+whose length differs between ranks. On a DistMesh that is a 1-D tensor of exactly that
+length. On a SimMesh the ranks' pieces are stacked, each zero-filled at its end to the longest
+rank's length; the fill is ignored on input and zero on output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import einops
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+__all__ = ["Mesh", "SimMesh", "DistMesh"]
+
+Coord = Any  # an int on a DistMesh, an int tensor of the batch shape on a SimMesh
+
+
+@runtime_checkable
+class Mesh(Protocol):
+    """What the library needs from a mesh of data-parallel ranks."""
+
+    axis_names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    batch_shape: tuple[int, ...]
+
+    def size(self, axis: str) -> int: ...
+
+    def coordinate(self, axis: str) -> Coord: ...
+
+    def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor: ...
+
+    def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor: ...
+
+    def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor: ...
+
+    def chunk(self, buf: torch.Tensor, axis: str) -> torch.Tensor: ...
+
+    def ragged(self, lo: Coord, hi: Coord, length: int) -> Any: ...
+
+    def ragged_shape(self, geom: Any) -> tuple[int, ...]: ...
+
+    def ragged_slice(self, buf: torch.Tensor, geom: Any) -> torch.Tensor: ...
+
+    def ragged_join(self, pieces: list[torch.Tensor], geoms: list, length: int) -> torch.Tensor: ...
+
+    def wait(self, buf: torch.Tensor) -> torch.Tensor: ...
+
+    def impl(self, op: str, axis: str, reduce: str | None) -> str: ...
+
+
+class _MeshBase:
+    axis_names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    def _dim(self, axis: str) -> int:
+        try:
+            return self.axis_names.index(axis)
+        except ValueError:
+            raise ValueError(
+                f"axis {axis!r} is not in the mesh; its axes are {self.axis_names}"
+            ) from None
+
+    def size(self, axis: str) -> int:
+        """Number of ranks along ``axis``."""
+        return self.sizes[self._dim(axis)]
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """``{axis name: size}`` in axis order (outer to inner)."""
+        return dict(zip(self.axis_names, self.sizes))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.axis_names)
+
+
+@dataclass(frozen=True)
+class _SimRagged:
+    idx: torch.Tensor  # (*batch, maxlen) positions in the chunk; `length` marks fill
+    valid: torch.Tensor  # (*batch, maxlen) bool
+    maxlen: int
+
+
+class SimMesh(_MeshBase):
+    """All ranks of a mesh in one process; distributed values carry the mesh shape in front.
+
+    Args:
+        shape: ``{axis name: size}``, ordered outer to inner (like ``DeviceMesh`` dims).
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+        >>> x = torch.arange(4.0).reshape(2, 2, 1)        # rank (o, i) holds x[o, i]
+        >>> fh.psum(x, "dp_inner", mesh)[:, :, 0]
+        tensor([[1., 1.],
+                [5., 5.]])
+    """
+
+    def __init__(self, shape: dict[str, int]):
+        if not isinstance(shape, dict) or not shape:
+            raise TypeError(f"SimMesh expects a non-empty dict {{axis name: size}}; got {shape!r}")
+        for name, n in shape.items():
+            if not isinstance(name, str) or not isinstance(n, int) or n < 1:
+                raise ValueError(
+                    f"SimMesh axis {name!r}: expected a str name and a positive int size; got {n!r}"
+                )
+        self.axis_names = tuple(shape)
+        self.sizes = tuple(shape.values())
+        self.batch_shape = self.sizes
+        names = [f"m{k}" for k in range(len(self.sizes))]
+        self._names = names
+        self._coords: dict[str, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"SimMesh({self.shape})"
+
+    def _pattern(self, dim: int, repl: str) -> str:
+        return " ".join(repl if k == dim else n for k, n in enumerate(self._names))
+
+    def coordinate(self, axis: str) -> torch.Tensor:
+        """Every rank's index along ``axis``, as an int64 tensor of the mesh shape."""
+        if axis not in self._coords:
+            d = self._dim(axis)
+            view = [1] * self.ndim
+            view[d] = self.sizes[d]
+            self._coords[axis] = torch.arange(self.sizes[d]).reshape(view).expand(self.sizes)
+        return self._coords[axis]
+
+    def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
+        d, all_ = self._dim(axis), " ".join(self._names)
+        kept = self._pattern(d, "1")
+        red = einops.reduce(buf, f"{all_} l -> {kept} l", _EINOPS_REDUCE[op])
+        return einops.repeat(red, f"{kept} l -> {all_} l", **{self._names[d]: self.sizes[d]})
+
+    def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
+        d, all_ = self._dim(axis), " ".join(self._names)
+        return einops.reduce(
+            buf,
+            f"{all_} (n c) -> {self._pattern(d, 'n')} c",
+            _EINOPS_REDUCE[op],
+            n=self.sizes[d],
+        )
+
+    def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
+        d, all_ = self._dim(axis), " ".join(self._names)
+        return einops.repeat(
+            buf, f"{all_} c -> {self._pattern(d, 'r')} ({self._names[d]} c)", r=self.sizes[d]
+        )
+
+    def chunk(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
+        d, all_ = self._dim(axis), " ".join(self._names)
+        split = einops.rearrange(buf, f"{all_} (n c) -> {all_} n c", n=self.sizes[d])
+        index = self.coordinate(axis)[..., None, None]
+        return torch.take_along_dim(split, index, dim=self.ndim).squeeze(self.ndim)
+
+    def ragged(self, lo: Coord, hi: Coord, length: int) -> _SimRagged:
+        lo = torch.as_tensor(lo).broadcast_to(self.batch_shape).clamp(0, length)
+        hi = torch.as_tensor(hi).broadcast_to(self.batch_shape).clamp(0, length)
+        hi = torch.maximum(hi, lo)
+        maxlen = int((hi - lo).max()) if hi.numel() else 0
+        idx = lo[..., None] + torch.arange(maxlen)
+        valid = idx < hi[..., None]
+        return _SimRagged(torch.where(valid, idx, length), valid, maxlen)
+
+    def ragged_shape(self, geom: _SimRagged) -> tuple[int, ...]:
+        return (*self.batch_shape, geom.maxlen)
+
+    def ragged_slice(self, buf: torch.Tensor, geom: _SimRagged) -> torch.Tensor:
+        padded = torch.nn.functional.pad(buf, (0, 1))  # index `length` reads the zero fill
+        return torch.take_along_dim(padded, geom.idx, dim=-1)
+
+    def ragged_join(self, pieces: list[torch.Tensor], geoms: list, length: int) -> torch.Tensor:
+        dtype = pieces[0].dtype if pieces else torch.float32
+        device = pieces[0].device if pieces else None
+        out = torch.zeros((*self.batch_shape, length + 1), dtype=dtype, device=device)
+        for piece, geom in zip(pieces, geoms):
+            out.scatter_(-1, geom.idx, torch.where(geom.valid, piece, 0))
+        return out[..., :length]
+
+    def wait(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf
+
+    def impl(self, op: str, axis: str, reduce: str | None) -> str:
+        return "einops"
+
+
+_EINOPS_REDUCE = {"sum": "sum", "avg": "mean"}
+
+# Backends whose all-reduce / reduce-scatter implement AVG themselves; any other backend gets
+# an exact emulation: SUM, then divide by the group size.
+_NATIVE_AVG = frozenset({"nccl", "gloo"})
+
+
+class DistMesh(_MeshBase):
+    """A real ``torch.distributed`` device mesh (gloo, NCCL; torchrun for many machines).
+
+    Args:
+        device_mesh: a ``DeviceMesh`` built with ``mesh_dim_names``; its dims are the axes,
+            outer to inner.
+
+    Example:
+        >>> from torch.distributed.device_mesh import init_device_mesh  # doctest: +SKIP
+        >>> dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_inner"))
+        >>> mesh = fh.DistMesh(dm)  # doctest: +SKIP
+    """
+
+    batch_shape: tuple[int, ...] = ()
+
+    def __init__(self, device_mesh: Any):
+        names = getattr(device_mesh, "mesh_dim_names", None)
+        if names is None:
+            raise ValueError(
+                "DistMesh needs a DeviceMesh with mesh_dim_names, e.g. "
+                "init_device_mesh('cuda', (2, 4), mesh_dim_names=('dp_outer', 'dp_inner'))"
+            )
+        self.device_mesh = device_mesh
+        self.axis_names = tuple(names)
+        self.sizes = tuple(int(n) for n in device_mesh.shape)
+        self._native_avg = tuple(
+            dist.get_backend(device_mesh.get_group(d)) in _NATIVE_AVG for d in range(self.ndim)
+        )
+        self._coords = tuple(int(device_mesh.get_local_rank(d)) for d in range(self.ndim))
+
+    def __repr__(self) -> str:
+        return f"DistMesh({self.shape})"
+
+    def _group(self, axis: str) -> tuple[Any, int]:
+        return (self.device_mesh, self._dim(axis))
+
+    def coordinate(self, axis: str) -> int:
+        return self._coords[self._dim(axis)]
+
+    def _reduce(self, fn, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
+        if op == "avg" and not self._native_avg[self._dim(axis)]:
+            return fn("sum") / self.size(axis)
+        return fn(op)
+
+    def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
+        group = self._group(axis)
+        return self._reduce(lambda o: funcol.all_reduce(buf, o, group), buf, axis, op)
+
+    def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
+        group = self._group(axis)
+        return self._reduce(
+            lambda o: funcol.reduce_scatter_single(buf, o, 0, group), buf, axis, op
+        )
+
+    def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
+        return funcol.all_gather_single(buf, 0, self._group(axis))
+
+    def chunk(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
+        n = self.size(axis)
+        return buf.view(n, buf.shape[-1] // n)[self.coordinate(axis)]
+
+    def ragged(self, lo: int, hi: int, length: int) -> tuple[int, int]:
+        lo = min(max(lo, 0), length)
+        return lo, max(lo, min(max(hi, 0), length))
+
+    def ragged_shape(self, geom: tuple[int, int]) -> tuple[int, ...]:
+        return (geom[1] - geom[0],)
+
+    def ragged_slice(self, buf: torch.Tensor, geom: tuple[int, int]) -> torch.Tensor:
+        return buf[geom[0] : geom[1]]
+
+    def ragged_join(self, pieces: list[torch.Tensor], geoms: list, length: int) -> torch.Tensor:
+        # Pieces of consecutive leaves tile the chunk from 0; only the bucket tail is fill.
+        used = sum(g[1] - g[0] for g in geoms)
+        dtype = pieces[0].dtype if pieces else torch.float32
+        device = pieces[0].device if pieces else None
+        fill = torch.zeros(length - used, dtype=dtype, device=device)
+        return torch.cat([*pieces, fill])
+
+    def wait(self, buf: torch.Tensor) -> torch.Tensor:
+        return funcol.wait_tensor(buf) if isinstance(buf, funcol.AsyncCollectiveTensor) else buf
+
+    def impl(self, op: str, axis: str, reduce: str | None) -> str:
+        if reduce == "avg" and not self._native_avg[self._dim(axis)]:
+            return "sum+div"
+        return "native"

@@ -1,0 +1,98 @@
+"""Placements of a value along one mesh axis, and the collective behind every transition.
+
+``Replicate``, ``Partial`` and ``Shard`` are ``torch.distributed.tensor``'s own classes; ``Flat``
+is this library's: the leaves of a bucket are flattened and concatenated, and each rank along
+the axis holds one contiguous, equal-size chunk of the bucket (zero padding at the bucket's
+tail only, never inside a leaf's range).
+
+One mesh axis at a time:
+
+=================  ==================  ==========================================
+from               to                  operation
+=================  ==================  ==========================================
+Partial(op)        Flat                reduce-scatter with ``op``
+Partial(op)        Replicate           all-reduce with ``op``
+Flat               Replicate           all-gather
+Replicate          Flat                local slice, no communication
+Partial(op)        Partial(op)         nothing (the axis stays deferred)
+X                  X                   nothing
+Replicate / Flat   Partial             impossible: a reduced value cannot become a summand
+=================  ==================  ==========================================
+
+Within one multi-axis move, reduce-scatters (and slices) come first, in the bucket's split
+order, then all-reduces on the already-scattered chunk, then all-gathers in reverse split
+order, so that every all-reduce runs on the smallest piece of data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["Flat", "Partial", "Placement", "Replicate", "Shard", "transition", "reduce_op"]
+
+Collective = Literal["reduce_scatter", "all_reduce", "all_gather", "slice"]
+
+#: Reduce ops a ``Partial`` placement may carry here.
+REDUCE_OPS = ("avg", "sum")
+
+
+@dataclass(frozen=True)
+class Flat(Placement):
+    """Flattened, bucketed and evenly chunked along one mesh axis (Megatron-FSDP's layout).
+
+    Example:
+        >>> from functional_hsdp import Flat, Replicate
+        >>> (Replicate(), Flat())
+        (Replicate(), Flat())
+    """
+
+    def __repr__(self) -> str:
+        return "Flat()"
+
+    def __str__(self) -> str:
+        return "F"
+
+
+def reduce_op(p: Placement) -> str:
+    """The reduce op of a Partial placement (``"avg"`` or ``"sum"``)."""
+    op = p.reduce_op
+    if op not in REDUCE_OPS:
+        raise NotImplementedError(
+            f"Partial({op!r}) is not supported; Partial placements here reduce with one of "
+            f"{REDUCE_OPS}"
+        )
+    return op
+
+
+def transition(frm: Placement, to: Placement, axis: str) -> Collective | None:
+    """The collective that moves a value from ``frm`` to ``to`` along ``axis`` (None: no-op).
+
+    Raises ValueError for a move that cannot exist (anything to Partial, or Partial ops that
+    differ) and NotImplementedError for Shard, which this transition table does not cover.
+    """
+    if isinstance(frm, Shard) or isinstance(to, Shard):
+        raise NotImplementedError(
+            f"axis {axis!r}: Shard(d) placements are not supported yet ({frm} -> {to}); use Flat()"
+        )
+    if isinstance(to, Partial):
+        if isinstance(frm, Partial):
+            if reduce_op(frm) != reduce_op(to):
+                raise ValueError(
+                    f"axis {axis!r}: cannot turn {frm!r} into {to!r}: the reduce ops differ"
+                )
+            return None
+        raise ValueError(
+            f"axis {axis!r}: cannot move {frm!r} to {to!r}: a reduced value cannot become a "
+            "summand again"
+        )
+    if isinstance(frm, Partial):
+        return "reduce_scatter" if isinstance(to, Flat) else "all_reduce"
+    if isinstance(frm, Flat):
+        return None if isinstance(to, Flat) else "all_gather"
+    if isinstance(frm, Replicate):
+        return "slice" if isinstance(to, Flat) else None
+    raise TypeError(f"axis {axis!r}: unknown placement {frm!r}")

@@ -1,0 +1,201 @@
+"""Plans: (tree structure, shapes, dtypes, spec) -> bucket layout and per-axis steps, cached.
+
+Parse once, run many times: building a plan does all the Python bookkeeping (bucketing, the
+collective sequence of every role change, each rank's ragged offsets); a call only packs,
+runs the collectives and unpacks.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from .layout import Bucket, Slot, build_buckets, pack_full, unpack_full
+from .placement import Flat, Partial, reduce_op, transition
+from .spec import Spec
+from .trace import Event, record
+
+__all__ = ["Plan", "Step", "get_plan", "layouts_for", "run"]
+
+ROLES = ("input", "full", "gradient", "optimizer", "parameter")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective on one axis: ``reduce_scatter``, ``all_reduce``, ``all_gather`` or ``slice``."""
+
+    op: str
+    axis: str
+    reduce: str | None
+
+
+@functools.lru_cache(maxsize=None)
+def steps(spec: Spec, frm: str, to: str) -> tuple[Step, ...]:
+    """The per-axis steps that move a bucket of ``spec`` from role ``frm`` to role ``to``.
+
+    Reduce-scatters (and slices) first, in split order; then all-reduces, which so run on the
+    smallest chunk; then all-gathers, in reverse split order.
+    """
+    names = spec.mesh.axis_names
+    src, dst = spec.placements(frm), spec.placements(to)
+    kinds = {a: transition(p, q, a) for a, p, q in zip(names, src, dst)}
+    op = {a: reduce_op(p) if isinstance(p, Partial) else None for a, p in zip(names, src)}
+    order = spec.split_order
+    out = [Step(kinds[a], a, op[a]) for a in order if kinds[a] in ("reduce_scatter", "slice")]
+    out += [Step("all_reduce", a, op[a]) for a in reversed(names) if kinds[a] == "all_reduce"]
+    out += [Step("all_gather", a, None) for a in reversed(order) if kinds[a] == "all_gather"]
+    return tuple(out)
+
+
+class Plan:
+    """Everything about one (tree structure, per-rank shapes, dtypes, devices, specs)."""
+
+    def __init__(self, key: tuple, treedef: optree.PyTreeSpec, paths: tuple[str, ...],
+                 shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype, ...],
+                 devices: tuple[torch.device, ...], specs: tuple[Spec, ...]):
+        self.key = key
+        self.treedef = treedef
+        self.paths = paths
+        self.shapes = shapes
+        self.dtypes = dtypes
+        self.specs = specs
+        self.devices = devices
+        self.mesh = specs[0].mesh
+        self.buckets, self.empty = build_buckets(paths, shapes, dtypes, devices, specs)
+        self._geometry: dict[tuple[int, str], Any] = {}
+
+    def __repr__(self) -> str:
+        return f"Plan({len(self.paths)} leaves, {len(self.buckets)} buckets)"
+
+    def is_flat(self, bucket: Bucket, role: str) -> bool:
+        return bool(bucket.flat_axes(bucket.spec.placements(role)))
+
+    def geometry(self, b: int, role: str) -> tuple[int, list]:
+        """(chunk length, per-slot ragged geometry) of bucket ``b`` at a Flat ``role``."""
+        if (b, role) not in self._geometry:
+            bucket, mesh = self.buckets[b], self.mesh
+            axes = bucket.flat_axes(bucket.spec.placements(role))
+            start, stride = 0, bucket.padded
+            for a in axes:
+                stride //= mesh.size(a)
+                start = start + mesh.coordinate(a) * stride
+            length = stride
+            geoms = [mesh.ragged(s.offset - start, s.offset + s.numel - start, length)
+                     for s in bucket.slots]
+            self._geometry[(b, role)] = (length, geoms)
+        return self._geometry[(b, role)]
+
+    def local_shape(self, slot: Slot, role: str, bucket_index: int | None) -> tuple[int, ...]:
+        """The shape of a leaf's local value at ``role`` (batch dims included)."""
+        batch = self.mesh.batch_shape
+        bucket = self.buckets[bucket_index] if bucket_index is not None else None
+        spec = self.specs[slot.index]
+        if not any(isinstance(p, Flat) for p in spec.placements(role)):
+            return (*batch, *slot.shape)
+        if bucket is None:  # a zero-size leaf: an empty piece on every rank
+            return (*batch, 0)
+        _, geoms = self.geometry(bucket_index, role)
+        return self.mesh.ragged_shape(geoms[bucket.slots.index(slot)])
+
+    def slots(self):
+        """(slot, bucket index or None) for every leaf, in tree order."""
+        out = [None] * len(self.paths)
+        for b, bucket in enumerate(self.buckets):
+            for s in bucket.slots:
+                out[s.index] = (s, b)
+        for s in self.empty:
+            out[s.index] = (s, None)
+        return out
+
+    # -- packing --------------------------------------------------------------------------
+
+    def pack(self, leaves: list[torch.Tensor], role: str) -> list[torch.Tensor]:
+        """New bucket buffers holding ``leaves`` (local values at ``role``)."""
+        batch, out = self.mesh.batch_shape, []
+        for b, bucket in enumerate(self.buckets):
+            if not self.is_flat(bucket, role):
+                out.append(pack_full(bucket, leaves, batch))
+                continue
+            length, geoms = self.geometry(b, role)
+            pieces = [leaves[s.index].detach() for s in bucket.slots]
+            out.append(self.mesh.ragged_join(pieces, geoms, length))
+        return out
+
+    def unpack(self, bufs: list[torch.Tensor], role: str) -> list[torch.Tensor]:
+        """Each leaf's local value at ``role``: views of ``bufs`` where the mesh allows."""
+        batch, leaves = self.mesh.batch_shape, [None] * len(self.paths)
+        for b, (bucket, buf) in enumerate(zip(self.buckets, bufs)):
+            if not self.is_flat(bucket, role):
+                views = unpack_full(bucket, buf, batch)
+            else:
+                _, geoms = self.geometry(b, role)
+                views = [self.mesh.ragged_slice(buf, g) for g in geoms]
+            for s, v in zip(bucket.slots, views):
+                leaves[s.index] = v
+        for s in self.empty:
+            shape = self.local_shape(s, role, None)
+            leaves[s.index] = torch.zeros(
+                shape, dtype=self.dtypes[s.index], device=self.devices[s.index]
+            )
+        return leaves
+
+
+def run(plan: Plan, bufs: list[torch.Tensor], frm: str, to: str) -> list[torch.Tensor]:
+    """Move every bucket from role ``frm`` to role ``to``, one axis at a time.
+
+    Steps run step-major across buckets, so every bucket's first collective is issued before
+    any bucket waits on its second: asynchronous collectives overlap.
+    """
+    mesh, bufs = plan.mesh, list(bufs)
+    todo = [steps(bucket.spec, frm, to) for bucket in plan.buckets]
+    for t in range(max((len(s) for s in todo), default=0)):
+        for b, bucket_steps in enumerate(todo):
+            if t < len(bucket_steps):
+                bufs[b] = apply(mesh, bufs[b], bucket_steps[t])
+    return bufs
+
+
+def apply(mesh: Any, buf: torch.Tensor, step: Step) -> torch.Tensor:
+    """Issue one bucket collective (logged) or take the local chunk."""
+    if step.op == "slice":
+        return mesh.chunk(buf, step.axis)
+    record(Event(step.op, step.axis, buf.dtype, buf.shape[-1], step.reduce,
+                 mesh.impl(step.op, step.axis, step.reduce)))
+    if step.op == "reduce_scatter":
+        return mesh.reduce_scatter(buf, step.axis, step.reduce)
+    if step.op == "all_reduce":
+        return mesh.all_reduce(buf, step.axis, step.reduce)
+    return mesh.all_gather(buf, step.axis)
+
+
+# -- caches -------------------------------------------------------------------------------
+
+_PLANS: dict[tuple, Plan] = {}
+_LAYOUTS: dict[tuple, dict[tuple, None]] = {}  # (treedef, specs) -> shapes seen, newest last
+_MAX_PLANS = 256
+
+
+def get_plan(treedef: optree.PyTreeSpec, paths: tuple[str, ...], shapes: tuple, dtypes: tuple,
+             devices: tuple, specs: tuple[Spec, ...]) -> Plan:
+    """The cached plan for this tree; also remembers its shapes for :func:`layouts_for`."""
+    key = (treedef, shapes, dtypes, devices, specs)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        plan = _PLANS[key] = Plan(key, treedef, paths, shapes, dtypes, devices, specs)
+        seen = _LAYOUTS.setdefault((treedef, specs), {})
+        seen.pop(shapes, None)
+        seen[shapes] = None
+        if len(seen) > 16:
+            seen.pop(next(iter(seen)))
+    return plan
+
+
+def layouts_for(treedef: optree.PyTreeSpec, specs: tuple[Spec, ...]) -> list[tuple]:
+    """Per-rank full shapes of the trees of this structure and spec seen so far, newest first."""
+    return list(reversed(_LAYOUTS.get((treedef, specs), {})))

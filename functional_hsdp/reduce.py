@@ -1,0 +1,359 @@
+"""``reduce_grads``, ``shard``, ``gather`` and ``sync_params``: pure functions from trees to trees.
+
+Each is a composition of per-axis bucket collectives (see :mod:`functional_hsdp.plan`): pack
+the leaves into buckets, move the buckets from one role's placements to another's one mesh
+axis at a time, unpack. Inputs are never mutated; results are new trees of plain tensors.
+
+Every result leaf carries a small state tag (which plan made it, at which role, accumulating
+or final), the way JAX tracks which axes a value varies over, so that feeding a result back in
+the wrong state is an error rather than silent corruption. Tags live on the tensor objects
+themselves: a tensor made by the user (say by ``tree_map``) has none and is checked by shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from .placement import Flat
+from .plan import Plan, get_plan, layouts_for, run
+from .spec import Spec, format_path, resolve_specs
+
+__all__ = ["reduce_grads", "shard", "gather", "sync_params"]
+
+_TAG = "_functional_hsdp_state"
+
+
+@dataclass(frozen=True)
+class _State:
+    plan: Plan
+    role: str  # the role whose placements the value is at
+    kind: str  # "accumulating" | "final" | "weights"
+
+
+def _tag(leaves: list[torch.Tensor], plan: Plan, role: str, kind: str) -> None:
+    state = _State(plan, role, kind)
+    for leaf in leaves:
+        setattr(leaf, _TAG, state)
+
+
+def _state(leaf: Any) -> _State | None:
+    return getattr(leaf, _TAG, None)
+
+
+def _flatten(tree: Any, name: str) -> tuple[list, optree.PyTreeSpec, tuple[str, ...]]:
+    paths, leaves, treedef = optree.tree_flatten_with_path(tree)
+    return leaves, treedef, tuple(f"{name}{format_path(p)}" for p in paths)
+
+
+def _check_tensors(leaves: list, paths: Sequence[str], mesh: Any, *, floating: bool,
+                   batched: bool) -> None:
+    batch = mesh.batch_shape
+    for leaf, path in zip(leaves, paths):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{path}: expected a torch.Tensor leaf; got {type(leaf).__name__}")
+        if leaf.layout != torch.strided:
+            raise TypeError(
+                f"{path}: expected a dense (strided) tensor; got layout {leaf.layout}; "
+                "call .to_dense() first"
+            )
+        if leaf.device.type == "meta":
+            raise ValueError(f"{path}: is on the meta device and holds no data")
+        if floating and not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"{path}: gradients must have a floating dtype; got {leaf.dtype}"
+            )
+        if batched and tuple(leaf.shape[: len(batch)]) != batch:
+            raise ValueError(
+                f"{path}: on {mesh!r} a value's leading dims must be the mesh shape {batch} "
+                f"(rank (i, j, ...) holds x[i, j, ...]); got shape {tuple(leaf.shape)}"
+            )
+
+
+def _check_last(last: Any) -> None:
+    if not isinstance(last, bool):
+        raise TypeError(
+            f"last must be a bool (True on the final microbatch); got {type(last).__name__} "
+            f"{last!r}"
+        )
+
+
+def _plan_from(leaves: list[torch.Tensor], treedef, paths, specs, shapes) -> Plan:
+    return get_plan(
+        treedef, paths, tuple(shapes), tuple(x.dtype for x in leaves),
+        tuple(x.device for x in leaves), specs,
+    )
+
+
+def _structure_error(expected: optree.PyTreeSpec, tree: Any, name: str, what: str) -> ValueError:
+    reference = optree.tree_unflatten(expected, [0] * expected.num_leaves)
+    errors = optree.prefix_errors(reference, tree) or optree.prefix_errors(tree, reference)
+    detail = errors[0](name) if errors else f"expected {expected}"
+    return ValueError(f"{name} does not have the structure of {what}: {detail}")
+
+
+def _check_local(leaves: list, paths: Sequence[str], plan: Plan, role: str,
+                 kinds: tuple[str, ...], what: str) -> None:
+    """Validate local values against ``plan`` at ``role``: dtype, shape and state tag."""
+    for (slot, b), leaf, path in zip(plan.slots(), leaves, paths):
+        state = _state(leaf)
+        if state is not None:
+            if state.plan.key[0] != plan.key[0] or state.plan.key[1] != plan.key[1] \
+                    or state.plan.specs != plan.specs:
+                raise ValueError(
+                    f"{path}: was produced for another tree or spec ({state.plan!r}); it cannot "
+                    f"be used as {what}"
+                )
+            if state.kind not in kinds:
+                raise ValueError(_KIND_ERRORS[(state.kind, kinds)].format(path=path))
+        if leaf.dtype != plan.dtypes[slot.index]:
+            raise TypeError(
+                f"{path}: expected dtype {plan.dtypes[slot.index]} (as {what}); got {leaf.dtype}"
+            )
+        want = plan.local_shape(slot, role, b)
+        if tuple(leaf.shape) != want:
+            raise ValueError(
+                f"{path}: expected local shape {want} at the {role} placement "
+                f"{list(map(str, plan.specs[slot.index].placements(role)))}; got "
+                f"{tuple(leaf.shape)}"
+            )
+
+
+_KIND_ERRORS = {
+    ("final", ("accumulating",)): (
+        "{path}: is a finalized result (reduce_grads(..., last=True) returned it), not a "
+        "running accumulation; start the next step with acc=None"
+    ),
+    ("weights", ("accumulating",)): (
+        "{path}: holds weights (from shard/sync_params), not a running gradient accumulation"
+    ),
+    ("accumulating", ("final", "weights")): (
+        "{path}: is an accumulating gradient, still Partial on the deferred axes; finish it "
+        "with reduce_grads(..., last=True) first"
+    ),
+}
+
+
+def reduce_grads(grads: Any, spec: Any, *, last: bool, acc: Any = None) -> Any:
+    """Reduce one microbatch's per-rank gradients and add them to the running sum.
+
+    Reduces every DP axis whose gradient placement is not Partial (reduce-scatter to Flat,
+    all-reduce to Replicate), adds ``acc``, and when ``last`` reduces the deferred (Partial)
+    axes to the optimizer placement: reduce-scatters first, then all-reduces on the shard.
+    Accumulation is a sum: scale the loss by 1/M for M microbatches.
+
+    Args:
+        grads: pytree of floating per-rank gradients, full shapes (on a SimMesh with the mesh
+            shape in front), Partial over every DP axis.
+        spec: a :class:`Spec`, or a pytree prefix of Specs (one mesh).
+        last: keyword-only, required: True on the final microbatch of the step.
+        acc: the previous call's result for this step (None on the first microbatch).
+
+    Returns:
+        A new tree with the structure of ``grads``: local shards at the gradient placement
+        (still Partial on the deferred axes) or, when ``last``, at the optimizer placement.
+        A Flat leaf's local shard is its part of the rank's bucket chunk, 1-D.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+        >>> spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+        >>> g = {"w": torch.ones(2, 2, 3), "b": torch.ones(2, 2)}
+        >>> acc = fh.reduce_grads(g, spec, last=False)
+        >>> acc = fh.reduce_grads(g, spec, last=True, acc=acc)
+        >>> fh.gather(acc, spec)["w"][0, 0]
+        tensor([2., 2., 2.])
+    """
+    return _reduce(grads, spec, last, acc, "grads")
+
+
+def _reduce(grads: Any, spec: Any, last: Any, acc: Any, name: str) -> Any:
+    _check_last(last)
+    leaves, treedef, paths = _flatten(grads, name)
+    specs = resolve_specs(spec, treedef, name)
+    if not leaves:
+        if acc is not None and optree.tree_structure(acc) != treedef:
+            raise _structure_error(treedef, acc, "acc", name)
+        return optree.tree_unflatten(treedef, [])
+    mesh = specs[0].mesh
+    _check_tensors(leaves, paths, mesh, floating=True, batched=True)
+    nb = len(mesh.batch_shape)
+    plan = _plan_from(leaves, treedef, paths, specs, (tuple(x.shape[nb:]) for x in leaves))
+
+    bufs = run(plan, plan.pack(leaves, "input"), "input", "gradient")
+    if acc is not None:
+        acc_leaves, acc_def, acc_paths = _flatten(acc, "acc")
+        if acc_def != treedef:
+            raise _structure_error(treedef, acc, "acc", name)
+        _check_tensors(acc_leaves, acc_paths, mesh, floating=True, batched=True)
+        _check_local(acc_leaves, acc_paths, plan, "gradient", ("accumulating",),
+                     "a running accumulation")
+        bufs = [b + a for b, a in zip(bufs, plan.pack(acc_leaves, "gradient"))]
+    role = "gradient"
+    if last:
+        bufs = run(plan, bufs, "gradient", "optimizer")
+        role = "optimizer"
+    out = plan.unpack([mesh.wait(b) for b in bufs], role)
+    _tag(out, plan, role, "final" if last else "accumulating")
+    return optree.tree_unflatten(treedef, out)
+
+
+def shard(tree: Any, spec: Any, *, to: str = "optimizer") -> Any:
+    """Full (replicated) values -> this rank's local shards at the optimizer placement.
+
+    Replicate -> Flat is a local slice: no communication.
+
+    Args:
+        tree: pytree of full tensors, the same on every rank. On a SimMesh either stacked
+            (leading dims = mesh shape, on every leaf) or plain (meaning the same value on
+            every rank).
+        spec: a :class:`Spec` or a pytree prefix of Specs.
+        to: ``"optimizer"`` (default) or ``"parameter"``.
+
+    Returns:
+        A new tree, same structure, of local shards (1-D pieces on Flat buckets).
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp": 2})
+        >>> fh.shard({"w": torch.arange(5.0)}, fh.fsdp(mesh))["w"]
+        tensor([[0., 1., 2.],
+                [3., 4., 0.]])
+    """
+    if to not in ("optimizer", "parameter"):
+        raise ValueError(f"shard: to must be 'optimizer' or 'parameter'; got {to!r}")
+    leaves, treedef, paths = _flatten(tree, "tree")
+    specs = resolve_specs(spec, treedef, "tree")
+    if not leaves:
+        return optree.tree_unflatten(treedef, [])
+    mesh = specs[0].mesh
+    _check_tensors(leaves, paths, mesh, floating=False, batched=False)
+    batch, nb = mesh.batch_shape, len(mesh.batch_shape)
+    if not all(tuple(x.shape[:nb]) == batch for x in leaves):
+        leaves = [x.expand(*batch, *x.shape) for x in leaves]
+    plan = _plan_from(leaves, treedef, paths, specs, (tuple(x.shape[nb:]) for x in leaves))
+    bufs = run(plan, plan.pack(leaves, "full"), "full", to)
+    out = plan.unpack([mesh.wait(b) for b in bufs], to)
+    _tag(out, plan, to, "weights")
+    return optree.tree_unflatten(treedef, out)
+
+
+def gather(tree: Any, spec: Any, *, like: Any = None, source: str | None = None) -> Any:
+    """Local shards -> full values on every rank (all-gathers, reverse split order).
+
+    Args:
+        tree: local shards at the optimizer placement (from :func:`shard`, a final
+            :func:`reduce_grads`, or any elementwise function of those) or at the parameter
+            placement (from :func:`sync_params`).
+        spec: a :class:`Spec` or a pytree prefix of Specs.
+        like: optional pytree of tensors with the full per-rank shapes (no mesh dims), for a
+            tree whose layout this process has not seen in shard/reduce_grads.
+        source: ``"optimizer"`` or ``"parameter"``; by default taken from the leaves' state,
+            else found from the local shapes (optimizer first).
+
+    Returns:
+        A new tree of full tensors (on a SimMesh with the mesh shape in front).
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp": 2})
+        >>> spec = fh.fsdp(mesh)
+        >>> fh.gather(fh.shard({"w": torch.arange(5.0)}, spec), spec)["w"][1]
+        tensor([0., 1., 2., 3., 4.])
+    """
+    return _move(tree, spec, "full", source, like, "tree")
+
+
+def sync_params(tree: Any, spec: Any, *, like: Any = None) -> Any:
+    """Main weights at the optimizer placement -> the parameter placement (all-gathers).
+
+    A no-op copy when the two placements agree (ddp, fsdp, hsdp); for hfsdp it all-gathers
+    over the outer axis.
+
+    Args:
+        tree: local shards at the optimizer placement.
+        spec: a :class:`Spec` or a pytree prefix of Specs.
+        like: optional pytree with the full per-rank shapes (see :func:`gather`).
+
+    Returns:
+        A new tree of local shards at the parameter placement.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"o": 2, "i": 2})
+        >>> spec = fh.hfsdp(mesh, "o", "i")
+        >>> w = fh.shard({"w": torch.arange(8.0)}, spec)
+        >>> fh.sync_params(w, spec)["w"][0, 1]
+        tensor([4., 5., 6., 7.])
+    """
+    return _move(tree, spec, "parameter", "optimizer", like, "tree")
+
+
+def _move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: str) -> Any:
+    if source not in (None, "optimizer", "parameter"):
+        raise ValueError(f"source must be 'optimizer' or 'parameter'; got {source!r}")
+    leaves, treedef, paths = _flatten(tree, name)
+    specs = resolve_specs(spec, treedef, name)
+    if not leaves:
+        return optree.tree_unflatten(treedef, [])
+    mesh = specs[0].mesh
+    _check_tensors(leaves, paths, mesh, floating=False, batched=True)
+    plan, role = _find_layout(leaves, treedef, paths, specs, like, source, name)
+    bufs = run(plan, plan.pack(leaves, role), role, to)
+    out = plan.unpack([mesh.wait(b) for b in bufs], to)
+    if to != "full":
+        _tag(out, plan, to, "weights")
+    return optree.tree_unflatten(treedef, out)
+
+
+def _find_layout(leaves, treedef, paths, specs, like, source, name) -> tuple[Plan, str]:
+    """The plan and role that ``leaves`` (local shards) are laid out at."""
+    roles = [source] if source else ["optimizer", "parameter"]
+    for leaf, path in zip(leaves, paths):
+        state = _state(leaf)
+        if state is not None and state.kind == "accumulating":
+            raise ValueError(_KIND_ERRORS[("accumulating", ("final", "weights"))].format(path=path))
+    states = {id(s.plan): s for s in map(_state, leaves) if s is not None}
+    if len(states) == 1 and all(_state(x) is not None for x in leaves):
+        state = next(iter(states.values()))
+        if state.plan.treedef == treedef and state.plan.specs == specs and state.role in roles:
+            return state.plan, state.role
+
+    nb = len(specs[0].mesh.batch_shape)
+    if like is not None:
+        like_leaves, like_def, _ = _flatten(like, "like")
+        if like_def != treedef:
+            raise _structure_error(treedef, like, "like", name)
+        known = [tuple(tuple(x.shape) for x in like_leaves)]
+    else:
+        known = layouts_for(treedef, specs)
+    first_error = None
+    for role in roles:
+        candidates = list(known)
+        if like is None and not any(s.split_order and _has_flat(s, role) for s in specs):
+            candidates.append(tuple(tuple(x.shape[nb:]) for x in leaves))  # local == full
+        for shapes in candidates:
+            plan = _plan_from(leaves, treedef, paths, specs, shapes)
+            try:
+                _check_local(leaves, paths, plan, role, ("final", "weights"), "local shards")
+            except ValueError as e:
+                first_error = first_error or e
+                continue
+            return plan, role
+    hint = (
+        "" if like is not None else
+        "; if this tree's layout was not made by shard/reduce_grads in this process, pass "
+        "like=<tree of full-shape tensors>"
+    )
+    raise ValueError(
+        f"{name}: its local shapes match no known layout of this tree and spec at the "
+        f"{' or '.join(roles)} placement ({first_error}){hint}"
+    )
+
+
+def _has_flat(spec: Spec, role: str) -> bool:
+    return any(isinstance(p, Flat) for p in spec.placements(role))

@@ -1,0 +1,381 @@
+"""Specs: where parameters, gradients and optimizer state live on each mesh axis; presets.
+
+A :class:`Spec` holds one placement per mesh axis for each of three roles (as Megatron-FSDP's
+``Placements``): ``parameter`` (weights between steps), ``gradient`` (gradients between
+microbatches; its Partial axes are the *deferred* axes) and ``optimizer`` (final gradients,
+main weights and optimizer state). A spec applies to a whole tree or is given as an optree
+pytree prefix, so subtrees can differ.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+
+from .mesh import Mesh
+from .placement import REDUCE_OPS, Flat, Partial, Placement, Replicate, Shard
+
+__all__ = ["Spec", "ddp", "fsdp", "hsdp", "hfsdp", "resolve_specs"]
+
+
+def _tuple(role: str, placements: Any, mesh: Mesh) -> tuple[Placement, ...]:
+    if isinstance(placements, Placement) or not isinstance(placements, Sequence):
+        raise TypeError(
+            f"Spec.{role}: expected a sequence of placements, one per mesh axis "
+            f"{mesh.axis_names}; got {placements!r}"
+        )
+    placements = tuple(placements)
+    if len(placements) != len(mesh.axis_names):
+        raise ValueError(
+            f"Spec.{role}: expected {len(mesh.axis_names)} placements (one per mesh axis "
+            f"{mesh.axis_names}); got {len(placements)}: {placements!r}"
+        )
+    for axis, p in zip(mesh.axis_names, placements):
+        if not isinstance(p, Placement):
+            raise TypeError(f"Spec.{role} on axis {axis!r}: expected a placement; got {p!r}")
+        if isinstance(p, Shard):
+            raise NotImplementedError(
+                f"Spec.{role} on axis {axis!r}: Shard(d) placements are not supported yet; "
+                "use Flat()"
+            )
+        if isinstance(p, Partial) and p.reduce_op not in REDUCE_OPS:
+            raise ValueError(
+                f"Spec.{role} on axis {axis!r}: Partial({p.reduce_op!r}) is not supported; "
+                f"use one of {REDUCE_OPS}"
+            )
+    return placements
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Placements of parameters, gradients and optimizer state, one per mesh axis.
+
+    Args:
+        mesh: a :class:`SimMesh` or :class:`DistMesh`.
+        parameter: where weights rest between steps (Replicate or Flat per axis).
+        gradient: where gradients rest between microbatches: ``Partial`` axes are deferred
+            (reduced only when ``last=True``), ``Flat`` axes are reduce-scattered and
+            ``Replicate`` axes all-reduced on every microbatch.
+        optimizer: where final gradients, main weights and optimizer state live
+            (Replicate or Flat per axis).
+        dp_axes: the data-parallel axes, over which raw gradients arrive as Partial; None
+            means every mesh axis. Other axes (say, tensor parallel) must be Replicate in
+            all three roles and see no communication.
+        reduce_op: ``"avg"`` or ``"sum"``: how raw gradients combine over DP axes whose
+            gradient placement is not Partial (a Partial placement carries its own op).
+        bucket_cap_mb: bucket size cap in MiB, counted as 4-byte elements whatever the
+            dtype, so a tree's layout does not depend on its dtype (bf16 gradients line up
+            with fp32 main weights). One collective per bucket per axis.
+
+    Flat axes split a bucket one after another; the *split order* is the gradient's Flat
+    axes, then the optimizer's other Flat axes, inner axes first within each group. Every
+    role's Flat axes must be a prefix of that order, so that one layout serves them all.
+
+    Example:
+        >>> import functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+        >>> spec = fh.Spec(mesh, parameter=[fh.Replicate(), fh.Flat()],
+        ...                gradient=[fh.Partial("avg"), fh.Flat()],
+        ...                optimizer=[fh.Replicate(), fh.Flat()])
+        >>> spec.deferred_axes
+        ('dp_outer',)
+    """
+
+    mesh: Mesh
+    parameter: tuple[Placement, ...]
+    gradient: tuple[Placement, ...]
+    optimizer: tuple[Placement, ...]
+    dp_axes: tuple[str, ...] | None = None
+    reduce_op: str = "avg"
+    bucket_cap_mb: float = 25.0
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        mesh = self.mesh
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"Spec: expected a SimMesh or DistMesh; got {type(mesh).__name__}")
+        set_ = functools.partial(object.__setattr__, self)
+        for role in ("parameter", "gradient", "optimizer"):
+            set_(role, _tuple(role, getattr(self, role), mesh))
+        axes = mesh.axis_names if self.dp_axes is None else _axes(self.dp_axes, mesh, "dp_axes")
+        set_("dp_axes", axes)
+        if self.reduce_op not in REDUCE_OPS:
+            raise ValueError(f"Spec.reduce_op: expected one of {REDUCE_OPS}; got {self.reduce_op!r}")
+        if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
+            raise ValueError(f"Spec.bucket_cap_mb: expected a positive number; got {self.bucket_cap_mb!r}")
+        for axis, p, g, o in zip(mesh.axis_names, self.parameter, self.gradient, self.optimizer):
+            if axis not in axes:
+                if not all(isinstance(x, Replicate) for x in (p, g, o)):
+                    raise ValueError(
+                        f"Spec: axis {axis!r} is not a data-parallel axis (dp_axes={axes}), so "
+                        f"it must be Replicate in every role; got parameter={p}, gradient={g}, "
+                        f"optimizer={o}"
+                    )
+                continue
+            for role, x in (("parameter", p), ("optimizer", o)):
+                if isinstance(x, Partial):
+                    raise ValueError(
+                        f"Spec.{role} on axis {axis!r}: {x!r} is not allowed; {role} values are "
+                        "fully reduced (Replicate or Flat)"
+                    )
+            if isinstance(g, Flat) and not isinstance(o, Flat):
+                raise NotImplementedError(
+                    f"Spec on axis {axis!r}: gradient Flat with optimizer {o!r} is not "
+                    "supported; a Flat gradient axis stays Flat in the optimizer"
+                )
+            if isinstance(p, Flat) and not isinstance(o, Flat):
+                raise NotImplementedError(
+                    f"Spec on axis {axis!r}: parameter Flat with optimizer {o!r} is not "
+                    "supported; a Flat parameter axis must be Flat in the optimizer too"
+                )
+        order = self.split_order
+        for role in ("parameter", "gradient", "optimizer"):
+            flat = {a for a, x in zip(mesh.axis_names, getattr(self, role)) if isinstance(x, Flat)}
+            if flat != set(order[: len(flat)]):
+                raise ValueError(
+                    f"Spec.{role}: Flat axes {sorted(flat)} cannot be honoured: buckets are "
+                    f"split in the order {order} (gradient Flat axes first, inner first), and "
+                    f"every role's Flat axes must be a prefix of that order"
+                )
+
+    # Derived, cached facts. The dataclass is frozen, so cache in a private dict.
+    def _memo(self, key: str, fn):
+        if key not in self._derived:
+            self._derived[key] = fn()
+        return self._derived[key]
+
+    def __hash__(self) -> int:
+        return self._memo("hash", lambda: hash((
+            id(self.mesh), self.parameter, self.gradient, self.optimizer, self.dp_axes,
+            self.reduce_op, self.bucket_cap_mb,
+        )))
+
+    @property
+    def split_order(self) -> tuple[str, ...]:
+        """Flat axes in the order they split a bucket (outermost split first)."""
+
+        def order() -> tuple[str, ...]:
+            names = self.mesh.axis_names
+            grad = [a for a, g in zip(names, self.gradient) if isinstance(g, Flat)]
+            rest = [
+                a for a, o in zip(names, self.optimizer) if isinstance(o, Flat) and a not in grad
+            ]
+            return tuple(reversed(grad)) + tuple(reversed(rest))
+
+        return self._memo("split_order", order)
+
+    @property
+    def deferred_axes(self) -> tuple[str, ...]:
+        """Axes whose gradient placement is Partial: reduced only on the last microbatch."""
+        return tuple(
+            a for a, g in zip(self.mesh.axis_names, self.gradient) if isinstance(g, Partial)
+        )
+
+    @property
+    def input(self) -> tuple[Placement, ...]:
+        """Placement of raw per-rank gradients: Partial on DP axes, Replicate elsewhere."""
+
+        def placements() -> tuple[Placement, ...]:
+            out = []
+            for axis, g in zip(self.mesh.axis_names, self.gradient):
+                if axis not in self.dp_axes:
+                    out.append(Replicate())
+                else:
+                    out.append(g if isinstance(g, Partial) else Partial(self.reduce_op))
+            return tuple(out)
+
+        return self._memo("input", placements)
+
+    @property
+    def full(self) -> tuple[Placement, ...]:
+        """All Replicate: what ``gather`` returns."""
+        return tuple(Replicate() for _ in self.mesh.axis_names)
+
+    def placements(self, role: str) -> tuple[Placement, ...]:
+        """The placements of ``role``: parameter, gradient, optimizer, input or full."""
+        return getattr(self, role)
+
+    def __repr__(self) -> str:
+        fmt = lambda ps: "[" + ", ".join(map(str, ps)) + "]"  # noqa: E731
+        return (
+            f"Spec({self.mesh!r}, parameter={fmt(self.parameter)}, gradient={fmt(self.gradient)}"
+            f", optimizer={fmt(self.optimizer)})"
+        )
+
+
+def _axes(axis: str | Sequence[str] | None, mesh: Mesh, what: str) -> tuple[str, ...]:
+    if axis is None:
+        return mesh.axis_names
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    for a in axes:
+        if a not in mesh.axis_names:
+            raise ValueError(f"{what}: axis {a!r} is not in the mesh; its axes are {mesh.axis_names}")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"{what}: axes repeat: {axes}")
+    return axes
+
+
+def _preset(mesh: Mesh, roles: dict[str, dict[str, Placement]], dp: tuple[str, ...], **kw) -> Spec:
+    def row(role: str) -> list[Placement]:
+        return [roles[role].get(a, Replicate()) for a in mesh.axis_names]
+
+    return Spec(mesh, row("parameter"), row("gradient"), row("optimizer"), dp_axes=dp, **kw)
+
+
+def ddp(mesh: Mesh, axis: str | Sequence[str] | None = None, *, reduce_op: str = "avg",
+        bucket_cap_mb: float = 25.0) -> Spec:
+    """DDP: replicated weights; gradients all-reduced once, on the last microbatch.
+
+    Args:
+        mesh: the mesh.
+        axis: the data-parallel axis or axes (default: every mesh axis).
+        reduce_op: ``"avg"`` (default) or ``"sum"``.
+        bucket_cap_mb: bucket size cap (MiB of 4-byte elements).
+
+    Returns:
+        parameter ``[Replicate]``, gradient ``[Partial(op)]``, optimizer ``[Replicate]`` on
+        each DP axis.
+
+    Example:
+        >>> import functional_hsdp as fh
+        >>> fh.ddp(fh.SimMesh({"dp": 4}), "dp")
+        Spec(SimMesh({'dp': 4}), parameter=[R], gradient=[P(avg)], optimizer=[R])
+    """
+    axes = _axes(axis, mesh, "ddp")
+    roles = {
+        "parameter": {a: Replicate() for a in axes},
+        "gradient": {a: Partial(reduce_op) for a in axes},
+        "optimizer": {a: Replicate() for a in axes},
+    }
+    return _preset(mesh, roles, axes, reduce_op=reduce_op, bucket_cap_mb=bucket_cap_mb)
+
+
+def fsdp(mesh: Mesh, axis: str | Sequence[str] | None = None, *, reduce_op: str = "avg",
+         bucket_cap_mb: float = 25.0) -> Spec:
+    """FSDP (ZeRO-3): everything Flat; every microbatch reduce-scatters.
+
+    Args:
+        mesh: the mesh.
+        axis: the data-parallel axis or axes (default: every mesh axis).
+        reduce_op: ``"avg"`` (default) or ``"sum"``.
+        bucket_cap_mb: bucket size cap (MiB of 4-byte elements).
+
+    Returns:
+        ``[Flat]`` in every role on each DP axis.
+
+    Example:
+        >>> import functional_hsdp as fh
+        >>> fh.fsdp(fh.SimMesh({"dp": 4}))
+        Spec(SimMesh({'dp': 4}), parameter=[F], gradient=[F], optimizer=[F])
+    """
+    axes = _axes(axis, mesh, "fsdp")
+    flat = {a: Flat() for a in axes}
+    roles = {"parameter": flat, "gradient": flat, "optimizer": flat}
+    return _preset(mesh, roles, axes, reduce_op=reduce_op, bucket_cap_mb=bucket_cap_mb)
+
+
+def _hybrid(name: str, mesh: Mesh, outer: str, inner: str, opt_outer: Placement, reduce_op: str,
+            bucket_cap_mb: float) -> Spec:
+    axes = _axes((outer, inner), mesh, name)
+    roles = {
+        "parameter": {outer: Replicate(), inner: Flat()},
+        "gradient": {outer: Partial(reduce_op), inner: Flat()},
+        "optimizer": {outer: opt_outer, inner: Flat()},
+    }
+    return _preset(mesh, roles, axes, reduce_op=reduce_op, bucket_cap_mb=bucket_cap_mb)
+
+
+def hsdp(mesh: Mesh, outer: str, inner: str, *, reduce_op: str = "avg",
+         bucket_cap_mb: float = 25.0) -> Spec:
+    """HSDP with deferred outer reduction (Megatron-LM PR 5743).
+
+    Every microbatch reduce-scatters over ``inner`` and accumulates; only the last one
+    all-reduces over ``outer``, on the 1/n_inner shard.
+
+    Args:
+        mesh: the mesh.
+        outer: the replica axis (deferred).
+        inner: the sharding axis.
+        reduce_op: ``"avg"`` (default) or ``"sum"``.
+        bucket_cap_mb: bucket size cap (MiB of 4-byte elements).
+
+    Returns:
+        parameter ``[Replicate, Flat]``, gradient ``[Partial(op), Flat]``, optimizer
+        ``[Replicate, Flat]``.
+
+    Example:
+        >>> import functional_hsdp as fh
+        >>> fh.hsdp(fh.SimMesh({"dp_outer": 2, "dp_inner": 2}), "dp_outer", "dp_inner")
+        Spec(SimMesh({'dp_outer': 2, 'dp_inner': 2}), parameter=[R, F], gradient=[P(avg), F], optimizer=[R, F])
+    """
+    return _hybrid("hsdp", mesh, outer, inner, Replicate(), reduce_op, bucket_cap_mb)
+
+
+def hfsdp(mesh: Mesh, outer: str, inner: str, *, reduce_op: str = "avg",
+          bucket_cap_mb: float = 25.0) -> Spec:
+    """HFSDP: like :func:`hsdp`, but the optimizer is ``[Flat, Flat]``.
+
+    The last microbatch reduce-scatters over ``outer`` too; main weights and optimizer state
+    are sharded over both axes.
+
+    Args:
+        mesh: the mesh.
+        outer: the replica axis (deferred).
+        inner: the sharding axis.
+        reduce_op: ``"avg"`` (default) or ``"sum"``.
+        bucket_cap_mb: bucket size cap (MiB of 4-byte elements).
+
+    Returns:
+        parameter ``[Replicate, Flat]``, gradient ``[Partial(op), Flat]``, optimizer
+        ``[Flat, Flat]``.
+
+    Example:
+        >>> import functional_hsdp as fh
+        >>> fh.hfsdp(fh.SimMesh({"dp_outer": 2, "dp_inner": 2}), "dp_outer", "dp_inner").split_order
+        ('dp_inner', 'dp_outer')
+    """
+    return _hybrid("hfsdp", mesh, outer, inner, Flat(), reduce_op, bucket_cap_mb)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, Spec)
+
+
+@functools.lru_cache(maxsize=1024)
+def _broadcast(spec_def: optree.PyTreeSpec, specs: tuple[Spec, ...],
+               tree_def: optree.PyTreeSpec, name: str) -> tuple[Spec, ...]:
+    prefix = optree.tree_unflatten(spec_def, list(specs))
+    full = optree.tree_unflatten(tree_def, list(range(tree_def.num_leaves)))
+    errors = optree.prefix_errors(prefix, full, is_leaf=_is_spec)
+    if errors:
+        raise ValueError(
+            f"spec is not a pytree prefix of {name}: {errors[0]('spec')}"
+        )
+    out = optree.tree_broadcast_prefix(prefix, full, is_leaf=_is_spec)
+    return tuple(optree.tree_leaves(out, is_leaf=_is_spec))
+
+
+def resolve_specs(spec: Any, tree_def: optree.PyTreeSpec, name: str) -> tuple[Spec, ...]:
+    """One Spec per leaf of a tree, from a Spec or a pytree prefix of Specs."""
+    if isinstance(spec, Spec):
+        return (spec,) * tree_def.num_leaves
+    spec_leaves, spec_def = optree.tree_flatten(spec, is_leaf=_is_spec)
+    if not spec_leaves:
+        raise TypeError(f"expected a Spec or a pytree prefix of Specs; got {spec!r}")
+    for path, leaf in zip(optree.tree_paths(spec, is_leaf=_is_spec), spec_leaves):
+        if not isinstance(leaf, Spec):
+            raise TypeError(
+                f"spec{format_path(path)}: expected a Spec (a pytree prefix of Specs); got {leaf!r}"
+            )
+    if len({id(s.mesh) for s in spec_leaves}) > 1:
+        raise ValueError("every Spec of a spec tree must use the same mesh")
+    return _broadcast(spec_def, tuple(spec_leaves), tree_def, name)
+
+
+def format_path(path: tuple) -> str:
+    """JAX-style key path: ``['layers'][0]['w']``."""
+    return "".join(f"[{k!r}]" if not isinstance(k, int) else f"[{k}]" for k in path)

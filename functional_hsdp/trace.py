@@ -1,0 +1,110 @@
+"""``comm_log``: a record of every collective the library issues.
+
+Events describe one rank's input to a collective, so a SimMesh and a DistMesh log the same
+events for the same call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Event", "CommLog", "comm_log", "record"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One collective on one axis.
+
+    Attributes:
+        op: ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_gather"``.
+        axis: the mesh axis name.
+        dtype: dtype of one rank's input.
+        numel: number of elements of one rank's input.
+        reduce: ``"avg"``/``"sum"`` for reductions, None for all-gather.
+        impl: how the mesh carried it out (``"native"``, ``"sum+div"``, ``"einops"``); not part
+            of equality, so the two meshes' logs compare equal.
+    """
+
+    op: str
+    axis: str
+    dtype: torch.dtype
+    numel: int
+    reduce: str | None = None
+    impl: str = field(default="", compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one rank's input."""
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass
+class CommLog:
+    """Collected :class:`Event` s; ``events`` in issue order."""
+
+    events: list[Event] = field(default_factory=list)
+
+    def count(self, op: str | None = None, axis: str | None = None) -> int:
+        """Number of events matching ``op`` and ``axis`` (None matches any)."""
+        return sum(1 for e in self._select(op, axis))
+
+    def nbytes(self, op: str | None = None, axis: str | None = None) -> int:
+        """Bytes of one rank's inputs over the matching events."""
+        return sum(e.nbytes for e in self._select(op, axis))
+
+    def summary(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """``{(axis, op): (count, bytes)}``."""
+        counts: Counter = Counter()
+        sizes: Counter = Counter()
+        for e in self.events:
+            counts[(e.axis, e.op)] += 1
+            sizes[(e.axis, e.op)] += e.nbytes
+        return {k: (counts[k], sizes[k]) for k in counts}
+
+    def clear(self) -> None:
+        self.events.clear()
+
+    def _select(self, op: str | None, axis: str | None) -> Iterator[Event]:
+        return (
+            e for e in self.events if (op is None or e.op == op) and (axis is None or e.axis == axis)
+        )
+
+
+_ACTIVE: contextvars.ContextVar[tuple[CommLog, ...]] = contextvars.ContextVar(
+    "functional_hsdp_comm_logs", default=()
+)
+
+
+@contextlib.contextmanager
+def comm_log() -> Iterator[CommLog]:
+    """Record every collective issued inside the ``with`` block (nesting allowed).
+
+    Returns:
+        A :class:`CommLog` whose ``events`` fill as collectives are issued.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp": 2})
+        >>> with fh.comm_log() as log:
+        ...     _ = fh.psum({"w": torch.ones(2, 3)}, "dp", mesh)
+        >>> [(e.op, e.axis, e.numel) for e in log.events]
+        [('all_reduce', 'dp', 3)]
+    """
+    log = CommLog()
+    token = _ACTIVE.set((*_ACTIVE.get(), log))
+    try:
+        yield log
+    finally:
+        _ACTIVE.reset(token)
+
+
+def record(event: Event) -> None:
+    """Append ``event`` to every active log."""
+    for log in _ACTIVE.get():
+        log.events.append(event)
