@@ -56,6 +56,10 @@ class Flat(Placement):
     def __str__(self) -> str:
         return "F"
 
+    def __reduce__(self):
+        # Placement is a pybind11 class; pickle Flat by its constructor.
+        return (Flat, ())
+
 
 def reduce_op(p: Placement) -> str:
     """The reduce op of a Partial placement (``"avg"`` or ``"sum"``)."""

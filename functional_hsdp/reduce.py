@@ -6,12 +6,14 @@ axis at a time, unpack. Inputs are never mutated; results are new trees of plain
 
 Every result leaf carries a small state tag (which plan made it, at which role, accumulating
 or final), the way JAX tracks which axes a value varies over, so that feeding a result back in
-the wrong state is an error rather than silent corruption. Tags live on the tensor objects
-themselves: a tensor made by the user (say by ``tree_map``) has none and is checked by shape.
+the wrong state is an error rather than silent corruption. A tensor made by the user (say by
+``tree_map``, a copy or a load) has no tag and is checked by structure, dtype and shape only.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +27,6 @@ from .spec import Spec, format_path, resolve_specs
 
 __all__ = ["reduce_grads", "shard", "gather", "sync_params"]
 
-_TAG = "_functional_hsdp_state"
 
 
 @dataclass(frozen=True)
@@ -35,14 +36,27 @@ class _State:
     kind: str  # "accumulating" | "final" | "weights"
 
 
+# id(tensor) -> (weak reference, state). Kept beside the tensors rather than on them, so that
+# copying, pickling or torch.save of a result does not drag plans and meshes along.
+_STATES: dict[int, tuple[weakref.ref, _State]] = {}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _STATES.get(key)
+    if entry is not None and entry[0] is ref:
+        del _STATES[key]
+
+
 def _tag(leaves: list[torch.Tensor], plan: Plan, role: str, kind: str) -> None:
     state = _State(plan, role, kind)
     for leaf in leaves:
-        setattr(leaf, _TAG, state)
+        key = id(leaf)
+        _STATES[key] = (weakref.ref(leaf, functools.partial(_forget, key)), state)
 
 
 def _state(leaf: Any) -> _State | None:
-    return getattr(leaf, _TAG, None)
+    entry = _STATES.get(id(leaf))
+    return entry[1] if entry is not None and entry[0]() is leaf else None
 
 
 def _flatten(tree: Any, name: str) -> tuple[list, optree.PyTreeSpec, tuple[str, ...]]:

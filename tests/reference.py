@@ -1,0 +1,60 @@
+"""Plain dense-torch references that the tests check every mesh and spec against."""
+
+from __future__ import annotations
+
+import optree
+import torch
+
+import functional_hsdp as fh
+
+AXES = ("dp_outer", "dp_inner")
+SHAPES = {"a": (7, 3), "n": [(5,), {"s": (1,)}], "z": (13, 11)}
+
+
+def preset(name: str, mesh: fh.Mesh, **kw) -> fh.Spec:
+    """A preset over the whole (dp_outer, dp_inner) mesh."""
+    if name == "ddp":
+        return fh.ddp(mesh, **kw)
+    if name == "fsdp":
+        return fh.fsdp(mesh, **kw)
+    if name == "hsdp":
+        return fh.hsdp(mesh, "dp_outer", "dp_inner", **kw)
+    if name == "hfsdp":
+        return fh.hfsdp(mesh, "dp_outer", "dp_inner", **kw)
+    raise ValueError(name)
+
+
+def random_tree(batch: tuple[int, ...], dtype=torch.float32, shapes=SHAPES, seed=None):
+    """A tree of random per-rank values with the mesh shape ``batch`` in front."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return optree.tree_map(
+        lambda s: torch.randn(*batch, *s, generator=gen).to(dtype),
+        shapes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def dense_reduce(micro: list, batch_ndim: int, op: str = "avg"):
+    """The mean (or sum) over ranks of the sum over microbatches, in float64."""
+
+    def one(*xs):
+        total = sum(x.double() for x in xs)
+        dims = tuple(range(batch_ndim))
+        return total.mean(dims) if op == "avg" else total.sum(dims)
+
+    return optree.tree_map(one, *micro)
+
+
+def accumulate(micro: list, spec, **kw):
+    """reduce_grads over the microbatches, as a training loop would."""
+    acc = None
+    for m, g in enumerate(micro):
+        acc = fh.reduce_grads(g, spec, last=(m == len(micro) - 1), acc=acc, **kw)
+    return acc
+
+
+def max_error(tree, ref) -> float:
+    """Max |tree - ref|; ``tree`` has the mesh shape in front of ``ref``'s shape."""
+    errs = optree.tree_map(lambda x, r: (x.double() - r).abs().max().item() if x.numel() else 0.0,
+                           tree, ref)
+    return max(optree.tree_leaves(errs), default=0.0)

@@ -1,0 +1,130 @@
+"""Communication is checked by counting collectives in comm_log."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functional_hsdp as fh
+from reference import random_tree
+
+CAP_40 = 40 * 4 / 2**20  # bucket cap of 40 elements
+
+
+def per_microbatch_logs(spec, micro):
+    logs, acc = [], None
+    for m, g in enumerate(micro):
+        with fh.comm_log() as log:
+            acc = fh.reduce_grads(g, spec, last=(m == len(micro) - 1), acc=acc)
+        logs.append(log)
+    return logs, acc
+
+
+def n_buckets(spec, tree) -> int:
+    from functional_hsdp.layout import build_buckets
+    import optree
+
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    nb = len(spec.mesh.batch_shape)
+    buckets, _ = build_buckets(
+        tuple(map(str, paths)), tuple(tuple(x.shape[nb:]) for x in leaves),
+        tuple(x.dtype for x in leaves), tuple(x.device for x in leaves), (spec,) * len(leaves),
+    )
+    return len(buckets)
+
+
+@pytest.mark.parametrize("microbatches", [1, 3, 4])
+@pytest.mark.parametrize("cap", [25.0, CAP_40], ids=["one_bucket", "many_buckets"])
+def test_outer_allreduce_only_on_last_microbatch(microbatches, cap):
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner", bucket_cap_mb=cap)
+    micro = [random_tree((2, 2), seed=m) for m in range(microbatches)]
+    b = n_buckets(spec, micro[0])
+    assert (b == 1) == (cap == 25.0)
+    logs, _ = per_microbatch_logs(spec, micro)
+    for m, log in enumerate(logs):
+        assert log.count("reduce_scatter", "dp_inner") == b
+        assert log.count("all_reduce", "dp_outer") == (b if m == microbatches - 1 else 0)
+        assert log.count() == log.count("reduce_scatter", "dp_inner") + log.count("all_reduce", "dp_outer")
+    total = sum(log.count("reduce_scatter", "dp_inner") for log in logs)
+    assert total == microbatches * b
+
+
+def test_outer_allreduce_runs_on_the_inner_shard():
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 4})
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+    with fh.comm_log() as log:
+        fh.reduce_grads(random_tree((2, 4)), spec, last=True)
+    rs, ar = log.events
+    assert (rs.op, ar.op) == ("reduce_scatter", "all_reduce")  # reduce-scatter first
+    assert ar.numel * 4 == rs.numel
+    assert rs.numel == 7 * 3 + 5 + 1 + 13 * 11 + 2  # 170 elements, padded to 172 = 4 * 43
+
+
+def test_counts_do_not_grow_with_the_number_of_leaves():
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+    tree = {f"p{i}": torch.randn(2, 2, 3) for i in range(500)}
+    with fh.comm_log() as log:
+        fh.reduce_grads(tree, spec, last=True)
+    assert log.count() == 2
+
+
+def test_one_bucket_per_dtype():
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+    tree = {"a": torch.randn(2, 2, 3), "b": torch.randn(2, 2, 3).bfloat16(), "c": torch.randn(2, 2, 9)}
+    with fh.comm_log() as log:
+        out = fh.reduce_grads(tree, spec, last=True)
+    assert sorted(str(e.dtype) for e in log.events if e.op == "reduce_scatter") == [
+        "torch.bfloat16", "torch.float32"]
+    assert out["b"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_ddp_defers_everything_and_fsdp_defers_nothing(microbatches):
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    micro = [random_tree((2, 2), seed=m) for m in range(microbatches)]
+    logs, _ = per_microbatch_logs(fh.ddp(mesh), micro)
+    for m, log in enumerate(logs):
+        n = 1 if m == microbatches - 1 else 0
+        assert log.count("all_reduce", "dp_inner") == log.count("all_reduce", "dp_outer") == n
+        assert log.count("reduce_scatter") == 0
+    logs, _ = per_microbatch_logs(fh.fsdp(mesh), micro)
+    for log in logs:
+        assert log.count("reduce_scatter", "dp_inner") == log.count("reduce_scatter", "dp_outer") == 1
+        assert log.count("all_reduce") == 0
+
+
+def test_hfsdp_reduce_scatters_over_outer_on_the_last_microbatch_and_sync_gathers():
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    spec = fh.hfsdp(mesh, "dp_outer", "dp_inner")
+    micro = [random_tree((2, 2), seed=m) for m in range(3)]
+    logs, grads = per_microbatch_logs(spec, micro)
+    assert [log.count("reduce_scatter", "dp_outer") for log in logs] == [0, 0, 1]
+    assert sum(log.count("reduce_scatter", "dp_inner") for log in logs) == 3
+    params = fh.shard(random_tree(()), spec)
+    with fh.comm_log() as log:
+        fh.sync_params(params, spec)
+    assert [(e.op, e.axis) for e in log.events] == [("all_gather", "dp_outer")]
+
+
+def test_shard_is_communication_free_and_gather_undoes_splits_in_reverse_order():
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    spec = fh.fsdp(mesh)
+    with fh.comm_log() as log:
+        params = fh.shard(random_tree(()), spec)
+    assert log.events == []
+    with fh.comm_log() as log:
+        fh.gather(params, spec)
+    # split order is inner first, so gathers run outer first
+    assert [(e.op, e.axis) for e in log.events] == [("all_gather", "dp_outer"), ("all_gather", "dp_inner")]
+
+
+def test_event_bytes_and_summary():
+    mesh = fh.SimMesh({"dp": 2})
+    with fh.comm_log() as log:
+        fh.psum({"w": torch.ones(2, 10)}, "dp", mesh)
+    assert log.events[0].nbytes == 40
+    assert log.summary() == {("dp", "all_reduce"): (1, 40)}
+    assert log.nbytes(axis="dp") == 40
