@@ -1,4 +1,4 @@
-"""Per-axis pytree collectives with JAX's names: ``psum``, ``pmean``, ``psum_scatter``, ``all_gather``.
+"""Per-axis pytree collectives with JAX's names: psum, pmean, psum_scatter, all_gather.
 
 Each packs the tree's leaves into buckets (per dtype, size-capped), issues one collective per
 bucket on one mesh axis (logged by :func:`comm_log`), and unpacks. Other mesh axes are left
@@ -12,7 +12,7 @@ import functools
 from typing import Any
 
 from .mesh import Mesh
-from .placement import Flat, Partial, Replicate
+from .placement import Flat, Replicate
 from .reduce import _move, _reduce
 from .spec import Spec
 
@@ -25,8 +25,15 @@ def _axis_spec(mesh: Mesh, axis: str, target: str, op: str, bucket_cap_mb: float
         raise ValueError(f"axis {axis!r} is not in the mesh; its axes are {mesh.axis_names}")
     place = Flat() if target == "flat" else Replicate()
     row = [place if a == axis else Replicate() for a in mesh.axis_names]
-    return Spec(mesh, parameter=row, gradient=row, optimizer=row, dp_axes=(axis,),
-                reduce_op=op, bucket_cap_mb=bucket_cap_mb)
+    return Spec(
+        mesh,
+        parameter=row,
+        gradient=row,
+        optimizer=row,
+        dp_axes=(axis,),
+        reduce_op=op,
+        bucket_cap_mb=bucket_cap_mb,
+    )
 
 
 def psum(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> Any:
@@ -48,8 +55,9 @@ def psum(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> An
         tensor([[3.],
                 [3.]])
     """
-    return _reduce(tree, _axis_spec(mesh, axis, "replicate", "sum", bucket_cap_mb), True, None,
-                   "tree")
+    return _reduce(
+        tree, _axis_spec(mesh, axis, "replicate", "sum", bucket_cap_mb), True, None, "tree"
+    )
 
 
 def pmean(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> Any:
@@ -71,12 +79,14 @@ def pmean(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> A
         tensor([[1.5000],
                 [1.5000]])
     """
-    return _reduce(tree, _axis_spec(mesh, axis, "replicate", "avg", bucket_cap_mb), True, None,
-                   "tree")
+    return _reduce(
+        tree, _axis_spec(mesh, axis, "replicate", "avg", bucket_cap_mb), True, None, "tree"
+    )
 
 
-def psum_scatter(tree: Any, axis: str, mesh: Mesh, *, op: str = "sum",
-                 bucket_cap_mb: float = 25.0) -> Any:
+def psum_scatter(
+    tree: Any, axis: str, mesh: Mesh, *, op: str = "sum", bucket_cap_mb: float = 25.0
+) -> Any:
     """Sum over ``axis`` and keep this rank's Flat chunk (reduce-scatter per bucket).
 
     Args:
@@ -99,7 +109,9 @@ def psum_scatter(tree: Any, axis: str, mesh: Mesh, *, op: str = "sum",
     return _reduce(tree, _axis_spec(mesh, axis, "flat", op, bucket_cap_mb), True, None, "tree")
 
 
-def all_gather(tree: Any, axis: str, mesh: Mesh, *, like: Any = None, bucket_cap_mb: float = 25.0) -> Any:
+def all_gather(
+    tree: Any, axis: str, mesh: Mesh, *, like: Any = None, bucket_cap_mb: float = 25.0
+) -> Any:
     """Undo :func:`psum_scatter`'s split: all-gather each bucket over ``axis``.
 
     Args:

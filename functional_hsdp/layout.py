@@ -71,25 +71,22 @@ def build_buckets(
     for (spec, dtype, device), members in groups.items():
         cap = bucket_elements(spec)
         multiple = math.prod(spec.mesh.size(a) for a in spec.split_order)
-        current: list[Slot] = []
+        runs: list[list[Slot]] = [[]]
         offset = 0
-
-        def close() -> None:
-            if current:
-                padded = -(-offset // multiple) * multiple
-                buckets.append(Bucket(spec, dtype, device, tuple(current), offset, padded))
-
         for i in members:
             numel = math.prod(shapes[i])
             if numel == 0:
                 empty.append(Slot(i, paths[i], shapes[i], 0, 0))
                 continue
-            if current and offset + numel > cap:
-                close()
-                current, offset = [], 0
-            current.append(Slot(i, paths[i], shapes[i], offset, numel))
+            if runs[-1] and offset + numel > cap:
+                runs.append([])
+                offset = 0
+            runs[-1].append(Slot(i, paths[i], shapes[i], offset, numel))
             offset += numel
-        close()
+        for run in filter(None, runs):
+            total = run[-1].offset + run[-1].numel
+            padded = -(-total // multiple) * multiple
+            buckets.append(Bucket(spec, dtype, device, tuple(run), total, padded))
     return tuple(buckets), tuple(empty)
 
 
@@ -102,7 +99,9 @@ def pack_full(bucket: Bucket, leaves: list[torch.Tensor], batch: tuple[int, ...]
     parts = [leaves[s.index].detach() for s in bucket.slots]
     if bucket.padded > bucket.numel:
         parts.append(
-            torch.zeros((*batch, bucket.padded - bucket.numel), dtype=bucket.dtype, device=bucket.device)
+            torch.zeros(
+                (*batch, bucket.padded - bucket.numel), dtype=bucket.dtype, device=bucket.device
+            )
         )
     packed, _ = einops.pack(parts, _pattern(len(batch)))
     return packed

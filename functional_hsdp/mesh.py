@@ -217,8 +217,10 @@ class DistMesh(_MeshBase):
             outer to inner.
 
     Example:
-        >>> from torch.distributed.device_mesh import init_device_mesh  # doctest: +SKIP
-        >>> dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_inner"))
+        >>> import functional_hsdp as fh
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> dm = init_device_mesh(  # doctest: +SKIP
+        ...     "cuda", (2, 4), mesh_dim_names=("dp_outer", "dp_inner"))
         >>> mesh = fh.DistMesh(dm)  # doctest: +SKIP
     """
 
@@ -259,9 +261,7 @@ class DistMesh(_MeshBase):
 
     def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         group = self._group(axis)
-        return self._reduce(
-            lambda o: funcol.reduce_scatter_single(buf, o, 0, group), buf, axis, op
-        )
+        return self._reduce(lambda o: funcol.reduce_scatter_single(buf, o, 0, group), buf, axis, op)
 
     def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
         return funcol.all_gather_single(buf, 0, self._group(axis))

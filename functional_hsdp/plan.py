@@ -26,14 +26,14 @@ ROLES = ("input", "full", "gradient", "optimizer", "parameter")
 
 @dataclass(frozen=True)
 class Step:
-    """One collective on one axis: ``reduce_scatter``, ``all_reduce``, ``all_gather`` or ``slice``."""
+    """One step on one axis: reduce_scatter, all_reduce, all_gather or (local) slice."""
 
     op: str
     axis: str
     reduce: str | None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def steps(spec: Spec, frm: str, to: str) -> tuple[Step, ...]:
     """The per-axis steps that move a bucket of ``spec`` from role ``frm`` to role ``to``.
 
@@ -54,9 +54,16 @@ def steps(spec: Spec, frm: str, to: str) -> tuple[Step, ...]:
 class Plan:
     """Everything about one (tree structure, per-rank shapes, dtypes, devices, specs)."""
 
-    def __init__(self, key: tuple, treedef: optree.PyTreeSpec, paths: tuple[str, ...],
-                 shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype, ...],
-                 devices: tuple[torch.device, ...], specs: tuple[Spec, ...]):
+    def __init__(
+        self,
+        key: tuple,
+        treedef: optree.PyTreeSpec,
+        paths: tuple[str, ...],
+        shapes: tuple[tuple[int, ...], ...],
+        dtypes: tuple[torch.dtype, ...],
+        devices: tuple[torch.device, ...],
+        specs: tuple[Spec, ...],
+    ):
         self.key = key
         self.treedef = treedef
         self.paths = paths
@@ -84,8 +91,10 @@ class Plan:
                 stride //= mesh.size(a)
                 start = start + mesh.coordinate(a) * stride
             length = stride
-            geoms = [mesh.ragged(s.offset - start, s.offset + s.numel - start, length)
-                     for s in bucket.slots]
+            geoms = [
+                mesh.ragged(s.offset - start, s.offset + s.numel - start, length)
+                for s in bucket.slots
+            ]
             self._geometry[(b, role)] = (length, geoms)
         return self._geometry[(b, role)]
 
@@ -163,8 +172,16 @@ def apply(mesh: Any, buf: torch.Tensor, step: Step) -> torch.Tensor:
     """Issue one bucket collective (logged) or take the local chunk."""
     if step.op == "slice":
         return mesh.chunk(buf, step.axis)
-    record(Event(step.op, step.axis, buf.dtype, buf.shape[-1], step.reduce,
-                 mesh.impl(step.op, step.axis, step.reduce)))
+    record(
+        Event(
+            step.op,
+            step.axis,
+            buf.dtype,
+            buf.shape[-1],
+            step.reduce,
+            mesh.impl(step.op, step.axis, step.reduce),
+        )
+    )
     if step.op == "reduce_scatter":
         return mesh.reduce_scatter(buf, step.axis, step.reduce)
     if step.op == "all_reduce":
@@ -179,8 +196,14 @@ _LAYOUTS: dict[tuple, dict[tuple, None]] = {}  # (treedef, specs) -> shapes seen
 _MAX_PLANS = 256
 
 
-def get_plan(treedef: optree.PyTreeSpec, paths: tuple[str, ...], shapes: tuple, dtypes: tuple,
-             devices: tuple, specs: tuple[Spec, ...]) -> Plan:
+def get_plan(
+    treedef: optree.PyTreeSpec,
+    paths: tuple[str, ...],
+    shapes: tuple,
+    dtypes: tuple,
+    devices: tuple,
+    specs: tuple[Spec, ...],
+) -> Plan:
     """The cached plan for this tree; also remembers its shapes for :func:`layouts_for`."""
     key = (treedef, shapes, dtypes, devices, specs)
     plan = _PLANS.get(key)

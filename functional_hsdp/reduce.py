@@ -28,7 +28,6 @@ from .spec import Spec, format_path, resolve_specs
 __all__ = ["reduce_grads", "shard", "gather", "sync_params"]
 
 
-
 @dataclass(frozen=True)
 class _State:
     plan: Plan
@@ -64,8 +63,9 @@ def _flatten(tree: Any, name: str) -> tuple[list, optree.PyTreeSpec, tuple[str, 
     return leaves, treedef, tuple(f"{name}{format_path(p)}" for p in paths)
 
 
-def _check_tensors(leaves: list, paths: Sequence[str], mesh: Any, *, floating: bool,
-                   batched: bool) -> None:
+def _check_tensors(
+    leaves: list, paths: Sequence[str], mesh: Any, *, floating: bool, batched: bool
+) -> None:
     batch = mesh.batch_shape
     for leaf, path in zip(leaves, paths):
         if not isinstance(leaf, torch.Tensor):
@@ -78,9 +78,7 @@ def _check_tensors(leaves: list, paths: Sequence[str], mesh: Any, *, floating: b
         if leaf.device.type == "meta":
             raise ValueError(f"{path}: is on the meta device and holds no data")
         if floating and not (leaf.is_floating_point() or leaf.is_complex()):
-            raise TypeError(
-                f"{path}: gradients must have a floating dtype; got {leaf.dtype}"
-            )
+            raise TypeError(f"{path}: gradients must have a floating dtype; got {leaf.dtype}")
         if batched and tuple(leaf.shape[: len(batch)]) != batch:
             raise ValueError(
                 f"{path}: on {mesh!r} a value's leading dims must be the mesh shape {batch} "
@@ -98,8 +96,12 @@ def _check_last(last: Any) -> None:
 
 def _plan_from(leaves: list[torch.Tensor], treedef, paths, specs, shapes) -> Plan:
     return get_plan(
-        treedef, paths, tuple(shapes), tuple(x.dtype for x in leaves),
-        tuple(x.device for x in leaves), specs,
+        treedef,
+        paths,
+        tuple(shapes),
+        tuple(x.dtype for x in leaves),
+        tuple(x.device for x in leaves),
+        specs,
     )
 
 
@@ -110,14 +112,18 @@ def _structure_error(expected: optree.PyTreeSpec, tree: Any, name: str, what: st
     return ValueError(f"{name} does not have the structure of {what}: {detail}")
 
 
-def _check_local(leaves: list, paths: Sequence[str], plan: Plan, role: str,
-                 kinds: tuple[str, ...], what: str) -> None:
+def _check_local(
+    leaves: list, paths: Sequence[str], plan: Plan, role: str, kinds: tuple[str, ...], what: str
+) -> None:
     """Validate local values against ``plan`` at ``role``: dtype, shape and state tag."""
     for (slot, b), leaf, path in zip(plan.slots(), leaves, paths):
         state = _state(leaf)
         if state is not None:
-            if state.plan.key[0] != plan.key[0] or state.plan.key[1] != plan.key[1] \
-                    or state.plan.specs != plan.specs:
+            if (
+                state.plan.key[0] != plan.key[0]
+                or state.plan.key[1] != plan.key[1]
+                or state.plan.specs != plan.specs
+            ):
                 raise ValueError(
                     f"{path}: was produced for another tree or spec ({state.plan!r}); it cannot "
                     f"be used as {what}"
@@ -204,8 +210,9 @@ def _reduce(grads: Any, spec: Any, last: Any, acc: Any, name: str) -> Any:
         if acc_def != treedef:
             raise _structure_error(treedef, acc, "acc", name)
         _check_tensors(acc_leaves, acc_paths, mesh, floating=True, batched=True)
-        _check_local(acc_leaves, acc_paths, plan, "gradient", ("accumulating",),
-                     "a running accumulation")
+        _check_local(
+            acc_leaves, acc_paths, plan, "gradient", ("accumulating",), "a running accumulation"
+        )
         bufs = [b + a for b, a in zip(bufs, plan.pack(acc_leaves, "gradient"))]
     role = "gradient"
     if last:
@@ -359,8 +366,9 @@ def _find_layout(leaves, treedef, paths, specs, like, source, name) -> tuple[Pla
                 continue
             return plan, role
     hint = (
-        "" if like is not None else
-        "; if this tree's layout was not made by shard/reduce_grads in this process, pass "
+        ""
+        if like is not None
+        else "; if this tree's layout was not made by shard/reduce_grads in this process, pass "
         "like=<tree of full-shape tensors>"
     )
     raise ValueError(

@@ -72,7 +72,9 @@ class CommLog:
 
     def _select(self, op: str | None, axis: str | None) -> Iterator[Event]:
         return (
-            e for e in self.events if (op is None or e.op == op) and (axis is None or e.axis == axis)
+            e
+            for e in self.events
+            if (op is None or e.op == op) and (axis is None or e.axis == axis)
         )
 
 

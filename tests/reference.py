@@ -55,6 +55,7 @@ def accumulate(micro: list, spec, **kw):
 
 def max_error(tree, ref) -> float:
     """Max |tree - ref|; ``tree`` has the mesh shape in front of ``ref``'s shape."""
-    errs = optree.tree_map(lambda x, r: (x.double() - r).abs().max().item() if x.numel() else 0.0,
-                           tree, ref)
+    errs = optree.tree_map(
+        lambda x, r: (x.double() - r).abs().max().item() if x.numel() else 0.0, tree, ref
+    )
     return max(optree.tree_leaves(errs), default=0.0)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import random_tree
 
 import functional_hsdp as fh
-from reference import random_tree
 
 CAP_40 = 40 * 4 / 2**20  # bucket cap of 40 elements
 
@@ -21,14 +21,18 @@ def per_microbatch_logs(spec, micro):
 
 
 def n_buckets(spec, tree) -> int:
-    from functional_hsdp.layout import build_buckets
     import optree
+
+    from functional_hsdp.layout import build_buckets
 
     paths, leaves, _ = optree.tree_flatten_with_path(tree)
     nb = len(spec.mesh.batch_shape)
     buckets, _ = build_buckets(
-        tuple(map(str, paths)), tuple(tuple(x.shape[nb:]) for x in leaves),
-        tuple(x.dtype for x in leaves), tuple(x.device for x in leaves), (spec,) * len(leaves),
+        tuple(map(str, paths)),
+        tuple(tuple(x.shape[nb:]) for x in leaves),
+        tuple(x.dtype for x in leaves),
+        tuple(x.device for x in leaves),
+        (spec,) * len(leaves),
     )
     return len(buckets)
 
@@ -45,7 +49,9 @@ def test_outer_allreduce_only_on_last_microbatch(microbatches, cap):
     for m, log in enumerate(logs):
         assert log.count("reduce_scatter", "dp_inner") == b
         assert log.count("all_reduce", "dp_outer") == (b if m == microbatches - 1 else 0)
-        assert log.count() == log.count("reduce_scatter", "dp_inner") + log.count("all_reduce", "dp_outer")
+        assert log.count() == log.count("reduce_scatter", "dp_inner") + log.count(
+            "all_reduce", "dp_outer"
+        )
     total = sum(log.count("reduce_scatter", "dp_inner") for log in logs)
     assert total == microbatches * b
 
@@ -73,11 +79,17 @@ def test_counts_do_not_grow_with_the_number_of_leaves():
 def test_one_bucket_per_dtype():
     mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
     spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
-    tree = {"a": torch.randn(2, 2, 3), "b": torch.randn(2, 2, 3).bfloat16(), "c": torch.randn(2, 2, 9)}
+    tree = {
+        "a": torch.randn(2, 2, 3),
+        "b": torch.randn(2, 2, 3).bfloat16(),
+        "c": torch.randn(2, 2, 9),
+    }
     with fh.comm_log() as log:
         out = fh.reduce_grads(tree, spec, last=True)
     assert sorted(str(e.dtype) for e in log.events if e.op == "reduce_scatter") == [
-        "torch.bfloat16", "torch.float32"]
+        "torch.bfloat16",
+        "torch.float32",
+    ]
     assert out["b"].dtype == torch.bfloat16
 
 
@@ -92,7 +104,9 @@ def test_ddp_defers_everything_and_fsdp_defers_nothing(microbatches):
         assert log.count("reduce_scatter") == 0
     logs, _ = per_microbatch_logs(fh.fsdp(mesh), micro)
     for log in logs:
-        assert log.count("reduce_scatter", "dp_inner") == log.count("reduce_scatter", "dp_outer") == 1
+        assert (
+            log.count("reduce_scatter", "dp_inner") == log.count("reduce_scatter", "dp_outer") == 1
+        )
         assert log.count("all_reduce") == 0
 
 
@@ -118,7 +132,10 @@ def test_shard_is_communication_free_and_gather_undoes_splits_in_reverse_order()
     with fh.comm_log() as log:
         fh.gather(params, spec)
     # split order is inner first, so gathers run outer first
-    assert [(e.op, e.axis) for e in log.events] == [("all_gather", "dp_outer"), ("all_gather", "dp_inner")]
+    assert [(e.op, e.axis) for e in log.events] == [
+        ("all_gather", "dp_outer"),
+        ("all_gather", "dp_inner"),
+    ]
 
 
 def test_event_bytes_and_summary():

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import functional_hsdp as fh
-from reference import random_tree
 
 
 @pytest.fixture
@@ -71,7 +70,9 @@ def test_unsupported_and_impossible_placements(mesh):
 
 
 def test_non_floating_grads(spec):
-    with pytest.raises(TypeError, match=re.escape("grads['step']: gradients must have a floating dtype")):
+    with pytest.raises(
+        TypeError, match=re.escape("grads['step']: gradients must have a floating dtype")
+    ):
         fh.reduce_grads(grads(step=torch.ones(2, 2, 3, dtype=torch.int64)), spec, last=True)
 
 

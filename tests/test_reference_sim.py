@@ -7,9 +7,9 @@ import copy
 import optree
 import pytest
 import torch
+from reference import AXES, accumulate, dense_reduce, max_error, preset, random_tree
 
 import functional_hsdp as fh
-from reference import AXES, accumulate, dense_reduce, max_error, preset, random_tree
 
 MESHES = [(1, 4), (2, 2), (4, 1), (2, 3)]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
@@ -60,8 +60,10 @@ def test_inputs_are_never_mutated():
     out = fh.reduce_grads(g2, spec, last=True, acc=acc)
     for x, y in zip(optree.tree_leaves((g1, g2, acc)), optree.tree_leaves(before)):
         assert torch.equal(x, y)
-    assert all(o.data_ptr() != a.data_ptr() for o, a in zip(optree.tree_leaves(out),
-                                                            optree.tree_leaves(acc)))
+    assert all(
+        o.data_ptr() != a.data_ptr()
+        for o, a in zip(optree.tree_leaves(out), optree.tree_leaves(acc))
+    )
 
 
 def test_result_is_a_tree_of_plain_tensors_with_the_same_structure():
@@ -96,8 +98,12 @@ def test_shard_then_gather_is_the_identity(shape, strategy):
     back = fh.gather(fh.shard(full, spec), spec)
     assert max_error(back, optree.tree_map(torch.Tensor.double, full)) == 0
     stacked = optree.tree_map(lambda x: x.expand(*shape, *x.shape), full)
-    assert max_error(fh.gather(fh.shard(stacked, spec), spec),
-                     optree.tree_map(torch.Tensor.double, full)) == 0
+    assert (
+        max_error(
+            fh.gather(fh.shard(stacked, spec), spec), optree.tree_map(torch.Tensor.double, full)
+        )
+        == 0
+    )
 
 
 def test_flat_padding_stays_at_the_bucket_tail():
