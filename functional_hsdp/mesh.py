@@ -250,25 +250,29 @@ class DistMesh(_MeshBase):
     def coordinate(self, axis: str) -> int:
         return self._coords[self._dim(axis)]
 
-    def _reduce(self, fn, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
+    def _reduce(self, fn, axis: str, op: str) -> torch.Tensor:
         if op == "avg" and not self._native_avg[self._dim(axis)]:
             return fn("sum") / self.size(axis)
         return fn(op)
 
+    # Each collective first waits on its input (the previous step's collective on this
+    # bucket): other buckets' collectives are already in flight, and handing an unwaited
+    # AsyncCollectiveTensor to the next collective would dispatch the op twice.
+
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
-        group = self._group(axis)
-        return self._reduce(lambda o: funcol.all_reduce(buf, o, group), buf, axis, op)
+        buf, group = self.wait(buf), self._group(axis)
+        return self._reduce(lambda o: funcol.all_reduce(buf, o, group), axis, op)
 
     def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
-        group = self._group(axis)
-        return self._reduce(lambda o: funcol.reduce_scatter_single(buf, o, 0, group), buf, axis, op)
+        buf, group = self.wait(buf), self._group(axis)
+        return self._reduce(lambda o: funcol.reduce_scatter_single(buf, o, 0, group), axis, op)
 
     def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
-        return funcol.all_gather_single(buf, 0, self._group(axis))
+        return funcol.all_gather_single(self.wait(buf), 0, self._group(axis))
 
     def chunk(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
         n = self.size(axis)
-        return buf.view(n, buf.shape[-1] // n)[self.coordinate(axis)]
+        return self.wait(buf).view(n, buf.shape[-1] // n)[self.coordinate(axis)]
 
     def ragged(self, lo: int, hi: int, length: int) -> tuple[int, int]:
         lo = min(max(lo, 0), length)
