@@ -1,11 +1,14 @@
 """A pool of real ``torch.distributed`` gloo processes for tests.
 
-The pool starts ``world_size`` processes (multiprocessing "forkserver" context
-by default, "spawn" on request; see ``GlooPool``) that
-each join one gloo process group over ``tcp://127.0.0.1:<free port>`` and then
-wait for tasks.  ``GlooPool.run(fn, *args, **kwargs)`` runs ``fn`` on every rank
-concurrently and returns the per-rank return values (index = rank).  Process
-startup is slow (every worker imports torch), so test modules share one pool::
+The pool starts ``world_size`` worker processes that each join one gloo
+process group over ``tcp://127.0.0.1:<free port>`` and then wait for tasks.
+``GlooPool.run(fn, *args, **kwargs)`` runs ``fn`` on every rank concurrently
+and returns the per-rank return values (index = rank).  Workers come from a
+fresh interpreter, never from forking the pytest process: by default from the
+multiprocessing "forkserver" (which imports torch once and forks workers from
+there, so (re)starts are cheap), or with ``start_method="spawn"`` (each worker
+imports torch itself: ~16 s per start of 4 workers on 2 cores).  Startup is
+still the slow part, so a test module shares one pool::
 
     from gloo_pool import device_mesh, module_pool
 
@@ -22,7 +25,8 @@ startup is slow (every worker imports torch), so test modules share one pool::
 Where task functions must live
 ------------------------------
 ``fn`` (and every argument / return value) is pickled with the standard pickle
-module, so ``fn`` must be a module-level function of a module the workers can
+module (tensors travel by value, as ``torch.save`` bytes of a detached CPU
+clone; no shared memory), so ``fn`` must be a module-level function of a module the workers can
 import by the same name.  ``tests/`` is deliberately *not* a package: under
 pytest's default ``prepend`` import mode, pytest puts ``tests/`` on
 ``sys.path`` and imports ``tests/test_foo.py`` as module ``test_foo``.  Workers
@@ -42,9 +46,26 @@ Failure handling
 * A worker that dies, or a ``run`` that exceeds its timeout
   (:class:`WorkerTimeout`, also a :class:`TimeoutError`), raises promptly.
 * In all cases where a worker may be dead or stuck, the pool marks itself
-  broken, kills its processes, and restarts (fresh processes and process
-  group) on the next ``run``.  ``close()`` always terminates, then kills,
-  leftover processes.
+  broken and kills its processes at once; the next ``run`` restarts it (fresh
+  processes and process group).  If all ranks answered (some with an
+  exception), the pool stays as it is.  ``close()`` always terminates, then
+  kills, leftover processes; so does an interrupt (e.g. Ctrl-C) during ``run``
+  or ``start``.
+
+Caveats
+-------
+* The forkserver is one per pytest process, shared by all pools; ``preload``
+  only applies if this pool is the one that starts it.  Workers get the
+  parent's ``os.environ`` as of pool start, but variables read when torch is
+  imported (e.g. ``TORCH_CPP_LOG_LEVEL``, default ``ERROR`` here) come from the
+  forkserver's environment.
+* Workers are daemonic: tasks cannot start multiprocessing children.
+* ``--import-mode=importlib`` is not supported (test modules must be
+  importable by their module name).
+* If the pytest process is SIGKILLed, idle workers exit (EOF on their task
+  pipe); busy ones exit when their task ends or its collective times out.
+* Worker stdout/stderr are the parent's (inherited), so pytest captures them
+  like the test's own output (shown on failure, or live with ``-s``).
 """
 
 from __future__ import annotations
@@ -60,8 +81,9 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -236,7 +258,7 @@ def _worker_main(
             world_size=world_size_,
             timeout=timedelta(seconds=timeout_s),
         )
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+    except BaseException as exc:  # reported to the parent
         result_conn.send_bytes(pickle.dumps(("start_error", _format_exc(exc))))
         return
     result_conn.send_bytes(pickle.dumps(("ready", os.getpid())))
@@ -260,7 +282,7 @@ def _worker_main(
                 ) from exc
             value = fn(*args, **kwargs)
             reply = ("ok", task_id, _dumps(value))
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        except BaseException as exc:  # reported to the parent
             reply = ("err", task_id, _format_exc(exc))
         try:
             result_conn.send_bytes(pickle.dumps(reply))
@@ -270,7 +292,7 @@ def _worker_main(
     _MESHES.clear()
     try:
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort at shutdown
+    except Exception:  # best effort at shutdown
         pass
     # Skip the slow interpreter teardown of a process that imported torch.
     sys.stdout.flush()
@@ -291,7 +313,7 @@ def _free_port() -> int:
 
 
 class GlooPool:
-    """``world_size`` spawned processes in one gloo process group.
+    """``world_size`` worker processes in one gloo process group.
 
     Args:
         world_size: number of ranks.
@@ -365,7 +387,7 @@ class GlooPool:
     def __del__(self) -> None:
         try:
             self._shutdown(graceful=False)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
     def start(self) -> None:
@@ -378,11 +400,15 @@ class GlooPool:
             try:
                 self._start_once()
                 break
-            except WorkerError as exc:
+            except BaseException as exc:  # incl. KeyboardInterrupt: leave no workers behind
                 self._shutdown(graceful=False)
-                # A lost race for the free port: try another one.
-                if attempt + 1 < attempts and "address" in str(exc).lower():
-                    continue
+                text = str(exc).lower()
+                if (
+                    isinstance(exc, WorkerError)
+                    and attempt + 1 < attempts
+                    and ("eaddrinuse" in text or "address already in use" in text)
+                ):
+                    continue  # lost a race for the free port: try another one
                 raise
         self._broken = False
         self.starts += 1
@@ -452,9 +478,7 @@ class GlooPool:
                 return
             dead = self._dead(exclude=done)
             missing = sorted(set(range(self.world_size)) - done - set(dead))
-            if dead or len(done) == self.world_size or (
-                errors and time.monotonic() >= deadline
-            ):
+            if dead or len(done) == self.world_size or (errors and time.monotonic() >= deadline):
                 raise WorkerError(
                     _describe("starting the gloo pool failed", errors, dead, missing),
                     errors=errors,
@@ -475,6 +499,11 @@ class GlooPool:
     def close(self) -> None:
         """Stop the workers; terminate/kill any that do not exit promptly."""
         self._shutdown(graceful=not self._broken)
+
+    def _break(self) -> None:
+        """Workers may be dead or stuck: kill them all; ``run`` restarts."""
+        self._broken = True
+        self._shutdown(graceful=False)
 
     def _shutdown(self, graceful: bool) -> None:
         procs = self._procs
@@ -533,15 +562,26 @@ class GlooPool:
             try:
                 conn.send_bytes(msg)
             except OSError as exc:
-                self._broken = True
+                code = self._procs[r].exitcode
+                self._break()
                 raise WorkerError(
                     f"could not send task to rank {r}: {exc!r} (pool will restart)",
-                    exitcodes={r: self._procs[r].exitcode},
+                    exitcodes={r: code},
                 ) from exc
 
         name = getattr(fn, "__qualname__", repr(fn))
-        start = time.monotonic()
-        deadline = start + timeout
+        try:
+            return self._collect(task_id, name, timeout)
+        except WorkerError:
+            raise
+        except BaseException:
+            # E.g. KeyboardInterrupt while the task runs: the workers are
+            # mid-task, so kill them now rather than waiting on them later.
+            self._break()
+            raise
+
+    def _collect(self, task_id: int, name: str, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout
         results: dict[int, Any] = {}
         errors: dict[int, tuple[str, str, str]] = {}
         while True:
@@ -553,7 +593,7 @@ class GlooPool:
                 if kind == "ok":
                     try:
                         results[r] = pickle.loads(data)
-                    except Exception as exc:  # noqa: BLE001
+                    except Exception as exc:
                         errors[r] = _format_exc(exc)
                 else:
                     errors[r] = data
@@ -570,7 +610,7 @@ class GlooPool:
                 return [results[r] for r in range(self.world_size)]
             dead = self._dead(exclude=done)
             if dead:
-                self._broken = True
+                self._break()
                 missing = sorted(set(range(self.world_size)) - done - set(dead))
                 raise WorkerError(
                     _describe(f"task {name}: worker died", errors, dead, missing),
@@ -580,7 +620,7 @@ class GlooPool:
                     results=results,
                 )
             if time.monotonic() >= deadline:
-                self._broken = True
+                self._break()
                 missing = sorted(set(range(self.world_size)) - done)
                 if errors:
                     head = (
@@ -640,7 +680,7 @@ def _describe(
         lines.append(f"rank {r}: worker process died (exit code {code})")
     if missing:
         lines.append(f"ranks {missing}: no answer")
-    for r, (tname, msg, tb) in sorted(errors.items()):
+    for r, (tname, msg, _) in sorted(errors.items()):
         lines.append(f"rank {r}: {tname}: {msg}")
     for r, (_, _, tb) in sorted(errors.items()):
         lines.append(f"--- remote traceback (rank {r}) ---\n{tb.rstrip()}")

@@ -1,7 +1,8 @@
 """Tests for the gloo process-pool harness in ``tests/gloo_pool.py``.
 
-Task functions are module-level (``_task_*``) so the spawned workers can
-import them from this module (imported as ``test_gloo_pool``).
+Task functions are module-level (``_task_*``) so the workers can import them
+from this module (pytest imports it as ``test_gloo_pool``; tests/ is on
+sys.path and is not a package).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _task_mesh_2x2():
     tp_group = mesh.get_group("tp")
     over_tp_pg = funcol.wait_tensor(funcol.all_reduce(t, "sum", tp_group))
     assert torch.equal(over_tp, over_tp_pg)
-    gathered = funcol.all_gather_tensor(t, 0, (mesh, 1))
+    gathered = funcol.all_gather_single(t, 0, (mesh, 1))
     return (
         mesh.mesh_dim_names,
         tuple(mesh.get_coordinate()),
@@ -89,6 +90,18 @@ def _task_getenv(name: str):
     return os.environ.get(name)
 
 
+def _task_tensor_roundtrip(x: torch.Tensor):
+    r = dist.get_rank()
+    big = torch.arange(1000.0)
+    return {
+        "shifted": x + r,
+        "view": big[10:13],  # a view of a larger storage
+        "param": torch.nn.Parameter(torch.ones(2) * r),
+        "nonleaf": torch.ones(2, requires_grad=True) * 2,
+        "int": torch.tensor([r], dtype=torch.int64),
+    }
+
+
 # ---------------------------------------------------------------- tests ----
 
 
@@ -101,6 +114,18 @@ def test_all_reduce_on_every_rank(pool):
         assert isinstance(o["sum"], torch.Tensor)
         assert torch.equal(o["sum"], expected)
     assert len({o["pid"] for o in out}) == 4
+
+
+def test_tensor_args_and_results_travel_by_value(pool):
+    x = torch.tensor([1.0, 2.0])
+    out = pool.run(_task_tensor_roundtrip, x)
+    for r, o in enumerate(out):
+        assert torch.equal(o["shifted"], x + r)
+        assert o["view"].tolist() == [10.0, 11.0, 12.0]
+        assert o["view"].untyped_storage().nbytes() == 3 * 4  # compact copy
+        assert o["param"].requires_grad and o["param"].tolist() == [r, r]
+        assert o["nonleaf"].requires_grad and o["nonleaf"].is_leaf
+        assert o["int"].dtype == torch.int64 and o["int"].item() == r
 
 
 def test_helper_module_functions_as_tasks(pool):
@@ -183,6 +208,7 @@ def test_worker_death_is_reported_promptly_and_pool_recovers(pool):
 
 
 def test_timeout_raises_and_pool_recovers(pool):
+    pids = pool.pids
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as info:
         pool.run(_task_sleep, 60.0, timeout=1.0)
@@ -192,6 +218,7 @@ def test_timeout_raises_and_pool_recovers(pool):
     assert isinstance(info.value, WorkerError)
     assert info.value.missing == [0, 1, 2, 3]
     assert pool.broken
+    assert not any(_pid_exists(pid) for pid in pids)  # stuck workers killed at once
     assert pool.run(_task_sleep, 0.0) == [0, 1, 2, 3]
 
 
