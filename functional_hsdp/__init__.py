@@ -6,6 +6,7 @@ reduces the outer axis only on the last one.
 """
 
 from .collectives import all_gather, pmean, psum, psum_scatter
+from .maingrad import MainGrad, microbatches
 from .mesh import DistMesh, Mesh, SimMesh
 from .placement import Flat, Partial, Placement, Replicate, Shard
 from .reduce import gather, reduce_grads, shard, sync_params
@@ -17,6 +18,7 @@ __all__ = [
     "DistMesh",
     "Event",
     "Flat",
+    "MainGrad",
     "Mesh",
     "Partial",
     "Placement",
@@ -31,6 +33,7 @@ __all__ = [
     "gather",
     "hfsdp",
     "hsdp",
+    "microbatches",
     "pmean",
     "psum",
     "psum_scatter",

@@ -61,14 +61,22 @@ def build_buckets(
     dtypes: tuple[torch.dtype, ...],
     devices: tuple[torch.device, ...],
     specs: tuple[Spec, ...],
+    kinds: tuple | None = None,
 ) -> tuple[tuple[Bucket, ...], tuple[Slot, ...]]:
-    """Group leaves into buckets; returns (buckets, zero-size slots)."""
+    """Group leaves into buckets; returns (buckets, zero-size slots).
+
+    Leaves share a bucket when they share a spec, device and *kind*: by default their dtype.
+    A persistent buffer of another dtype (fp32 main grads for bf16 parameters) passes the
+    parameters' dtypes as ``kinds`` to get the parameters' layout.
+    """
+    kinds = dtypes if kinds is None else kinds
     groups: dict[tuple, list[int]] = {}
-    for i, key in enumerate(zip(specs, dtypes, devices)):
+    for i, key in enumerate(zip(specs, kinds, devices)):
         groups.setdefault(key, []).append(i)
     buckets: list[Bucket] = []
     empty: list[Slot] = []
-    for (spec, dtype, device), members in groups.items():
+    for (spec, _, device), members in groups.items():
+        dtype = dtypes[members[0]]
         cap = bucket_elements(spec)
         multiple = math.prod(spec.mesh.size(a) for a in spec.split_order)
         runs: list[list[Slot]] = [[]]

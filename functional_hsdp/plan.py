@@ -63,6 +63,7 @@ class Plan:
         dtypes: tuple[torch.dtype, ...],
         devices: tuple[torch.device, ...],
         specs: tuple[Spec, ...],
+        kinds: tuple | None = None,
     ):
         self.key = key
         self.treedef = treedef
@@ -72,7 +73,7 @@ class Plan:
         self.specs = specs
         self.devices = devices
         self.mesh = specs[0].mesh
-        self.buckets, self.empty = build_buckets(paths, shapes, dtypes, devices, specs)
+        self.buckets, self.empty = build_buckets(paths, shapes, dtypes, devices, specs, kinds)
         self._geometry: dict[tuple[int, str], Any] = {}
 
     def __repr__(self) -> str:
@@ -203,14 +204,19 @@ def get_plan(
     dtypes: tuple,
     devices: tuple,
     specs: tuple[Spec, ...],
+    kinds: tuple | None = None,
 ) -> Plan:
-    """The cached plan for this tree; also remembers its shapes for :func:`layouts_for`."""
-    key = (treedef, shapes, dtypes, devices, specs)
+    """The cached plan for this tree; also remembers its shapes for :func:`layouts_for`.
+
+    ``kinds`` (default: the dtypes) decides which leaves may share a bucket; see
+    :func:`~functional_hsdp.layout.build_buckets`.
+    """
+    key = (treedef, shapes, dtypes, devices, specs, kinds)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = Plan(key, treedef, paths, shapes, dtypes, devices, specs)
+        plan = _PLANS[key] = Plan(key, treedef, paths, shapes, dtypes, devices, specs, kinds)
         seen = _LAYOUTS.setdefault((treedef, specs), {})
         seen.pop(shapes, None)
         seen[shapes] = None

@@ -1,0 +1,330 @@
+"""MainGrad: persistent main-gradient buffers, the zero-allocation path for real training.
+
+The pure :func:`~functional_hsdp.reduce_grads` returns a new tree on every call. ``MainGrad``
+is the one stateful piece of the library (Megatron-FSDP's persistent ``main_grad``): flat
+bucket buffers allocated once at the gradient placement, that every microbatch reduces into
+and the last microbatch finishes in place. The bucket layout is the parameters' own, so
+``mg.grads`` lines up leaf by leaf with ``shard(params, spec)``.
+
+Mixed precision: gradients may arrive in bf16/fp16 and accumulate in the buffers' dtype
+(fp32 by default); ``reduce_dtype`` is the dtype on the wire (default: the buffers' dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+import einops
+import optree
+import torch
+
+from .layout import Bucket
+from .plan import Plan, Step, apply, get_plan, steps
+from .reduce import _check_last, _check_tensors, _flatten, _structure_error, _tag
+from .spec import resolve_specs
+
+__all__ = ["MainGrad", "microbatches"]
+
+T = TypeVar("T")
+
+
+def _divide_factors(step: Step, n: int, wire: torch.dtype) -> tuple[float, str | None, float]:
+    """(pre-divide, op on the wire, post-divide) for one reduction over ``n`` ranks.
+
+    fp32 and bf16 share fp32's exponent range, so they reduce with the placement's own op.
+    fp16 overflows at 65504: a SUM of n large gradients can overflow before an AVG divides.
+    As FSDP2 does, divide by f before the sum and the rest after, f a power of two near
+    sqrt(n) (f doubles while n is divisible by f and n / f > f; power-of-two scaling is
+    exact), and sum on the wire: avg = (sum of x / f) / (n / f); sum = (sum of x / f) * f.
+    """
+    if step.reduce is None or wire != torch.float16:
+        return 1.0, step.reduce, 1.0
+    f = 1
+    while n % f == 0 and n / f > f:
+        f *= 2
+    return float(f), "sum", (n / f if step.reduce == "avg" else 1.0 / f)
+
+
+class MainGrad:
+    """Persistent gradient buffers: accumulate microbatches in place, finish on ``last``.
+
+    Args:
+        spec: a :class:`Spec` or a pytree prefix of Specs.
+        like: a tree with the structure, shapes and dtypes of one rank's full gradients
+            (e.g. the full parameters; on a SimMesh without the mesh dims). Its dtypes decide
+            which leaves share a bucket, so the layout matches ``shard(like, spec)``.
+        dtype: the buffers' dtype (default float32): gradients of any floating dtype
+            accumulate in it.
+        reduce_dtype: the dtype on the wire (default: ``dtype``). For float16 the sum is
+            pre- and post-divided (about sqrt(n) each) so large worlds do not overflow.
+
+    ``accumulate`` reduces each bucket in turn (pack, reduce over the non-deferred axes, add
+    into the buffer), so beyond the buffers a call needs one bucket's packing buffer (and
+    its reduce-scattered chunk) at a time. On the last microbatch the deferred axes are
+    reduced in place; for a smaller optimizer placement (hfsdp) the result is written to
+    the front of each buffer. ``grads`` are views of the buffers (on a SimMesh, ragged Flat
+    pieces are copies: ranks' pieces start at different offsets).
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+        >>> spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+        >>> mg = fh.MainGrad(spec, like={"w": torch.zeros(6)})
+        >>> for i, last in fh.microbatches(2):
+        ...     mg.accumulate({"w": torch.ones(2, 2, 6, dtype=torch.bfloat16)}, last=last)
+        >>> mg.state, mg.grads["w"].dtype, fh.gather(mg.grads, spec)["w"][0, 0].tolist()
+        ('final', torch.float32, [2.0, 2.0, 2.0, 2.0, 2.0, 2.0])
+        >>> mg.zero_grad(); mg.grads is None
+        True
+    """
+
+    def __init__(
+        self,
+        spec: Any,
+        like: Any,
+        dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype | None = None,
+    ):
+        for name, d in (("dtype", dtype), ("reduce_dtype", reduce_dtype or dtype)):
+            if not isinstance(d, torch.dtype) or not d.is_floating_point:
+                raise TypeError(f"MainGrad: {name} must be a floating torch.dtype; got {d!r}")
+        leaves, treedef, paths = _flatten(like, "like")
+        specs = resolve_specs(spec, treedef, "like")
+        if not leaves:
+            raise ValueError("MainGrad: like has no tensor leaves")
+        self.mesh = mesh = specs[0].mesh
+        _check_tensors(leaves, paths, mesh, floating=True, batched=False)
+        self.dtype, self.reduce_dtype = dtype, reduce_dtype or dtype
+        self.plan: Plan = get_plan(
+            treedef,
+            paths,
+            tuple(tuple(x.shape) for x in leaves),
+            (dtype,) * len(leaves),
+            tuple(x.device for x in leaves),
+            specs,
+            kinds=tuple(x.dtype for x in leaves),
+        )
+        self._buffers = [
+            torch.zeros(
+                (*mesh.batch_shape, self._length(b, "gradient")), dtype=dtype, device=bucket.device
+            )
+            for b, bucket in enumerate(self.plan.buckets)
+        ]
+        self._state = "accumulating"
+        self._empty = True  # grads are None: the next accumulate overwrites instead of adding
+
+    # -- public ---------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """``"accumulating"`` (Partial on the deferred axes) or ``"final"`` (optimizer placement)."""
+        return self._state
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The persistent flat buffers, one per bucket (``(*batch, length)``)."""
+        return list(self._buffers)
+
+    @property
+    def grads(self) -> Any:
+        """Local gradient shards: views of the buffers, or None after ``zero_grad()``."""
+        if self._empty:
+            return None
+        role = "optimizer" if self._state == "final" else "gradient"
+        bufs = [buf[..., : self._length(b, role)] for b, buf in enumerate(self._buffers)]
+        leaves = self.plan.unpack(bufs, role)
+        _tag(leaves, self.plan, role, "final" if self._state == "final" else "accumulating")
+        return optree.tree_unflatten(self.plan.treedef, leaves)
+
+    def accumulate(self, grads: Any, *, last: bool) -> None:
+        """Reduce one microbatch's per-rank gradients into the buffers.
+
+        Args:
+            grads: per-rank full gradients with the structure and shapes of ``like`` (on a
+                SimMesh with the mesh shape in front), any floating dtype.
+            last: keyword-only, required: True on the step's final microbatch, which then
+                reduces the deferred axes in place to the optimizer placement.
+
+        Returns:
+            None; read the result from :attr:`grads`.
+        """
+        _check_last(last)
+        if self._state == "final":
+            raise ValueError(
+                "MainGrad holds the final gradients of a finished step; call "
+                "zero_grad() before accumulating the next step"
+            )
+        plan, mesh = self.plan, self.mesh
+        leaves, treedef, paths = _flatten(grads, "grads")
+        if treedef != plan.treedef:
+            raise _structure_error(plan.treedef, grads, "grads", "MainGrad's like tree")
+        _check_tensors(leaves, paths, mesh, floating=True, batched=True)
+        nb = len(mesh.batch_shape)
+        for leaf, path, shape in zip(leaves, paths, plan.shapes):
+            if tuple(leaf.shape[nb:]) != shape:
+                raise ValueError(
+                    f"{path}: expected per-rank shape {shape} (as in like); got "
+                    f"{tuple(leaf.shape[nb:])}"
+                )
+        for b, bucket in enumerate(plan.buckets):
+            chunk = self._pack(bucket, leaves)
+            for step in steps(bucket.spec, "input", "gradient"):
+                chunk = self._reduce(chunk, step)
+            chunk = mesh.wait(chunk)
+            if self._empty:
+                self._buffers[b].copy_(chunk)
+            else:
+                self._buffers[b].add_(chunk)
+            del chunk  # free this bucket's packing buffer before the next bucket packs
+        self._empty = False
+        if last:
+            self._finish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start a new step, with ``torch.optim``'s meaning of ``set_to_none``.
+
+        Args:
+            set_to_none: True: :attr:`grads` is None until the next ``accumulate``, which
+                overwrites the buffers (kept, never reallocated). False: the buffers are
+                zeroed and :attr:`grads` are zeros.
+        """
+        if set_to_none:
+            self._empty = True
+        else:
+            for buf in self._buffers:
+                buf.zero_()
+            self._empty = False
+        self._state = "accumulating"
+
+    def state_dict(self) -> dict[str, Any]:
+        """A copy of the buffers and state, valid mid-accumulation (resume loses nothing)."""
+        return {
+            "layout": self._fingerprint(),
+            "state": self._state,
+            "empty": self._empty,
+            "buffers": [buf.detach().clone() for buf in self._buffers],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into this MainGrad's buffers (same storage).
+
+        Raises ValueError if it was saved from another spec, tree, mesh or dtype.
+        """
+        mine = self._fingerprint()
+        theirs = state_dict.get("layout")
+        if not isinstance(theirs, dict) or theirs.keys() != mine.keys():
+            raise ValueError("load_state_dict: not a MainGrad state_dict")
+        for key in mine:
+            if theirs[key] != mine[key]:
+                raise ValueError(
+                    f"load_state_dict: saved with different {key}: {theirs[key]!r}; this "
+                    f"MainGrad has {mine[key]!r}"
+                )
+        buffers = state_dict["buffers"]
+        for b, (buf, saved) in enumerate(zip(self._buffers, buffers)):
+            if saved.shape != buf.shape or saved.dtype != buf.dtype:
+                raise ValueError(
+                    f"load_state_dict: buffer {b} has shape {tuple(saved.shape)} {saved.dtype}; "
+                    f"expected {tuple(buf.shape)} {buf.dtype}"
+                )
+        for buf, saved in zip(self._buffers, buffers):
+            buf.copy_(saved)
+        if state_dict["state"] not in ("accumulating", "final"):
+            raise ValueError(f"load_state_dict: unknown state {state_dict['state']!r}")
+        self._state, self._empty = state_dict["state"], bool(state_dict["empty"])
+
+    def __repr__(self) -> str:
+        n = sum(buf.numel() for buf in self._buffers)
+        return (
+            f"MainGrad({len(self.plan.paths)} leaves, {len(self._buffers)} buckets, "
+            f"{n} x {self.dtype}, state={self._state!r})"
+        )
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _length(self, b: int, role: str) -> int:
+        bucket = self.plan.buckets[b]
+        if self.plan.is_flat(bucket, role):
+            return self.plan.geometry(b, role)[0]
+        return bucket.padded
+
+    def _pack(self, bucket: Bucket, leaves: list[torch.Tensor]) -> torch.Tensor:
+        """One bucket's packing buffer, in the wire dtype (one copy per leaf, casting)."""
+        batch = " ".join(f"m{k}" for k in range(len(self.mesh.batch_shape)))
+        out = torch.empty(
+            (*self.mesh.batch_shape, bucket.padded), dtype=self.reduce_dtype, device=bucket.device
+        )
+        for s in bucket.slots:
+            flat = einops.rearrange(leaves[s.index].detach(), f"{batch} ... -> {batch} (...)")
+            out[..., s.offset : s.offset + s.numel].copy_(flat)
+        out[..., bucket.numel :].zero_()
+        return out
+
+    def _reduce(self, buf: torch.Tensor, step: Step) -> torch.Tensor:
+        pre, op, post = _divide_factors(step, self.mesh.size(step.axis), buf.dtype)
+        if pre != 1.0:
+            buf = buf / pre
+        buf = apply(self.mesh, buf, Step(step.op, step.axis, op))
+        return buf / post if post != 1.0 else buf
+
+    def _finish(self) -> None:
+        """Reduce the deferred axes of every bucket in place (step-major: buckets overlap)."""
+        todo = [steps(bucket.spec, "gradient", "optimizer") for bucket in self.plan.buckets]
+        work = [
+            buf.to(self.reduce_dtype) if todo[b] else buf for b, buf in enumerate(self._buffers)
+        ]
+        for t in range(max(map(len, todo), default=0)):
+            for b, bucket_steps in enumerate(todo):
+                if t < len(bucket_steps):
+                    work[b] = self._reduce(work[b], bucket_steps[t])
+        for b, (buf, result) in enumerate(zip(self._buffers, work)):
+            if todo[b]:
+                result = self.mesh.wait(result)
+                buf[..., : result.shape[-1]].copy_(result)
+        self._state = "final"
+
+    def _fingerprint(self) -> dict[str, Any]:
+        plan = self.plan
+        return {
+            "tree": str(plan.treedef),
+            "shapes": [list(s) for s in plan.shapes],
+            "kinds": [str(k) for k in plan.key[5]],
+            "specs": sorted({repr(s) for s in plan.specs}),
+            "mesh": list(zip(self.mesh.axis_names, self.mesh.sizes)),
+            "dtype": str(self.dtype),
+            "reduce_dtype": str(self.reduce_dtype),
+            "buffers": [list(buf.shape) for buf in self._buffers],
+        }
+
+
+def microbatches(items: int | Iterable[T]) -> Iterator[tuple[int | T, bool]]:
+    """Yield ``(item, last)`` so a loop cannot forget the ``last`` flag.
+
+    Args:
+        items: a count M (yields ``(i, last)`` for i in range(M)) or any iterable of
+            microbatches (yields ``(batch, last)``, looking one item ahead).
+
+    Returns:
+        An iterator of ``(item, last)`` pairs; ``last`` is True exactly once, at the end.
+
+    Example:
+        >>> import functional_hsdp as fh
+        >>> list(fh.microbatches(3))
+        [(0, False), (1, False), (2, True)]
+        >>> list(fh.microbatches("ab"))
+        [('a', False), ('b', True)]
+    """
+    if isinstance(items, int):
+        if items < 1:
+            raise ValueError(f"microbatches: need at least one microbatch; got {items}")
+        items = range(items)
+    iterator = iter(items)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        raise ValueError("microbatches: the iterable is empty") from None
+    for upcoming in iterator:
+        yield current, False
+        current = upcoming
+    yield current, True
