@@ -118,7 +118,7 @@ class MainGrad:
 
     @property
     def state(self) -> str:
-        """``"accumulating"`` (Partial on the deferred axes) or ``"final"`` (optimizer placement)."""
+        """``"accumulating"`` (Partial on deferred axes) or ``"final"`` (optimizer placement)."""
         return self._state
 
     @property

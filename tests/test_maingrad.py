@@ -5,9 +5,9 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
+from reference import AXES, SHAPES, accumulate, dense_reduce, max_error, preset, random_tree
 
 import functional_hsdp as fh
-from reference import AXES, SHAPES, accumulate, dense_reduce, max_error, preset, random_tree
 
 STRATEGIES = ["ddp", "fsdp", "hsdp", "hfsdp"]
 
