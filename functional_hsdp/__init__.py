@@ -6,6 +6,7 @@ reduces the outer axis only on the last one.
 """
 
 from .collectives import all_gather, pmean, psum, psum_scatter
+from .dtensor import to_dtensor
 from .maingrad import MainGrad, microbatches
 from .mesh import DistMesh, Mesh, SimMesh
 from .placement import Flat, Partial, Placement, Replicate, Shard
@@ -40,6 +41,7 @@ __all__ = [
     "reduce_grads",
     "shard",
     "sync_params",
+    "to_dtensor",
 ]
 
 __version__ = "0.1.0"

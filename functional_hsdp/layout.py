@@ -5,6 +5,11 @@ the mesh that reduces them. A bucket holds leaves of one spec, dtype and device,
 up to the spec's size cap; its length is padded at the tail to a multiple of the product of its
 Flat axes' sizes, so every Flat chunk is the same size and padding never falls inside a leaf.
 Zero-size leaves take no bucket: they never need communication.
+
+A bucket of a ``Shard(d)`` spec is laid out rank-major instead (FSDP2's all-gather layout):
+block r holds every leaf's r-th ``torch.chunk`` along ``d``, each padded to the first chunk's
+size, so a rank's shards are one contiguous chunk of the bucket and the collectives are the
+same as for Flat. Only packing and unpacking differ.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 import einops
 import torch
 
-from .placement import Flat
+from .placement import is_sharded
 from .spec import Spec
 
 __all__ = ["Slot", "Bucket", "build_buckets", "pack_full", "unpack_full"]
@@ -23,13 +28,28 @@ __all__ = ["Slot", "Bucket", "build_buckets", "pack_full", "unpack_full"]
 
 @dataclass(frozen=True)
 class Slot:
-    """One leaf's place: its index in the flattened tree, path, per-rank shape and range."""
+    """One leaf's place: its index in the flattened tree, path, per-rank shape and range.
+
+    For a Shard(d) bucket, ``offset`` is within a rank's block, ``dim`` is d and ``size`` the
+    padded chunk length along it.
+    """
 
     index: int
     path: str
     shape: tuple[int, ...]
     offset: int
     numel: int
+    dim: int | None = None
+    size: int = 0
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        """A Shard(d) leaf's padded chunk shape."""
+        return tuple(self.size if k == self.dim else n for k, n in enumerate(self.shape))
+
+    @property
+    def chunk_numel(self) -> int:
+        return math.prod(self.chunk_shape)
 
 
 @dataclass(frozen=True)
@@ -42,12 +62,18 @@ class Bucket:
     slots: tuple[Slot, ...]
     numel: int
     padded: int
+    shard: tuple[str, int] | None = None  # (axis, dim) of a Shard(dim) bucket
 
     def flat_axes(self, placements) -> tuple[str, ...]:
-        """The Flat axes of ``placements``: a prefix of the spec's split order."""
+        """The sharded (Flat or Shard) axes of ``placements``: a prefix of the split order."""
         names = self.spec.mesh.axis_names
-        n = sum(1 for a in self.spec.split_order if isinstance(placements[names.index(a)], Flat))
+        n = sum(1 for a in self.spec.split_order if is_sharded(placements[names.index(a)]))
         return self.spec.split_order[:n]
+
+    @property
+    def ranks(self) -> int:
+        """Blocks of a Shard(d) bucket: the size of its axis."""
+        return self.spec.mesh.size(self.shard[0]) if self.shard else 1
 
 
 def bucket_elements(spec: Spec) -> int:
@@ -79,22 +105,31 @@ def build_buckets(
         dtype = dtypes[members[0]]
         cap = bucket_elements(spec)
         multiple = math.prod(spec.mesh.size(a) for a in spec.split_order)
+        shard = spec.shard
         runs: list[list[Slot]] = [[]]
-        offset = 0
+        offset = total = 0
         for i in members:
             numel = math.prod(shapes[i])
             if numel == 0:
                 empty.append(Slot(i, paths[i], shapes[i], 0, 0))
                 continue
-            if runs[-1] and offset + numel > cap:
+            if runs[-1] and total + numel > cap:
                 runs.append([])
-                offset = 0
-            runs[-1].append(Slot(i, paths[i], shapes[i], offset, numel))
-            offset += numel
+                offset = total = 0
+            slot = Slot(i, paths[i], shapes[i], offset, numel)
+            if shard is not None:
+                slot = _shard_slot(slot, shard, spec.mesh.size(shard[0]))
+            runs[-1].append(slot)
+            offset += slot.chunk_numel if shard is not None else numel
+            total += numel
         for run in filter(None, runs):
-            total = run[-1].offset + run[-1].numel
-            padded = -(-total // multiple) * multiple
-            buckets.append(Bucket(spec, dtype, device, tuple(run), total, padded))
+            total = sum(s.numel for s in run)
+            if shard is not None:
+                block = run[-1].offset + run[-1].chunk_numel
+                padded = block * spec.mesh.size(shard[0])
+            else:
+                padded = -(-total // multiple) * multiple
+            buckets.append(Bucket(spec, dtype, device, tuple(run), total, padded, shard))
     return tuple(buckets), tuple(empty)
 
 
@@ -120,3 +155,64 @@ def unpack_full(bucket: Bucket, buf: torch.Tensor, batch: tuple[int, ...]) -> li
     return einops.unpack(
         buf[..., : bucket.numel], [s.shape for s in bucket.slots], _pattern(len(batch))
     )
+
+
+def _shard_slot(slot: Slot, shard: tuple[str, int], n: int) -> Slot:
+    axis, dim = shard
+    ndim = len(slot.shape)
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{slot.path}: Shard({dim}) on axis {axis!r} is out of range for a leaf of shape "
+            f"{slot.shape}"
+        )
+    dim %= ndim
+    size = -(-slot.shape[dim] // n)  # torch.chunk's chunk length
+    return Slot(slot.index, slot.path, slot.shape, slot.offset, slot.numel, dim, size)
+
+
+def _dims(ndim: int, dim: int) -> tuple[str, str]:
+    """einops names for the dims before and after a Shard dim."""
+    pre = " ".join(f"a{k}" for k in range(dim))
+    post = " ".join(f"b{k}" for k in range(ndim - dim - 1))
+    return pre, post
+
+
+def pack_shard_full(
+    bucket: Bucket, leaves: list[torch.Tensor], batch: tuple[int, ...]
+) -> torch.Tensor:
+    """Full-shape leaves -> a new rank-major ``(*batch, padded)`` Shard(d) bucket."""
+    nb, n = len(batch), bucket.ranks
+    names = " ".join(f"m{k}" for k in range(nb))
+    parts = []
+    for s in bucket.slots:
+        x = leaves[s.index].detach()
+        pad = n * s.size - s.shape[s.dim]
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0) * (len(s.shape) - s.dim - 1) + (0, pad))
+        pre, post = _dims(len(s.shape), s.dim)
+        parts.append(
+            einops.rearrange(x, f"{names} {pre} (n c) {post} -> {names} n ({pre} c {post})", n=n)
+        )
+    return einops.rearrange(torch.cat(parts, dim=-1), f"{names} n p -> {names} (n p)")
+
+
+def unpack_shard_full(
+    bucket: Bucket, buf: torch.Tensor, batch: tuple[int, ...]
+) -> list[torch.Tensor]:
+    """A rank-major Shard(d) bucket -> each leaf, full shape (new tensors)."""
+    nb, n = len(batch), bucket.ranks
+    names = " ".join(f"m{k}" for k in range(nb))
+    blocks = einops.rearrange(buf, f"{names} (n p) -> {names} n p", n=n)
+    out = []
+    for s in bucket.slots:
+        pre, post = _dims(len(s.shape), s.dim)
+        sizes = {f"a{k}": s.shape[k] for k in range(s.dim)}
+        sizes.update({f"b{k}": s.shape[s.dim + 1 + k] for k in range(len(s.shape) - s.dim - 1)})
+        x = einops.rearrange(
+            blocks[..., s.offset : s.offset + s.chunk_numel],
+            f"{names} n ({pre} c {post}) -> {names} {pre} (n c) {post}",
+            c=s.size,
+            **sizes,
+        )
+        out.append(x.narrow(nb + s.dim, 0, s.shape[s.dim]))
+    return out

@@ -61,6 +61,12 @@ class Mesh(Protocol):
 
     def ragged_join(self, pieces: list[torch.Tensor], geoms: list, length: int) -> torch.Tensor: ...
 
+    def chunk_length(self, total: int, size: int, axis: str) -> Coord: ...
+
+    def narrow(self, x: torch.Tensor, dim: int, length: Coord) -> torch.Tensor: ...
+
+    def narrow_shape(self, shape: tuple[int, ...], dim: int, length: Coord) -> tuple[int, ...]: ...
+
     def wait(self, buf: torch.Tensor) -> torch.Tensor: ...
 
     def impl(self, op: str, axis: str, reduce: str | None) -> str: ...
@@ -195,6 +201,21 @@ class SimMesh(_MeshBase):
             out.scatter_(-1, geom.idx, torch.where(geom.valid, piece, 0))
         return out[..., :length]
 
+    def chunk_length(self, total: int, size: int, axis: str) -> torch.Tensor:
+        """Each rank's torch.chunk length: chunks of ``size`` along ``axis`` of ``total``."""
+        return (total - self.coordinate(axis) * size).clamp(0, size)
+
+    def narrow(self, x: torch.Tensor, dim: int, length: torch.Tensor) -> torch.Tensor:
+        """Zero everything past each rank's ``length`` along ``dim`` (ranks stay stacked)."""
+        view = [1] * x.dim()
+        view[dim] = x.shape[dim]
+        index = torch.arange(x.shape[dim], device=x.device).view(view)
+        lengths = length.reshape(*self.batch_shape, *[1] * (x.dim() - self.ndim))
+        return torch.where(index < lengths.to(x.device), x, 0)
+
+    def narrow_shape(self, shape: tuple[int, ...], dim: int, length: torch.Tensor) -> tuple:
+        return (*self.batch_shape, *shape)
+
     def wait(self, buf: torch.Tensor) -> torch.Tensor:
         return buf
 
@@ -291,6 +312,15 @@ class DistMesh(_MeshBase):
         device = pieces[0].device if pieces else None
         fill = torch.zeros(length - used, dtype=dtype, device=device)
         return torch.cat([*pieces, fill])
+
+    def chunk_length(self, total: int, size: int, axis: str) -> int:
+        return min(max(total - self.coordinate(axis) * size, 0), size)
+
+    def narrow(self, x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+        return x.narrow(dim, 0, length)
+
+    def narrow_shape(self, shape: tuple[int, ...], dim: int, length: int) -> tuple[int, ...]:
+        return tuple(length if k == dim else n for k, n in enumerate(shape))
 
     def wait(self, buf: torch.Tensor) -> torch.Tensor:
         return funcol.wait_tensor(buf) if isinstance(buf, funcol.AsyncCollectiveTensor) else buf

@@ -3,17 +3,20 @@
 ``Replicate``, ``Partial`` and ``Shard`` are ``torch.distributed.tensor``'s own classes; ``Flat``
 is this library's: the leaves of a bucket are flattened and concatenated, and each rank along
 the axis holds one contiguous, equal-size chunk of the bucket (zero padding at the bucket's
-tail only, never inside a leaf's range).
+tail only, never inside a leaf's range). ``Shard(d)`` is FSDP2's: each leaf is chunked on dim
+``d`` with ``torch.chunk`` semantics and padded to equal chunks; its buckets are laid out
+rank-major (every leaf's chunk for rank 0, then for rank 1, ...), so the collectives are the
+same as for Flat.
 
 One mesh axis at a time:
 
 =================  ==================  ==========================================
 from               to                  operation
 =================  ==================  ==========================================
-Partial(op)        Flat                reduce-scatter with ``op``
+Partial(op)        Flat / Shard(d)     reduce-scatter with ``op``
 Partial(op)        Replicate           all-reduce with ``op``
-Flat               Replicate           all-gather
-Replicate          Flat                local slice, no communication
+Flat / Shard(d)    Replicate           all-gather
+Replicate          Flat / Shard(d)     local slice, no communication
 Partial(op)        Partial(op)         nothing (the axis stays deferred)
 X                  X                   nothing
 Replicate / Flat   Partial             impossible: a reduced value cannot become a summand
@@ -32,7 +35,16 @@ from typing import Literal
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["Flat", "Partial", "Placement", "Replicate", "Shard", "transition", "reduce_op"]
+__all__ = [
+    "Flat",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "is_sharded",
+    "reduce_op",
+    "transition",
+]
 
 Collective = Literal["reduce_scatter", "all_reduce", "all_gather", "slice"]
 
@@ -72,16 +84,20 @@ def reduce_op(p: Placement) -> str:
     return op
 
 
+def is_sharded(p: Placement) -> bool:
+    """Flat or Shard(d): each rank along the axis holds one equal-size chunk of a bucket."""
+    return isinstance(p, (Flat, Shard))
+
+
 def transition(frm: Placement, to: Placement, axis: str) -> Collective | None:
     """The collective that moves a value from ``frm`` to ``to`` along ``axis`` (None: no-op).
 
-    Raises ValueError for a move that cannot exist (anything to Partial, or Partial ops that
-    differ) and NotImplementedError for Shard, which this transition table does not cover.
+    ``Shard(d)`` moves exactly like ``Flat``: its buckets are laid out rank-major (FSDP2's
+    layout), so a rank's shards of every leaf form one contiguous chunk of the bucket.
+
+    Raises ValueError for a move that cannot exist (anything to Partial, Partial ops that
+    differ) and NotImplementedError between Flat and Shard or between two Shard dims.
     """
-    if isinstance(frm, Shard) or isinstance(to, Shard):
-        raise NotImplementedError(
-            f"axis {axis!r}: Shard(d) placements are not supported yet ({frm} -> {to}); use Flat()"
-        )
     if isinstance(to, Partial):
         if isinstance(frm, Partial):
             if reduce_op(frm) != reduce_op(to):
@@ -94,9 +110,13 @@ def transition(frm: Placement, to: Placement, axis: str) -> Collective | None:
             "summand again"
         )
     if isinstance(frm, Partial):
-        return "reduce_scatter" if isinstance(to, Flat) else "all_reduce"
-    if isinstance(frm, Flat):
-        return None if isinstance(to, Flat) else "all_gather"
+        return "reduce_scatter" if is_sharded(to) else "all_reduce"
+    if is_sharded(frm):
+        if is_sharded(to):
+            if frm != to:
+                raise NotImplementedError(f"axis {axis!r}: moving {frm!r} to {to!r}")
+            return None
+        return "all_gather"
     if isinstance(frm, Replicate):
-        return "slice" if isinstance(to, Flat) else None
+        return "slice" if is_sharded(to) else None
     raise TypeError(f"axis {axis!r}: unknown placement {frm!r}")

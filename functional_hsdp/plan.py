@@ -14,8 +14,16 @@ from typing import Any
 import optree
 import torch
 
-from .layout import Bucket, Slot, build_buckets, pack_full, unpack_full
-from .placement import Flat, Partial, reduce_op, transition
+from .layout import (
+    Bucket,
+    Slot,
+    build_buckets,
+    pack_full,
+    pack_shard_full,
+    unpack_full,
+    unpack_shard_full,
+)
+from .placement import Partial, is_sharded, reduce_op, transition
 from .spec import Spec
 from .trace import Event, record
 
@@ -83,7 +91,11 @@ class Plan:
         return bool(bucket.flat_axes(bucket.spec.placements(role)))
 
     def geometry(self, b: int, role: str) -> tuple[int, list]:
-        """(chunk length, per-slot ragged geometry) of bucket ``b`` at a Flat ``role``."""
+        """(chunk length, per-slot geometry) of bucket ``b`` at a sharded ``role``.
+
+        Flat: each slot's ragged range in the rank's chunk. Shard(d): each slot's chunk
+        length along d on this rank.
+        """
         if (b, role) not in self._geometry:
             bucket, mesh = self.buckets[b], self.mesh
             axes = bucket.flat_axes(bucket.spec.placements(role))
@@ -91,12 +103,15 @@ class Plan:
             for a in axes:
                 stride //= mesh.size(a)
                 start = start + mesh.coordinate(a) * stride
-            length = stride
-            geoms = [
-                mesh.ragged(s.offset - start, s.offset + s.numel - start, length)
-                for s in bucket.slots
-            ]
-            self._geometry[(b, role)] = (length, geoms)
+            if bucket.shard is not None:
+                axis = bucket.shard[0]
+                geoms = [mesh.chunk_length(s.shape[s.dim], s.size, axis) for s in bucket.slots]
+            else:
+                geoms = [
+                    mesh.ragged(s.offset - start, s.offset + s.numel - start, stride)
+                    for s in bucket.slots
+                ]
+            self._geometry[(b, role)] = (stride, geoms)
         return self._geometry[(b, role)]
 
     def local_shape(self, slot: Slot, role: str, bucket_index: int | None) -> tuple[int, ...]:
@@ -104,12 +119,15 @@ class Plan:
         batch = self.mesh.batch_shape
         bucket = self.buckets[bucket_index] if bucket_index is not None else None
         spec = self.specs[slot.index]
-        if not any(isinstance(p, Flat) for p in spec.placements(role)):
+        if not any(is_sharded(p) for p in spec.placements(role)):
             return (*batch, *slot.shape)
         if bucket is None:  # a zero-size leaf: an empty piece on every rank
-            return (*batch, 0)
+            return (*batch, *slot.shape) if spec.shard else (*batch, 0)
         _, geoms = self.geometry(bucket_index, role)
-        return self.mesh.ragged_shape(geoms[bucket.slots.index(slot)])
+        geom = geoms[bucket.slots.index(slot)]
+        if bucket.shard is not None:
+            return self.mesh.narrow_shape(slot.chunk_shape, slot.dim, geom)
+        return self.mesh.ragged_shape(geom)
 
     def slots(self):
         """(slot, bucket index or None) for every leaf, in tree order."""
@@ -127,12 +145,24 @@ class Plan:
         """New bucket buffers holding ``leaves`` (local values at ``role``)."""
         batch, out = self.mesh.batch_shape, []
         for b, bucket in enumerate(self.buckets):
-            if not self.is_flat(bucket, role):
-                out.append(pack_full(bucket, leaves, batch))
+            sharded = self.is_flat(bucket, role)
+            if not sharded:
+                pack = pack_shard_full if bucket.shard else pack_full
+                out.append(pack(bucket, leaves, batch))
                 continue
             length, geoms = self.geometry(b, role)
             pieces = [leaves[s.index].detach() for s in bucket.slots]
-            out.append(self.mesh.ragged_join(pieces, geoms, length))
+            if bucket.shard is None:
+                out.append(self.mesh.ragged_join(pieces, geoms, length))
+                continue
+            nb, flat = len(batch), []
+            for s, x, geom in zip(bucket.slots, pieces, geoms):
+                x = self.mesh.narrow(x, nb + s.dim, geom)  # ignore any fill past the chunk
+                pad = s.size - x.shape[nb + s.dim]
+                if pad:
+                    x = torch.nn.functional.pad(x, (0, 0) * (len(s.shape) - s.dim - 1) + (0, pad))
+                flat.append(x.reshape(*batch, -1))
+            out.append(torch.cat(flat, dim=-1))
         return out
 
     def unpack(self, bufs: list[torch.Tensor], role: str) -> list[torch.Tensor]:
@@ -140,10 +170,22 @@ class Plan:
         batch, leaves = self.mesh.batch_shape, [None] * len(self.paths)
         for b, (bucket, buf) in enumerate(zip(self.buckets, bufs)):
             if not self.is_flat(bucket, role):
-                views = unpack_full(bucket, buf, batch)
-            else:
+                unpack = unpack_shard_full if bucket.shard else unpack_full
+                views = unpack(bucket, buf, batch)
+            elif bucket.shard is None:
                 _, geoms = self.geometry(b, role)
                 views = [self.mesh.ragged_slice(buf, g) for g in geoms]
+            else:
+                _, geoms = self.geometry(b, role)
+                nb = len(batch)
+                views = [
+                    self.mesh.narrow(
+                        buf[..., s.offset : s.offset + s.chunk_numel].view(*batch, *s.chunk_shape),
+                        nb + s.dim,
+                        g,
+                    )
+                    for s, g in zip(bucket.slots, geoms)
+                ]
             for s, v in zip(bucket.slots, views):
                 leaves[s.index] = v
         for s in self.empty:

@@ -21,7 +21,7 @@ from typing import Any
 import optree
 import torch
 
-from .placement import Flat
+from .placement import is_sharded
 from .plan import Plan, get_plan, layouts_for, run
 from .spec import Spec, format_path, resolve_specs
 
@@ -378,4 +378,4 @@ def _find_layout(leaves, treedef, paths, specs, like, source, name) -> tuple[Pla
 
 
 def _has_flat(spec: Spec, role: str) -> bool:
-    return any(isinstance(p, Flat) for p in spec.placements(role))
+    return any(is_sharded(p) for p in spec.placements(role))

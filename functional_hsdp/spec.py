@@ -17,7 +17,7 @@ from typing import Any
 import optree
 
 from .mesh import Mesh
-from .placement import REDUCE_OPS, Flat, Partial, Placement, Replicate, Shard
+from .placement import REDUCE_OPS, Flat, Partial, Placement, Replicate, Shard, is_sharded
 
 __all__ = ["Spec", "ddp", "fsdp", "hsdp", "hfsdp", "resolve_specs"]
 
@@ -37,11 +37,6 @@ def _tuple(role: str, placements: Any, mesh: Mesh) -> tuple[Placement, ...]:
     for axis, p in zip(mesh.axis_names, placements):
         if not isinstance(p, Placement):
             raise TypeError(f"Spec.{role} on axis {axis!r}: expected a placement; got {p!r}")
-        if isinstance(p, Shard):
-            raise NotImplementedError(
-                f"Spec.{role} on axis {axis!r}: Shard(d) placements are not supported yet; "
-                "use Flat()"
-            )
         if isinstance(p, Partial) and p.reduce_op not in REDUCE_OPS:
             raise ValueError(
                 f"Spec.{role} on axis {axis!r}: Partial({p.reduce_op!r}) is not supported; "
@@ -124,27 +119,56 @@ class Spec:
                 if isinstance(x, Partial):
                     raise ValueError(
                         f"Spec.{role} on axis {axis!r}: {x!r} is not allowed; {role} values are "
-                        "fully reduced (Replicate or Flat)"
+                        "fully reduced (Replicate, Flat or Shard)"
                     )
-            if isinstance(g, Flat) and not isinstance(o, Flat):
-                raise NotImplementedError(
-                    f"Spec on axis {axis!r}: gradient Flat with optimizer {o!r} is not "
-                    "supported; a Flat gradient axis stays Flat in the optimizer"
-                )
-            if isinstance(p, Flat) and not isinstance(o, Flat):
-                raise NotImplementedError(
-                    f"Spec on axis {axis!r}: parameter Flat with optimizer {o!r} is not "
-                    "supported; a Flat parameter axis must be Flat in the optimizer too"
-                )
+            for role, x in (("gradient", g), ("parameter", p)):
+                if is_sharded(x) and x != o:
+                    raise NotImplementedError(
+                        f"Spec on axis {axis!r}: {role} {x!r} with optimizer {o!r} is not "
+                        f"supported; a sharded {role} axis keeps its placement in the optimizer"
+                    )
+        self._check_shard()
         order = self.split_order
         for role in ("parameter", "gradient", "optimizer"):
-            flat = {a for a, x in zip(mesh.axis_names, getattr(self, role)) if isinstance(x, Flat)}
+            flat = {a for a, x in zip(mesh.axis_names, getattr(self, role)) if is_sharded(x)}
             if flat != set(order[: len(flat)]):
                 raise ValueError(
                     f"Spec.{role}: Flat axes {sorted(flat)} cannot be honoured: buckets are "
                     f"split in the order {order} (gradient Flat axes first, inner first), and "
                     f"every role's Flat axes must be a prefix of that order"
                 )
+
+    def _check_shard(self) -> None:
+        placements = {
+            (axis, x)
+            for role in ("parameter", "gradient", "optimizer")
+            for axis, x in zip(self.mesh.axis_names, getattr(self, role))
+            if isinstance(x, Shard)
+        }
+        if not placements:
+            return
+        if len(placements) > 1:
+            raise NotImplementedError(
+                f"Spec: Shard(d) on more than one axis or with different dims "
+                f"({sorted((a, str(x)) for a, x in placements)}) is not supported; FSDP2-style "
+                "Shard(d) takes one mesh axis, use Flat() to shard over several"
+            )
+        if any(
+            isinstance(x, Flat) for r in (self.parameter, self.gradient, self.optimizer) for x in r
+        ):
+            raise NotImplementedError(
+                "Spec: Flat and Shard(d) in one spec is not supported; give the subtrees "
+                "different specs (a spec may be a pytree prefix)"
+            )
+
+    @property
+    def shard(self) -> tuple[str, int] | None:
+        """(axis, dim) of this spec's Shard(dim) placement, or None."""
+        for role in (self.optimizer, self.gradient, self.parameter):
+            for axis, x in zip(self.mesh.axis_names, role):
+                if isinstance(x, Shard):
+                    return axis, x.dim
+        return None
 
     # Derived, cached facts. The dataclass is frozen, so cache in a private dict.
     def _memo(self, key: str, fn):
@@ -174,10 +198,8 @@ class Spec:
 
         def order() -> tuple[str, ...]:
             names = self.mesh.axis_names
-            grad = [a for a, g in zip(names, self.gradient) if isinstance(g, Flat)]
-            rest = [
-                a for a, o in zip(names, self.optimizer) if isinstance(o, Flat) and a not in grad
-            ]
+            grad = [a for a, g in zip(names, self.gradient) if is_sharded(g)]
+            rest = [a for a, o in zip(names, self.optimizer) if is_sharded(o) and a not in grad]
             return tuple(reversed(grad)) + tuple(reversed(rest))
 
         return self._memo("split_order", order)

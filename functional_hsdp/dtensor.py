@@ -1,0 +1,126 @@
+"""Export local shards as DTensors, for torch.distributed.checkpoint and DTensor-aware tools.
+
+Per leaf where DTensor can say what a rank holds: Replicate, Partial and ``Shard(d)`` (the
+local shard is exactly ``torch.chunk(x, n, d)[rank]``). A Flat leaf's piece is a range of the
+flattened leaf that no DTensor placement describes, so Flat trees export per bucket: the
+bucket is a 1-D global tensor (``Shard(0)`` over its Flat axis) or, with several Flat axes,
+a tensor of shape ``(n_1, ..., n_k, chunk)`` in split order with ``Shard(j)`` on the j-th
+split axis: exactly the rank's contiguous chunk, padding at the tail included (zeros).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .placement import Flat, Partial
+from .plan import Plan
+from .reduce import _check_tensors, _find_layout, _flatten
+from .spec import resolve_specs
+
+__all__ = ["to_dtensor"]
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = None) -> Any:
+    """Wrap this rank's local shards as DTensors on the spec's DeviceMesh (no communication).
+
+    Args:
+        tree: local shards (from :func:`shard`, :func:`reduce_grads`, :func:`sync_params` or
+            elementwise functions of those) on a :class:`DistMesh`.
+        spec: a :class:`Spec` or a pytree prefix of Specs.
+        per: ``"leaf"`` (default): a tree of the same structure with one DTensor per leaf;
+            Flat leaves are refused. ``"bucket"``: a list with one DTensor per bucket, for
+            any spec.
+        source: ``"optimizer"`` or ``"parameter"``, as in :func:`gather`.
+
+    Returns:
+        A tree of DTensors (``per="leaf"``) or a list of bucket DTensors (``per="bucket"``).
+
+    Example:
+        >>> import torch.distributed.checkpoint as dcp  # doctest: +SKIP
+        >>> state = fh.to_dtensor(fh.shard(params, spec), spec)  # doctest: +SKIP
+        >>> dcp.save(state, checkpoint_id="ckpt")  # doctest: +SKIP
+    """
+    if per not in ("leaf", "bucket"):
+        raise ValueError(f"to_dtensor: per must be 'leaf' or 'bucket'; got {per!r}")
+    leaves, treedef, paths = _flatten(tree, "tree")
+    specs = resolve_specs(spec, treedef, "tree")
+    if not leaves:
+        return [] if per == "bucket" else optree.tree_unflatten(treedef, [])
+    mesh = specs[0].mesh
+    device_mesh = getattr(mesh, "device_mesh", None)
+    if device_mesh is None:
+        raise TypeError(f"to_dtensor needs a DistMesh (a real DeviceMesh); got {mesh!r}")
+    _check_tensors(leaves, paths, mesh, floating=False, batched=True)
+    plan, role = _find_layout(leaves, treedef, paths, specs, None, source, "tree")
+    if per == "bucket":
+        return _buckets(plan, role, leaves, device_mesh)
+    out = []
+    for (slot, _), leaf, path in zip(plan.slots(), leaves, paths):
+        placements = plan.specs[slot.index].placements(role)
+        if any(isinstance(p, Flat) for p in placements):
+            raise NotImplementedError(
+                f"{path}: a Flat leaf's local piece is not a DTensor shard; export Flat trees "
+                "with to_dtensor(tree, spec, per='bucket')"
+            )
+        placements = [p if isinstance(p, Shard) else _plain(p) for p in placements]
+        out.append(
+            DTensor.from_local(
+                leaf,
+                device_mesh,
+                placements,
+                run_check=False,
+                shape=torch.Size(slot.shape),
+                stride=_contiguous_stride(slot.shape),
+            )
+        )
+    return optree.tree_unflatten(treedef, out)
+
+
+def _plain(p: Any) -> Any:
+    # Partial and Replicate are torch's own classes already; anything else has been refused.
+    if isinstance(p, Partial):
+        return Partial(p.reduce_op)
+    return Replicate()
+
+
+def _buckets(plan: Plan, role: str, leaves: list, device_mesh: Any) -> list[DTensor]:
+    mesh, out = plan.mesh, []
+    names = mesh.axis_names
+    for bucket, buf in zip(plan.buckets, plan.pack(leaves, role)):
+        spec = bucket.spec
+        split = bucket.flat_axes(spec.placements(role))
+        placements = []
+        for axis, p in zip(names, spec.placements(role)):
+            if axis in split:
+                placements.append(Shard(split.index(axis) if len(split) > 1 else 0))
+            else:
+                placements.append(_plain(p))
+        if len(split) > 1:
+            counts = tuple(mesh.size(a) for a in split)
+            local = buf.reshape(*(1,) * len(split), buf.shape[-1])
+            shape = (*counts, buf.shape[-1])
+        else:
+            local, shape = buf, (bucket.padded,)
+        out.append(
+            DTensor.from_local(
+                local,
+                device_mesh,
+                placements,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=_contiguous_stride(shape),
+            )
+        )
+    return out
