@@ -19,7 +19,7 @@ import einops
 import optree
 import torch
 
-from .layout import Bucket
+from .layout import Bucket, pack_shard_full
 from .plan import Plan, Step, apply, get_plan, steps
 from .reduce import _check_last, _check_tensors, _flatten, _structure_error, _tag
 from .spec import resolve_specs
@@ -251,6 +251,8 @@ class MainGrad:
 
     def _pack(self, bucket: Bucket, leaves: list[torch.Tensor]) -> torch.Tensor:
         """One bucket's packing buffer, in the wire dtype (one copy per leaf, casting)."""
+        if bucket.shard is not None:  # rank-major: each leaf's chunks go to every block
+            return pack_shard_full(bucket, leaves, self.mesh.batch_shape).to(self.reduce_dtype)
         batch = " ".join(f"m{k}" for k in range(len(self.mesh.batch_shape)))
         out = torch.empty(
             (*self.mesh.batch_shape, bucket.padded), dtype=self.reduce_dtype, device=bucket.device
