@@ -9,29 +9,46 @@ from .collectives import all_gather, pmean, psum, psum_scatter
 from .dtensor import to_dtensor
 from .maingrad import MainGrad, microbatches
 from .mesh import DistMesh, Mesh, SimMesh
+from .optim import (
+    AdamWState,
+    GradientTransformation,
+    SGDState,
+    adamw,
+    apply_updates,
+    clip_by_global_norm,
+    global_norm,
+    sgd,
+)
 from .placement import Flat, Partial, Placement, Replicate, Shard
 from .reduce import gather, reduce_grads, shard, sync_params
 from .spec import Spec, ddp, fsdp, hfsdp, hsdp
 from .trace import CommLog, Event, comm_log
 
 __all__ = [
+    "AdamWState",
     "CommLog",
     "DistMesh",
     "Event",
     "Flat",
+    "GradientTransformation",
     "MainGrad",
     "Mesh",
     "Partial",
     "Placement",
     "Replicate",
+    "SGDState",
     "Shard",
     "SimMesh",
     "Spec",
+    "adamw",
     "all_gather",
+    "apply_updates",
+    "clip_by_global_norm",
     "comm_log",
     "ddp",
     "fsdp",
     "gather",
+    "global_norm",
     "hfsdp",
     "hsdp",
     "microbatches",
@@ -39,6 +56,7 @@ __all__ = [
     "psum",
     "psum_scatter",
     "reduce_grads",
+    "sgd",
     "shard",
     "sync_params",
     "to_dtensor",

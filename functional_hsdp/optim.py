@@ -1,0 +1,499 @@
+"""Optimizers on sharded trees: global norm, clipping, and optax-style ``sgd`` and ``adamw``.
+
+Everything here works on local shards at a spec's optimizer placement (a final
+``reduce_grads`` result, ``shard``-ed weights, or any elementwise function of those):
+
+- :func:`global_norm` is the one place that needs communication. Each rank sums the squares
+  of its local pieces, then sums over the axes where the tree is *sharded* (the optimizer
+  placement's Flat or Shard(d) axes) and only those: a value replicated over an axis is
+  counted once, not once per replica. One small all-reduce per sharded axis, however many
+  leaves.
+- :func:`clip_by_global_norm` scales by ``min(1, max_norm / (norm + 1e-6))`` (as
+  ``torch.nn.utils.clip_grad_norm_``), computed once from the global norm, so every rank
+  scales by the same factor.
+- :func:`sgd` and :func:`adamw` are pairs of pure functions ``(init, update)`` in optax's style,
+  with the math of ``torch.optim.SGD`` / ``torch.optim.AdamW``. Updates are elementwise, so they
+  run on local shards of any placement and need no communication.
+
+Local shards are plain tensors, so ``torch.optim`` can update them too; only the norm needs the
+library (``torch.nn.utils.clip_grad_norm_`` on shards would see one rank's part):
+
+Example:
+    >>> import optree, torch, functional_hsdp as fh
+    >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    >>> spec = fh.hfsdp(mesh, "dp_outer", "dp_inner")
+    >>> params = fh.shard({"w": torch.linspace(-1, 1, 6), "b": torch.ones(3)}, spec)
+    >>> g = {"w": torch.randn(2, 2, 6), "b": torch.randn(2, 2, 3)}     # 4 ranks' gradients
+    >>> grads, norm = fh.clip_by_global_norm(fh.reduce_grads(g, spec, last=True), spec, 0.5)
+    >>> opt = fh.adamw(lr=0.1)
+    >>> updates, state = opt.update(grads, opt.init(params), params)
+    >>> new = fh.apply_updates(params, updates)
+    >>> local = [p.clone().requires_grad_() for p in optree.tree_leaves(params)]
+    >>> torch_opt = torch.optim.AdamW(local, lr=0.1)                  # the same, by torch.optim
+    >>> for p, g in zip(local, optree.tree_leaves(grads)):
+    ...     p.grad = g
+    >>> torch_opt.step()
+    >>> all(torch.allclose(p, q) for p, q in zip(local, optree.tree_leaves(new)))
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from .collectives import psum
+from .mesh import Mesh
+from .placement import Flat, is_sharded
+from .reduce import _state
+from .spec import Spec, format_path, resolve_specs
+
+__all__ = [
+    "AdamWState",
+    "GradientTransformation",
+    "SGDState",
+    "adamw",
+    "apply_updates",
+    "clip_by_global_norm",
+    "global_norm",
+    "sgd",
+]
+
+# torch.nn.utils.clip_grad_norm_'s epsilon, added once to the global norm (never per rank).
+_CLIP_EPS = 1e-6
+
+
+# -- global norm and clipping --------------------------------------------------------------
+
+
+def _sharded_axes(spec: Spec, role: str) -> tuple[str, ...]:
+    """The mesh axes over which a value at ``role`` is split (Flat or Shard), in mesh order."""
+    names = spec.mesh.axis_names
+    return tuple(a for a, p in zip(names, spec.placements(role)) if is_sharded(p))
+
+
+def _placement_str(spec: Spec, role: str) -> str:
+    return "[" + ", ".join(map(str, spec.placements(role))) + "]"
+
+
+def _spec_mesh(spec: Any) -> Mesh:
+    return optree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, Spec))[0].mesh
+
+
+def _check_tagged(
+    leaf: Any, index: int, treedef: optree.PyTreeSpec, path: str, axes: tuple[str, ...], spec: Spec
+) -> None:
+    """Refuse a leaf whose state tag says it is Partial, or split over other axes than ``axes``."""
+    state = _state(leaf)
+    if state is None:
+        return
+    if state.kind == "accumulating":
+        raise ValueError(
+            f"{path}: is an accumulating gradient, still Partial on the deferred axes "
+            f"{spec.deferred_axes}, so its norm is not defined yet; call "
+            "reduce_grads(..., last=True) first"
+        )
+    # The spec the leaf was made with: found by position when the tag's tree is this tree,
+    # else known only when every spec of the tag's tree splits the same axes (say, a subtree
+    # of a one-spec tree). Other specs with the same split axes give the same norm.
+    made = [state.plan.specs[index]] if state.plan.treedef == treedef else state.plan.specs
+    made_axes = {_sharded_axes(s, state.role) for s in made}
+    if len(made_axes) == 1 and made_axes != {axes}:
+        raise ValueError(
+            f"{path}: was made at the {state.role} placement "
+            f"{_placement_str(made[0], state.role)} of another spec (split over "
+            f"{made_axes.pop()}), but spec's optimizer placement "
+            f"{_placement_str(spec, 'optimizer')} is split over {axes}, and a norm summed over "
+            "the wrong axes is silently wrong; pass the spec the tree was made with"
+        )
+
+
+def global_norm(tree: Any, spec: Any) -> torch.Tensor:
+    """The L2 norm of a whole sharded tree, as if it were gathered: the same on every rank.
+
+    Each rank sums the squares of its local pieces (in float32, or in float64 when any leaf
+    is float64); the sums are then added over the axes where the optimizer placement is Flat
+    or Shard(d), and only there: replicated axes hold copies, counted once. Leaves are
+    grouped by the set of axes they are sharded on, so there is one all-reduce of a few
+    scalars per sharded axis, however many leaves. On a SimMesh the zero fill of ragged
+    pieces adds nothing.
+
+    Args:
+        tree: pytree of floating local shards at the optimizer placement of ``spec`` (a final
+            :func:`reduce_grads` result, :func:`shard`-ed weights, or elementwise functions of
+            those); on a SimMesh with the mesh shape in front. A Partial (accumulating) tree
+            is refused.
+        spec: a :class:`Spec`, or a pytree prefix of Specs (one mesh).
+
+    Returns:
+        The norm, float32 (float64 if any leaf is float64), not differentiable: a 0-d tensor
+        on a DistMesh; on a SimMesh a tensor of the mesh shape (every rank's copy, all equal).
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+        >>> spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+        >>> fh.global_norm(fh.shard({"w": torch.full((5,), 2.0)}, spec), spec)  # sqrt(5 * 4)
+        tensor([[4.4721, 4.4721],
+                [4.4721, 4.4721]])
+    """
+    paths, leaves, treedef = optree.tree_flatten_with_path(tree)
+    specs = resolve_specs(spec, treedef, "tree")
+    mesh = _spec_mesh(spec)
+    batch = mesh.batch_shape
+    nb = len(batch)
+    names = [f"tree{format_path(p)}" for p in paths]
+    wide = any(x.dtype in (torch.float64, torch.complex128) for x in leaves if _is_tensor(x))
+    acc = torch.float64 if wide else torch.float32
+    groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
+    with torch.no_grad():
+        for i, (leaf, s, path) in enumerate(zip(leaves, specs, names)):
+            axes = _sharded_axes(s, "optimizer")
+            flat = any(isinstance(p, Flat) for p in s.optimizer)
+            _check_leaf(leaf, path, mesh, axes if flat else ())
+            _check_tagged(leaf, i, treedef, path, axes, s)
+            v = torch.view_as_real(leaf) if leaf.is_complex() else leaf
+            v = v.reshape(*batch, math.prod(v.shape[nb:])).to(acc)
+            groups.setdefault(axes, []).append(torch.linalg.vecdot(v, v))
+        if not groups:
+            return torch.zeros(batch, dtype=acc)
+        keys = list(groups)
+        sums = [torch.stack(groups[k]).sum(0) for k in keys]
+        # Sum each group over its own sharded axes: one psum per axis carries every group
+        # sharded on it, so the count of collectives follows the axes, not the leaves.
+        for axis in mesh.axis_names:
+            which = [j for j, k in enumerate(keys) if axis in k]
+            if which:
+                for j, total in zip(which, psum([sums[j] for j in which], axis, mesh)):
+                    sums[j] = total
+        return torch.stack(sums).sum(0).sqrt()
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _check_leaf(leaf: Any, path: str, mesh: Mesh, axes: tuple[str, ...]) -> None:
+    if not _is_tensor(leaf):
+        raise TypeError(f"{path}: expected a torch.Tensor leaf; got {type(leaf).__name__}")
+    if not (leaf.is_floating_point() or leaf.is_complex()):
+        raise TypeError(f"{path}: expected a floating dtype; got {leaf.dtype}")
+    batch = mesh.batch_shape
+    if tuple(leaf.shape[: len(batch)]) != batch:
+        raise ValueError(
+            f"{path}: on {mesh!r} a value's leading dims must be the mesh shape {batch} "
+            f"(rank (i, j, ...) holds x[i, j, ...]); got shape {tuple(leaf.shape)}"
+        )
+    if axes and leaf.dim() != len(batch) + 1:  # a Flat piece is 1-D (a Shard(d) chunk is not)
+        raise ValueError(
+            f"{path}: spec's optimizer placement splits this leaf over {axes}, so its local "
+            f"value is a 1-D piece; got shape {tuple(leaf.shape)}. Pass local shards "
+            "(from fh.shard or reduce_grads(..., last=True)), not full tensors"
+        )
+
+
+def clip_by_global_norm(tree: Any, spec: Any, max_norm: float) -> tuple[Any, torch.Tensor]:
+    """Scale a sharded tree so that its global norm is at most ``max_norm``.
+
+    The factor is ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``:
+    computed once from the global norm, so it is the same on every rank.
+
+    Args:
+        tree: pytree of floating local shards at the optimizer placement of ``spec`` (see
+            :func:`global_norm`).
+        spec: a :class:`Spec`, or a pytree prefix of Specs.
+        max_norm: the largest norm allowed (a number >= 0).
+
+    Returns:
+        ``(clipped, norm)``: a new tree, same structure, shapes and dtypes, and the global norm
+        before clipping (see :func:`global_norm`).
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp": 2})
+        >>> spec = fh.fsdp(mesh)
+        >>> g = fh.shard({"w": torch.tensor([0.0, 3.0, 4.0])}, spec)
+        >>> clipped, norm = fh.clip_by_global_norm(g, spec, max_norm=1.0)
+        >>> norm, fh.gather(clipped, spec)["w"][0]
+        (tensor([5., 5.]), tensor([0.0000, 0.6000, 0.8000]))
+    """
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, (int, float))
+        or not (max_norm >= 0 and math.isfinite(max_norm))
+    ):
+        raise ValueError(f"max_norm must be a finite number >= 0; got {max_norm!r}")
+    norm = global_norm(tree, spec)
+    factor = torch.clamp(max_norm / (norm + _CLIP_EPS), max=1.0)
+
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        f = factor.to(x.device).reshape(*factor.shape, *[1] * (x.dim() - factor.dim()))
+        # computed in the factor's precision, rounded once to x's dtype, as torch does
+        return (x * f).to(x.dtype)
+
+    return optree.tree_map(scale, tree), norm
+
+
+# -- optimizers ----------------------------------------------------------------------------
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions, as optax's.
+
+    Attributes:
+        init: ``init(params) -> state``.
+        update: ``update(grads, state, params) -> (updates, new_state)``; apply with
+            :func:`apply_updates`.
+    """
+
+    init: Callable[[Any], Any]
+    update: Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+class SGDState(NamedTuple):
+    """State of :func:`sgd`.
+
+    Attributes:
+        count: number of updates so far (a host int, the same on every rank).
+        momentum: tree like the params (local shards) of momentum buffers; None without
+            momentum.
+    """
+
+    count: int
+    momentum: Any
+
+
+class AdamWState(NamedTuple):
+    """State of :func:`adamw`.
+
+    Attributes:
+        count: number of updates so far (a host int, the same on every rank).
+        mu: tree like the params (local shards): first moments (torch's ``exp_avg``).
+        nu: tree like the params (local shards): second moments (torch's ``exp_avg_sq``).
+    """
+
+    count: int
+    mu: Any
+    nu: Any
+
+
+def _flat(tree: Any, name: str) -> tuple[list, optree.PyTreeSpec, list[str]]:
+    paths, leaves, treedef = optree.tree_flatten_with_path(tree)
+    names = [f"{name}{format_path(p)}" for p in paths]
+    for leaf, path in zip(leaves, names):
+        if not _is_tensor(leaf):
+            raise TypeError(f"{path}: expected a torch.Tensor leaf; got {type(leaf).__name__}")
+    return leaves, treedef, names
+
+
+def _like(
+    tree: Any, name: str, params: list, params_def: optree.PyTreeSpec, hint: str
+) -> tuple[list, list[str]]:
+    """``tree``'s leaves and paths, checked to have the structure and local shapes of params."""
+    leaves, treedef, names = _flat(tree, name)
+    if treedef != params_def:
+        reference = optree.tree_unflatten(params_def, [0] * params_def.num_leaves)
+        errors = optree.prefix_errors(reference, tree) or optree.prefix_errors(tree, reference)
+        detail = errors[0](name) if errors else f"expected {params_def}; got {treedef}"
+        raise ValueError(f"{name} does not have the structure of params: {detail}; {hint}")
+    for leaf, p, path in zip(leaves, params, names):
+        if leaf.shape != p.shape:
+            raise ValueError(
+                f"{path}: expected local shape {tuple(p.shape)} (as params"
+                f"{path[len(name) :]}); got {tuple(leaf.shape)}; {hint}"
+            )
+    return leaves, names
+
+
+_STATE_HINT = (
+    "this optimizer state was made for another spec or tree (its local shards are laid out "
+    "differently); call init(params) with params at this spec's optimizer placement"
+)
+_GRAD_HINT = (
+    "grads must be local shards at the placement of params (a final reduce_grads result, "
+    "with the spec params were sharded with)"
+)
+
+
+def _grads(grads: Any, params: list, params_def: optree.PyTreeSpec) -> list[torch.Tensor]:
+    for leaf, path in zip(*_flat(grads, "grads")[::2]):
+        state = _state(leaf)
+        if state is not None and state.kind == "accumulating":
+            raise ValueError(
+                f"{path}: is an accumulating gradient, still Partial on the deferred axes; "
+                "call reduce_grads(..., last=True) first"
+            )
+    leaves, _ = _like(grads, "grads", params, params_def, _GRAD_HINT)
+    return [g.to(p.dtype) for g, p in zip(leaves, params)]
+
+
+def _moments(tree: Any, name: str, params: list, params_def: optree.PyTreeSpec) -> list:
+    leaves, names = _like(tree, name, params, params_def, _STATE_HINT)
+    for leaf, p, path in zip(leaves, params, names):
+        if leaf.dtype != p.dtype:
+            raise TypeError(f"{path}: expected dtype {p.dtype} (as params); got {leaf.dtype}")
+    return leaves
+
+
+def _check_state(state: Any, cls: type) -> None:
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"state: expected an {cls.__name__} (from this optimizer's init); got "
+            f"{type(state).__name__}"
+        )
+
+
+def _check_hyper(**values: float) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name} must be a number >= 0; got {value!r}")
+
+
+def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> GradientTransformation:
+    """Stochastic gradient descent with ``torch.optim.SGD``'s math, on local shards.
+
+    ``d = g + weight_decay * p``; with momentum ``buf = momentum * buf + d`` (``buf = d`` on
+    the first step) and ``d = buf``; the update is ``-lr * d``.
+
+    Args:
+        lr: learning rate.
+        momentum: momentum factor (0: none, no per-parameter state).
+        weight_decay: L2 penalty added to the gradient (coupled, as torch.optim.SGD).
+
+    Returns:
+        A :class:`GradientTransformation`; its state is an :class:`SGDState`.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> params = {"w": torch.ones(2)}
+        >>> opt = fh.sgd(lr=0.1, momentum=0.9)
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update({"w": torch.ones(2)}, state, params)
+        >>> fh.apply_updates(params, updates)["w"], state.count
+        (tensor([0.9000, 0.9000]), 1)
+    """
+    _check_hyper(lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+    def init(params: Any) -> SGDState:
+        leaves, treedef, _ = _flat(params, "params")
+        if not momentum:
+            return SGDState(0, None)
+        return SGDState(0, optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves]))
+
+    def update(grads: Any, state: SGDState, params: Any) -> tuple[Any, SGDState]:
+        _check_state(state, SGDState)
+        p, treedef, _ = _flat(params, "params")
+        g = _grads(grads, p, treedef)
+        d = [gi + weight_decay * pi if weight_decay else gi for gi, pi in zip(g, p)]
+        new_momentum = None
+        if momentum:
+            if state.momentum is None:
+                raise ValueError(
+                    "state.momentum is None: this state was made without momentum; "
+                    "call init(params) with this optimizer"
+                )
+            buf = _moments(state.momentum, "state.momentum", p, treedef)
+            # zero buffers make the first step buf = d, as torch's clone
+            d = [momentum * b + di for b, di in zip(buf, d)]
+            new_momentum = optree.tree_unflatten(treedef, d)
+        updates = optree.tree_unflatten(treedef, [-lr * di for di in d])
+        return updates, SGDState(state.count + 1, new_momentum)
+
+    return GradientTransformation(init, update)
+
+
+def adamw(
+    lr: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> GradientTransformation:
+    """Adam with decoupled weight decay, with ``torch.optim.AdamW``'s math, on local shards.
+
+    With ``t`` the step count after this update: ``m = b1 m + (1 - b1) g``,
+    ``v = b2 v + (1 - b2) g²``, and the update is
+    ``-lr * weight_decay * p - lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)``.
+
+    Args:
+        lr: learning rate.
+        b1: decay rate of the first moment (torch's ``betas[0]``).
+        b2: decay rate of the second moment (torch's ``betas[1]``).
+        eps: added to the bias-corrected ``sqrt(v)``, elementwise (no communication).
+        weight_decay: decoupled weight decay, ``p -= lr * weight_decay * p``.
+
+    Returns:
+        A :class:`GradientTransformation`; its state is an :class:`AdamWState`.
+
+    References:
+        Loshchilov & Hutter, *Decoupled Weight Decay Regularization*, ICLR 2019.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> params = {"w": torch.ones(2)}
+        >>> opt = fh.adamw(lr=0.1, weight_decay=0.0)
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -3.0])}, opt.init(params), params)
+        >>> updates["w"]
+        tensor([-0.1000,  0.1000])
+    """
+    _check_hyper(lr=lr, eps=eps, weight_decay=weight_decay)
+    for name, b in (("b1", b1), ("b2", b2)):
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1:
+            raise ValueError(f"{name} must be in [0, 1); got {b!r}")
+
+    def init(params: Any) -> AdamWState:
+        leaves, treedef, _ = _flat(params, "params")
+        zeros = lambda: optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves])
+        return AdamWState(0, zeros(), zeros())
+
+    def update(grads: Any, state: AdamWState, params: Any) -> tuple[Any, AdamWState]:
+        _check_state(state, AdamWState)
+        p, treedef, _ = _flat(params, "params")
+        g = _grads(grads, p, treedef)
+        mu = _moments(state.mu, "state.mu", p, treedef)
+        nu = _moments(state.nu, "state.nu", p, treedef)
+        count = state.count + 1
+        # Host scalars, as torch's single-tensor AdamW computes them.
+        step_size = lr / (1 - b1**count)
+        bias_correction2_sqrt = (1 - b2**count) ** 0.5
+        new_mu = [m.lerp(gi, 1 - b1) for m, gi in zip(mu, g)]
+        new_nu = [torch.addcmul(v * b2, gi, gi, value=1 - b2) for v, gi in zip(nu, g)]
+        updates = [
+            torch.addcdiv(
+                -lr * weight_decay * pi, m, v.sqrt() / bias_correction2_sqrt + eps, value=-step_size
+            )
+            for pi, m, v in zip(p, new_mu, new_nu)
+        ]
+        return optree.tree_unflatten(treedef, updates), AdamWState(
+            count,
+            optree.tree_unflatten(treedef, new_mu),
+            optree.tree_unflatten(treedef, new_nu),
+        )
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+    """``params + updates``, leaf by leaf (a new tree; nothing is mutated).
+
+    Args:
+        params: pytree of local shards.
+        updates: a tree of the same structure and local shapes (from an ``update``).
+
+    Returns:
+        A new tree of ``p + u``, in each param's dtype.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> fh.apply_updates({"w": torch.ones(2)}, {"w": torch.tensor([0.5, -1.0])})
+        {'w': tensor([1.5000, 0.0000])}
+    """
+    p, treedef, _ = _flat(params, "params")
+    u, _ = _like(
+        updates, "updates", p, treedef, "pass the updates that update() returned for params"
+    )
+    return optree.tree_unflatten(treedef, [(pi + ui).to(pi.dtype) for pi, ui in zip(p, u)])

@@ -1,0 +1,125 @@
+"""Optimizers on 4 real gloo processes (2x2 mesh), started once for the module.
+
+HFSDP with fh.adamw and fh.clip_by_global_norm trains a small torch.func MLP and matches a
+single-rank baseline that uses torch.optim.AdamW and torch.nn.utils.clip_grad_norm_ on the full
+batch; global_norm on a DistMesh gives SimMesh's norm on every rank.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_pool import device_mesh, module_pool
+from reference import AXES, accumulate, preset, random_tree
+from torch.func import functional_call, grad_and_value
+
+import functional_hsdp as fh
+
+pool = module_pool(4)
+SHAPE = (2, 2)
+IN, HIDDEN, BATCH, LR, STEPS, MICROBATCHES = 6, 16, 4, 0.05, 5, 3
+MAX_NORM = 0.25  # between the gradient norms of the steps: clipping is active in some only
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
+    )
+    world = SHAPE[0] * SHAPE[1]
+    # one fixed global batch (a smooth target), revisited every step
+    x = torch.randn(world, MICROBATCHES, BATCH, IN)
+    y = torch.sin(x.sum(-1, keepdim=True))
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return model, params, x, y
+
+
+def _loss(model):
+    def loss(params, x, y):
+        return torch.nn.functional.mse_loss(functional_call(model, params, (x,)), y)
+
+    return loss
+
+
+def _train_hfsdp_adamw():
+    spec = fh.hfsdp(fh.DistMesh(device_mesh(SHAPE, AXES)), *AXES)
+    model, full0, x, y = _setup()
+    step_grad = grad_and_value(_loss(model))
+    rank = dist.get_rank()
+    params = fh.shard(full0, spec)  # main weights at the optimizer placement [F, F]
+    opt = fh.adamw(LR)
+    state = opt.init(params)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        full = fh.gather(params, spec)
+        acc, loss_sum = None, 0.0
+        for m in range(MICROBATCHES):
+            g, loss = step_grad(full, x[rank, m], y[rank, m])
+            g = optree.tree_map(lambda t: t / MICROBATCHES, g)
+            acc = fh.reduce_grads(g, spec, last=(m == MICROBATCHES - 1), acc=acc)
+            loss_sum += loss.item() / MICROBATCHES
+        with fh.comm_log() as log:
+            grads, norm = fh.clip_by_global_norm(acc, spec, MAX_NORM)
+        updates, state = opt.update(grads, state, params)
+        params = fh.apply_updates(params, updates)
+        losses.append(loss_sum)
+        norms.append(norm)
+    events = [(e.op, e.axis, e.numel) for e in log.events]
+    return torch.tensor(losses), torch.stack(norms), fh.gather(params, spec), events
+
+
+def _train_single_rank():
+    model, params, x, y = _setup()
+    params = {k: v.requires_grad_() for k, v in params.items()}
+    opt = torch.optim.AdamW(params.values(), lr=LR)
+    loss_fn = _loss(model)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = loss_fn(params, x.reshape(-1, IN), y.reshape(-1, 1))
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params.values(), MAX_NORM))
+        opt.step()
+        losses.append(loss.item())
+    return torch.tensor(losses), torch.stack(norms), {k: v.detach() for k, v in params.items()}
+
+
+def test_hfsdp_adamw_with_clipping_matches_single_rank_torch_adamw(pool):
+    results = pool.run(_train_hfsdp_adamw)
+    ref_losses, ref_norms, ref_params = _train_single_rank()
+    assert (ref_norms > MAX_NORM).any() and (ref_norms < MAX_NORM).any()
+    # each rank's loss is the mean over its samples; equal sizes make their mean the global one
+    losses = torch.stack([r[0] for r in results]).mean(0)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert losses[-1] < losses[0]
+    for _, norms, final, events in results:
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(norms, results[0][1], rtol=0, atol=0)  # same on every rank
+        for k in ref_params:
+            torch.testing.assert_close(final[k], ref_params[k], rtol=1e-5, atol=1e-6)
+        # one scalar all-reduced per sharded axis
+        assert events == [("all_reduce", "dp_outer", 1), ("all_reduce", "dp_inner", 1)]
+
+
+# -- DistMesh and SimMesh give the same norm -----------------------------------------------
+
+STRATEGIES = ["ddp", "fsdp", "hsdp", "hfsdp"]
+
+
+def _norm_on_rank(strategy: str):
+    spec = preset(strategy, fh.DistMesh(device_mesh(SHAPE, AXES)))
+    o, i = divmod(dist.get_rank(), SHAPE[1])
+    micro = [optree.tree_map(lambda x: x[o, i], random_tree(SHAPE, seed=m)) for m in range(2)]
+    return fh.global_norm(accumulate(micro, spec), spec)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_dist_global_norm_equals_sim_global_norm(pool, strategy):
+    results = pool.run(_norm_on_rank, strategy)
+    spec = preset(strategy, fh.SimMesh(dict(zip(AXES, SHAPE))))
+    sim = fh.global_norm(accumulate([random_tree(SHAPE, seed=m) for m in range(2)], spec), spec)
+    for rank, norm in enumerate(results):
+        assert norm.shape == ()
+        torch.testing.assert_close(norm, sim[divmod(rank, SHAPE[1])], rtol=1e-6, atol=0)
