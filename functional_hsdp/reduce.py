@@ -223,17 +223,20 @@ def _reduce(grads: Any, spec: Any, last: Any, acc: Any, name: str) -> Any:
     return optree.tree_unflatten(treedef, out)
 
 
-def shard(tree: Any, spec: Any, *, to: str = "optimizer") -> Any:
+def shard(tree: Any, spec: Any, *, to: str = "optimizer", stacked: bool | None = None) -> Any:
     """Full (replicated) values -> this rank's local shards at the optimizer placement.
 
     Replicate -> Flat is a local slice: no communication.
 
     Args:
         tree: pytree of full tensors, the same on every rank. On a SimMesh either stacked
-            (leading dims = mesh shape, on every leaf) or plain (meaning the same value on
-            every rank).
+            (the mesh shape in front of every leaf, as :func:`gather` returns) or plain
+            (meaning the same value on every rank).
         spec: a :class:`Spec` or a pytree prefix of Specs.
         to: ``"optimizer"`` (default) or ``"parameter"``.
+        stacked: SimMesh only: whether ``tree`` carries the mesh dims. By default a tree is
+            taken as stacked when every leaf starts with the mesh shape and is the same on
+            every rank (a full value is replicated), else as plain; pass it to be explicit.
 
     Returns:
         A new tree, same structure, of local shards (1-D pieces on Flat buckets).
@@ -252,15 +255,27 @@ def shard(tree: Any, spec: Any, *, to: str = "optimizer") -> Any:
     if not leaves:
         return optree.tree_unflatten(treedef, [])
     mesh = specs[0].mesh
-    _check_tensors(leaves, paths, mesh, floating=False, batched=False)
     batch, nb = mesh.batch_shape, len(mesh.batch_shape)
-    if not all(tuple(x.shape[:nb]) == batch for x in leaves):
+    if stacked is None:
+        stacked = all(_replicated(x, batch) for x in leaves)
+    _check_tensors(leaves, paths, mesh, floating=False, batched=stacked)
+    if not stacked:
         leaves = [x.expand(*batch, *x.shape) for x in leaves]
     plan = _plan_from(leaves, treedef, paths, specs, (tuple(x.shape[nb:]) for x in leaves))
     bufs = run(plan, plan.pack(leaves, "full"), "full", to)
     out = plan.unpack([mesh.wait(b) for b in bufs], to)
     _tag(out, plan, to, "weights")
     return optree.tree_unflatten(treedef, out)
+
+
+def _replicated(x: torch.Tensor, batch: tuple[int, ...]) -> bool:
+    """Whether ``x`` reads as a stacked replicated value: mesh dims in front, equal slices."""
+    if not batch:  # a real rank holds only its own value
+        return True
+    if tuple(x.shape[: len(batch)]) != batch:
+        return False
+    flat = x.reshape(-1, *x.shape[len(batch) :])
+    return bool((flat == flat[:1]).all()) if flat.numel() else True
 
 
 def gather(tree: Any, spec: Any, *, like: Any = None, source: str | None = None) -> Any:
