@@ -12,22 +12,23 @@ public API (``shard``, ``gather``, ``reduce_grads``, ``comm_log``), runs either
 
 The loop does not ask which mesh it has: it wraps the per-rank gradient in one ``vmap`` per
 dim of ``mesh.batch_shape`` (none on a DistMesh, ``(O, I)`` on a SimMesh), and slices data the
-same way. A dense single-process reference (a plain ``nn.Module``, autograd and
-``torch.optim.SGD`` on the whole global batch) runs the same math; the demo passes when the
-per-step losses agree to within 1e-5.
+same way. A dense single-process reference (a plain ``nn.Module``, autograd and SGD on the
+whole global batch) runs the same math; the demo passes when the per-step losses agree to
+within 1e-5.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import multiprocessing
 import socket
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TextIO
 
 import einops
@@ -49,7 +50,7 @@ TOLERANCE = 1e-5  # fp32: the distributed sums reassociate, nothing more
 Params = dict[str, torch.Tensor]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Config:
     """Everything that defines a demo run; both backends and the reference read only this.
 
@@ -80,7 +81,7 @@ class Config:
         return self.world_size * self.microbatches * self.batch
 
 
-@dataclass
+@dataclasses.dataclass
 class Result:
     """What one training run produces.
 
@@ -101,7 +102,7 @@ class Result:
         return [math.fsum(ranks) / len(ranks) for ranks in self.rank_losses]
 
 
-@dataclass
+@dataclasses.dataclass
 class Report:
     """A run against its reference; ``passed`` is ``max_loss_error < TOLERANCE``."""
 
@@ -251,6 +252,12 @@ def train_gloo(cfg: Config) -> Result:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # Workers fork from a fresh server process that has imported torch once, instead of each
+    # importing it (spawn: seconds per worker). Forking this process instead can deadlock: the
+    # agent's rendezvous store already runs threads here. torch.func.grad imports
+    # torch._dynamo on first use, as slow again, so the server imports it too. Takes effect if
+    # no server runs yet.
+    multiprocessing.set_forkserver_preload(["torch._dynamo", "functional_hsdp.demo"])
     with tempfile.TemporaryDirectory(prefix="functional_hsdp_demo_") as logs:
         config = LaunchConfig(
             min_nodes=1,
@@ -262,31 +269,34 @@ def train_gloo(cfg: Config) -> Result:
             max_restarts=0,
             monitor_interval=0.05,  # the agent polls workers: short polls end the run sooner
             logs_specs=DefaultLogsSpecs(log_dir=logs),
+            start_method="forkserver",
         )
         results = elastic_launch(config, _worker)(cfg)
     ranks = [results[r] for r in range(cfg.world_size)]
-    first = ranks[0]
-    first.rank_losses = [[r.rank_losses[s][0] for r in ranks] for s in range(cfg.steps)]
-    return first
+    losses = [[r.rank_losses[s][0] for r in ranks] for s in range(cfg.steps)]
+    return dataclasses.replace(ranks[0], rank_losses=losses)
 
 
 def train_reference(cfg: Config) -> tuple[list[float], Params]:
-    """Plain dense torch: the whole global batch, autograd, ``torch.optim.SGD``.
+    """Plain dense torch: the whole global batch, an ``nn.Module``, autograd and SGD.
 
     Its gradient is that of the mean loss over the global batch, which equals the mean over
-    ranks of the sum over microbatches of grad(loss / M) when slices are equal-sized.
+    ranks of the sum over microbatches of grad(loss / M) when slices are equal-sized. The
+    update is written out: ``torch.optim`` would import ``torch._dynamo`` (seconds) for five
+    subtractions.
     """
     model = make_model(cfg).to_empty(device="cpu")
     model.load_state_dict(init_params(cfg))
     x, y = make_data(cfg)
     x, y = x.reshape(-1, cfg.features), y.reshape(-1, cfg.outputs)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     losses = []
     for _ in range(cfg.steps):
-        opt.zero_grad()
+        model.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
-        opt.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= cfg.lr * p.grad
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -294,8 +304,8 @@ def train_reference(cfg: Config) -> tuple[list[float], Params]:
 # -- running and reporting -----------------------------------------------------------------
 
 
-def run(cfg: Config, out: TextIO = sys.stdout) -> Report:
-    """Train with ``cfg``, run the reference, print the comparison to ``out``."""
+def run(cfg: Config, out: TextIO | None = None) -> Report:
+    """Train with ``cfg``, run the reference, print the comparison to ``out`` (stdout)."""
     if cfg.strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}; got {cfg.strategy!r}")
     if cfg.backend not in BACKENDS:
@@ -314,7 +324,7 @@ def run(cfg: Config, out: TextIO = sys.stdout) -> Report:
         ),
         seconds=seconds,
     )
-    _print_report(report, out)
+    _print_report(report, out or sys.stdout)
     return report
 
 
@@ -337,15 +347,19 @@ def _print_report(report: Report, out: TextIO) -> None:
     for s, (a, b) in enumerate(zip(result.losses, report.reference_losses)):
         say(f"{s:>4}  {a:>12.8f}  {b:>12.8f}  {abs(a - b):>9.2e}")
     say()
+    def per_step(total: int) -> str:  # every step issues the same collectives
+        return str(total // cfg.steps) if total % cfg.steps == 0 else f"{total / cfg.steps:.2f}"
+
     say("communication per step (one rank's inputs):")
     say(f"  {'axis':<10}{'op':<16}{'count':>6}{'bytes':>10}  impl")
     for (axis, op), (count, nbytes) in sorted(result.comm.items()):
-        say(f"  {axis:<10}{op:<16}{count / cfg.steps:>6g}{nbytes / cfg.steps:>10g}  "
+        say(f"  {axis:<10}{op:<16}{per_step(count):>6}{per_step(nbytes):>10}  "
             f"{result.impls[(axis, op)]}")
     if not result.comm:
         say("  (none)")
     say()
-    say(f"training time: {report.seconds:.2f} s")
+    started = f", including starting {cfg.world_size} workers" if cfg.backend == "gloo" else ""
+    say(f"training wall time: {report.seconds:.2f} s{started}")
     say(f"max |Δloss| over steps = {report.max_loss_error:.3e}; final max |Δparam| = "
         f"{report.max_param_error:.3e}")
     verdict = "PASS" if report.passed else "FAIL"
@@ -378,7 +392,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``demo`` flags; defaults come from :class:`Config`."""
     d = Config()
     parser.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
-                        help="ddp and fsdp span both axes; hsdp defers dp_outer (default: %(default)s)")
+                        help="ddp and fsdp span both axes; hsdp defers dp_outer "
+                             "(default: %(default)s)")
     parser.add_argument("--backend", choices=BACKENDS, default=d.backend,
                         help="gloo: O*I local worker processes; sim: one process, SimMesh "
                              "(default: %(default)s)")
