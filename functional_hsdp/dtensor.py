@@ -47,10 +47,11 @@ def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = 
     Returns:
         A tree of DTensors (``per="leaf"``) or a list of bucket DTensors (``per="bucket"``).
 
-    Example:
-        >>> import torch.distributed.checkpoint as dcp  # doctest: +SKIP
-        >>> state = fh.to_dtensor(fh.shard(params, spec), spec)  # doctest: +SKIP
-        >>> dcp.save(state, checkpoint_id="ckpt")  # doctest: +SKIP
+    Example (on every rank of a DistMesh; tested in tests/test_dist_gloo.py)::
+
+        import torch.distributed.checkpoint as dcp
+        state = {"main": fh.to_dtensor(fh.shard(params, spec), spec, per="bucket")}
+        dcp.save(state, checkpoint_id="ckpt")
     """
     if per not in ("leaf", "bucket"):
         raise ValueError(f"to_dtensor: per must be 'leaf' or 'bucket'; got {per!r}")
