@@ -19,6 +19,7 @@ import einops
 import optree
 import torch
 
+from . import validate
 from .layout import Bucket, pack_shard_full
 from .plan import Plan, Step, apply, get_plan, steps
 from .reduce import _check_last, _check_tensors, _flatten, _structure_error, _tag
@@ -137,7 +138,7 @@ class MainGrad:
         _tag(leaves, self.plan, role, "final" if self._state == "final" else "accumulating")
         return optree.tree_unflatten(self.plan.treedef, leaves)
 
-    def accumulate(self, grads: Any, *, last: bool) -> None:
+    def accumulate(self, grads: Any, *, last: bool, check_finite: bool = False) -> None:
         """Reduce one microbatch's per-rank gradients into the buffers.
 
         Args:
@@ -145,11 +146,16 @@ class MainGrad:
                 SimMesh with the mesh shape in front), any floating dtype.
             last: keyword-only, required: True on the step's final microbatch, which then
                 reduces the deferred axes in place to the optimizer placement.
+            check_finite: raise ValueError naming the first leaf holding NaN or Inf (and the
+                ranks), on every rank, before any collective; the buffers are left as they
+                were. One tiny all-gather per call on a DistMesh.
 
         Returns:
             None; read the result from :attr:`grads`.
         """
         _check_last(last)
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be a bool; got {type(check_finite).__name__}")
         if self._state == "final":
             raise ValueError(
                 "MainGrad holds the final gradients of a finished step; call "
@@ -167,6 +173,14 @@ class MainGrad:
                     f"{path}: expected per-rank shape {shape} (as in like); got "
                     f"{tuple(leaf.shape[nb:])}"
                 )
+        validate.check(
+            plan,
+            "MainGrad.accumulate",
+            paths,
+            last=last,
+            options=(f"reduce_dtype={self.reduce_dtype}", f"check_finite={check_finite}"),
+            nonfinite=validate.nonfinite_index(leaves, nb) if check_finite else None,
+        )
         for b, bucket in enumerate(plan.buckets):
             chunk = self._pack(bucket, leaves)
             for step in steps(bucket.spec, "input", "gradient"):
@@ -268,7 +282,7 @@ class MainGrad:
         if pre != 1.0:
             buf = buf / pre
         buf = apply(self.mesh, buf, Step(step.op, step.axis, op))
-        return buf / post if post != 1.0 else buf
+        return self.mesh.wait(buf) / post if post != 1.0 else buf  # waits named on failure
 
     def _finish(self) -> None:
         """Reduce the deferred axes of every bucket in place (step-major: buckets overlap)."""

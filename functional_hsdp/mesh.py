@@ -20,6 +20,9 @@ rank's length; the fill is ignored on input and zero on output.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -70,6 +73,10 @@ class Mesh(Protocol):
     def wait(self, buf: torch.Tensor) -> torch.Tensor: ...
 
     def impl(self, op: str, axis: str, reduce: str | None) -> str: ...
+
+    def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor: ...
+
+    def member_names(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]: ...
 
 
 class _MeshBase:
@@ -222,6 +229,30 @@ class SimMesh(_MeshBase):
     def impl(self, op: str, axis: str, reduce: str | None) -> str:
         return "einops"
 
+    def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """Validation (not logged): each rank's group's rows of ``t`` ``(*batch, L)`` over
+        ``axes``, as ``(*batch, G, L)``, G in row-major order of the group's coordinates."""
+        dims = sorted(self._dim(a) for a in axes)
+        all_, group = " ".join(self._names), " ".join(self._names[d] for d in dims)
+        rest = " ".join(n for d, n in enumerate(self._names) if d not in dims)
+        rows = einops.rearrange(t, f"{all_} l -> {rest} ({group}) l")
+        sizes = {self._names[d]: self.sizes[d] for d in dims}
+        return einops.repeat(rows, f"{rest} g l -> {all_} g l", **sizes)
+
+    def member_names(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+        """For each rank (row-major), its group's members over ``axes``, as coordinates."""
+        dims = sorted(self._dim(a) for a in axes)
+        out = []
+        for coord in itertools.product(*map(range, self.sizes)):
+            members = []
+            for g in itertools.product(*(range(self.sizes[d]) for d in dims)):
+                c = list(coord)
+                for d, v in zip(dims, g):
+                    c[d] = v
+                members.append(str(c[0]) if self.ndim == 1 else str(tuple(c)))
+            out.append(tuple(members))
+        return out
+
 
 _EINOPS_REDUCE = {"sum": "sum", "avg": "mean"}
 
@@ -282,14 +313,49 @@ class DistMesh(_MeshBase):
 
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         buf, group = self.wait(buf), self._group(axis)
-        return self._reduce(lambda o: funcol.all_reduce(buf, o, group), axis, op)
+        with self._guard("all_reduce", axis):
+            out = self._reduce(lambda o: funcol.all_reduce(buf, o, group), axis, op)
+        return self._pending(out, "all_reduce", axis)
 
     def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         buf, group = self.wait(buf), self._group(axis)
-        return self._reduce(lambda o: funcol.reduce_scatter_single(buf, o, 0, group), axis, op)
+        with self._guard("reduce_scatter", axis):
+            out = self._reduce(lambda o: funcol.reduce_scatter_single(buf, o, 0, group), axis, op)
+        return self._pending(out, "reduce_scatter", axis)
 
     def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
-        return funcol.all_gather_single(self.wait(buf), 0, self._group(axis))
+        buf, group = self.wait(buf), self._group(axis)
+        with self._guard("all_gather", axis):
+            out = funcol.all_gather_single(buf, 0, group)
+        return self._pending(out, "all_gather", axis)
+
+    # A failed or timed-out collective raises CollectiveError naming it (op, axis): at issue,
+    # or (gloo, usually) at the wait, so a pending result remembers which collective it is.
+
+    @contextlib.contextmanager
+    def _guard(self, op: str, axis: str | None) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as e:
+            raise self._failed(op, axis, e) from e
+
+    def _pending(self, out: torch.Tensor, op: str, axis: str) -> torch.Tensor:
+        if isinstance(out, funcol.AsyncCollectiveTensor):
+            out._fh_collective = (op, axis)
+        return out
+
+    def _failed(self, op: str, axis: str | None, exc: BaseException) -> Exception:
+        from .validate import collective_error
+
+        timeout = None
+        if axis is not None:
+            try:
+                group = self.device_mesh.get_group(self._dim(axis))
+                device = torch.device(self.device_mesh.device_type)
+                timeout = group._get_backend(device).options._timeout
+            except Exception:  # private API; the message just omits the timeout
+                pass
+        return collective_error(op, axis, self, exc, rank=dist.get_rank(), timeout=timeout)
 
     def chunk(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
         n = self.size(axis)
@@ -323,9 +389,29 @@ class DistMesh(_MeshBase):
         return tuple(length if k == dim else n for k, n in enumerate(shape))
 
     def wait(self, buf: torch.Tensor) -> torch.Tensor:
-        return funcol.wait_tensor(buf) if isinstance(buf, funcol.AsyncCollectiveTensor) else buf
+        if not isinstance(buf, funcol.AsyncCollectiveTensor):
+            return buf
+        with self._guard(*getattr(buf, "_fh_collective", ("a collective", None))):
+            return funcol.wait_tensor(buf)
 
     def impl(self, op: str, axis: str, reduce: str | None) -> str:
         if reduce == "avg" and not self._native_avg[self._dim(axis)]:
             return "sum+div"
         return "native"
+
+    def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        """Validation (not logged, not a functional collective): every rank's ``t`` ``(L,)``
+        in this rank's group over ``axes``, as ``(G, L)`` in row-major coordinate order."""
+        out = t.to(torch.device(self.device_mesh.device_type))
+        for d in sorted((self._dim(a) for a in axes), reverse=True):  # inner axes first
+            parts = [torch.empty_like(out) for _ in range(self.sizes[d])]
+            with self._guard("exchange", self.axis_names[d]):
+                dist.all_gather(parts, out.contiguous(), group=self.device_mesh.get_group(d))
+            out = torch.stack(parts)
+        return out.reshape(-1, t.shape[-1]).cpu()
+
+    def member_names(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+        """The global ranks of this rank's group over ``axes`` (one group: a DistMesh rank)."""
+        dims = {self._dim(a) for a in axes}
+        index = tuple(slice(None) if d in dims else c for d, c in enumerate(self._coords))
+        return [tuple(str(r) for r in self.device_mesh.mesh[index].flatten().tolist())]

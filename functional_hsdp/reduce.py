@@ -21,6 +21,7 @@ from typing import Any
 import optree
 import torch
 
+from . import validate
 from .placement import is_sharded
 from .plan import Plan, get_plan, layouts_for, run
 from .spec import Spec, format_path, resolve_specs
@@ -158,7 +159,9 @@ _KIND_ERRORS = {
 }
 
 
-def reduce_grads(grads: Any, spec: Any, *, last: bool, acc: Any = None) -> Any:
+def reduce_grads(
+    grads: Any, spec: Any, *, last: bool, acc: Any = None, check_finite: bool = False
+) -> Any:
     """Reduce one microbatch's per-rank gradients and add them to the running sum.
 
     Reduces every DP axis whose gradient placement is not Partial (reduce-scatter to Flat,
@@ -172,6 +175,9 @@ def reduce_grads(grads: Any, spec: Any, *, last: bool, acc: Any = None) -> Any:
         spec: a :class:`Spec`, or a pytree prefix of Specs (one mesh).
         last: keyword-only, required: True on the final microbatch of the step.
         acc: the previous call's result for this step (None on the first microbatch).
+        check_finite: raise ValueError naming the first leaf of ``grads`` holding NaN or Inf
+            (and the ranks), on every rank, before any collective. Costs one tiny
+            all-gather per call on a DistMesh; must be the same on every rank.
 
     Returns:
         A new tree with the structure of ``grads``: local shards at the gradient placement
@@ -188,11 +194,15 @@ def reduce_grads(grads: Any, spec: Any, *, last: bool, acc: Any = None) -> Any:
         >>> fh.gather(acc, spec)["w"][0, 0]
         tensor([2., 2., 2.])
     """
-    return _reduce(grads, spec, last, acc, "grads")
+    return _reduce(grads, spec, last, acc, "grads", check_finite=check_finite)
 
 
-def _reduce(grads: Any, spec: Any, last: Any, acc: Any, name: str) -> Any:
+def _reduce(
+    grads: Any, spec: Any, last: Any, acc: Any, name: str, *, check_finite: bool = False
+) -> Any:
     _check_last(last)
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be a bool; got {type(check_finite).__name__}")
     leaves, treedef, paths = _flatten(grads, name)
     specs = resolve_specs(spec, treedef, name)
     if not leaves:
@@ -203,9 +213,7 @@ def _reduce(grads: Any, spec: Any, last: Any, acc: Any, name: str) -> Any:
     _check_tensors(leaves, paths, mesh, floating=True, batched=True)
     nb = len(mesh.batch_shape)
     plan = _plan_from(leaves, treedef, paths, specs, (tuple(x.shape[nb:]) for x in leaves))
-
-    bufs = run(plan, plan.pack(leaves, "input"), "input", "gradient")
-    if acc is not None:
+    if acc is not None:  # checked before any collective, so a bad acc cannot strand peers
         acc_leaves, acc_def, acc_paths = _flatten(acc, "acc")
         if acc_def != treedef:
             raise _structure_error(treedef, acc, "acc", name)
@@ -213,7 +221,18 @@ def _reduce(grads: Any, spec: Any, last: Any, acc: Any, name: str) -> Any:
         _check_local(
             acc_leaves, acc_paths, plan, "gradient", ("accumulating",), "a running accumulation"
         )
-        bufs = [b + a for b, a in zip(bufs, plan.pack(acc_leaves, "gradient"))]
+    packed = plan.pack(leaves, "input")
+    validate.check(
+        plan,
+        "reduce_grads" if name == "grads" else "reduce",
+        paths,
+        last=last,
+        options=(f"check_finite={check_finite}",),
+        nonfinite=validate.nonfinite_index(leaves, nb, packed) if check_finite else None,
+    )
+    bufs = run(plan, packed, "input", "gradient")
+    if acc is not None:
+        bufs = [mesh.wait(b) + a for b, a in zip(bufs, plan.pack(acc_leaves, "gradient"))]
     role = "gradient"
     if last:
         bufs = run(plan, bufs, "gradient", "optimizer")
@@ -272,6 +291,8 @@ def _replicated(x: torch.Tensor, batch: tuple[int, ...]) -> bool:
     """Whether ``x`` reads as a stacked replicated value: mesh dims in front, equal slices."""
     if not batch:  # a real rank holds only its own value
         return True
+    if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_meta:
+        return False  # _check_tensors refuses it with a clear error
     if tuple(x.shape[: len(batch)]) != batch:
         return False
     flat = x.reshape(-1, *x.shape[len(batch) :])
@@ -339,6 +360,7 @@ def _move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: st
     mesh = specs[0].mesh
     _check_tensors(leaves, paths, mesh, floating=False, batched=True)
     plan, role = _find_layout(leaves, treedef, paths, specs, like, source, name)
+    validate.check(plan, f"move {role} -> {to}", paths)
     bufs = run(plan, plan.pack(leaves, role), role, to)
     out = plan.unpack([mesh.wait(b) for b in bufs], to)
     if to != "full":

@@ -1,0 +1,396 @@
+"""Reliability: cross-rank validation, non-finite checks and clear collective errors.
+
+In data-parallel training the worst failures are silent wrong gradients and hangs, where one
+rank issues a collective that the others do not. This module turns both into clear errors.
+
+=====================================  ===================================================
+failure                                what happens
+=====================================  ===================================================
+ranks pass different trees, shapes,    the first call with a layout compares a fingerprint
+dtypes, specs or ``last``              across ranks (before any gradient collective) and
+                                       raises the same ``ValueError`` on every rank, naming
+                                       the first differing leaf path and the ranks
+NaN/Inf in gradients                   ``check_finite=True``: every rank raises a
+                                       ``ValueError`` naming the first such leaf and ranks
+a peer dies, hangs or issues another   the collective fails or times out (the process
+collective                             group's timeout) and raises :class:`CollectiveError`
+                                       naming the collective and mesh axis
+=====================================  ===================================================
+
+Fingerprint protocol
+--------------------
+On the first call that uses a plan (tree structure, per-rank full shapes, dtypes, devices,
+specs) for an operation (``reduce_grads`` with a given ``last``, ``gather``, ``sync_params``,
+``MainGrad.accumulate``, ...), every rank describes the call: a header (operation, ``last``,
+options, mesh, tree structure) and one line per leaf (path, shape, dtype, device type, spec,
+bucket slot). Digests are 62-bit blake2b hashes, stable across processes (Python's ``hash`` is
+salted per process).
+
+1. One tiny all-gather (axis by axis) over the spec's data-parallel axes of an int64 row
+   ``[whole digest, leaf count, one digest per header field, first non-finite leaf]``. If the
+   whole digests agree (the normal case) the check is done and cached for that
+   ``(plan, operation, last, options)``: later calls exchange nothing. A first call is checked
+   even when it issues no collective itself (ddp before the last microbatch), so that ranks
+   disagreeing on ``last`` are caught; ``shard`` never communicates and is not checked.
+2. Only on a mismatch, so never in a healthy run: the first differing header field, or else
+   the first leaf whose per-leaf digests differ (one all-gather of per-leaf digests, padded to
+   the longest tree), is found; its text is all-gathered; every rank builds the same message
+   from the same gathered data and raises it.
+
+Every rank of a data-parallel group builds plans at the same calls, so the caches stay in step.
+The exchange is not a gradient collective: it is not logged by :func:`comm_log`, and it uses
+plain ``torch.distributed.all_gather`` (not the functional collectives) so that profiles of
+gradient communication stay exact. Under ``torch.compile`` tracing nothing is exchanged.
+
+Limits
+------
+* Checked once per layout and operation: a rank that later changes ``last`` (a different
+  microbatch count) while the layouts stay cached is not caught; use
+  ``with validation("always")`` to exchange on every call while debugging.
+* An error found on one rank only (a wrong ``acc``, a leaf on the meta device, an empty tree)
+  is raised on that rank at once; the other ranks then wait in their next collective and raise
+  :class:`CollectiveError` when the process group times out. ``init_device_mesh`` creates its
+  groups with the backend's default timeout (30 min for gloo, 10 min for NCCL), not the
+  timeout given to ``init_process_group``; set a shorter one on the mesh's groups if needed.
+* ``check_finite`` adds one tiny all-gather per call, and must be the same on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CollectiveError",
+    "Fingerprint",
+    "agree",
+    "check",
+    "collective_error",
+    "fingerprint",
+    "nonfinite_index",
+    "validation",
+]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer rank died, hung or issued another collective.
+
+    Attributes:
+        op: the collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,
+            ``"exchange"``).
+        axis: the mesh axis, or None if unknown.
+    """
+
+    def __init__(self, message: str, op: str, axis: str | None):
+        super().__init__(message)
+        self.op = op
+        self.axis = axis
+
+
+def collective_error(
+    op: str, axis: str | None, mesh: Any, exc: BaseException, *, rank: Any = None, timeout=None
+) -> CollectiveError:
+    """The :class:`CollectiveError` for ``exc`` raised by collective ``op`` on ``axis``."""
+    where = f"over mesh axis {axis!r}" if axis is not None else "(issued earlier)"
+    who = f" on rank {rank}" if rank is not None else ""
+    limit = f"; the group's timeout is {timeout}" if timeout is not None else ""
+    return CollectiveError(
+        f"{op} {where} failed{who} of {mesh!r}: a peer rank may have died, hung, raised an "
+        f"error before joining, or issued a different collective{limit}. "
+        f"Original error: {type(exc).__name__}: {exc}",
+        op,
+        axis,
+    )
+
+
+# -- mode -----------------------------------------------------------------------------------
+
+_MODES = ("first", "always", "off")
+_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("fh_validation", default="first")
+
+
+@contextlib.contextmanager
+def validation(mode: str) -> Iterator[None]:
+    """Set how often ranks compare fingerprints inside the ``with`` block.
+
+    Args:
+        mode: ``"first"`` (default: the first call per layout and operation), ``"always"``
+            (every call: one tiny all-gather each, for debugging) or ``"off"``.
+            ``check_finite=True`` exchanges on every call in every mode.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> from functional_hsdp.validate import validation
+        >>> mesh = fh.SimMesh({"dp": 2})
+        >>> with validation("always"):
+        ...     out = fh.reduce_grads({"w": torch.ones(2, 3)}, fh.ddp(mesh), last=True)
+        >>> out["w"][0]
+        tensor([1., 1., 1.])
+    """
+    if mode not in _MODES:
+        raise ValueError(f"validation: mode must be one of {_MODES}; got {mode!r}")
+    token = _MODE.set(mode)
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+# -- fingerprints ---------------------------------------------------------------------------
+
+_MASK = (1 << 62) - 1
+_ABSENT = -1  # the per-leaf digest of a leaf a rank does not have (digests are >= 0)
+HEADER = ("call", "last", "options", "mesh", "tree")
+LEAF_FIELDS = ("path", "shape", "dtype", "device", "spec", "bucket slot")
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _MASK
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What one rank is about to do: header texts, per-leaf texts and their digests."""
+
+    header: tuple[str, ...]  # one text per HEADER field
+    leaves: tuple[tuple[str, ...], ...]  # one tuple of LEAF_FIELDS texts per leaf
+    whole: int
+
+    def row(self) -> list[int]:
+        """The round-1 row (without the non-finite column)."""
+        return [self.whole, len(self.leaves), *map(_digest, self.header)]
+
+    def leaf_digests(self, n: int) -> list[int]:
+        """Per-leaf digests of what the user passed (path, shape, dtype, device, spec), then
+        of the bucket slots, each padded to ``n`` leaves: a leaf whose own description
+        differs is reported before one whose slot differs only because of an earlier leaf."""
+        pad = [_ABSENT] * (n - len(self.leaves))
+        own = [_digest("\x1f".join(leaf[:-1])) for leaf in self.leaves]
+        return own + pad + [_digest(leaf[-1]) for leaf in self.leaves] + pad
+
+
+def _spec_text(spec: Any) -> str:
+    return (
+        f"{spec!r} dp_axes={spec.dp_axes} reduce_op={spec.reduce_op} "
+        f"bucket_cap_mb={spec.bucket_cap_mb}"
+    )
+
+
+def fingerprint(
+    plan: Any, op: str, paths: Sequence[str], last: Any = None, options: tuple[str, ...] = ()
+) -> Fingerprint:
+    """Describe a call of ``op`` with ``plan`` (full per-rank shapes, not local pieces)."""
+    mesh = plan.mesh
+    slot_text = {}
+    for b, bucket in enumerate(plan.buckets):
+        for s in bucket.slots:
+            slot_text[s.index] = f"bucket {b} [{s.offset}:{s.offset + s.numel}] of {bucket.padded}"
+    specs = {spec: _spec_text(spec) for spec in set(plan.specs)}
+    leaves = tuple(
+        (
+            path,
+            str(tuple(shape)),
+            str(dtype),
+            device.type,
+            specs[spec],
+            slot_text.get(i, "none (zero-size)"),
+        )
+        for i, (path, shape, dtype, device, spec) in enumerate(
+            zip(paths, plan.shapes, plan.dtypes, plan.devices, plan.specs)
+        )
+    )
+    header = (
+        op,
+        f"last={last!r}",
+        ", ".join(options) or "none",
+        " x ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.sizes)),
+        str(plan.treedef),
+    )
+    whole = _digest("\x1e".join(header) + "\x1d" + "\x1e".join("\x1f".join(x) for x in leaves))
+    return Fingerprint(header, leaves, whole)
+
+
+def nonfinite_index(
+    leaves: Sequence[torch.Tensor],
+    batch_ndim: int,
+    packed: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Per rank, the index of the first leaf holding NaN or Inf, else -1 (batch shape).
+
+    ``packed``: the leaves' bucket buffers, if at hand: all finite (the usual case) is then
+    one check per bucket; leaves are scanned one by one only to find a bad one.
+    """
+    if packed is not None:
+        flags = [torch.isfinite(b).all(-1) for b in packed]
+        if not flags or bool(torch.stack(flags).all()):
+            return torch.full(packed[0].shape[:-1] if packed else (), -1, dtype=torch.int64)
+    flags = [torch.isfinite(x.detach()).reshape(*x.shape[:batch_ndim], -1).all(-1) for x in leaves]
+    bad = ~torch.stack(flags).cpu()  # (n_leaves, *batch)
+    return torch.where(bad.any(0), bad.to(torch.int8).argmax(0), -1).to(torch.int64)
+
+
+# -- the check ------------------------------------------------------------------------------
+
+# plan -> {(op, last, options): agreed Fingerprint}; weak: evicted plans take their entries.
+_DONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _dp_axes(plan: Any) -> tuple[str, ...]:
+    axes = {a for spec in set(plan.specs) for a in spec.dp_axes}
+    return tuple(a for a in plan.mesh.axis_names if a in axes)
+
+
+def check(
+    plan: Any,
+    op: str,
+    paths: Sequence[str],
+    *,
+    last: Any = None,
+    options: tuple[str, ...] = (),
+    nonfinite: torch.Tensor | None = None,
+) -> None:
+    """Make every rank agree on this call before it issues any collective.
+
+    Exchanges a fingerprint on the first call per ``(plan, op, last, options)`` (see the
+    module docstring), and on every call when ``nonfinite`` (from :func:`nonfinite_index`)
+    is given or the mode is ``"always"``.
+
+    Raises:
+        ValueError: on every rank, naming the first differing leaf path (or header field) and
+            the ranks, or the first leaf holding NaN/Inf and the ranks.
+        CollectiveError: the exchange failed (a peer died or is in another collective).
+    """
+    mode = _MODE.get()
+    if (mode == "off" and nonfinite is None) or torch.compiler.is_compiling():
+        return
+    key = (op, last, options)
+    done = _DONE.setdefault(plan, {})
+    if key in done and mode == "first" and nonfinite is None:
+        return
+    fp = done.get(key) or fingerprint(plan, op, paths, last, options)
+    agree(plan.mesh, _dp_axes(plan), fp, paths, nonfinite)
+    done[key] = fp
+
+
+def agree(
+    mesh: Any,
+    axes: tuple[str, ...],
+    fp: Fingerprint,
+    paths: Sequence[str],
+    nonfinite: torch.Tensor | None = None,
+) -> None:
+    """The protocol: compare ``fp`` across the ranks of ``axes``; raise on any difference.
+
+    Every rank of the group calls this with its own fingerprint and takes part in the same
+    exchanges (each decision is made from gathered data that all ranks share).
+    """
+    batch = mesh.batch_shape
+    row = torch.tensor([*fp.row(), -1], dtype=torch.int64)
+    local = row.expand(*batch, row.numel()).clone()
+    if nonfinite is not None:
+        local[..., -1] = nonfinite
+    tables = _gather(mesh, axes, local)  # (B, G, L)
+    if not bool((tables[..., 0] == tables[..., :1, 0]).all()):
+        raise ValueError(_explain(mesh, axes, fp, tables, mesh.member_names(axes)))
+    bad = tables[..., -1]
+    if bool((bad >= 0).any()):
+        i, names = int(bad[bad >= 0].min()), mesh.member_names(axes)
+        ranks = _unique(
+            n for t, b in enumerate(bad.tolist()) for n, x in zip(names[t], b) if x == i
+        )
+        raise ValueError(
+            f"{paths[i]}: holds NaN or Inf on {_ranks(ranks)} (check_finite=True); no "
+            "collective was issued"
+        )
+
+
+def _gather(mesh: Any, axes: tuple[str, ...], local: torch.Tensor) -> torch.Tensor:
+    out = mesh.exchange(local, axes)
+    return out.reshape(-1, *out.shape[-2:])
+
+
+def _explain(mesh, axes, fp: Fingerprint, tables: torch.Tensor, names) -> str:
+    """The error message for differing fingerprints (more exchanges, all ranks alike)."""
+    tail = (
+        " (cross-rank check before the first collective of this call; every rank must make "
+        "the same library calls with the same trees, shapes, dtypes, specs and last)"
+    )
+    for k, field in enumerate(HEADER[:-1]):
+        column = tables[..., 2 + k]
+        if bool((column != column[:, :1]).any()):
+            texts = _gather_text(mesh, axes, fp.header[k])
+            return f"{field} differs across ranks: {_groups(texts, names)}{tail}"
+    # the first leaf whose digests differ, over the longest tree of any rank
+    n = int(tables[..., 1].max())
+    mine = torch.tensor(fp.leaf_digests(n), dtype=torch.int64)
+    digests = _gather(mesh, axes, mine.expand(*mesh.batch_shape, 2 * n))
+    differs = (digests != digests[:, :1]).any(1).any(0)
+    if bool(differs.any()):
+        i = int(differs.to(torch.int8).argmax()) % n
+        leaf = fp.leaves[i] if i < len(fp.leaves) else None
+        texts = _gather_text(mesh, axes, "\x1f".join(leaf) if leaf else "")
+        return _leaf_message(i, texts, names) + tail
+    texts = _gather_text(mesh, axes, fp.header[-1])
+    return f"the tree structure differs across ranks: {_groups(texts, names)}{tail}"
+
+
+def _leaf_message(i: int, texts: list[list[str]], names) -> str:
+    rows = [[t.split("\x1f") if t else None for t in table] for table in texts]
+    present = [leaf for table in rows for leaf in table if leaf is not None]
+    first = present[0]
+    fields = [
+        f
+        for f in range(len(LEAF_FIELDS))
+        if any(leaf is None or leaf[f] != first[f] for table in rows for leaf in table)
+    ]
+    f = fields[0] if fields else 0
+    if f == 0:  # the paths differ: the tree structures do
+        values = [
+            [leaf[0] if leaf else f"no leaf {i} (a shorter tree)" for leaf in table]
+            for table in rows
+        ]
+        return (
+            f"{first[0]}: the tree structure differs across ranks at leaf {i}: "
+            f"{_groups(values, names)}"
+        )
+    values = [[leaf[f] for leaf in table] for table in rows]
+    return f"{first[0]}: {LEAF_FIELDS[f]} {_groups(values, names)}"
+
+
+def _gather_text(mesh, axes, text: str) -> list[list[str]]:
+    """Every group member's ``text`` (one list per local table)."""
+    data = list(text.encode())
+    lengths = _gather(mesh, axes, torch.tensor([len(data)]).expand(*mesh.batch_shape, 1))
+    width = max(int(lengths.max()), 1)
+    padded = torch.tensor(data + [0] * (width - len(data)), dtype=torch.int64)
+    rows = _gather(mesh, axes, padded.expand(*mesh.batch_shape, width))
+    return [
+        [bytes(r[: int(n)].tolist()).decode() for r, n in zip(table, table_lengths[:, 0])]
+        for table, table_lengths in zip(rows, lengths)
+    ]
+
+
+def _unique(items) -> list:
+    return list(dict.fromkeys(items))
+
+
+def _ranks(names: list[str]) -> str:
+    return f"rank {names[0]}" if len(names) == 1 else f"ranks [{', '.join(names)}]"
+
+
+def _groups(values: list[list[str]], names) -> str:
+    """``A on ranks [0, 1, 3] but B on rank 2``: the values and the ranks holding each."""
+    holders: dict[str, list[str]] = {}
+    for table_values, table_names in zip(values, names):
+        for value, name in zip(table_values, table_names):
+            if name not in holders.setdefault(value, []):
+                holders[value].append(name)
+    parts = [f"{value} on {_ranks(ranks)}" for value, ranks in holders.items()]
+    return parts[0] + " but " + ", ".join(parts[1:]) if len(parts) > 1 else parts[0]
