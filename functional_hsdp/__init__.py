@@ -23,9 +23,11 @@ from .placement import Flat, Partial, Placement, Replicate, Shard
 from .reduce import gather, reduce_grads, shard, sync_params
 from .spec import Spec, ddp, fsdp, hfsdp, hsdp
 from .trace import CommLog, Event, comm_log
+from .validate import CollectiveError, validation
 
 __all__ = [
     "AdamWState",
+    "CollectiveError",
     "CommLog",
     "DistMesh",
     "Event",
@@ -60,6 +62,7 @@ __all__ = [
     "shard",
     "sync_params",
     "to_dtensor",
+    "validation",
 ]
 
 __version__ = "0.1.0"
