@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import optree
 import torch
+from torch.func import functional_call
 
 import functional_hsdp as fh
 
@@ -59,3 +60,30 @@ def max_error(tree, ref) -> float:
         lambda x, r: (x.double() - r).abs().max().item() if x.numel() else 0.0, tree, ref
     )
     return max(optree.tree_leaves(errs), default=0.0)
+
+
+MLP_IN, MLP_HIDDEN, MLP_BATCH = 6, 16, 4
+
+
+def mlp_problem(world: int, microbatches: int):
+    """A small MLP, its parameters as a dict, and one fixed learnable global batch.
+
+    ``x[rank, m]`` and ``y[rank, m]`` are rank ``rank``'s microbatch ``m``.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(MLP_IN, MLP_HIDDEN), torch.nn.Tanh(), torch.nn.Linear(MLP_HIDDEN, 1)
+    )
+    x = torch.randn(world, microbatches, MLP_BATCH, MLP_IN)
+    y = torch.sin(x.sum(-1, keepdim=True))  # a smooth target, revisited every step
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return model, params, x, y
+
+
+def mlp_loss(model):
+    """The MSE loss of ``model`` as a function of a parameter dict, for torch.func."""
+
+    def loss(params, x, y):
+        return torch.nn.functional.mse_loss(functional_call(model, params, (x,)), y)
+
+    return loss

@@ -12,8 +12,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_pool import WorkerError, device_mesh, module_pool
-from reference import AXES, accumulate, dense_reduce, preset, random_tree
-from torch.func import functional_call, grad_and_value
+from reference import (
+    AXES,
+    MLP_IN,
+    accumulate,
+    dense_reduce,
+    mlp_loss,
+    mlp_problem,
+    preset,
+    random_tree,
+)
+from torch.func import grad_and_value
 
 import functional_hsdp as fh
 
@@ -33,33 +42,17 @@ def _coords() -> tuple[int, int]:
 
 # -- the reference parity test -------------------------------------------------------------
 
-IN, HIDDEN, BATCH, LR = 6, 16, 4, 0.2
+LR = 0.2
 
 
 def _setup(steps: int, microbatches: int):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
-    )
-    world = SHAPE[0] * SHAPE[1]
-    # one fixed global batch, learnable (a smooth target), revisited every step
-    x = torch.randn(world, microbatches, BATCH, IN)
-    y = torch.sin(x.sum(-1, keepdim=True))
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    return model, params, x, y
-
-
-def _loss(model):
-    def loss(params, x, y):
-        return torch.nn.functional.mse_loss(functional_call(model, params, (x,)), y)
-
-    return loss
+    return mlp_problem(SHAPE[0] * SHAPE[1], microbatches)
 
 
 def _train_dist(strategy: str, steps: int, microbatches: int):
     spec = _dist_spec(strategy)
     model, full0, x, y = _setup(steps, microbatches)
-    step_grad = grad_and_value(_loss(model))
+    step_grad = grad_and_value(mlp_loss(model))
     rank = dist.get_rank()
     params = fh.shard(full0, spec)
     losses = []
@@ -78,10 +71,10 @@ def _train_dist(strategy: str, steps: int, microbatches: int):
 
 def _train_single_rank(steps: int, microbatches: int):
     model, params, x, y = _setup(steps, microbatches)
-    step_grad = grad_and_value(_loss(model))
+    step_grad = grad_and_value(mlp_loss(model))
     losses = []
     for _ in range(steps):
-        g, loss = step_grad(params, x.reshape(-1, IN), y.reshape(-1, 1))
+        g, loss = step_grad(params, x.reshape(-1, MLP_IN), y.reshape(-1, 1))
         losses.append(loss.item())
         params = optree.tree_map(lambda p, g: p - LR * g, params, g)
     return torch.tensor(losses), params
@@ -226,7 +219,7 @@ def test_bad_input_raises_the_same_clear_error_on_every_rank(pool, task, exc, te
 def _train_maingrad(strategy: str, steps: int, microbatches: int, set_to_none: bool):
     spec = _dist_spec(strategy)
     model, full0, x, y = _setup(steps, microbatches)
-    step_grad = grad_and_value(_loss(model))
+    step_grad = grad_and_value(mlp_loss(model))
     rank = dist.get_rank()
     params = fh.shard(full0, spec)
     mg = fh.MainGrad(spec, like=full0)

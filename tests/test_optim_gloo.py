@@ -12,41 +12,25 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_pool import device_mesh, module_pool
-from reference import AXES, accumulate, preset, random_tree
-from torch.func import functional_call, grad_and_value
+from reference import AXES, MLP_IN, accumulate, mlp_loss, mlp_problem, preset, random_tree
+from torch.func import grad_and_value
 
 import functional_hsdp as fh
 
 pool = module_pool(4)
 SHAPE = (2, 2)
-IN, HIDDEN, BATCH, LR, STEPS, MICROBATCHES = 6, 16, 4, 0.05, 5, 3
+LR, STEPS, MICROBATCHES = 0.05, 5, 3
 MAX_NORM = 0.25  # between the gradient norms of the steps: clipping is active in some only
 
 
 def _setup():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
-    )
-    world = SHAPE[0] * SHAPE[1]
-    # one fixed global batch (a smooth target), revisited every step
-    x = torch.randn(world, MICROBATCHES, BATCH, IN)
-    y = torch.sin(x.sum(-1, keepdim=True))
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    return model, params, x, y
-
-
-def _loss(model):
-    def loss(params, x, y):
-        return torch.nn.functional.mse_loss(functional_call(model, params, (x,)), y)
-
-    return loss
+    return mlp_problem(SHAPE[0] * SHAPE[1], MICROBATCHES)
 
 
 def _train_hfsdp_adamw():
     spec = fh.hfsdp(fh.DistMesh(device_mesh(SHAPE, AXES)), *AXES)
     model, full0, x, y = _setup()
-    step_grad = grad_and_value(_loss(model))
+    step_grad = grad_and_value(mlp_loss(model))
     rank = dist.get_rank()
     params = fh.shard(full0, spec)  # main weights at the optimizer placement [F, F]
     opt = fh.adamw(LR)
@@ -74,11 +58,11 @@ def _train_single_rank():
     model, params, x, y = _setup()
     params = {k: v.requires_grad_() for k, v in params.items()}
     opt = torch.optim.AdamW(params.values(), lr=LR)
-    loss_fn = _loss(model)
+    loss_fn = mlp_loss(model)
     losses, norms = [], []
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = loss_fn(params, x.reshape(-1, IN), y.reshape(-1, 1))
+        loss = loss_fn(params, x.reshape(-1, MLP_IN), y.reshape(-1, 1))
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(params.values(), MAX_NORM))
         opt.step()
