@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
-import einops
 import optree
 import torch
 
@@ -267,12 +266,10 @@ class MainGrad:
         """One bucket's packing buffer, in the wire dtype (one copy per leaf, casting)."""
         if bucket.shard is not None:  # rank-major: each leaf's chunks go to every block
             return pack_shard_full(bucket, leaves, self.mesh.batch_shape).to(self.reduce_dtype)
-        batch = " ".join(f"m{k}" for k in range(len(self.mesh.batch_shape)))
-        out = torch.empty(
-            (*self.mesh.batch_shape, bucket.padded), dtype=self.reduce_dtype, device=bucket.device
-        )
+        batch = self.mesh.batch_shape
+        out = torch.empty((*batch, bucket.padded), dtype=self.reduce_dtype, device=bucket.device)
         for s in bucket.slots:
-            flat = einops.rearrange(leaves[s.index].detach(), f"{batch} ... -> {batch} (...)")
+            flat = leaves[s.index].detach().reshape(*batch, -1)
             out[..., s.offset : s.offset + s.numel].copy_(flat)
         out[..., bucket.numel :].zero_()
         return out

@@ -62,6 +62,8 @@ class Mesh(Protocol):
 
     def ragged_slice(self, buf: torch.Tensor, geom: Any) -> torch.Tensor: ...
 
+    def ragged_split(self, buf: torch.Tensor, geoms: list) -> list[torch.Tensor]: ...
+
     def ragged_join(self, pieces: list[torch.Tensor], geoms: list, length: int) -> torch.Tensor: ...
 
     def chunk_length(self, total: int, size: int, axis: str) -> Coord: ...
@@ -199,6 +201,9 @@ class SimMesh(_MeshBase):
     def ragged_slice(self, buf: torch.Tensor, geom: _SimRagged) -> torch.Tensor:
         padded = torch.nn.functional.pad(buf, (0, 1))  # index `length` reads the zero fill
         return torch.take_along_dim(padded, geom.idx, dim=-1)
+
+    def ragged_split(self, buf: torch.Tensor, geoms: list) -> list[torch.Tensor]:
+        return [self.ragged_slice(buf, g) for g in geoms]
 
     def ragged_join(self, pieces: list[torch.Tensor], geoms: list, length: int) -> torch.Tensor:
         dtype = pieces[0].dtype if pieces else torch.float32
@@ -370,6 +375,12 @@ class DistMesh(_MeshBase):
 
     def ragged_slice(self, buf: torch.Tensor, geom: tuple[int, int]) -> torch.Tensor:
         return buf[geom[0] : geom[1]]
+
+    def ragged_split(self, buf: torch.Tensor, geoms: list) -> list[torch.Tensor]:
+        # Consecutive leaves' pieces tile the chunk from 0 (pieces outside it are empty), so
+        # one split gives every view.
+        sizes = [hi - lo for lo, hi in geoms]
+        return list(torch.split(buf, [*sizes, buf.shape[-1] - sum(sizes)]))[:-1]
 
     def ragged_join(self, pieces: list[torch.Tensor], geoms: list, length: int) -> torch.Tensor:
         # Pieces of consecutive leaves tile the chunk from 0; only the bucket tail is fill.

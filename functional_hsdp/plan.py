@@ -141,8 +141,9 @@ class Plan:
 
     # -- packing --------------------------------------------------------------------------
 
+    @torch.no_grad()
     def pack(self, leaves: list[torch.Tensor], role: str) -> list[torch.Tensor]:
-        """New bucket buffers holding ``leaves`` (local values at ``role``)."""
+        """New bucket buffers holding ``leaves`` (local values at ``role``); no graph kept."""
         batch, out = self.mesh.batch_shape, []
         for b, bucket in enumerate(self.buckets):
             sharded = self.is_flat(bucket, role)
@@ -151,7 +152,7 @@ class Plan:
                 out.append(pack(bucket, leaves, batch))
                 continue
             length, geoms = self.geometry(b, role)
-            pieces = [leaves[s.index].detach() for s in bucket.slots]
+            pieces = [leaves[s.index] for s in bucket.slots]
             if bucket.shard is None:
                 out.append(self.mesh.ragged_join(pieces, geoms, length))
                 continue
@@ -174,7 +175,7 @@ class Plan:
                 views = unpack(bucket, buf, batch)
             elif bucket.shard is None:
                 _, geoms = self.geometry(b, role)
-                views = [self.mesh.ragged_slice(buf, g) for g in geoms]
+                views = self.mesh.ragged_split(buf, geoms)
             else:
                 _, geoms = self.geometry(b, role)
                 nb = len(batch)

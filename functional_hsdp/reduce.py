@@ -60,8 +60,14 @@ def _state(leaf: Any) -> _State | None:
 
 
 def _flatten(tree: Any, name: str) -> tuple[list, optree.PyTreeSpec, tuple[str, ...]]:
-    paths, leaves, treedef = optree.tree_flatten_with_path(tree)
-    return leaves, treedef, tuple(f"{name}{format_path(p)}" for p in paths)
+    leaves, treedef = optree.tree_flatten(tree)
+    return leaves, treedef, _paths(treedef, name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _paths(treedef: optree.PyTreeSpec, name: str) -> tuple[str, ...]:
+    # Paths depend on the structure alone: format them once per structure.
+    return tuple(f"{name}{format_path(p)}" for p in treedef.paths())
 
 
 def _check_tensors(
@@ -93,6 +99,46 @@ def _check_last(last: Any) -> None:
             f"last must be a bool (True on the final microbatch); got {type(last).__name__} "
             f"{last!r}"
         )
+
+
+# (structure, every leaf's shape/dtype/device/layout, spec, name) -> plan, for gradient trees
+# that passed _check_tensors: a later tree with the same metadata passes them too, so the
+# per-leaf checks run once per layout, not once per call.
+_CHECKED: dict[tuple, Plan] = {}
+
+
+def _grads_plan(leaves: list, treedef: optree.PyTreeSpec, paths: tuple, spec: Any, name: str):
+    """The plan of a tree of per-rank gradients, validated on its first use."""
+    try:
+        metas = (
+            tuple(x.shape for x in leaves),
+            tuple(x.dtype for x in leaves),
+            tuple(x.device for x in leaves),
+            tuple(x.layout for x in leaves),
+        )
+        key = (
+            treedef,
+            metas,
+            spec
+            if isinstance(spec, Spec)
+            else optree.tree_flatten(spec, is_leaf=lambda x: isinstance(x, Spec)),
+            name,
+        )
+        plan = _CHECKED.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable spec: check below
+        key = plan = None
+    if plan is not None:
+        return plan
+    specs = resolve_specs(spec, treedef, name)
+    mesh = specs[0].mesh
+    _check_tensors(leaves, paths, mesh, floating=True, batched=True)
+    nb = len(mesh.batch_shape)
+    plan = _plan_from(leaves, treedef, paths, specs, (tuple(x.shape[nb:]) for x in leaves))
+    if key is not None:
+        if len(_CHECKED) >= 256:
+            _CHECKED.pop(next(iter(_CHECKED)))
+        _CHECKED[key] = plan
+    return plan
 
 
 def _plan_from(leaves: list[torch.Tensor], treedef, paths, specs, shapes) -> Plan:
@@ -204,15 +250,14 @@ def _reduce(
     if not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be a bool; got {type(check_finite).__name__}")
     leaves, treedef, paths = _flatten(grads, name)
-    specs = resolve_specs(spec, treedef, name)
     if not leaves:
+        resolve_specs(spec, treedef, name)
         if acc is not None and optree.tree_structure(acc) != treedef:
             raise _structure_error(treedef, acc, "acc", name)
         return optree.tree_unflatten(treedef, [])
-    mesh = specs[0].mesh
-    _check_tensors(leaves, paths, mesh, floating=True, batched=True)
+    plan = _grads_plan(leaves, treedef, paths, spec, name)
+    mesh = plan.mesh
     nb = len(mesh.batch_shape)
-    plan = _plan_from(leaves, treedef, paths, specs, (tuple(x.shape[nb:]) for x in leaves))
     if acc is not None:  # checked before any collective, so a bad acc cannot strand peers
         acc_leaves, acc_def, acc_paths = _flatten(acc, "acc")
         if acc_def != treedef:
