@@ -83,6 +83,8 @@ class Plan:
         self.mesh = specs[0].mesh
         self.buckets, self.empty = build_buckets(paths, shapes, dtypes, devices, specs, kinds)
         self._geometry: dict[tuple[int, str], Any] = {}
+        self._slots: list | None = None
+        self._position: dict[int, int] = {}  # leaf index -> its place in its bucket
 
     def __repr__(self) -> str:
         return f"Plan({len(self.paths)} leaves, {len(self.buckets)} buckets)"
@@ -124,20 +126,24 @@ class Plan:
         if bucket is None:  # a zero-size leaf: an empty piece on every rank
             return (*batch, *slot.shape) if spec.shard else (*batch, 0)
         _, geoms = self.geometry(bucket_index, role)
-        geom = geoms[bucket.slots.index(slot)]
+        self.slots()
+        geom = geoms[self._position[slot.index]]
         if bucket.shard is not None:
             return self.mesh.narrow_shape(slot.chunk_shape, slot.dim, geom)
         return self.mesh.ragged_shape(geom)
 
-    def slots(self):
+    def slots(self) -> list[tuple[Slot, int | None]]:
         """(slot, bucket index or None) for every leaf, in tree order."""
-        out = [None] * len(self.paths)
-        for b, bucket in enumerate(self.buckets):
-            for s in bucket.slots:
-                out[s.index] = (s, b)
-        for s in self.empty:
-            out[s.index] = (s, None)
-        return out
+        if self._slots is None:
+            out: list = [None] * len(self.paths)
+            for b, bucket in enumerate(self.buckets):
+                for k, s in enumerate(bucket.slots):
+                    out[s.index] = (s, b)
+                    self._position[s.index] = k
+            for s in self.empty:
+                out[s.index] = (s, None)
+            self._slots = out
+        return self._slots
 
     # -- packing --------------------------------------------------------------------------
 
