@@ -113,6 +113,7 @@ class MainGrad:
         ]
         self._state = "accumulating"
         self._empty = True  # grads are None: the next accumulate overwrites instead of adding
+        self._checked: tuple | None = None  # metadata of the last gradient tree that passed
 
     # -- public ---------------------------------------------------------------------------
 
@@ -164,14 +165,20 @@ class MainGrad:
         leaves, treedef, paths = _flatten(grads, "grads")
         if treedef != plan.treedef:
             raise _structure_error(plan.treedef, grads, "grads", "MainGrad's like tree")
-        _check_tensors(leaves, paths, mesh, floating=True, batched=True)
-        nb = len(mesh.batch_shape)
-        for leaf, path, shape in zip(leaves, paths, plan.shapes):
-            if tuple(leaf.shape[nb:]) != shape:
-                raise ValueError(
-                    f"{path}: expected per-rank shape {shape} (as in like); got "
-                    f"{tuple(leaf.shape[nb:])}"
-                )
+        try:  # the checks below run once per distinct leaf metadata, not once per call
+            metas = tuple((x.shape, x.dtype, x.device, x.layout) for x in leaves)
+        except AttributeError:
+            metas = None
+        if metas is None or metas != self._checked:
+            _check_tensors(leaves, paths, mesh, floating=True, batched=True)
+            nb = len(mesh.batch_shape)
+            for leaf, path, shape in zip(leaves, paths, plan.shapes):
+                if tuple(leaf.shape[nb:]) != shape:
+                    raise ValueError(
+                        f"{path}: expected per-rank shape {shape} (as in like); got "
+                        f"{tuple(leaf.shape[nb:])}"
+                    )
+            self._checked = metas
         validate.check(
             plan,
             "MainGrad.accumulate",
