@@ -265,6 +265,15 @@ _EINOPS_REDUCE = {"sum": "sum", "avg": "mean"}
 # an exact emulation: SUM, then divide by the group size.
 _NATIVE_AVG = frozenset({"nccl", "gloo"})
 
+# How reductions run, per backend (measured: bench/RESULTS.md, "gloo reduce-scatter
+# implementations"). gloo has no native reduce-scatter: torch emulates one with an all-reduce
+# into a new buffer and a copy of the chunk. All-reducing the library's own packing buffer in
+# place and keeping the chunk moves the same bytes 1.6-2x faster at 10M-50M elements, with no
+# full-size temporary; so on gloo both reductions are in-place c10d all-reduces (SUM, then
+# divide, exactly). Other backends (NCCL) use the functional collectives: a real
+# reduce-scatter, asynchronous and traceable by torch.compile.
+_INPLACE = frozenset({"gloo"})
+
 
 class DistMesh(_MeshBase):
     """A real ``torch.distributed`` device mesh (gloo, NCCL; torchrun for many machines).
@@ -293,9 +302,9 @@ class DistMesh(_MeshBase):
         self.device_mesh = device_mesh
         self.axis_names = tuple(names)
         self.sizes = tuple(int(n) for n in device_mesh.shape)
-        self._native_avg = tuple(
-            dist.get_backend(device_mesh.get_group(d)) in _NATIVE_AVG for d in range(self.ndim)
-        )
+        backends = [dist.get_backend(device_mesh.get_group(d)) for d in range(self.ndim)]
+        self._native_avg = tuple(b in _NATIVE_AVG for b in backends)
+        self._inplace = tuple(b in _INPLACE for b in backends)
         self._coords = tuple(int(device_mesh.get_local_rank(d)) for d in range(self.ndim))
 
     def __repr__(self) -> str:
@@ -318,12 +327,17 @@ class DistMesh(_MeshBase):
 
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         buf, group = self.wait(buf), self._group(axis)
+        if self._inplace[self._dim(axis)]:
+            return self._all_reduce_inplace(buf, axis, op, "all_reduce")
         with self._guard("all_reduce", axis):
             out = self._reduce(lambda o: funcol.all_reduce(buf, o, group), axis, op)
         return self._pending(out, "all_reduce", axis)
 
     def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         buf, group = self.wait(buf), self._group(axis)
+        if self._inplace[self._dim(axis)]:
+            full = self._all_reduce_inplace(buf, axis, op, "reduce_scatter")
+            return self.chunk(full, axis).clone()  # the chunk only: the full buffer is freed
         with self._guard("reduce_scatter", axis):
             out = self._reduce(lambda o: funcol.reduce_scatter_single(buf, o, 0, group), axis, op)
         return self._pending(out, "reduce_scatter", axis)
@@ -333,6 +347,15 @@ class DistMesh(_MeshBase):
         with self._guard("all_gather", axis):
             out = funcol.all_gather_single(buf, 0, group)
         return self._pending(out, "all_gather", axis)
+
+    def _all_reduce_inplace(self, buf: torch.Tensor, axis: str, op: str, name: str):
+        """c10d all-reduce into ``buf`` itself: always one of the library's own buffers (a
+        fresh packing buffer or a collective's result), never a caller's tensor."""
+        with self._guard(name, axis):
+            dist.all_reduce(
+                buf, op=dist.ReduceOp.SUM, group=self.device_mesh.get_group(self._dim(axis))
+            )
+        return buf.div_(self.size(axis)) if op == "avg" else buf
 
     # A failed or timed-out collective raises CollectiveError naming it (op, axis): at issue,
     # or (gloo, usually) at the wait, so a pending result remembers which collective it is.
@@ -406,7 +429,11 @@ class DistMesh(_MeshBase):
             return funcol.wait_tensor(buf)
 
     def impl(self, op: str, axis: str, reduce: str | None) -> str:
-        if reduce == "avg" and not self._native_avg[self._dim(axis)]:
+        d = self._dim(axis)
+        if self._inplace[d] and op != "all_gather":
+            kind = "all_reduce+slice" if op == "reduce_scatter" else "all_reduce"
+            return f"c10d in-place {kind}" + (" sum+div" if reduce == "avg" else "")
+        if reduce == "avg" and not self._native_avg[d]:
             return "sum+div"
         return "native"
 
