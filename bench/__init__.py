@@ -1,0 +1,18 @@
+"""Benchmarks of functional_hsdp: ``python -m bench all`` (see bench/README.md).
+
+Each module has ``SIZES`` (``tiny`` for the smoke test, ``full`` for the figures),
+``run(size, pool=None) -> dict`` and ``report(result, command, date) -> str`` (a markdown
+section for ``bench/RESULTS.md``).
+"""
+
+from . import fsdp, limit, memory, overhead, rsimpl, scaling, wire
+
+BENCHMARKS = {
+    "fsdp": fsdp,
+    "limit": limit,
+    "overhead": overhead,
+    "wire": wire,
+    "scaling": scaling,
+    "rsimpl": rsimpl,
+    "memory": memory,
+}

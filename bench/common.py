@@ -1,0 +1,368 @@
+"""Shared machinery of the benchmarks: the gloo process pool, memory and timing probes, trees,
+and writing sections of ``bench/RESULTS.md``.
+
+Gloo runs use ``tests/gloo_pool.py``'s :class:`GlooPool` (a forkserver pool of 4 real gloo
+processes; tasks are module-level functions of ``bench.*`` modules, run on every rank).
+
+Memory: torch has no CPU allocator statistics, so a probe reads the process's resident set
+(``/proc/self/statm``) and its high-water mark (``getrusage(RUSAGE_SELF).ru_maxrss``). glibc is
+told (``mallopt``, and ``MALLOC_MMAP_THRESHOLD_`` for the processes we start) to mmap every
+allocation of 64 KiB or more, so a freed tensor goes back to the OS and the high-water mark
+follows tensor lifetimes. Between measured regions the high-water mark is reset to the current
+RSS by writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0), so one process can measure
+several regions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(BENCH_DIR)
+TESTS_DIR = os.path.join(REPO_ROOT, "tests")
+RESULTS = os.path.join(BENCH_DIR, "RESULTS.md")
+
+MMAP_THRESHOLD = 65536
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+WORLD = 4
+AXES = ("dp_outer", "dp_inner")
+
+# -- the gloo pool ----------------------------------------------------------------------------
+
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed._functional_collectives",
+    "torch.distributed.device_mesh",
+    "torch.distributed.fsdp",
+    "torch._dynamo",
+    "torch.profiler",
+    "functional_hsdp",
+    "pytest",
+)
+
+
+def _gloo_pool_module():
+    if TESTS_DIR not in sys.path:
+        sys.path.insert(0, TESTS_DIR)
+    import gloo_pool
+
+    return gloo_pool
+
+
+def new_pool(world_size: int = WORLD, timeout: float = 900.0):
+    """A started pool of ``world_size`` gloo processes (forkserver; cheap to restart).
+
+    The workers keep glibc's default malloc settings (timings are what users get); a memory
+    measurement calls :func:`set_malloc` in the worker, after any timing in that process.
+    """
+    global WORKER_LIBRARY
+    gp = _gloo_pool_module()
+    pool = gp.GlooPool(world_size, timeout=timeout, start_timeout=180.0, preload=PRELOAD)
+    starts_server = _forkserver_pid() is None
+    pool.start()
+    if starts_server and WORKER_LIBRARY is None:
+        # the forkserver imported functional_hsdp just now; every worker forked from it later
+        # in this process runs that code, whatever happens to the checkout meanwhile
+        WORKER_LIBRARY = library_version()
+    return pool
+
+
+# The library version the gloo workers run: the checkout when this process started the
+# forkserver (which preloads functional_hsdp). None: not known (another pool started it).
+WORKER_LIBRARY: str | None = None
+
+
+def _forkserver_pid():
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+@contextlib.contextmanager
+def pool_or(pool) -> Iterator[Any]:
+    """Use ``pool`` if given, else a fresh one closed on exit."""
+    if pool is not None:
+        yield pool
+        return
+    p = new_pool()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def device_mesh(shape: tuple[int, ...] = (2, 2), names: tuple[str, ...] = AXES):
+    """A cached CPU DeviceMesh in a worker (collective: call on every rank)."""
+    return _gloo_pool_module().device_mesh(tuple(shape), tuple(names))
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def trim() -> None:
+    """Give glibc's free memory back to the OS (``malloc_trim``), so that reusing it later
+    faults the pages in again and shows in the RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def set_malloc() -> None:
+    """mmap allocations >= 64 KiB and trim freed memory (as MALLOC_MMAP_THRESHOLD_ would)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (also stops dynamic adjustment)
+        libc.mallopt(-1, MMAP_THRESHOLD)  # M_TRIM_THRESHOLD
+        libc.malloc_trim(0)
+    except OSError:
+        pass
+
+
+def rss() -> int:
+    """Current resident set size in bytes (/proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def maxrss() -> int:
+    """High-water mark of the resident set in bytes (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak() -> bool:
+    """Reset the high-water mark to the current RSS; False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class Peak:
+    """``with Peak() as p: ...`` -> ``p.extra``: peak RSS in the block minus RSS before it."""
+
+    def __enter__(self) -> Peak:
+        import gc
+
+        gc.collect()
+        trim()
+        self.reset = reset_peak()
+        self.before = rss()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.after = rss()
+        self.peak = maxrss()
+        self.extra = self.peak - self.before
+        self.kept = self.after - self.before
+
+
+# -- timing -----------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], Any], sync: bool = True) -> tuple[float, Any]:
+    """(seconds, result) of ``fn()``, starting after a barrier so ranks start together."""
+    if sync:
+        barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def median(xs) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def across_ranks_max(per_rank: list[list[float]]) -> list[float]:
+    """Per repetition, the slowest rank's time (a step is as slow as its slowest rank)."""
+    return [max(col) for col in zip(*per_rank)]
+
+
+def lo_bytes() -> int:
+    """Bytes sent on the loopback interface so far (all processes of this machine)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[8])
+    return 0
+
+
+# -- trees ------------------------------------------------------------------------------------
+
+
+def param_tree(n_params: int, leaf: int = 1 << 20, odd: bool = False) -> dict[str, tuple]:
+    """Shapes of a tree of about ``n_params`` elements: 2-D leaves of ~``leaf`` elements plus
+    a bias per weight. ``odd`` picks sizes that do not divide evenly (padding is exercised)."""
+    shapes: dict[str, tuple] = {}
+    cols = int(math.isqrt(leaf))
+    rows = cols - 1 if odd else cols
+    per = rows * cols + rows
+    k = max(1, round(n_params / per))
+    for i in range(k):
+        shapes[f"layer{i:03d}.weight"] = (rows, cols)
+        shapes[f"layer{i:03d}.bias"] = (rows + (1 if odd and i % 2 else 0),)
+    return shapes
+
+
+def numel(shapes: dict[str, tuple]) -> int:
+    return sum(math.prod(s) for s in shapes.values())
+
+
+def make(
+    shapes: dict[str, tuple],
+    batch: tuple[int, ...] = (),
+    fill: float | None = None,
+    seed: int = 0,
+    dtype=torch.float32,
+) -> dict[str, torch.Tensor]:
+    """A tree of new (touched) tensors of ``shapes`` with ``batch`` dims in front."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, s in shapes.items():
+        if fill is None:
+            out[k] = torch.randn((*batch, *s), generator=g, dtype=dtype)
+        else:
+            out[k] = torch.full((*batch, *s), fill, dtype=dtype)
+    return out
+
+
+# -- reporting --------------------------------------------------------------------------------
+
+
+def date() -> str:
+    """The output of ``date``."""
+    try:
+        return subprocess.run(["date"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return time.strftime("%a %b %d %H:%M:%S %Z %Y")
+
+
+def machine() -> str:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"model name\s*:\s*(.*)", f.read())
+            cpu = m.group(1).strip() if m else cpu
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"{os.cpu_count()}-core CPU ({cpu}), {mem:.0f} GiB RAM, Python "
+        f"{platform.python_version()}, torch {torch.__version__}, gloo over loopback"
+    )
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    def fmt(x: Any) -> str:
+        if isinstance(x, float):
+            if x != x:
+                return "n/a"
+            return f"{x:.3g}" if abs(x) < 1e4 else f"{x:,.0f}"
+        return str(x)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def library_version() -> str:
+    """The commit of the checkout, and whether functional_hsdp/ has uncommitted changes."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "functional_hsdp"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"commit {head}" + (" + uncommitted changes in functional_hsdp/" if dirty else "")
+
+
+def section_header(title: str, command: str, when: str) -> str:
+    now = library_version()
+    lib = now
+    if WORKER_LIBRARY is not None and WORKER_LIBRARY != now:
+        lib = (
+            f"gloo workers: {WORKER_LIBRARY} (imported when this run started its forkserver); "
+            f"checkout when this section was written: {now}"
+        )
+    return (
+        f"## {title}\n\n"
+        f"Command: `{command}`  \nDate: {when}  \nLibrary: {lib}  \n"
+        f"Machine: {machine()}; 4 gloo processes (one thread each) unless stated.\n"
+    )
+
+
+_MARK = "<!-- bench:{name}:{edge} -->"
+
+
+def write_section(name: str, markdown: str, path: str = RESULTS) -> None:
+    """Replace the section ``name`` of ``path`` (between its markers) or append it; every other
+    part of the file (other sections, other people's text) is kept as it is."""
+    start, end = _MARK.format(name=name, edge="start"), _MARK.format(name=name, edge="end")
+    block = f"{start}\n{markdown.strip()}\n{end}\n"
+    text = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+    if not text:
+        text = (
+            "# functional_hsdp benchmarks\n\n"
+            "Every figure here was measured by the command given in its section (`python -m "
+            "bench <name>`, or `python -m bench all` for all of them). Sections are rewritten "
+            "in place when their benchmark is rerun.\n\n"
+        )
+    if start in text and end in text:
+        head, _, rest = text.partition(start)
+        _, _, tail = rest.partition(end)
+        text = head + block + ("\n" + tail.lstrip("\n") if tail.strip() else "")
+    else:  # a new section goes at the end; nothing else in the file moves
+        text = text.rstrip("\n") + "\n\n" + block
+    with open(path, "w") as f:
+        f.write(text)

@@ -1,0 +1,85 @@
+"""Smoke test of the benchmark suite (bench/): every benchmark at its tiny size, in seconds.
+
+The full benchmark (``python -m bench all``) is not part of the test suite; this keeps its
+code working. One pool of 4 gloo processes is shared by all benchmarks here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench import BENCHMARKS, common  # noqa: E402
+from bench.__main__ import run_one  # noqa: E402
+
+# memory last: it switches the shared workers' malloc to mmap-everything
+ORDER = ["wire", "limit", "rsimpl", "overhead", "scaling", "fsdp", "memory"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = common.new_pool(timeout=300.0)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "RESULTS.md"
+    path.write_text("# results\n\n## validation cost\n\nsomeone else's text\n")
+    return path
+
+
+def test_every_benchmark_is_in_the_smoke_test():
+    assert sorted(ORDER) == sorted(BENCHMARKS)
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
+    command = f"python -m bench {name} --size tiny"
+    png = str(tmp_path / "scaling.png")
+    res, md = run_one(name, "tiny", command, str(results), None, pool=pool, png=png)
+    assert f"Command: `{command}`" in md and "Date: " in md
+    text = results.read_text()
+    assert f"<!-- bench:{name}:start -->" in text and "someone else's text" in text
+    if name == "fsdp":
+        dp = {v: x for v, x in res["loss_maxrel"].items() if v not in BENCHMARKS["fsdp"].REFERENCE}
+        assert len(dp) >= 2 and all(x < 1e-4 for x in dp.values()), res["losses"]
+        assert res["comm_log"] == {
+            "dp_inner/all_gather": 1,
+            "dp_inner/reduce_scatter": res["cfg"]["M"],
+            "dp_outer/all_reduce": 1,
+        }
+    if name == "wire":
+        for p in res["presets"].values():
+            assert p["wire"] >= p["theory"] * (1 - 1e-9)
+    if name == "scaling":
+        assert os.path.getsize(png) > 0
+    if name == "memory":
+        for mode in ("sim", "gloo"):
+            assert res[mode]["maingrad"]["persistent"] > 0
+            assert all(r["reset_ok"] for r in res[mode].values())
+    if name in ("limit", "overhead", "rsimpl"):
+        assert "nan" not in md and not any(
+            isinstance(v, float) and math.isnan(v) for v in res.get("median", {}).values()
+        )
+
+
+def test_write_section_replaces_in_place_and_keeps_other_text(tmp_path):
+    path = tmp_path / "R.md"
+    path.write_text("# title\n\n## validation cost\n\nkeep me\n")
+    common.write_section("a", "## A\n\none", str(path))
+    common.write_section("b", "## B\n\ntwo", str(path))
+    common.write_section("a", "## A\n\nthree", str(path))
+    text = path.read_text()
+    assert "keep me" in text and "one" not in text and "three" in text and "two" in text
+    assert text.index("validation cost") < text.index("## A") < text.index("## B")
