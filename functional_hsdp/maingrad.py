@@ -289,19 +289,21 @@ class MainGrad:
         return self.mesh.wait(buf) / post if post != 1.0 else buf  # waits named on failure
 
     def _finish(self) -> None:
-        """Reduce the deferred axes of every bucket in place (step-major: buckets overlap)."""
-        todo = [steps(bucket.spec, "gradient", "optimizer") for bucket in self.plan.buckets]
-        work = [
-            buf.to(self.reduce_dtype) if todo[b] else buf for b, buf in enumerate(self._buffers)
-        ]
-        for t in range(max(map(len, todo), default=0)):
-            for b, bucket_steps in enumerate(todo):
-                if t < len(bucket_steps):
-                    work[b] = self._reduce(work[b], bucket_steps[t])
-        for b, (buf, result) in enumerate(zip(self._buffers, work)):
-            if todo[b]:
-                result = self.mesh.wait(result)
-                buf[..., : result.shape[-1]].copy_(result)
+        """Reduce the deferred axes of each bucket in place, one bucket at a time.
+
+        One at a time keeps the extra memory to one bucket's reduction (the bound MainGrad
+        promises) at the cost of overlap between buckets' deferred collectives.
+        """
+        for buf, bucket in zip(self._buffers, self.plan.buckets):
+            todo = steps(bucket.spec, "gradient", "optimizer")
+            if not todo:
+                continue
+            result = buf.to(self.reduce_dtype)
+            for step in todo:
+                result = self._reduce(result, step)
+            result = self.mesh.wait(result)
+            buf[..., : result.shape[-1]].copy_(result)
+            del result
         self._state = "final"
 
     def _fingerprint(self) -> dict[str, Any]:

@@ -203,7 +203,8 @@ class SimMesh(_MeshBase):
         return torch.take_along_dim(padded, geom.idx, dim=-1)
 
     def ragged_split(self, buf: torch.Tensor, geoms: list) -> list[torch.Tensor]:
-        return [self.ragged_slice(buf, g) for g in geoms]
+        padded = torch.nn.functional.pad(buf, (0, 1))  # once per bucket, not once per leaf
+        return [torch.take_along_dim(padded, g.idx, dim=-1) for g in geoms]
 
     def ragged_join(self, pieces: list[torch.Tensor], geoms: list, length: int) -> torch.Tensor:
         dtype = pieces[0].dtype if pieces else torch.float32
