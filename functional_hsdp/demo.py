@@ -169,8 +169,9 @@ def make_spec(mesh: fh.Mesh, strategy: str) -> fh.Spec:
 # -- the training loop, once for both meshes -----------------------------------------------
 
 
-def train(cfg: Config, mesh: fh.Mesh, x: torch.Tensor, y: torch.Tensor, *,
-          progress: bool) -> Result:
+def train(
+    cfg: Config, mesh: fh.Mesh, x: torch.Tensor, y: torch.Tensor, *, progress: bool
+) -> Result:
     """SGD on local shards; ``x``/``y`` are this process's data with ``mesh.batch_shape`` in front.
 
     Shapes are ``(*mesh.batch_shape, microbatches, batch, feature)``: the full tensor on a
@@ -191,8 +192,13 @@ def train(cfg: Config, mesh: fh.Mesh, x: torch.Tensor, y: torch.Tensor, *,
     params = fh.shard(init_params(cfg), spec)
     rank_losses = []
     with fh.comm_log() as log:
-        for _ in tqdm(range(cfg.steps), desc=f"{cfg.strategy} on {cfg.backend}", unit="step",
-                      file=sys.stderr, disable=not progress):
+        for _ in tqdm(
+            range(cfg.steps),
+            desc=f"{cfg.strategy} on {cfg.backend}",
+            unit="step",
+            file=sys.stderr,
+            disable=not progress,
+        ):
             full = fh.gather(params, spec)
             acc, step_loss = None, torch.zeros(mesh.batch_shape)
             for m in range(M):
@@ -335,37 +341,48 @@ def _print_report(report: Report, out: TextIO) -> None:
     def say(line: str = "") -> None:
         print(line, file=out)
 
-    say(f"functional_hsdp demo: {cfg.strategy} on {cfg.backend}, mesh dp_outer={cfg.outer} x "
+    say(
+        f"functional_hsdp demo: {cfg.strategy} on {cfg.backend}, mesh dp_outer={cfg.outer} x "
         f"dp_inner={cfg.inner} ({cfg.world_size} ranks), {cfg.steps} steps x "
-        f"{cfg.microbatches} microbatches, lr={cfg.lr}, seed={cfg.seed}")
+        f"{cfg.microbatches} microbatches, lr={cfg.lr}, seed={cfg.seed}"
+    )
     say(f"spec: {result.spec}")
-    say(f"model: MLP {cfg.features}-{cfg.hidden}-{cfg.outputs} ({n_params} parameters in "
+    say(
+        f"model: MLP {cfg.features}-{cfg.hidden}-{cfg.outputs} ({n_params} parameters in "
         f"{len(result.params)} tensors); global batch {cfg.global_batch} = {cfg.world_size} "
-        f"ranks x {cfg.microbatches} microbatches x {cfg.batch}")
+        f"ranks x {cfg.microbatches} microbatches x {cfg.batch}"
+    )
     say()
     say(f"{'step':>4}  {'loss':>12}  {'reference':>12}  {'|Δloss|':>9}")
     for s, (a, b) in enumerate(zip(result.losses, report.reference_losses)):
         say(f"{s:>4}  {a:>12.8f}  {b:>12.8f}  {abs(a - b):>9.2e}")
     say()
+
     def per_step(total: int) -> str:  # every step issues the same collectives
         return str(total // cfg.steps) if total % cfg.steps == 0 else f"{total / cfg.steps:.2f}"
 
     say("communication per step (one rank's inputs):")
     say(f"  {'axis':<10}{'op':<16}{'count':>6}{'bytes':>10}  impl")
     for (axis, op), (count, nbytes) in sorted(result.comm.items()):
-        say(f"  {axis:<10}{op:<16}{per_step(count):>6}{per_step(nbytes):>10}  "
-            f"{result.impls[(axis, op)]}")
+        say(
+            f"  {axis:<10}{op:<16}{per_step(count):>6}{per_step(nbytes):>10}  "
+            f"{result.impls[(axis, op)]}"
+        )
     if not result.comm:
         say("  (none)")
     say()
     started = f", including starting {cfg.world_size} workers" if cfg.backend == "gloo" else ""
     say(f"training wall time: {report.seconds:.2f} s{started}")
-    say(f"max |Δloss| over steps = {report.max_loss_error:.3e}; final max |Δparam| = "
-        f"{report.max_param_error:.3e}")
+    say(
+        f"max |Δloss| over steps = {report.max_loss_error:.3e}; final max |Δparam| = "
+        f"{report.max_param_error:.3e}"
+    )
     verdict = "PASS" if report.passed else "FAIL"
     relation = "<" if report.passed else ">="
-    say(f"{verdict}: max |Δloss| {report.max_loss_error:.3e} {relation} {TOLERANCE:g} "
-        f"({cfg.strategy} on {cfg.backend} vs dense reference)")
+    say(
+        f"{verdict}: max |Δloss| {report.max_loss_error:.3e} {relation} {TOLERANCE:g} "
+        f"({cfg.strategy} on {cfg.backend} vs dense reference)"
+    )
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -391,26 +408,52 @@ def _positive(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``demo`` flags; defaults come from :class:`Config`."""
     d = Config()
-    parser.add_argument("--strategy", choices=STRATEGIES, default=d.strategy,
-                        help="ddp and fsdp span both axes; hsdp defers dp_outer "
-                             "(default: %(default)s)")
-    parser.add_argument("--backend", choices=BACKENDS, default=d.backend,
-                        help="gloo: O*I local worker processes; sim: one process, SimMesh "
-                             "(default: %(default)s)")
-    parser.add_argument("--mesh", type=_mesh_shape, default=(d.outer, d.inner), metavar="OxI",
-                        help="dp_outer x dp_inner sizes (default: 2x2)")
-    parser.add_argument("--steps", type=_positive, default=d.steps,
-                        help="optimizer steps (default: %(default)s)")
-    parser.add_argument("--microbatches", type=_positive, default=d.microbatches,
-                        help="microbatches per step (default: %(default)s)")
-    parser.add_argument("--batch", type=_positive, default=d.batch,
-                        help="samples per rank per microbatch (default: %(default)s)")
-    parser.add_argument("--hidden", type=_positive, default=d.hidden,
-                        help="MLP hidden width (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=d.lr,
-                        help="SGD learning rate (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=d.seed,
-                        help="seed for parameters and data (default: %(default)s)")
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default=d.strategy,
+        help="ddp and fsdp span both axes; hsdp defers dp_outer (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=d.backend,
+        help="gloo: O*I local worker processes; sim: one process, SimMesh (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--mesh",
+        type=_mesh_shape,
+        default=(d.outer, d.inner),
+        metavar="OxI",
+        help="dp_outer x dp_inner sizes (default: 2x2)",
+    )
+    parser.add_argument(
+        "--steps", type=_positive, default=d.steps, help="optimizer steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=_positive,
+        default=d.microbatches,
+        help="microbatches per step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=_positive,
+        default=d.batch,
+        help="samples per rank per microbatch (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--hidden", type=_positive, default=d.hidden, help="MLP hidden width (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--lr", type=float, default=d.lr, help="SGD learning rate (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="seed for parameters and data (default: %(default)s)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -418,9 +461,16 @@ def main(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     cfg = Config(
-        strategy=args.strategy, backend=args.backend, outer=args.mesh[0], inner=args.mesh[1],
-        steps=args.steps, microbatches=args.microbatches, batch=args.batch, hidden=args.hidden,
-        lr=args.lr, seed=args.seed,
+        strategy=args.strategy,
+        backend=args.backend,
+        outer=args.mesh[0],
+        inner=args.mesh[1],
+        steps=args.steps,
+        microbatches=args.microbatches,
+        batch=args.batch,
+        hidden=args.hidden,
+        lr=args.lr,
+        seed=args.seed,
     )
     try:
         report = run(cfg)

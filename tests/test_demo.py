@@ -28,8 +28,9 @@ ROW = re.compile(r"^\s+(dp_\w+)\s+(\w+)\s+(\d+)\s+(\d+)\s+\w")
 def buckets(cfg: demo.Config) -> int:
     """B: how many buckets the model's parameters fill, counted by the library's own psum."""
     mesh = fh.SimMesh(dict(zip(demo.AXES, (cfg.outer, cfg.inner))))
-    stacked = {k: v.expand(cfg.outer, cfg.inner, *v.shape) for k, v in
-               demo.init_params(cfg).items()}
+    stacked = {
+        k: v.expand(cfg.outer, cfg.inner, *v.shape) for k, v in demo.init_params(cfg).items()
+    }
     with fh.comm_log() as log:
         fh.psum(stacked, "dp_inner", mesh)
     return log.count("all_reduce")
@@ -40,17 +41,22 @@ def expected_per_step(strategy: str, M: int, B: int) -> dict[tuple[str, str], in
     if strategy == "ddp":  # all deferred: one all-reduce per axis on the last microbatch
         return {("dp_inner", "all_reduce"): B, ("dp_outer", "all_reduce"): B}
     if strategy == "fsdp":  # every microbatch reduce-scatters over both axes
-        return {(a, op): n for a in demo.AXES
-                for op, n in (("reduce_scatter", M * B), ("all_gather", B))}
+        return {
+            (a, op): n
+            for a in demo.AXES
+            for op, n in (("reduce_scatter", M * B), ("all_gather", B))
+        }
     # hsdp: reduce-scatter dp_inner every microbatch; all-reduce dp_outer once, on the shard
-    return {("dp_inner", "reduce_scatter"): M * B, ("dp_outer", "all_reduce"): B,
-            ("dp_inner", "all_gather"): B}
+    return {
+        ("dp_inner", "reduce_scatter"): M * B,
+        ("dp_outer", "all_reduce"): B,
+        ("dp_inner", "all_gather"): B,
+    }
 
 
 def comm_table(text: str) -> dict[tuple[str, str], tuple[int, int]]:
     """The printed per-step communication table: {(axis, op): (count, bytes)}."""
-    return {(m[1], m[2]): (int(m[3]), int(m[4]))
-            for m in map(ROW.match, text.splitlines()) if m}
+    return {(m[1], m[2]): (int(m[3]), int(m[4])) for m in map(ROW.match, text.splitlines()) if m}
 
 
 def run_sim(**kw) -> tuple[demo.Report, str]:
@@ -82,7 +88,10 @@ def test_sim_demo_on_a_ragged_mesh():
 def test_gloo_demo_default_run_passes_and_logs_the_sim_collectives():
     proc = subprocess.run(
         [sys.executable, "-m", "functional_hsdp", "demo"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"^PASS: .*hsdp on gloo", proc.stdout, re.M), proc.stdout
