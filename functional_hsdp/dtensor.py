@@ -101,7 +101,7 @@ def _buckets(plan: Plan, role: str, leaves: list, device_mesh: Any) -> list[DTen
     names = mesh.axis_names
     for bucket, buf in zip(plan.buckets, plan.pack(leaves, role)):
         spec = bucket.spec
-        split = bucket.flat_axes(spec.placements(role))
+        split = spec.sharded_axes(role)
         placements = []
         for axis, p in zip(names, spec.placements(role)):
             if axis in split:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import einops
 import torch
 
-from .placement import is_sharded
 from .spec import Spec
 
 __all__ = ["Slot", "Bucket", "build_buckets", "pack_full", "unpack_full"]
@@ -63,12 +62,6 @@ class Bucket:
     numel: int
     padded: int
     shard: tuple[str, int] | None = None  # (axis, dim) of a Shard(dim) bucket
-
-    def flat_axes(self, placements) -> tuple[str, ...]:
-        """The sharded (Flat or Shard) axes of ``placements``: a prefix of the split order."""
-        names = self.spec.mesh.axis_names
-        n = sum(1 for a in self.spec.split_order if is_sharded(placements[names.index(a)]))
-        return self.spec.split_order[:n]
 
     @property
     def ranks(self) -> int:

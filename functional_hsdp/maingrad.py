@@ -311,7 +311,7 @@ class MainGrad:
         return {
             "tree": str(plan.treedef),
             "shapes": [list(s) for s in plan.shapes],
-            "kinds": [str(k) for k in plan.key[5]],
+            "kinds": [str(k) for k in plan.kinds],
             "specs": sorted({repr(s) for s in plan.specs}),
             "mesh": list(zip(self.mesh.axis_names, self.mesh.sizes)),
             "dtype": str(self.dtype),

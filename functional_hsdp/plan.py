@@ -23,13 +23,11 @@ from .layout import (
     unpack_full,
     unpack_shard_full,
 )
-from .placement import Partial, is_sharded, reduce_op, transition
+from .placement import Partial, reduce_op, transition
 from .spec import Spec
 from .trace import Event, record
 
 __all__ = ["Plan", "Step", "get_plan", "layouts_for", "run"]
-
-ROLES = ("input", "full", "gradient", "optimizer", "parameter")
 
 
 @dataclass(frozen=True)
@@ -80,17 +78,25 @@ class Plan:
         self.dtypes = dtypes
         self.specs = specs
         self.devices = devices
+        self.kinds = kinds  # what decided bucket sharing; None: the dtypes
         self.mesh = specs[0].mesh
         self.buckets, self.empty = build_buckets(paths, shapes, dtypes, devices, specs, kinds)
         self._geometry: dict[tuple[int, str], Any] = {}
-        self._slots: list | None = None
-        self._position: dict[int, int] = {}  # leaf index -> its place in its bucket
+        # (slot, bucket index or None) and the slot's place in its bucket, per leaf index
+        self._slots: list = [None] * len(paths)
+        self._position: dict[int, int] = {}
+        for b, bucket in enumerate(self.buckets):
+            for k, s in enumerate(bucket.slots):
+                self._slots[s.index] = (s, b)
+                self._position[s.index] = k
+        for s in self.empty:
+            self._slots[s.index] = (s, None)
 
     def __repr__(self) -> str:
         return f"Plan({len(self.paths)} leaves, {len(self.buckets)} buckets)"
 
     def is_flat(self, bucket: Bucket, role: str) -> bool:
-        return bool(bucket.flat_axes(bucket.spec.placements(role)))
+        return bool(bucket.spec.sharded_axes(role))
 
     def geometry(self, b: int, role: str) -> tuple[int, list]:
         """(chunk length, per-slot geometry) of bucket ``b`` at a sharded ``role``.
@@ -100,7 +106,7 @@ class Plan:
         """
         if (b, role) not in self._geometry:
             bucket, mesh = self.buckets[b], self.mesh
-            axes = bucket.flat_axes(bucket.spec.placements(role))
+            axes = bucket.spec.sharded_axes(role)
             start, stride = 0, bucket.padded
             for a in axes:
                 stride //= mesh.size(a)
@@ -121,12 +127,11 @@ class Plan:
         batch = self.mesh.batch_shape
         bucket = self.buckets[bucket_index] if bucket_index is not None else None
         spec = self.specs[slot.index]
-        if not any(is_sharded(p) for p in spec.placements(role)):
+        if not spec.sharded_axes(role):
             return (*batch, *slot.shape)
         if bucket is None:  # a zero-size leaf: an empty piece on every rank
             return (*batch, *slot.shape) if spec.shard else (*batch, 0)
         _, geoms = self.geometry(bucket_index, role)
-        self.slots()
         geom = geoms[self._position[slot.index]]
         if bucket.shard is not None:
             return self.mesh.narrow_shape(slot.chunk_shape, slot.dim, geom)
@@ -134,15 +139,6 @@ class Plan:
 
     def slots(self) -> list[tuple[Slot, int | None]]:
         """(slot, bucket index or None) for every leaf, in tree order."""
-        if self._slots is None:
-            out: list = [None] * len(self.paths)
-            for b, bucket in enumerate(self.buckets):
-                for k, s in enumerate(bucket.slots):
-                    out[s.index] = (s, b)
-                    self._position[s.index] = k
-            for s in self.empty:
-                out[s.index] = (s, None)
-            self._slots = out
         return self._slots
 
     # -- packing --------------------------------------------------------------------------

@@ -22,7 +22,6 @@ import optree
 import torch
 
 from . import validate
-from .placement import is_sharded
 from .plan import Plan, get_plan, layouts_for, run
 from .spec import Spec, format_path, resolve_specs
 
@@ -169,8 +168,8 @@ def _check_local(
             continue  # made by this very plan at this role: dtype and shape are right
         if state is not None:
             if (
-                state.plan.key[0] != plan.key[0]
-                or state.plan.key[1] != plan.key[1]
+                state.plan.treedef != plan.treedef
+                or state.plan.shapes != plan.shapes
                 or state.plan.specs != plan.specs
             ):
                 raise ValueError(
@@ -439,7 +438,7 @@ def _find_layout(leaves, treedef, paths, specs, like, source, name) -> tuple[Pla
     first_error = None
     for role in roles:
         candidates = list(known)
-        if like is None and not any(s.split_order and _has_flat(s, role) for s in specs):
+        if like is None and not any(s.sharded_axes(role) for s in specs):
             candidates.append(tuple(tuple(x.shape[nb:]) for x in leaves))  # local == full
         for shapes in candidates:
             plan = _plan_from(leaves, treedef, paths, specs, shapes)
@@ -459,7 +458,3 @@ def _find_layout(leaves, treedef, paths, specs, like, source, name) -> tuple[Pla
         f"{name}: its local shapes match no known layout of this tree and spec at the "
         f"{' or '.join(roles)} placement ({first_error}){hint}"
     )
-
-
-def _has_flat(spec: Spec, role: str) -> bool:
-    return any(is_sharded(p) for p in spec.placements(role))

@@ -204,6 +204,16 @@ class Spec:
 
         return self._memo("split_order", order)
 
+    def sharded_axes(self, role: str) -> tuple[str, ...]:
+        """The Flat/Shard axes of ``role``, in split order (a prefix of it, by validation)."""
+
+        def axes() -> tuple[str, ...]:
+            names = self.mesh.axis_names
+            placements = self.placements(role)
+            return tuple(a for a in self.split_order if is_sharded(placements[names.index(a)]))
+
+        return self._memo(f"sharded_axes:{role}", axes)
+
     @property
     def deferred_axes(self) -> tuple[str, ...]:
         """Axes whose gradient placement is Partial: reduced only on the last microbatch."""
