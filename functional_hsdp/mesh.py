@@ -60,8 +60,6 @@ class Mesh(Protocol):
 
     def ragged_shape(self, geom: Any) -> tuple[int, ...]: ...
 
-    def ragged_slice(self, buf: torch.Tensor, geom: Any) -> torch.Tensor: ...
-
     def ragged_split(self, buf: torch.Tensor, geoms: list) -> list[torch.Tensor]: ...
 
     def ragged_join(self, pieces: list[torch.Tensor], geoms: list, length: int) -> torch.Tensor: ...
@@ -198,12 +196,9 @@ class SimMesh(_MeshBase):
     def ragged_shape(self, geom: _SimRagged) -> tuple[int, ...]:
         return (*self.batch_shape, geom.maxlen)
 
-    def ragged_slice(self, buf: torch.Tensor, geom: _SimRagged) -> torch.Tensor:
-        padded = torch.nn.functional.pad(buf, (0, 1))  # index `length` reads the zero fill
-        return torch.take_along_dim(padded, geom.idx, dim=-1)
-
     def ragged_split(self, buf: torch.Tensor, geoms: list) -> list[torch.Tensor]:
-        padded = torch.nn.functional.pad(buf, (0, 1))  # once per bucket, not once per leaf
+        # Pad once per bucket: index `length` (a rank's fill positions) reads the zero.
+        padded = torch.nn.functional.pad(buf, (0, 1))
         return [torch.take_along_dim(padded, g.idx, dim=-1) for g in geoms]
 
     def ragged_join(self, pieces: list[torch.Tensor], geoms: list, length: int) -> torch.Tensor:
@@ -396,9 +391,6 @@ class DistMesh(_MeshBase):
 
     def ragged_shape(self, geom: tuple[int, int]) -> tuple[int, ...]:
         return (geom[1] - geom[0],)
-
-    def ragged_slice(self, buf: torch.Tensor, geom: tuple[int, int]) -> torch.Tensor:
-        return buf[geom[0] : geom[1]]
 
     def ragged_split(self, buf: torch.Tensor, geoms: list) -> list[torch.Tensor]:
         # Consecutive leaves' pieces tile the chunk from 0 (pieces outside it are empty), so
