@@ -12,19 +12,24 @@ Mixed precision: gradients may arrive in bf16/fp16 and accumulate in the buffers
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import optree
 import torch
 
 from . import validate
-from .layout import Bucket, pack_shard_full
+from .layout import pack_shard_full
 from .plan import Plan, Step, apply, get_plan, steps
 from .reduce import _check_last, _check_tensors, _flatten, _structure_error, _tag
 from .spec import resolve_specs
 
 __all__ = ["MainGrad", "microbatches"]
+
+# Buckets in flight at once in MainGrad: packing one overlaps the other's collectives.
+DEPTH = 2
 
 T = TypeVar("T")
 
@@ -59,10 +64,12 @@ class MainGrad:
         reduce_dtype: the dtype on the wire (default: ``dtype``). For float16 the sum is
             pre- and post-divided (about sqrt(n) each) so large worlds do not overflow.
 
-    ``accumulate`` reduces each bucket in turn (pack, reduce over the non-deferred axes, add
-    into the buffer), so beyond the buffers a call needs one bucket's packing buffer (and
-    its reduce-scattered chunk) at a time. On the last microbatch the deferred axes are
-    reduced in place; for a smaller optimizer placement (hfsdp) the result is written to
+    ``accumulate`` pipelines the buckets two deep: it packs bucket b+1 (into one of two
+    persistent packing buffers, each the size of the largest bucket, allocated here and
+    reused) while bucket b's collectives run, then adds b's result into its buffer. So beyond
+    the buffers a call needs at most two buckets' reduced chunks in flight, however large
+    the model. On the last microbatch the deferred axes are reduced in place, also two
+    buckets at a time; for a smaller optimizer placement (hfsdp) the result is written to
     the front of each buffer. ``grads`` are views of the buffers (on a SimMesh, ragged Flat
     pieces are copies: ranks' pieces start at different offsets).
 
@@ -110,6 +117,14 @@ class MainGrad:
                 (*mesh.batch_shape, self._length(b, "gradient")), dtype=dtype, device=bucket.device
             )
             for b, bucket in enumerate(self.plan.buckets)
+        ]
+        # Two packing buffers, reused: bucket b packs into the one bucket b-2 used, which is
+        # free once b-2 is done (DEPTH buckets in flight at most).
+        batch = math.prod(mesh.batch_shape)
+        longest = max((b.padded for b in self.plan.buckets), default=0)
+        self._scratch = [
+            torch.empty(batch * longest, dtype=self.reduce_dtype, device=bucket.device)
+            for bucket in self.plan.buckets[:DEPTH]
         ]
         self._state = "accumulating"
         self._empty = True  # grads are None: the next accumulate overwrites instead of adding
@@ -162,6 +177,7 @@ class MainGrad:
                 "zero_grad() before accumulating the next step"
             )
         plan, mesh = self.plan, self.mesh
+        nb = len(mesh.batch_shape)
         leaves, treedef, paths = _flatten(grads, "grads")
         if treedef != plan.treedef:
             raise _structure_error(plan.treedef, grads, "grads", "MainGrad's like tree")
@@ -171,7 +187,6 @@ class MainGrad:
             metas = None
         if metas is None or metas != self._checked:
             _check_tensors(leaves, paths, mesh, floating=True, batched=True)
-            nb = len(mesh.batch_shape)
             for leaf, path, shape in zip(leaves, paths, plan.shapes):
                 if tuple(leaf.shape[nb:]) != shape:
                     raise ValueError(
@@ -187,16 +202,19 @@ class MainGrad:
             options=(f"reduce_dtype={self.reduce_dtype}", f"check_finite={check_finite}"),
             nonfinite=validate.nonfinite_index(leaves, nb) if check_finite else None,
         )
-        for b, bucket in enumerate(plan.buckets):
-            chunk = self._pack(bucket, leaves)
-            for step in steps(bucket.spec, "input", "gradient"):
-                chunk = self._reduce(chunk, step)
-            chunk = mesh.wait(chunk)
+
+        def issue(b: int) -> tuple[torch.Tensor, tuple[Step, ...]]:
+            todo = steps(plan.buckets[b].spec, "input", "gradient")
+            buf = self._pack(b, leaves)
+            return (self._reduce(buf, todo[0]), todo[1:]) if todo else (buf, todo)
+
+        def done(b: int, chunk: torch.Tensor) -> None:
             if self._empty:
                 self._buffers[b].copy_(chunk)
             else:
                 self._buffers[b].add_(chunk)
-            del chunk  # free this bucket's packing buffer before the next bucket packs
+
+        self._pipeline(issue, done)
         self._empty = False
         if last:
             self._finish()
@@ -269,17 +287,42 @@ class MainGrad:
             return self.plan.geometry(b, role)[0]
         return bucket.padded
 
-    def _pack(self, bucket: Bucket, leaves: list[torch.Tensor]) -> torch.Tensor:
-        """One bucket's packing buffer, in the wire dtype (one copy per leaf, casting)."""
+    @torch.no_grad()
+    def _pack(self, b: int, leaves: list[torch.Tensor]) -> torch.Tensor:
+        """Bucket ``b`` packed, in the wire dtype, into packing buffer ``b % DEPTH`` (one copy
+        per leaf, casting)."""
+        bucket, batch = self.plan.buckets[b], self.mesh.batch_shape
         if bucket.shard is not None:  # rank-major: each leaf's chunks go to every block
-            return pack_shard_full(bucket, leaves, self.mesh.batch_shape).to(self.reduce_dtype)
-        batch = self.mesh.batch_shape
-        out = torch.empty((*batch, bucket.padded), dtype=self.reduce_dtype, device=bucket.device)
+            return pack_shard_full(bucket, leaves, batch).to(self.reduce_dtype)
+        scratch = self._scratch[b % DEPTH]
+        out = scratch[: math.prod(batch) * bucket.padded].view(*batch, bucket.padded)
         for s in bucket.slots:
             flat = leaves[s.index].detach().reshape(*batch, -1)
             out[..., s.offset : s.offset + s.numel].copy_(flat)
         out[..., bucket.numel :].zero_()
         return out
+
+    def _pipeline(
+        self,
+        issue: Callable[[int], tuple[torch.Tensor, tuple[Step, ...]]],
+        done: Callable[[int, torch.Tensor], None],
+    ) -> None:
+        """For each bucket: ``issue(b)`` starts its first collective and returns (pending
+        buffer, remaining steps); the rest run and ``done(b, result)`` consumes the result,
+        with at most DEPTH buckets started and not done."""
+        flight: deque = deque()
+        for b in range(len(self.plan.buckets)):
+            if len(flight) == DEPTH:
+                self._drain(flight.popleft(), done)
+            flight.append((b, *issue(b)))
+        while flight:
+            self._drain(flight.popleft(), done)
+
+    def _drain(self, item: tuple, done: Callable[[int, torch.Tensor], None]) -> None:
+        b, buf, todo = item
+        for step in todo:
+            buf = self._reduce(buf, step)
+        done(b, self.mesh.wait(buf))
 
     def _reduce(self, buf: torch.Tensor, step: Step) -> torch.Tensor:
         pre, op, post = _divide_factors(step, self.mesh.size(step.axis), buf.dtype)
@@ -289,21 +332,21 @@ class MainGrad:
         return self.mesh.wait(buf) / post if post != 1.0 else buf  # waits named on failure
 
     def _finish(self) -> None:
-        """Reduce the deferred axes of each bucket in place, one bucket at a time.
+        """Reduce the deferred axes of each bucket in place, DEPTH buckets at a time: the
+        extra memory stays within DEPTH buckets' reductions however many buckets there are."""
+        plan = self.plan
 
-        One at a time keeps the extra memory to one bucket's reduction (the bound MainGrad
-        promises) at the cost of overlap between buckets' deferred collectives.
-        """
-        for buf, bucket in zip(self._buffers, self.plan.buckets):
-            todo = steps(bucket.spec, "gradient", "optimizer")
-            if not todo:
-                continue
-            result = buf.to(self.reduce_dtype)
-            for step in todo:
-                result = self._reduce(result, step)
-            result = self.mesh.wait(result)
-            buf[..., : result.shape[-1]].copy_(result)
-            del result
+        def issue(b: int) -> tuple[torch.Tensor, tuple[Step, ...]]:
+            todo = steps(plan.buckets[b].spec, "gradient", "optimizer")
+            buf = self._buffers[b].to(self.reduce_dtype)  # the buffer itself when same dtype
+            return (self._reduce(buf, todo[0]), todo[1:]) if todo else (buf, todo)
+
+        def done(b: int, result: torch.Tensor) -> None:
+            buf = self._buffers[b]
+            if result is not buf:
+                buf[..., : result.shape[-1]].copy_(result)
+
+        self._pipeline(issue, done)
         self._state = "final"
 
     def _fingerprint(self) -> dict[str, Any]:

@@ -43,6 +43,7 @@ class Mesh(Protocol):
     axis_names: tuple[str, ...]
     sizes: tuple[int, ...]
     batch_shape: tuple[int, ...]
+    ragged_views: bool  # whether ragged_split and narrow return views of their input
 
     def size(self, axis: str) -> int: ...
 
@@ -126,6 +127,8 @@ class SimMesh(_MeshBase):
         tensor([[1., 1.],
                 [5., 5.]])
     """
+
+    ragged_views = False  # ranks' pieces start at different offsets: gathered copies
 
     def __init__(self, shape: dict[str, int]):
         if not isinstance(shape, dict) or not shape:
@@ -287,6 +290,7 @@ class DistMesh(_MeshBase):
     """
 
     batch_shape: tuple[int, ...] = ()
+    ragged_views = True
 
     def __init__(self, device_mesh: Any):
         names = getattr(device_mesh, "mesh_dim_names", None)
@@ -319,12 +323,14 @@ class DistMesh(_MeshBase):
 
     # Each collective first waits on its input (the previous step's collective on this
     # bucket): other buckets' collectives are already in flight, and handing an unwaited
-    # AsyncCollectiveTensor to the next collective would dispatch the op twice.
+    # result to the next collective would dispatch the op twice.
 
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         buf, group = self.wait(buf), self._group(axis)
         if self._inplace[self._dim(axis)]:
-            return self._all_reduce_inplace(buf, axis, op, "all_reduce")
+            n = self.size(axis)
+            finish = (lambda: buf.div_(n)) if op == "avg" else (lambda: buf)
+            return self._issue_inplace(buf, axis, "all_reduce", finish)
         with self._guard("all_reduce", axis):
             out = self._reduce(lambda o: funcol.all_reduce(buf, o, group), axis, op)
         return self._pending(out, "all_reduce", axis)
@@ -332,8 +338,14 @@ class DistMesh(_MeshBase):
     def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         buf, group = self.wait(buf), self._group(axis)
         if self._inplace[self._dim(axis)]:
-            full = self._all_reduce_inplace(buf, axis, op, "reduce_scatter")
-            return self.chunk(full, axis).clone()  # the chunk only: the full buffer is freed
+            # Keep only this rank's chunk, as a new tensor (the full buffer is then freed);
+            # AVG divides the chunk alone: half the work of dividing the buffer on 2 ranks.
+            n = self.size(axis)
+            if op == "avg":
+                finish = lambda: torch.div(self._chunk(buf, axis), n)  # noqa: E731
+            else:
+                finish = lambda: self._chunk(buf, axis).clone()  # noqa: E731
+            return self._issue_inplace(buf, axis, "reduce_scatter", finish)
         with self._guard("reduce_scatter", axis):
             out = self._reduce(lambda o: funcol.reduce_scatter_single(buf, o, 0, group), axis, op)
         return self._pending(out, "reduce_scatter", axis)
@@ -344,14 +356,21 @@ class DistMesh(_MeshBase):
             out = funcol.all_gather_single(buf, 0, group)
         return self._pending(out, "all_gather", axis)
 
-    def _all_reduce_inplace(self, buf: torch.Tensor, axis: str, op: str, name: str):
-        """c10d all-reduce into ``buf`` itself: always one of the library's own buffers (a
-        fresh packing buffer or a collective's result), never a caller's tensor."""
+    def _issue_inplace(self, buf: torch.Tensor, axis: str, name: str, finish) -> torch.Tensor:
+        """Start an asynchronous c10d SUM all-reduce of ``buf`` in place and return ``buf``,
+        pending: :meth:`wait` waits for it and returns ``finish()`` (the divided buffer, or
+        this rank's chunk). ``buf`` is always one of the library's own buffers (a fresh
+        packing buffer, a collective's result or MainGrad's buffer), never a caller's tensor.
+        """
         with self._guard(name, axis):
-            dist.all_reduce(
-                buf, op=dist.ReduceOp.SUM, group=self.device_mesh.get_group(self._dim(axis))
+            work = dist.all_reduce(
+                buf,
+                op=dist.ReduceOp.SUM,
+                group=self.device_mesh.get_group(self._dim(axis)),
+                async_op=True,
             )
-        return buf.div_(self.size(axis)) if op == "avg" else buf
+        buf._fh_pending = (work, finish, name, axis)
+        return buf
 
     # A failed or timed-out collective raises CollectiveError naming it (op, axis): at issue,
     # or (gloo, usually) at the wait, so a pending result remembers which collective it is.
@@ -382,8 +401,12 @@ class DistMesh(_MeshBase):
         return collective_error(op, axis, self, exc, rank=dist.get_rank(), timeout=timeout)
 
     def chunk(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
+        # A copy, so that a rank's shards do not keep the whole buffer alive.
+        return self._chunk(self.wait(buf), axis).clone()
+
+    def _chunk(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
         n = self.size(axis)
-        return self.wait(buf).view(n, buf.shape[-1] // n)[self.coordinate(axis)]
+        return buf.view(n, buf.shape[-1] // n)[self.coordinate(axis)]
 
     def ragged(self, lo: int, hi: int, length: int) -> tuple[int, int]:
         lo = min(max(lo, 0), length)
@@ -416,6 +439,12 @@ class DistMesh(_MeshBase):
         return tuple(length if k == dim else n for k, n in enumerate(shape))
 
     def wait(self, buf: torch.Tensor) -> torch.Tensor:
+        pending = buf.__dict__.pop("_fh_pending", None)
+        if pending is not None:
+            work, finish, name, axis = pending
+            with self._guard(name, axis):
+                work.wait()
+            return finish()
         if not isinstance(buf, funcol.AsyncCollectiveTensor):
             return buf
         with self._guard(*getattr(buf, "_fh_collective", ("a collective", None))):

@@ -143,30 +143,37 @@ class Plan:
 
     # -- packing --------------------------------------------------------------------------
 
-    @torch.no_grad()
     def pack(self, leaves: list[torch.Tensor], role: str) -> list[torch.Tensor]:
         """New bucket buffers holding ``leaves`` (local values at ``role``); no graph kept."""
-        batch, out = self.mesh.batch_shape, []
-        for b, bucket in enumerate(self.buckets):
-            sharded = self.is_flat(bucket, role)
-            if not sharded:
-                pack = pack_shard_full if bucket.shard else pack_full
-                out.append(pack(bucket, leaves, batch))
-                continue
-            length, geoms = self.geometry(b, role)
-            pieces = [leaves[s.index] for s in bucket.slots]
-            if bucket.shard is None:
-                out.append(self.mesh.ragged_join(pieces, geoms, length))
-                continue
-            nb, flat = len(batch), []
-            for s, x, geom in zip(bucket.slots, pieces, geoms):
-                x = self.mesh.narrow(x, nb + s.dim, geom)  # ignore any fill past the chunk
-                pad = s.size - x.shape[nb + s.dim]
-                if pad:
-                    x = torch.nn.functional.pad(x, (0, 0) * (len(s.shape) - s.dim - 1) + (0, pad))
-                flat.append(x.reshape(*batch, -1))
-            out.append(torch.cat(flat, dim=-1))
-        return out
+        return [self.pack_bucket(b, leaves, role) for b in range(len(self.buckets))]
+
+    @torch.no_grad()
+    def pack_bucket(self, b: int, leaves: list[torch.Tensor], role: str) -> torch.Tensor:
+        """A new buffer holding bucket ``b``'s leaves (local values at ``role``)."""
+        batch, bucket = self.mesh.batch_shape, self.buckets[b]
+        if not self.is_flat(bucket, role):
+            pack = pack_shard_full if bucket.shard else pack_full
+            return pack(bucket, leaves, batch)
+        length, geoms = self.geometry(b, role)
+        pieces = [leaves[s.index] for s in bucket.slots]
+        if bucket.shard is None:
+            return self.mesh.ragged_join(pieces, geoms, length)
+        nb, flat = len(batch), []
+        for s, x, geom in zip(bucket.slots, pieces, geoms):
+            x = self.mesh.narrow(x, nb + s.dim, geom)  # ignore any fill past the chunk
+            pad = s.size - x.shape[nb + s.dim]
+            if pad:
+                x = torch.nn.functional.pad(x, (0, 0) * (len(s.shape) - s.dim - 1) + (0, pad))
+            flat.append(x.reshape(*batch, -1))
+        return torch.cat(flat, dim=-1)
+
+    def views(self, b: int, role: str) -> bool:
+        """Whether :meth:`unpack` gives bucket ``b``'s leaves at ``role`` as views of its
+        buffer (else as copies)."""
+        bucket = self.buckets[b]
+        if self.is_flat(bucket, role):
+            return self.mesh.ragged_views
+        return bucket.shard is None
 
     def unpack(self, bufs: list[torch.Tensor], role: str) -> list[torch.Tensor]:
         """Each leaf's local value at ``role``: views of ``bufs`` where the mesh allows."""
@@ -199,25 +206,60 @@ class Plan:
         return leaves
 
 
-def run(plan: Plan, bufs: list[torch.Tensor], frm: str, to: str) -> list[torch.Tensor]:
-    """Move every bucket from role ``frm`` to role ``to``, one axis at a time.
+Leg = Any  # a (from role, to role) pair, or a local function (bucket index, buffer) -> buffer
 
-    Steps run step-major across buckets, so every bucket's first collective is issued before
-    any bucket waits on its second: asynchronous collectives overlap.
+
+def run(plan: Plan, bufs: Any, *legs: Leg) -> list[torch.Tensor]:
+    """Run every bucket through ``legs`` and return the buffers (possibly still pending:
+    ``plan.mesh.wait`` each before use).
+
+    A ``(frm, to)`` leg is the per-axis collectives that move a bucket from role ``frm`` to
+    role ``to``; a function leg is local work on the waited buffer (adding the running
+    accumulation, say). ``bufs`` is the list of input buffers, or a function from bucket
+    index to buffer, called just before that bucket's first collective, so that packing the
+    next bucket overlaps the collectives already in flight.
+
+    Collectives are issued step-major across buckets: every bucket's first collective is
+    issued before any bucket waits on its first, every second before any third, and so on.
+    So buckets overlap each other, and the second axis's collective of one bucket runs while
+    the first axis's collectives of later buckets are still in flight.
     """
-    mesh, bufs = plan.mesh, list(bufs)
-    todo = [steps(bucket.spec, frm, to) for bucket in plan.buckets]
-    for t in range(max((len(s) for s in todo), default=0)):
-        for b, bucket_steps in enumerate(todo):
-            if t < len(bucket_steps):
-                bufs[b] = apply(mesh, bufs[b], bucket_steps[t])
-    return bufs
+    mesh, n = plan.mesh, len(plan.buckets)
+    programs = []  # per bucket: [(local functions to run first, step or None)]
+    for bucket in plan.buckets:
+        program, local = [], []
+        for leg in legs:
+            if callable(leg):
+                local.append(leg)
+                continue
+            for step in steps(bucket.spec, *leg):
+                program.append((local, step))
+                local = []
+        program.append((local, None))
+        programs.append(program)
+    lazy = callable(bufs)
+    out = [None] * n if lazy else list(bufs)
+    for t in range(max((len(p) for p in programs), default=0)):
+        for b, program in enumerate(programs):
+            if t >= len(program):
+                continue
+            if t == 0 and lazy:
+                out[b] = bufs(b)
+            local, step = program[t]
+            buf = out[b]
+            if local:
+                buf = mesh.wait(buf)
+                for fn in local:
+                    buf = fn(b, buf)
+            out[b] = apply(mesh, buf, step) if step is not None else buf
+    return out
 
 
 def apply(mesh: Any, buf: torch.Tensor, step: Step) -> torch.Tensor:
     """Issue one bucket collective (logged) or take the local chunk."""
     if step.op == "slice":
         return mesh.chunk(buf, step.axis)
+    buf = mesh.wait(buf)  # the previous step's result: its final length is logged
     record(
         Event(
             step.op,

@@ -33,29 +33,64 @@ class _State:
     plan: Plan
     role: str  # the role whose placements the value is at
     kind: str  # "accumulating" | "final" | "weights"
+    # The bucket buffers the leaves view (None: some leaves are copies). A later call given
+    # these very leaves back as acc reads the buffers instead of packing the leaves again.
+    bufs: tuple[torch.Tensor | None, ...] | None = None
 
 
-# id(tensor) -> (weak reference, state). Kept beside the tensors rather than on them, so that
-# copying, pickling or torch.save of a result does not drag plans and meshes along.
-_STATES: dict[int, tuple[weakref.ref, _State]] = {}
+class _Tag(weakref.ref):
+    """A leaf's entry in the registry: a weak reference that knows the state and the leaf's
+    index in its tree, and drops the entry when the leaf dies."""
+
+    __slots__ = ("key", "state", "index")
+
+    def __new__(cls, leaf: torch.Tensor, state: _State, index: int) -> _Tag:
+        self = super().__new__(cls, leaf, _forget)
+        self.key, self.state, self.index = id(leaf), state, index
+        return self
+
+    def __init__(self, leaf: torch.Tensor, state: _State, index: int) -> None:
+        super().__init__(leaf, _forget)
 
 
-def _forget(key: int, ref: weakref.ref) -> None:
-    entry = _STATES.get(key)
-    if entry is not None and entry[0] is ref:
-        del _STATES[key]
+# id(tensor) -> its tag. Kept beside the tensors rather than on them, so that copying,
+# pickling or torch.save of a result does not drag plans and meshes along.
+_STATES: dict[int, _Tag] = {}
 
 
-def _tag(leaves: list[torch.Tensor], plan: Plan, role: str, kind: str) -> None:
-    state = _State(plan, role, kind)
-    for leaf in leaves:
-        key = id(leaf)
-        _STATES[key] = (weakref.ref(leaf, functools.partial(_forget, key)), state)
+def _forget(tag: _Tag) -> None:
+    if _STATES.get(tag.key) is tag:
+        del _STATES[tag.key]
+
+
+def _tag(
+    leaves: list[torch.Tensor], plan: Plan, role: str, kind: str, bufs: tuple | None = None
+) -> None:
+    state = _State(plan, role, kind, bufs)
+    for i, leaf in enumerate(leaves):
+        _STATES[id(leaf)] = _Tag(leaf, state, i)
 
 
 def _state(leaf: Any) -> _State | None:
-    entry = _STATES.get(id(leaf))
-    return entry[1] if entry is not None and entry[0]() is leaf else None
+    tag = _STATES.get(id(leaf))
+    return tag.state if tag is not None and tag() is leaf else None
+
+
+def _own_state(leaves: list, plan: Plan, role: str, kind: str) -> _State | None:
+    """The state of ``leaves`` if they are, in order, exactly one result of ``plan`` at
+    ``role`` and ``kind`` (so dtype, shape and placement are known right), else None."""
+    state = None
+    for i, leaf in enumerate(leaves):
+        tag = _STATES.get(id(leaf))
+        if tag is None or tag.index != i or tag() is not leaf:
+            return None
+        if state is None:
+            state = tag.state
+            if state.plan is not plan or state.role != role or state.kind != kind:
+                return None
+        elif tag.state is not state:
+            return None
+    return state
 
 
 def _flatten(tree: Any, name: str) -> tuple[list, optree.PyTreeSpec, tuple[str, ...]]:
@@ -259,33 +294,54 @@ def _reduce(
     plan = _grads_plan(leaves, treedef, paths, spec, name)
     mesh = plan.mesh
     nb = len(mesh.batch_shape)
+    legs: list = [("input", "gradient")]
     if acc is not None:  # checked before any collective, so a bad acc cannot strand peers
         acc_leaves, acc_def, acc_paths = _flatten(acc, "acc")
         if acc_def != treedef:
             raise _structure_error(treedef, acc, "acc", name)
-        _check_tensors(acc_leaves, acc_paths, mesh, floating=True, batched=True)
-        _check_local(
-            acc_leaves, acc_paths, plan, "gradient", ("accumulating",), "a running accumulation"
-        )
-    packed = plan.pack(leaves, "input")
+        state = _own_state(acc_leaves, plan, "gradient", "accumulating")
+        if state is None:  # not the previous call's result as it was returned: check it all
+            _check_tensors(acc_leaves, acc_paths, mesh, floating=True, batched=True)
+            _check_local(
+                acc_leaves, acc_paths, plan, "gradient", ("accumulating",), "a running accumulation"
+            )
+        known = state.bufs if state is not None and state.bufs else (None,) * len(plan.buckets)
+        acc_bufs = [
+            a if a is not None else plan.pack_bucket(b, acc_leaves, "gradient")
+            for b, a in enumerate(known)
+        ]
+        legs.append(lambda b, buf: _accumulate(buf, acc_bufs[b]))
+    if last:
+        legs.append(("gradient", "optimizer"))
+    if check_finite:
+        packed = plan.pack(leaves, "input")
+        nonfinite = validate.nonfinite_index(leaves, nb, packed)
+    else:  # packed bucket by bucket, each just before its first collective
+        packed, nonfinite = functools.partial(plan.pack_bucket, leaves=leaves, role="input"), None
     validate.check(
         plan,
         "reduce_grads" if name == "grads" else "reduce",
         paths,
         last=last,
         options=(f"check_finite={check_finite}",),
-        nonfinite=validate.nonfinite_index(leaves, nb, packed) if check_finite else None,
+        nonfinite=nonfinite,
     )
-    bufs = run(plan, packed, "input", "gradient")
-    if acc is not None:
-        bufs = [mesh.wait(b) + a for b, a in zip(bufs, plan.pack(acc_leaves, "gradient"))]
-    role = "gradient"
+    bufs = [mesh.wait(b) for b in run(plan, packed, *legs)]
+    role = "optimizer" if last else "gradient"
+    out = plan.unpack(bufs, role)
     if last:
-        bufs = run(plan, bufs, "gradient", "optimizer")
-        role = "optimizer"
-    out = plan.unpack([mesh.wait(b) for b in bufs], role)
-    _tag(out, plan, role, "final" if last else "accumulating")
+        _tag(out, plan, role, "final")
+    else:
+        views = tuple(buf if plan.views(b, role) else None for b, buf in enumerate(bufs))
+        _tag(out, plan, role, "accumulating", views)
     return optree.tree_unflatten(treedef, out)
+
+
+def _accumulate(buf: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """``buf + acc``, in place when ``buf`` is a dense buffer. A bucket buffer at this point
+    is always one the call made (a packing buffer or a collective's result), never a caller's
+    tensor; SimMesh's all-reduce results are broadcast views, so those add out of place."""
+    return buf.add_(acc) if buf.is_contiguous() else buf + acc
 
 
 def shard(tree: Any, spec: Any, *, to: str = "optimizer", stacked: bool | None = None) -> Any:
@@ -327,8 +383,8 @@ def shard(tree: Any, spec: Any, *, to: str = "optimizer", stacked: bool | None =
     if not stacked:
         leaves = [x.expand(*batch, *x.shape) for x in leaves]
     plan = _plan_from(leaves, treedef, paths, specs, (tuple(x.shape[nb:]) for x in leaves))
-    bufs = run(plan, plan.pack(leaves, "full"), "full", to)
-    out = plan.unpack([mesh.wait(b) for b in bufs], to)
+    pack = functools.partial(plan.pack_bucket, leaves=leaves, role="full")
+    out = plan.unpack([mesh.wait(b) for b in run(plan, pack, ("full", to))], to)
     _tag(out, plan, to, "weights")
     return optree.tree_unflatten(treedef, out)
 
@@ -407,8 +463,8 @@ def _move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: st
     _check_tensors(leaves, paths, mesh, floating=False, batched=True)
     plan, role = _find_layout(leaves, treedef, paths, specs, like, source, name)
     validate.check(plan, f"move {role} -> {to}", paths)
-    bufs = run(plan, plan.pack(leaves, role), role, to)
-    out = plan.unpack([mesh.wait(b) for b in bufs], to)
+    pack = functools.partial(plan.pack_bucket, leaves=leaves, role=role)
+    out = plan.unpack([mesh.wait(b) for b in run(plan, pack, (role, to))], to)
     if to != "full":
         _tag(out, plan, to, "weights")
     return optree.tree_unflatten(treedef, out)

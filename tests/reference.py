@@ -87,3 +87,34 @@ def mlp_loss(model):
         return torch.nn.functional.mse_loss(functional_call(model, params, (x,)), y)
 
     return loss
+
+
+def check_acc_reuse(strategy: str, spec, batch: tuple[int, ...]) -> bool:
+    """``reduce_grads`` given back its own previous result reads the result's buffers rather
+    than packing the leaves again; check that this agrees bit for bit with the same values
+    passed as fresh tensors, sees in-place edits of the acc leaves, never mutates its
+    inputs, and notices leaves put back in other positions (ddp: same local shapes)."""
+    shapes = {"a": (7, 3), "b": (7, 3), "c": (5,)}
+    g1 = random_tree(batch, shapes=shapes, seed=1)
+    g2 = random_tree(batch, shapes=shapes, seed=2)
+
+    def clone(tree):
+        return optree.tree_map(torch.clone, tree)
+
+    def same(x, y):
+        return all(map(torch.equal, optree.tree_leaves(x), optree.tree_leaves(y)))
+
+    for last in (False, True):
+        acc = fh.reduce_grads(g1, spec, last=False)
+        before = clone((g1, g2, acc))
+        fast = fh.reduce_grads(g2, spec, last=last, acc=acc)
+        assert same(fast, fh.reduce_grads(g2, spec, last=last, acc=clone(acc)))
+        assert same((g1, g2, acc), before), "an input was mutated"
+        acc["a"].mul_(3)  # the caller edits the running sum in place
+        fast = fh.reduce_grads(g2, spec, last=last, acc=acc)
+        assert same(fast, fh.reduce_grads(g2, spec, last=last, acc=clone(acc)))
+        if strategy == "ddp":
+            swapped = {"a": acc["b"], "b": acc["a"], "c": acc["c"]}
+            fast = fh.reduce_grads(g2, spec, last=last, acc=swapped)
+            assert same(fast, fh.reduce_grads(g2, spec, last=last, acc=clone(swapped)))
+    return True

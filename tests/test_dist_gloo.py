@@ -16,6 +16,7 @@ from reference import (
     AXES,
     MLP_IN,
     accumulate,
+    check_acc_reuse,
     dense_reduce,
     mlp_loss,
     mlp_problem,
@@ -306,6 +307,29 @@ def test_shard_dim_local_shards_are_torch_chunks(pool, dim):
             )
             torch.testing.assert_close(full[k], ref[k], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(exported[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def _acc_reuse_on_rank(strategy: str):
+    return check_acc_reuse(strategy, _dist_spec(strategy), ())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_acc_given_back_as_returned_matches_a_fresh_copy(pool, strategy):
+    assert pool.run(_acc_reuse_on_rank, strategy) == [True] * 4
+
+
+def _shard_storage(strategy: str):
+    spec = _dist_spec(strategy)
+    params = fh.shard(random_tree((), seed=3), spec)
+    return [v.untyped_storage().nbytes() for v in optree.tree_leaves(params)]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+def test_local_shards_do_not_keep_the_full_buffer_alive(pool, strategy):
+    full = sum(x.numel() * 4 for x in optree.tree_leaves(random_tree((), seed=3)))
+    ranks = 4 if strategy == "fsdp" else SHAPE[1]
+    for storages in pool.run(_shard_storage, strategy):
+        assert max(storages) <= -(-full // ranks) + 16, storages
 
 
 def _checkpoint_round_trip(strategy: str, path: str):

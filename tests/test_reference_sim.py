@@ -7,7 +7,15 @@ import copy
 import optree
 import pytest
 import torch
-from reference import AXES, accumulate, dense_reduce, max_error, preset, random_tree
+from reference import (
+    AXES,
+    accumulate,
+    check_acc_reuse,
+    dense_reduce,
+    max_error,
+    preset,
+    random_tree,
+)
 
 import functional_hsdp as fh
 
@@ -64,6 +72,12 @@ def test_inputs_are_never_mutated():
         o.data_ptr() != a.data_ptr()
         for o, a in zip(optree.tree_leaves(out), optree.tree_leaves(acc))
     )
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp", "hfsdp"])
+def test_acc_given_back_as_returned_matches_a_fresh_copy(strategy):
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    assert check_acc_reuse(strategy, preset(strategy, mesh), (2, 2))
 
 
 def test_result_is_a_tree_of_plain_tensors_with_the_same_structure():
