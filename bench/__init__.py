@@ -5,11 +5,12 @@ Each module has ``SIZES`` (``tiny`` for the smoke test, ``full`` for the figures
 section for ``bench/RESULTS.md``).
 """
 
-from . import fsdp, limit, memory, overhead, rsimpl, scaling, wire
+from . import fsdp, limit, memory, overhead, overlap, rsimpl, scaling, wire
 
 BENCHMARKS = {
     "fsdp": fsdp,
     "limit": limit,
+    "overlap": overlap,
     "overhead": overhead,
     "wire": wire,
     "scaling": scaling,

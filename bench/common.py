@@ -205,6 +205,11 @@ def median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def geomean(xs) -> float:
+    xs = list(xs)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
 def across_ranks_max(per_rank: list[list[float]]) -> list[float]:
     """Per repetition, the slowest rank's time (a step is as slow as its slowest rank)."""
     return [max(col) for col in zip(*per_rank)]

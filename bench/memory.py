@@ -13,8 +13,9 @@ pool of 4 workers for gloo):
 Each process runs one warm-up step (imports, plan) and then the measured step: RSS before it,
 the high-water mark of every microbatch (reset between them), RSS after it. A step's peak
 extra is max(high-water mark) - RSS before the step. Reported per config: peak extra, extra
-beyond the baseline, and the theory (MainGrad's persistent buffers, one bucket's packing
-buffer and its reduce-scattered chunk).
+beyond the baseline, and the theory (MainGrad's persistent buffers and its two reused
+packing buffers, made before the step; at most two buckets' reduce-scattered chunks alive at
+once during it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import subprocess
 import sys
 
 import torch
+
+from functional_hsdp.maingrad import DEPTH
 
 from . import common as C
 
@@ -113,6 +116,8 @@ def measure(mode: str, path: str, n: int, M: int, cap: float) -> dict:
     out["persistent_rss"] = persistent_rss
     out["pack"] = big * item * ranks
     out["chunk"] = big // n_inner * item * ranks
+    out["depth"] = DEPTH
+    out["scratch"] = sum(x.numel() * x.element_size() for x in layout._scratch)
     # components: what one bucket collective needs beyond its input, through the mesh the
     # library uses (reduce-scatter of the largest packed bucket; all-reduce of its chunk)
     buf = torch.ones((*batch, big), dtype=layout.reduce_dtype)
@@ -204,7 +209,7 @@ def verdicts(res: dict) -> dict:
         r = res[mode]
         base, mg = r["baseline"]["peak"], r["maingrad"]
         beyond = mg["peak"] - base  # transient beyond baseline (buffers exist before the step)
-        allow = mg["pack"] + mg["chunk"]
+        allow = mg["depth"] * mg["chunk"]
         out[mode] = {
             "beyond": beyond,
             "allow": allow,
@@ -285,15 +290,18 @@ def report(res: dict, command: str, when: str) -> str:
         parts.append(
             "\nTheory (from the library's layout): MainGrad persistent buffers (sum of "
             f"`mg.buffers`) = {C.mib(mg['persistent'])} MiB (RSS grew by "
-            f"{C.mib(mg['persistent_rss'])} MiB when it was built); one bucket's packing "
-            f"buffer (largest padded bucket x 4 bytes) = {C.mib(mg['pack'])} MiB, its "
-            f"reduce-scattered chunk = {C.mib(mg['chunk'])} MiB.\n\n"
+            f"{C.mib(mg['persistent_rss'])} MiB when it was built), and its {mg['depth']} "
+            f"reused packing buffers (largest padded bucket x 4 bytes each) = "
+            f"{C.mib(mg['scratch'])} MiB, allocated with the MainGrad and touched by the "
+            "warm-up step, so in the RSS before the measured step; a bucket's reduce-scattered "
+            f"chunk = {C.mib(mg['chunk'])} MiB, at most {mg['depth']} alive at once (two "
+            "buckets in flight).\n\n"
             f"MainGrad's step needs {C.mib(v['beyond'])} MiB beyond the baseline, against an "
-            f"allowance of one packing buffer + its chunk = {C.mib(v['allow'])} MiB: "
+            f"allowance of {mg['depth']} chunks = {C.mib(v['allow'])} MiB: "
             f"**{_verdict(v)}** (slack {v['slack'] / 2**20:.2f} MiB; negative = over). "
-            "Total beyond the baseline including persistent buffers: "
-            f"{C.mib(v['beyond'] + mg['persistent'])} MiB vs "
-            f"{C.mib(v['allow'] + mg['persistent'])} MiB.\n"
+            "Total beyond the baseline including persistent and packing buffers: "
+            f"{C.mib(v['beyond'] + mg['persistent'] + mg['scratch'])} MiB vs "
+            f"{C.mib(v['allow'] + mg['persistent'] + mg['scratch'])} MiB.\n"
         )
         last, rest = mg["peaks"][-1], max(mg["peaks"][:-1]) if len(mg["peaks"]) > 1 else 0
         parts.append(
@@ -301,12 +309,8 @@ def report(res: dict, command: str, when: str) -> str:
             f"methods: one reduce-scatter of the largest packed bucket needs {C.mib(mg['rs_call'])}"
             f" MiB beyond its input; one all-reduce of its chunk needs {C.mib(mg['ar_call'])} "
             f"MiB. A non-last microbatch of MainGrad peaks at {C.mib(rest - base['peak'])} MiB "
-            "beyond the baseline (packing buffer + that reduce-scatter = "
-            f"{C.mib(mg['pack'] + mg['rs_call'])} MiB); the last one at "
-            f"{C.mib(last - base['peak'])} MiB: it also runs the deferred dp_outer all-reduce of "
-            f"all {mg['buckets']} buckets before copying any result back "
-            f"({mg['buckets']} x {C.mib(mg['ar_call'])} MiB = "
-            f"{C.mib(mg['buckets'] * mg['ar_call'])} MiB if every result is alive at once).\n"
+            f"beyond the baseline; the last one at {C.mib(last - base['peak'])} MiB (it also "
+            f"runs the deferred dp_outer all-reduce, {mg['depth']} buckets at a time).\n"
         )
         if mg["persistent_rss"] > 1.5 * mg["persistent"]:
             parts.append(

@@ -280,6 +280,10 @@ class DistMesh(_MeshBase):
     Args:
         device_mesh: a ``DeviceMesh`` built with ``mesh_dim_names``; its dims are the axes,
             outer to inner.
+        overlap: True (default): collectives are asynchronous; the library issues every
+            bucket's collective before it waits on any, so buckets overlap each other and
+            packing. False: each collective is waited for as soon as it is issued (for
+            debugging, and to measure what overlap gains).
 
     Example:
         >>> import functional_hsdp as fh
@@ -292,7 +296,10 @@ class DistMesh(_MeshBase):
     batch_shape: tuple[int, ...] = ()
     ragged_views = True
 
-    def __init__(self, device_mesh: Any):
+    def __init__(self, device_mesh: Any, *, overlap: bool = True):
+        if not isinstance(overlap, bool):
+            raise TypeError(f"DistMesh: overlap must be a bool; got {overlap!r}")
+        self.overlap = overlap
         names = getattr(device_mesh, "mesh_dim_names", None)
         if names is None:
             raise ValueError(
@@ -308,7 +315,7 @@ class DistMesh(_MeshBase):
         self._coords = tuple(int(device_mesh.get_local_rank(d)) for d in range(self.ndim))
 
     def __repr__(self) -> str:
-        return f"DistMesh({self.shape})"
+        return f"DistMesh({self.shape}{'' if self.overlap else ', overlap=False'})"
 
     def _group(self, axis: str) -> tuple[Any, int]:
         return (self.device_mesh, self._dim(axis))
@@ -370,7 +377,7 @@ class DistMesh(_MeshBase):
                 async_op=True,
             )
         buf._fh_pending = (work, finish, name, axis)
-        return buf
+        return buf if self.overlap else self.wait(buf)
 
     # A failed or timed-out collective raises CollectiveError naming it (op, axis): at issue,
     # or (gloo, usually) at the wait, so a pending result remembers which collective it is.
@@ -385,7 +392,7 @@ class DistMesh(_MeshBase):
     def _pending(self, out: torch.Tensor, op: str, axis: str) -> torch.Tensor:
         if isinstance(out, funcol.AsyncCollectiveTensor):
             out._fh_collective = (op, axis)
-        return out
+        return out if self.overlap else self.wait(out)
 
     def _failed(self, op: str, axis: str | None, exc: BaseException) -> Exception:
         from .validate import collective_error

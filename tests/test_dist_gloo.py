@@ -318,6 +318,33 @@ def test_acc_given_back_as_returned_matches_a_fresh_copy(pool, strategy):
     assert pool.run(_acc_reuse_on_rank, strategy) == [True] * 4
 
 
+def _overlap_off_on_rank(strategy: str):
+    dm = device_mesh(SHAPE, AXES)
+    r = dist.get_rank()
+    micro = [
+        optree.tree_map(lambda x: x[divmod(r, 2)], random_tree(SHAPE, seed=m)) for m in range(3)
+    ]
+    out, logs = [], []
+    for mesh in (fh.DistMesh(dm), fh.DistMesh(dm, overlap=False)):
+        spec = preset(strategy, mesh, bucket_cap_mb=1e-4)  # a bucket per leaf or so
+        with fh.comm_log() as log:
+            out.append(accumulate(micro, spec))
+            mg = fh.MainGrad(spec, like=micro[0])
+            for m, g in enumerate(micro):
+                mg.accumulate(g, last=m == 2)
+            out.append(optree.tree_map(torch.clone, mg.grads))
+        logs.append(log.events)
+    same = all(map(torch.equal, optree.tree_leaves(out[0]), optree.tree_leaves(out[2])))
+    same_mg = all(map(torch.equal, optree.tree_leaves(out[1]), optree.tree_leaves(out[3])))
+    return same, same_mg, logs[0] == logs[1], len({e.axis for e in logs[0]})
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_overlap_off_gives_the_same_bits_and_collectives(pool, strategy):
+    for same, same_mg, same_log, axes in pool.run(_overlap_off_on_rank, strategy):
+        assert same and same_mg and same_log and axes == 2
+
+
 def _shard_storage(strategy: str):
     spec = _dist_spec(strategy)
     params = fh.shard(random_tree((), seed=3), spec)
