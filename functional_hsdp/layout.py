@@ -14,6 +14,7 @@ same as for Flat. Only packing and unpacking differ.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -67,6 +68,16 @@ class Bucket:
     def ranks(self) -> int:
         """Blocks of a Shard(d) bucket: the size of its axis."""
         return self.spec.mesh.size(self.shard[0]) if self.shard else 1
+
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        """The slots' element counts, in order."""
+        return [s.numel for s in self.slots]
+
+    @functools.cached_property
+    def flat_shapes(self) -> bool:
+        """Whether every slot is 1-D."""
+        return all(len(s.shape) == 1 for s in self.slots)
 
 
 def bucket_elements(spec: Spec) -> int:
@@ -130,11 +141,22 @@ def build_buckets(
 def pack_full(bucket: Bucket, leaves: list[torch.Tensor], batch: tuple[int, ...]) -> torch.Tensor:
     """Concatenate full-shape leaves (and the tail padding) into one new ``(*batch, padded)``.
 
-    One ``torch.cat`` of flattened views: the only copy. (``einops.pack`` does the same but
-    parses its pattern per leaf, which dominates the host time of trees of many small leaves.)
-    No graph is kept for leaves that require grad.
+    One copy of every leaf, into a new buffer (the collectives may reduce it in place). Without
+    batch dims (a real rank) two or more leaves are flattened and concatenated in one C++ call
+    (torch's own ``flatten_dense_tensors``, as DDP's bucketing uses), which spares a
+    Python-level reshape per leaf; it returns a view of a single leaf, so one leaf, or batch
+    dims, take one ``torch.cat`` of flattened views. (``einops.pack`` does the same but parses
+    its pattern per leaf, which dominates the host time of trees of many small leaves.) No
+    graph is kept.
     """
-    parts = [leaves[s.index].reshape(*batch, -1) for s in bucket.slots]
+    parts = [leaves[s.index] for s in bucket.slots]
+    if not batch and len(parts) > 1 and _FLATTEN is not None:
+        flat = _FLATTEN(parts)
+        if bucket.padded == bucket.numel:
+            return flat
+        parts = [flat]
+    else:
+        parts = [x.reshape(*batch, -1) for x in parts]
     if bucket.padded > bucket.numel:
         parts.append(
             torch.zeros(
@@ -144,9 +166,16 @@ def pack_full(bucket: Bucket, leaves: list[torch.Tensor], batch: tuple[int, ...]
     return torch.cat(parts, dim=-1)
 
 
+# torch's C++ flatten of a tensor list (torch._utils._flatten_dense_tensors calls it); if a
+# torch build lacks it, pack_full falls back to torch.cat of reshaped leaves.
+_FLATTEN = getattr(getattr(torch._C, "_nn", None), "flatten_dense_tensors", None)
+
+
 def unpack_full(bucket: Bucket, buf: torch.Tensor, batch: tuple[int, ...]) -> list[torch.Tensor]:
     """Views of each leaf, full shape, in a packed ``(*batch, padded)`` buffer."""
-    pieces = torch.split(buf[..., : bucket.numel], [s.numel for s in bucket.slots], dim=-1)
+    pieces = torch.split(buf[..., : bucket.numel], bucket.sizes, dim=-1)
+    if not batch and bucket.flat_shapes:  # every leaf is 1-D: the pieces are the leaves
+        return list(pieces)
     # Splitting the contiguous last dim into the leaf's dims is always a view.
     return [p.view((*batch, *s.shape)) for p, s in zip(pieces, bucket.slots)]
 

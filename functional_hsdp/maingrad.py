@@ -296,9 +296,12 @@ class MainGrad:
             return pack_shard_full(bucket, leaves, batch).to(self.reduce_dtype)
         scratch = self._scratch[b % DEPTH]
         out = scratch[: math.prod(batch) * bucket.padded].view(*batch, bucket.padded)
-        for s in bucket.slots:
-            flat = leaves[s.index].detach().reshape(*batch, -1)
-            out[..., s.offset : s.offset + s.numel].copy_(flat)
+        if not batch:  # one C++ call copies (and casts) every leaf
+            torch.cat([leaves[s.index].reshape(-1) for s in bucket.slots], out=out[: bucket.numel])
+        else:
+            for s in bucket.slots:
+                flat = leaves[s.index].reshape(*batch, -1)
+                out[..., s.offset : s.offset + s.numel].copy_(flat)
         out[..., bucket.numel :].zero_()
         return out
 

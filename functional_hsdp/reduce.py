@@ -13,9 +13,11 @@ the wrong state is an error rather than silent corruption. A tensor made by the 
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import count, repeat
 from typing import Any
 
 import optree
@@ -33,62 +35,47 @@ class _State:
     plan: Plan
     role: str  # the role whose placements the value is at
     kind: str  # "accumulating" | "final" | "weights"
-    # The bucket buffers the leaves view (None: some leaves are copies). A later call given
-    # these very leaves back as acc reads the buffers instead of packing the leaves again.
-    bufs: tuple[torch.Tensor | None, ...] | None = None
+    # Weak references to the bucket buffers the leaves view (None: that bucket's leaves are
+    # copies). A later call given these very leaves back as acc reads a live buffer instead
+    # of packing the leaves again; weak, so that a dead result's buffers are freed.
+    bufs: tuple[weakref.ref | None, ...] | None = None
 
 
-class _Tag(weakref.ref):
-    """A leaf's entry in the registry: a weak reference that knows the state and the leaf's
-    index in its tree, and drops the entry when the leaf dies."""
-
-    __slots__ = ("key", "state", "index")
-
-    def __new__(cls, leaf: torch.Tensor, state: _State, index: int) -> _Tag:
-        self = super().__new__(cls, leaf, _forget)
-        self.key, self.state, self.index = id(leaf), state, index
-        return self
-
-    def __init__(self, leaf: torch.Tensor, state: _State, index: int) -> None:
-        super().__init__(leaf, _forget)
-
-
-# id(tensor) -> its tag. Kept beside the tensors rather than on them, so that copying,
-# pickling or torch.save of a result does not drag plans and meshes along.
-_STATES: dict[int, _Tag] = {}
-
-
-def _forget(tag: _Tag) -> None:
-    if _STATES.get(tag.key) is tag:
-        del _STATES[tag.key]
+# id(tensor) -> (weak reference to it, its state, its index in the result's leaves). Kept
+# beside the tensors rather than on them, so that copying, pickling or torch.save of a result
+# does not drag plans and meshes along. No per-tensor callback (the cost would be paid on
+# every result leaf): dead entries are swept whenever the registry has doubled.
+_STATES: dict[int, tuple[weakref.ref, _State, int]] = {}
+_SWEEP_AT = [1 << 14]
 
 
 def _tag(
     leaves: list[torch.Tensor], plan: Plan, role: str, kind: str, bufs: tuple | None = None
 ) -> None:
     state = _State(plan, role, kind, bufs)
-    for i, leaf in enumerate(leaves):
-        _STATES[id(leaf)] = _Tag(leaf, state, i)
+    _STATES.update(zip(map(id, leaves), zip(map(weakref.ref, leaves), repeat(state), count())))
+    if len(_STATES) > _SWEEP_AT[0]:
+        for key in [k for k, (ref, _, _) in _STATES.items() if ref() is None]:
+            del _STATES[key]
+        _SWEEP_AT[0] = max(1 << 14, 2 * len(_STATES))
 
 
 def _state(leaf: Any) -> _State | None:
-    tag = _STATES.get(id(leaf))
-    return tag.state if tag is not None and tag() is leaf else None
+    entry = _STATES.get(id(leaf))
+    return entry[1] if entry is not None and entry[0]() is leaf else None
 
 
 def _own_state(leaves: list, plan: Plan, role: str, kind: str) -> _State | None:
     """The state of ``leaves`` if they are, in order, exactly one result of ``plan`` at
     ``role`` and ``kind`` (so dtype, shape and placement are known right), else None."""
-    state = None
-    for i, leaf in enumerate(leaves):
-        tag = _STATES.get(id(leaf))
-        if tag is None or tag.index != i or tag() is not leaf:
-            return None
-        if state is None:
-            state = tag.state
-            if state.plan is not plan or state.role != role or state.kind != kind:
-                return None
-        elif tag.state is not state:
+    entries = list(map(_STATES.get, map(id, leaves)))
+    if not entries or entries[0] is None:
+        return None
+    state = entries[0][1]
+    if state.plan is not plan or state.role != role or state.kind != kind:
+        return None
+    for i, (leaf, entry) in enumerate(zip(leaves, entries)):
+        if entry is None or entry[1] is not state or entry[2] != i or entry[0]() is not leaf:
             return None
     return state
 
@@ -139,17 +126,13 @@ def _check_last(last: Any) -> None:
 # that passed _check_tensors: a later tree with the same metadata passes them too, so the
 # per-leaf checks run once per layout, not once per call.
 _CHECKED: dict[tuple, Plan] = {}
+_META = operator.attrgetter("shape", "dtype", "device", "layout")
 
 
 def _grads_plan(leaves: list, treedef: optree.PyTreeSpec, paths: tuple, spec: Any, name: str):
     """The plan of a tree of per-rank gradients, validated on its first use."""
     try:
-        metas = (
-            tuple(x.shape for x in leaves),
-            tuple(x.dtype for x in leaves),
-            tuple(x.device for x in leaves),
-            tuple(x.layout for x in leaves),
-        )
+        metas = tuple(map(_META, leaves))
         key = (
             treedef,
             metas,
@@ -306,10 +289,10 @@ def _reduce(
                 acc_leaves, acc_paths, plan, "gradient", ("accumulating",), "a running accumulation"
             )
         known = state.bufs if state is not None and state.bufs else (None,) * len(plan.buckets)
-        acc_bufs = [
-            a if a is not None else plan.pack_bucket(b, acc_leaves, "gradient")
-            for b, a in enumerate(known)
-        ]
+        acc_bufs = []
+        for b, ref in enumerate(known):
+            buf = ref() if ref is not None else None
+            acc_bufs.append(buf if buf is not None else plan.pack_bucket(b, acc_leaves, "gradient"))
         legs.append(lambda b, buf: _accumulate(buf, acc_bufs[b]))
     if last:
         legs.append(("gradient", "optimizer"))
@@ -332,7 +315,7 @@ def _reduce(
     if last:
         _tag(out, plan, role, "final")
     else:
-        views = tuple(buf if plan.views(b, role) else None for b, buf in enumerate(bufs))
+        views = tuple(weakref.ref(x) if plan.views(b, role) else None for b, x in enumerate(bufs))
         _tag(out, plan, role, "accumulating", views)
     return optree.tree_unflatten(treedef, out)
 

@@ -89,14 +89,14 @@ def mlp_loss(model):
     return loss
 
 
-def check_acc_reuse(strategy: str, spec, batch: tuple[int, ...]) -> bool:
+def check_acc_reuse(strategy: str, spec, batch: tuple[int, ...], rank: int = 0) -> bool:
     """``reduce_grads`` given back its own previous result reads the result's buffers rather
     than packing the leaves again; check that this agrees bit for bit with the same values
     passed as fresh tensors, sees in-place edits of the acc leaves, never mutates its
     inputs, and notices leaves put back in other positions (ddp: same local shapes)."""
     shapes = {"a": (7, 3), "b": (7, 3), "c": (5,)}
-    g1 = random_tree(batch, shapes=shapes, seed=1)
-    g2 = random_tree(batch, shapes=shapes, seed=2)
+    g1 = random_tree(batch, shapes=shapes, seed=1 + 10 * rank)  # ranks hold different values
+    g2 = random_tree(batch, shapes=shapes, seed=2 + 10 * rank)
 
     def clone(tree):
         return optree.tree_map(torch.clone, tree)

@@ -309,13 +309,15 @@ def test_shard_dim_local_shards_are_torch_chunks(pool, dim):
             torch.testing.assert_close(exported[k], ref[k], rtol=1e-5, atol=1e-6)
 
 
-def _acc_reuse_on_rank(strategy: str):
-    return check_acc_reuse(strategy, _dist_spec(strategy), ())
+def _acc_reuse_on_rank(strategy: str, cap: float):
+    spec = _dist_spec(strategy, bucket_cap_mb=cap)
+    return check_acc_reuse(strategy, spec, (), rank=dist.get_rank())
 
 
+@pytest.mark.parametrize("cap", [25.0, 1e-5], ids=["one-bucket", "a-bucket-per-leaf"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_acc_given_back_as_returned_matches_a_fresh_copy(pool, strategy):
-    assert pool.run(_acc_reuse_on_rank, strategy) == [True] * 4
+def test_acc_given_back_as_returned_matches_a_fresh_copy(pool, strategy, cap):
+    assert pool.run(_acc_reuse_on_rank, strategy, cap) == [True] * 4
 
 
 def _overlap_off_on_rank(strategy: str):
