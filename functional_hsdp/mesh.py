@@ -269,8 +269,9 @@ _NATIVE_AVG = frozenset({"nccl", "gloo"})
 # into a new buffer and a copy of the chunk. All-reducing the library's own packing buffer in
 # place and keeping the chunk moves the same bytes 1.6-2x faster at 10M-50M elements, with no
 # full-size temporary; so on gloo both reductions are in-place c10d all-reduces (SUM, then
-# divide, exactly). Other backends (NCCL) use the functional collectives: a real
-# reduce-scatter, asynchronous and traceable by torch.compile.
+# divide, exactly), issued asynchronously. Other backends (NCCL), and every backend under
+# torch.compile, use the functional collectives: a real reduce-scatter, asynchronous and
+# traceable.
 _INPLACE = frozenset({"gloo"})
 
 
@@ -334,7 +335,7 @@ class DistMesh(_MeshBase):
 
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         buf, group = self.wait(buf), self._group(axis)
-        if self._inplace[self._dim(axis)]:
+        if self._inplace[self._dim(axis)] and not torch.compiler.is_compiling():
             n = self.size(axis)
             finish = (lambda: buf.div_(n)) if op == "avg" else (lambda: buf)
             return self._issue_inplace(buf, axis, "all_reduce", finish)
@@ -344,7 +345,7 @@ class DistMesh(_MeshBase):
 
     def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         buf, group = self.wait(buf), self._group(axis)
-        if self._inplace[self._dim(axis)]:
+        if self._inplace[self._dim(axis)] and not torch.compiler.is_compiling():
             # Keep only this rank's chunk, as a new tensor (the full buffer is then freed);
             # AVG divides the chunk alone: half the work of dividing the buffer on 2 ranks.
             n = self.size(axis)
@@ -446,6 +447,8 @@ class DistMesh(_MeshBase):
         return tuple(length if k == dim else n for k, n in enumerate(shape))
 
     def wait(self, buf: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # traced: funcol results only
+            return funcol.wait_tensor(buf) if isinstance(buf, funcol.AsyncCollectiveTensor) else buf
         pending = buf.__dict__.pop("_fh_pending", None)
         if pending is not None:
             work, finish, name, axis = pending

@@ -225,6 +225,7 @@ def run(plan: Plan, bufs: Any, *legs: Leg) -> list[torch.Tensor]:
     the first axis's collectives of later buckets are still in flight.
     """
     mesh, n = plan.mesh, len(plan.buckets)
+    step_fn = steps.__wrapped__ if torch.compiler.is_compiling() else steps  # traced: no cache
     programs = []  # per bucket: [(local functions to run first, step or None)]
     for bucket in plan.buckets:
         program, local = [], []
@@ -232,14 +233,14 @@ def run(plan: Plan, bufs: Any, *legs: Leg) -> list[torch.Tensor]:
             if callable(leg):
                 local.append(leg)
                 continue
-            for step in steps(bucket.spec, *leg):
+            for step in step_fn(bucket.spec, *leg):
                 program.append((local, step))
                 local = []
         program.append((local, None))
         programs.append(program)
     lazy = callable(bufs)
     out = [None] * n if lazy else list(bufs)
-    for t in range(max((len(p) for p in programs), default=0)):
+    for t in range(max([0, *map(len, programs)])):
         for b, program in enumerate(programs):
             if t >= len(program):
                 continue
@@ -260,16 +261,17 @@ def apply(mesh: Any, buf: torch.Tensor, step: Step) -> torch.Tensor:
     if step.op == "slice":
         return mesh.chunk(buf, step.axis)
     buf = mesh.wait(buf)  # the previous step's result: its final length is logged
-    record(
-        Event(
-            step.op,
-            step.axis,
-            buf.dtype,
-            buf.shape[-1],
-            step.reduce,
-            mesh.impl(step.op, step.axis, step.reduce),
+    if not torch.compiler.is_compiling():  # traced collectives are not logged
+        record(
+            Event(
+                step.op,
+                step.axis,
+                buf.dtype,
+                buf.shape[-1],
+                step.reduce,
+                mesh.impl(step.op, step.axis, step.reduce),
+            )
         )
-    )
     if step.op == "reduce_scatter":
         return mesh.reduce_scatter(buf, step.axis, step.reduce)
     if step.op == "all_reduce":

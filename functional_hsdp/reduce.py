@@ -50,8 +50,14 @@ _SWEEP_AT = [1 << 14]
 
 
 def _tag(
-    leaves: list[torch.Tensor], plan: Plan, role: str, kind: str, bufs: tuple | None = None
+    leaves: list[torch.Tensor], plan: Plan, role: str, kind: str, bufs: list | None = None
 ) -> None:
+    """Register ``leaves`` (one result, in tree order) with their state; ``bufs``: the bucket
+    buffers they were unpacked from, remembered (weakly) where the leaves are views."""
+    if torch.compiler.is_compiling():  # a side registry dynamo cannot trace: results untagged
+        return
+    if bufs is not None:
+        bufs = tuple(weakref.ref(x) if plan.views(b, role) else None for b, x in enumerate(bufs))
     state = _State(plan, role, kind, bufs)
     _STATES.update(zip(map(id, leaves), zip(map(weakref.ref, leaves), repeat(state), count())))
     if len(_STATES) > _SWEEP_AT[0]:
@@ -61,6 +67,8 @@ def _tag(
 
 
 def _state(leaf: Any) -> _State | None:
+    if torch.compiler.is_compiling():  # nothing is tagged under torch.compile (and reading
+        return None  # the registry would make dynamo guard on it, recompiling every call)
     entry = _STATES.get(id(leaf))
     return entry[1] if entry is not None and entry[0]() is leaf else None
 
@@ -68,6 +76,8 @@ def _state(leaf: Any) -> _State | None:
 def _own_state(leaves: list, plan: Plan, role: str, kind: str) -> _State | None:
     """The state of ``leaves`` if they are, in order, exactly one result of ``plan`` at
     ``role`` and ``kind`` (so dtype, shape and placement are known right), else None."""
+    if torch.compiler.is_compiling():
+        return None
     entries = list(map(_STATES.get, map(id, leaves)))
     if not entries or entries[0] is None:
         return None
@@ -82,6 +92,8 @@ def _own_state(leaves: list, plan: Plan, role: str, kind: str) -> _State | None:
 
 def _flatten(tree: Any, name: str) -> tuple[list, optree.PyTreeSpec, tuple[str, ...]]:
     leaves, treedef = optree.tree_flatten(tree)
+    if torch.compiler.is_compiling():  # traced once per graph: skip the cache (keyed by treedef)
+        return leaves, treedef, _paths.__wrapped__(treedef, name)
     return leaves, treedef, _paths(treedef, name)
 
 
@@ -156,6 +168,52 @@ def _grads_plan(leaves: list, treedef: optree.PyTreeSpec, paths: tuple, spec: An
             _CHECKED.pop(next(iter(_CHECKED)))
         _CHECKED[key] = plan
     return plan
+
+
+# -- torch.compile ----------------------------------------------------------------------------
+#
+# Under torch.compile(fullgraph=True) dynamo traces reduce_grads, but cannot hash an optree
+# PyTreeSpec (the plan caches' keys). So the traced call hands the tree's structure (as a
+# skeleton of int leaves), each leaf's shape, dtype and device, and the Specs, all of which
+# dynamo guards on, to a function dynamo runs as plain Python (assume_constant_result): the
+# eager lookup, checks included, on stand-in tensors. It returns a key; the trace reads the
+# plan under it. Results of traced calls are not tagged, nor logged in comm_log.
+
+# id(plan) -> plan, for the plans that traced code uses (kept alive: graphs refer to them).
+_TRACED_PLANS: dict[int, Plan] = {}
+
+
+def _traced_grads_plan(grads: Any, leaves: list, spec: Any, name: str) -> Plan:
+    """:func:`_grads_plan` under torch.compile."""
+    # A plan is per shape: operator.index specializes any dynamic dim (with a guard).
+    metas = tuple((tuple(map(operator.index, x.shape)), x.dtype, x.device) for x in leaves)
+    skeleton = optree.tree_map(lambda _: 0, grads)
+    if isinstance(spec, Spec):
+        return _TRACED_PLANS[_traced_plan_key(skeleton, metas, name, None, spec)]
+    # Specs only pass one by one (dynamo cannot make a constant of a container of them).
+    specs = optree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, Spec))
+    spec_skeleton = optree.tree_map(lambda _: 0, spec, is_leaf=lambda x: isinstance(x, Spec))
+    return _TRACED_PLANS[_traced_plan_key(skeleton, metas, name, spec_skeleton, *specs)]
+
+
+@torch._dynamo.assume_constant_result
+def _traced_plan_key(skeleton: Any, metas: tuple, name: str, spec_skeleton: Any, *specs) -> int:
+    # Runs as plain Python at trace time (is_compiling() is still true, so this calls the
+    # eager helpers directly). Every geometry the trace reads is computed here, so that the
+    # trace does not fill the plan's caches.
+    treedef = optree.tree_structure(skeleton)
+    if spec_skeleton is None:
+        spec = specs[0]
+    else:
+        spec = optree.tree_unflatten(optree.tree_structure(spec_skeleton), specs)
+    stand_ins = [torch.empty((), dtype=d, device=v).expand(s) for s, d, v in metas]
+    plan = _grads_plan(stand_ins, treedef, _paths(treedef, name), spec, name)
+    for b in range(len(plan.buckets)):
+        for role in ("gradient", "optimizer"):
+            if plan.is_flat(plan.buckets[b], role):
+                plan.geometry(b, role)
+    _TRACED_PLANS[id(plan)] = plan
+    return id(plan)
 
 
 def _plan_from(leaves: list[torch.Tensor], treedef, paths, specs, shapes) -> Plan:
@@ -274,7 +332,10 @@ def _reduce(
         if acc is not None and optree.tree_structure(acc) != treedef:
             raise _structure_error(treedef, acc, "acc", name)
         return optree.tree_unflatten(treedef, [])
-    plan = _grads_plan(leaves, treedef, paths, spec, name)
+    if torch.compiler.is_compiling():
+        plan = _traced_grads_plan(grads, leaves, spec, name)
+    else:
+        plan = _grads_plan(leaves, treedef, paths, spec, name)
     mesh = plan.mesh
     nb = len(mesh.batch_shape)
     legs: list = [("input", "gradient")]
@@ -315,8 +376,7 @@ def _reduce(
     if last:
         _tag(out, plan, role, "final")
     else:
-        views = tuple(weakref.ref(x) if plan.views(b, role) else None for b, x in enumerate(bufs))
-        _tag(out, plan, role, "accumulating", views)
+        _tag(out, plan, role, "accumulating", bufs)
     return optree.tree_unflatten(treedef, out)
 
 

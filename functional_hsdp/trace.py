@@ -107,6 +107,9 @@ def comm_log() -> Iterator[CommLog]:
 
 
 def record(event: Event) -> None:
-    """Append ``event`` to every active log."""
+    """Append ``event`` to every active log (none under torch.compile: traced collectives are
+    not logged)."""
+    if torch.compiler.is_compiling():
+        return
     for log in _ACTIVE.get():
         log.events.append(event)

@@ -267,8 +267,10 @@ def check(
             the ranks, or the first leaf holding NaN/Inf and the ranks.
         CollectiveError: the exchange failed (a peer died or is in another collective).
     """
+    if torch.compiler.is_compiling():  # nothing is exchanged while tracing (nor can dynamo
+        return  # read the ContextVar below)
     mode = _MODE.get()
-    if (mode == "off" and nonfinite is None) or torch.compiler.is_compiling():
+    if mode == "off" and nonfinite is None:
         return
     key = (op, last, options)
     done = _DONE.setdefault(plan, {})
