@@ -5,7 +5,7 @@ Each module has ``SIZES`` (``tiny`` for the smoke test, ``full`` for the figures
 section for ``bench/RESULTS.md``).
 """
 
-from . import fsdp, limit, memory, overhead, overlap, rsimpl, scaling, wire
+from . import compiled, fsdp, limit, memory, overhead, overlap, rsimpl, scaling, wire
 
 BENCHMARKS = {
     "fsdp": fsdp,
@@ -16,4 +16,5 @@ BENCHMARKS = {
     "scaling": scaling,
     "rsimpl": rsimpl,
     "memory": memory,
+    "compiled": compiled,
 }

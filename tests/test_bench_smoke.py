@@ -20,7 +20,7 @@ from bench import BENCHMARKS, common  # noqa: E402
 from bench.__main__ import run_one  # noqa: E402
 
 # memory last: it switches the shared workers' malloc to mmap-everything
-ORDER = ["wire", "limit", "overlap", "rsimpl", "overhead", "scaling", "fsdp", "memory"]
+ORDER = ["wire", "limit", "overlap", "compiled", "rsimpl", "overhead", "scaling", "fsdp", "memory"]
 
 
 @pytest.fixture(scope="module")
