@@ -7,7 +7,9 @@ Library code talks to a mesh only through :class:`Mesh`; it never asks which mes
   reductions and rearranges over those dims.
 - :class:`DistMesh` wraps a real ``torch.distributed`` ``DeviceMesh``; collectives are
   ``torch.distributed._functional_collectives`` over ``(device_mesh, dim)``: asynchronous and
-  traceable by ``torch.compile``.
+  traceable by ``torch.compile``. On gloo, eager reductions are asynchronous in-place c10d
+  all-reduces of the library's own buffers instead (see ``_INPLACE``); a collective's result
+  may be pending until :meth:`Mesh.wait`.
 
 A *bucket* is a tensor ``(*batch_shape, L)``: one flat buffer per rank. ``batch_shape`` is the
 mesh shape on a SimMesh and ``()`` on a DistMesh, so the same code handles both.
