@@ -53,7 +53,10 @@ class Mesh(Protocol):
 
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor: ...
 
-    def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor: ...
+    def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
+        """This rank's chunk of the reduction. It may be *borrowed*: a view into a larger
+        buffer of the library's (``result._base`` is not None) that is otherwise dead; keep a
+        copy of it, not the view, in anything that outlives the call."""
 
     def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor: ...
 
@@ -338,9 +341,9 @@ class DistMesh(_MeshBase):
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         buf, group = self.wait(buf), self._group(axis)
         if self._inplace[self._dim(axis)] and not torch.compiler.is_compiling():
-            n = self.size(axis)
-            finish = (lambda: buf.div_(n)) if op == "avg" else (lambda: buf)
-            return self._issue_inplace(buf, axis, "all_reduce", finish)
+            n, divide = self.size(axis), op == "avg" and not self._native_avg[self._dim(axis)]
+            finish = (lambda: buf.div_(n)) if divide else (lambda: buf)
+            return self._issue_inplace(buf, axis, op, "all_reduce", finish)
         with self._guard("all_reduce", axis):
             out = self._reduce(lambda o: funcol.all_reduce(buf, o, group), axis, op)
         return self._pending(out, "all_reduce", axis)
@@ -348,14 +351,15 @@ class DistMesh(_MeshBase):
     def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         buf, group = self.wait(buf), self._group(axis)
         if self._inplace[self._dim(axis)] and not torch.compiler.is_compiling():
-            # Keep only this rank's chunk, as a new tensor (the full buffer is then freed);
-            # AVG divides the chunk alone: half the work of dividing the buffer on 2 ranks.
-            n = self.size(axis)
-            if op == "avg":
+            # The result is this rank's chunk as a view of the all-reduced buffer: a *borrowed*
+            # result (see Mesh.reduce_scatter), so that a consumer that makes a new tensor
+            # anyway (adding acc, MainGrad's add into its buffer) needs no copy of it.
+            n, divide = self.size(axis), op == "avg" and not self._native_avg[self._dim(axis)]
+            if divide:
                 finish = lambda: torch.div(self._chunk(buf, axis), n)  # noqa: E731
             else:
-                finish = lambda: self._chunk(buf, axis).clone()  # noqa: E731
-            return self._issue_inplace(buf, axis, "reduce_scatter", finish)
+                finish = lambda: self._chunk(buf, axis)  # noqa: E731
+            return self._issue_inplace(buf, axis, op, "reduce_scatter", finish)
         with self._guard("reduce_scatter", axis):
             out = self._reduce(lambda o: funcol.reduce_scatter_single(buf, o, 0, group), axis, op)
         return self._pending(out, "reduce_scatter", axis)
@@ -366,16 +370,21 @@ class DistMesh(_MeshBase):
             out = funcol.all_gather_single(buf, 0, group)
         return self._pending(out, "all_gather", axis)
 
-    def _issue_inplace(self, buf: torch.Tensor, axis: str, name: str, finish) -> torch.Tensor:
-        """Start an asynchronous c10d SUM all-reduce of ``buf`` in place and return ``buf``,
-        pending: :meth:`wait` waits for it and returns ``finish()`` (the divided buffer, or
-        this rank's chunk). ``buf`` is always one of the library's own buffers (a fresh
-        packing buffer, a collective's result or MainGrad's buffer), never a caller's tensor.
+    def _issue_inplace(
+        self, buf: torch.Tensor, axis: str, op: str, name: str, finish
+    ) -> torch.Tensor:
+        """Start an asynchronous c10d all-reduce of ``buf`` in place and return ``buf``,
+        pending: :meth:`wait` waits for it and returns ``finish()`` (the buffer, or this
+        rank's chunk). ``buf`` is always one of the library's own buffers (a fresh packing
+        buffer, a collective's result or MainGrad's buffer), never a caller's tensor. AVG is
+        the backend's own where it has one (gloo's is SUM then divide: bitwise the same as
+        the emulation, and done on gloo's thread), else SUM and ``finish`` divides.
         """
+        native = op == "avg" and self._native_avg[self._dim(axis)]
         with self._guard(name, axis):
             work = dist.all_reduce(
                 buf,
-                op=dist.ReduceOp.SUM,
+                op=dist.ReduceOp.AVG if native else dist.ReduceOp.SUM,
                 group=self.device_mesh.get_group(self._dim(axis)),
                 async_op=True,
             )
@@ -466,7 +475,8 @@ class DistMesh(_MeshBase):
         d = self._dim(axis)
         if self._inplace[d] and op != "all_gather":
             kind = "all_reduce+slice" if op == "reduce_scatter" else "all_reduce"
-            return f"c10d in-place {kind}" + (" sum+div" if reduce == "avg" else "")
+            emulated = reduce == "avg" and not self._native_avg[d]
+            return f"c10d in-place {kind}" + (" sum+div" if emulated else "")
         if reduce == "avg" and not self._native_avg[d]:
             return "sum+div"
         return "native"

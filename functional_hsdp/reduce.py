@@ -370,7 +370,7 @@ def _reduce(
         options=(f"check_finite={check_finite}",),
         nonfinite=nonfinite,
     )
-    bufs = [mesh.wait(b) for b in run(plan, packed, *legs)]
+    bufs = [_owned(mesh.wait(b)) for b in run(plan, packed, *legs)]
     role = "optimizer" if last else "gradient"
     out = plan.unpack(bufs, role)
     if last:
@@ -380,11 +380,26 @@ def _reduce(
     return optree.tree_unflatten(treedef, out)
 
 
+def _borrowed(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a view of part of a larger buffer (a borrowed reduce-scatter result,
+    see ``Mesh.reduce_scatter``): keeping it would keep the whole buffer alive."""
+    base = x._base
+    return base is not None and x.numel() < base.numel()
+
+
+def _owned(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy of it if it is borrowed."""
+    return x.clone() if _borrowed(x) else x
+
+
 def _accumulate(buf: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """``buf + acc``, in place when ``buf`` is a dense buffer. A bucket buffer at this point
-    is always one the call made (a packing buffer or a collective's result), never a caller's
+    """``buf + acc``: in place when ``buf`` is a dense buffer of its own, into a new tensor
+    when it is borrowed (which spares a separate copy of it). A bucket buffer at this point is
+    always one the call made (a packing buffer or a collective's result), never a caller's
     tensor; SimMesh's all-reduce results are broadcast views, so those add out of place."""
-    return buf.add_(acc) if buf.is_contiguous() else buf + acc
+    if buf.is_contiguous() and not _borrowed(buf):
+        return buf.add_(acc)
+    return torch.add(buf, acc)
 
 
 def shard(tree: Any, spec: Any, *, to: str = "optimizer", stacked: bool | None = None) -> Any:
