@@ -24,6 +24,7 @@ timed call takes longer than ``budget`` seconds (on the slowest rank) gets fewer
 from __future__ import annotations
 
 import cProfile
+import gc
 import io
 import pstats
 import re
@@ -119,6 +120,7 @@ def task(cfg: dict) -> dict:
             for c, fn in calls.items():
                 if rep >= reps[c]:
                     continue
+                gc.collect()  # every call starts from the same garbage-collector state
                 C.barrier()
                 before = clock.inside
                 t0 = time.perf_counter()
@@ -215,7 +217,10 @@ def report(res: dict, command: str, when: str) -> str:
         "wrapping them on this benchmark's `DistMesh` instance). Baseline: bare "
         "`torch.cat([x.reshape(-1) for x in leaves]).split(sizes)` of the same leaves. "
         f"Up to {cfg['reps']} timed repetitions (fewer for a call slower than "
-        f"{cfg['budget']:g} s: column *reps*), all calls interleaved, each after a barrier, "
+        f"{cfg['budget']:g} s: column *reps*), all calls interleaved, each after a full "
+        "`gc.collect()` (so that no call pays for an earlier call's garbage: with 10,000 leaves "
+        "a full collection takes 0.2-0.4 s here, which otherwise lands in a random call) and a "
+        "barrier, "
         "after one untimed call of each (caches filled); median per rank, slowest rank. "
         "Cold: the first `reduce_grads(g, spec, last=False)` on a tree structure the process "
         "has not seen (plan built), warm: the same call again (median of "
