@@ -14,7 +14,6 @@ same as for Flat. Only packing and unpacking differ.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -69,15 +68,11 @@ class Bucket:
         """Blocks of a Shard(d) bucket: the size of its axis."""
         return self.spec.mesh.size(self.shard[0]) if self.shard else 1
 
-    @functools.cached_property
-    def sizes(self) -> list[int]:
-        """The slots' element counts, in order."""
-        return [s.numel for s in self.slots]
-
-    @functools.cached_property
-    def flat_shapes(self) -> bool:
-        """Whether every slot is 1-D."""
-        return all(len(s.shape) == 1 for s in self.slots)
+    def __post_init__(self) -> None:
+        # Derived once here, not lazily (a lazily cached attribute would be filled inside a
+        # torch.compile trace, which cannot trace cached_property's lock on Python 3.11).
+        object.__setattr__(self, "sizes", [s.numel for s in self.slots])
+        object.__setattr__(self, "flat_shapes", all(len(s.shape) == 1 for s in self.slots))
 
 
 def bucket_elements(spec: Spec) -> int:
@@ -150,20 +145,15 @@ def pack_full(bucket: Bucket, leaves: list[torch.Tensor], batch: tuple[int, ...]
     graph is kept.
     """
     parts = [leaves[s.index] for s in bucket.slots]
-    if not batch and len(parts) > 1 and _FLATTEN is not None:
-        flat = _FLATTEN(parts)
-        if bucket.padded == bucket.numel:
-            return flat
-        parts = [flat]
-    else:
-        parts = [x.reshape(*batch, -1) for x in parts]
     if bucket.padded > bucket.numel:
         parts.append(
             torch.zeros(
                 (*batch, bucket.padded - bucket.numel), dtype=bucket.dtype, device=bucket.device
             )
         )
-    return torch.cat(parts, dim=-1)
+    if not batch and len(parts) > 1 and _FLATTEN is not None:
+        return _FLATTEN(parts)
+    return torch.cat([x.reshape(*batch, -1) for x in parts], dim=-1)
 
 
 # torch's C++ flatten of a tensor list (torch._utils._flatten_dense_tensors calls it); if a

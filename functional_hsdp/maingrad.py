@@ -120,12 +120,16 @@ class MainGrad:
         ]
         # Two packing buffers, reused: bucket b packs into the one bucket b-2 used, which is
         # free once b-2 is done (DEPTH buckets in flight at most).
+        # Per device (buckets split by device): each the size of that device's largest bucket.
         batch = math.prod(mesh.batch_shape)
-        longest = max((b.padded for b in self.plan.buckets), default=0)
-        self._scratch = [
-            torch.empty(batch * longest, dtype=self.reduce_dtype, device=bucket.device)
-            for bucket in self.plan.buckets[:DEPTH]
-        ]
+        longest: dict[torch.device, int] = {}
+        for bucket in self.plan.buckets:
+            longest[bucket.device] = max(longest.get(bucket.device, 0), bucket.padded)
+        self._scratch = {
+            (device, i): torch.empty(batch * n, dtype=self.reduce_dtype, device=device)
+            for device, n in longest.items()
+            for i in range(DEPTH)
+        }
         self._state = "accumulating"
         self._empty = True  # grads are None: the next accumulate overwrites instead of adding
         self._checked: tuple | None = None  # metadata of the last gradient tree that passed
@@ -294,7 +298,7 @@ class MainGrad:
         bucket, batch = self.plan.buckets[b], self.mesh.batch_shape
         if bucket.shard is not None:  # rank-major: each leaf's chunks go to every block
             return pack_shard_full(bucket, leaves, batch).to(self.reduce_dtype)
-        scratch = self._scratch[b % DEPTH]
+        scratch = self._scratch[(bucket.device, b % DEPTH)]
         out = scratch[: math.prod(batch) * bucket.padded].view(*batch, bucket.padded)
         if not batch:  # one C++ call copies (and casts) every leaf
             torch.cat([leaves[s.index].reshape(-1) for s in bucket.slots], out=out[: bucket.numel])
@@ -314,12 +318,19 @@ class MainGrad:
         buffer, remaining steps); the rest run and ``done(b, result)`` consumes the result,
         with at most DEPTH buckets started and not done."""
         flight: deque = deque()
-        for b in range(len(self.plan.buckets)):
-            if len(flight) == DEPTH:
-                self._drain(flight.popleft(), done)
-            flight.append((b, *issue(b)))
-        while flight:
-            self._drain(flight.popleft(), done)
+        try:
+            for b in range(len(self.plan.buckets)):
+                if len(flight) == DEPTH:
+                    self._drain(flight[0], done)
+                    flight.popleft()
+                flight.append((b, *issue(b)))
+            while flight:
+                self._drain(flight[0], done)
+                flight.popleft()
+        except BaseException:
+            for _, buf, _ in flight:  # drop what is still in flight (see Mesh.abandon)
+                self.mesh.abandon(buf)
+            raise
 
     def _drain(self, item: tuple, done: Callable[[int, torch.Tensor], None]) -> None:
         b, buf, todo = item
@@ -329,7 +340,8 @@ class MainGrad:
 
     def _reduce(self, buf: torch.Tensor, step: Step) -> torch.Tensor:
         pre, op, post = _divide_factors(step, self.mesh.size(step.axis), buf.dtype)
-        if pre != 1.0:
+        if pre != 1.0:  # dividing reads the buffer: the previous collective must be done
+            buf = self.mesh.wait(buf)
             buf = buf / pre
         buf = apply(self.mesh, buf, Step(step.op, step.axis, op))
         return self.mesh.wait(buf) / post if post != 1.0 else buf  # waits named on failure
@@ -341,6 +353,8 @@ class MainGrad:
 
         def issue(b: int) -> tuple[torch.Tensor, tuple[Step, ...]]:
             todo = steps(plan.buckets[b].spec, "gradient", "optimizer")
+            if not todo:  # nothing deferred: the buffer is final as it is (no rounding)
+                return self._buffers[b], todo
             buf = self._buffers[b].to(self.reduce_dtype)  # the buffer itself when same dtype
             return (self._reduce(buf, todo[0]), todo[1:]) if todo else (buf, todo)
 

@@ -78,6 +78,10 @@ class Mesh(Protocol):
 
     def wait(self, buf: torch.Tensor) -> torch.Tensor: ...
 
+    def abandon(self, buf: torch.Tensor) -> None:
+        """Forget a pending result that will never be waited for (an error after its
+        collective was issued), so that it does not keep its buffer alive."""
+
     def impl(self, op: str, axis: str, reduce: str | None) -> str: ...
 
     def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor: ...
@@ -234,6 +238,9 @@ class SimMesh(_MeshBase):
 
     def wait(self, buf: torch.Tensor) -> torch.Tensor:
         return buf
+
+    def abandon(self, buf: torch.Tensor) -> None:
+        pass
 
     def impl(self, op: str, axis: str, reduce: str | None) -> str:
         return "einops"
@@ -470,6 +477,13 @@ class DistMesh(_MeshBase):
             return buf
         with self._guard(*getattr(buf, "_fh_collective", ("a collective", None))):
             return funcol.wait_tensor(buf)
+
+    def abandon(self, buf: torch.Tensor) -> None:
+        # The c10d work still holds the tensor until it completes; dropping our reference
+        # (work, finish closure) lets both go then. Its error, if any, is not reported: the
+        # caller is already raising another.
+        if isinstance(buf, torch.Tensor):
+            buf.__dict__.pop("_fh_pending", None)
 
     def impl(self, op: str, axis: str, reduce: str | None) -> str:
         d = self._dim(axis)

@@ -240,19 +240,25 @@ def run(plan: Plan, bufs: Any, *legs: Leg) -> list[torch.Tensor]:
         programs.append(program)
     lazy = callable(bufs)
     out = [None] * n if lazy else list(bufs)
-    for t in range(max([0, *map(len, programs)])):
-        for b, program in enumerate(programs):
-            if t >= len(program):
-                continue
-            if t == 0 and lazy:
-                out[b] = bufs(b)
-            local, step = program[t]
-            buf = out[b]
-            if local:
-                buf = mesh.wait(buf)
-                for fn in local:
-                    buf = fn(b, buf)
-            out[b] = apply(mesh, buf, step) if step is not None else buf
+    try:
+        for t in range(max([0, *map(len, programs)])):
+            for b, program in enumerate(programs):
+                if t >= len(program):
+                    continue
+                if t == 0 and lazy:
+                    out[b] = bufs(b)
+                local, step = program[t]
+                buf = out[b]
+                if local:
+                    buf = mesh.wait(buf)
+                    for fn in local:
+                        buf = fn(b, buf)
+                out[b] = apply(mesh, buf, step) if step is not None else buf
+    except BaseException:
+        for buf in out:  # collectives in flight: drop them rather than leak their buffers
+            if buf is not None:
+                mesh.abandon(buf)
+        raise
     return out
 
 

@@ -56,8 +56,13 @@ def _tag(
     buffers they were unpacked from, remembered (weakly) where the leaves are views."""
     if torch.compiler.is_compiling():  # a side registry dynamo cannot trace: results untagged
         return
-    if bufs is not None:
-        bufs = tuple(weakref.ref(x) if plan.views(b, role) else None for b, x in enumerate(bufs))
+    if bufs is not None:  # a same-shape view's base lives as long as the leaves do
+        bufs = tuple(
+            weakref.ref(x._base if x._base is not None and x._base.shape == x.shape else x)
+            if plan.views(b, role)
+            else None
+            for b, x in enumerate(bufs)
+        )
     state = _State(plan, role, kind, bufs)
     _STATES.update(zip(map(id, leaves), zip(map(weakref.ref, leaves), repeat(state), count())))
     if len(_STATES) > _SWEEP_AT[0]:

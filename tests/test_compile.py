@@ -100,3 +100,15 @@ def test_a_spec_tree_compiles():
     result = check_compiled_matches_eager(spec, (2, 2), 0, "aot_eager")
     result.pop("graphs")
     assert all(result.values()), result
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "hsdp"])
+def test_a_compiled_call_first_needs_no_eager_call_before_it(strategy):
+    # everything the trace reads is computed outside it, even for a tree never seen eagerly
+    spec = preset(strategy, fh.SimMesh(dict(zip(AXES, (2, 2)))))
+    torch._dynamo.reset()
+    shapes = {"first": (6, 3), "seen": [(5,)]}
+    g = random_tree((2, 2), shapes=shapes, seed=5)
+    f = torch.compile(lambda g: fh.reduce_grads(g, spec, last=True), fullgraph=True)
+    got = f(g)
+    assert _same(got, fh.reduce_grads(g, spec, last=True))

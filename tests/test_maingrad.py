@@ -205,3 +205,14 @@ def test_hfsdp_final_grads_match_dense_reference(shape):
     for g, last in fh.microbatches(micro):
         mg.accumulate(g, last=last)
     assert max_error(fh.gather(mg.grads, spec), dense_reduce(micro, 2)) < 1e-5
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.bfloat16, torch.float16])
+def test_last_with_nothing_deferred_keeps_the_fp32_sum(reduce_dtype):
+    # fsdp defers no axis: the last microbatch sends nothing more, so the fp32 sum must not
+    # pass through the wire dtype
+    spec = fh.fsdp(fh.SimMesh({"dp": 2}))
+    mg = fh.MainGrad(spec, like={"w": torch.zeros(4)}, reduce_dtype=reduce_dtype)
+    for value, last in ((1.0, False), (2.0**-12, False), (0.0, True)):
+        mg.accumulate({"w": torch.full((2, 4), value)}, last=last)
+    assert fh.gather(mg.grads, spec)["w"][0].tolist() == [1 + 2**-12] * 4
