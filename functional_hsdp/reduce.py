@@ -30,7 +30,7 @@ from .spec import Spec, format_path, resolve_specs
 __all__ = ["reduce_grads", "shard", "gather", "sync_params"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _State:
     plan: Plan
     role: str  # the role whose placements the value is at
@@ -39,6 +39,7 @@ class _State:
     # copies). A later call given these very leaves back as acc reads a live buffer instead
     # of packing the leaves again; weak, so that a dead result's buffers are freed.
     bufs: tuple[weakref.ref | None, ...] | None = None
+    refs: tuple[weakref.ref, ...] = ()  # the result's leaves, in order
 
 
 # id(tensor) -> (weak reference to it, its state, its index in the result's leaves). Kept
@@ -63,8 +64,9 @@ def _tag(
             else None
             for b, x in enumerate(bufs)
         )
-    state = _State(plan, role, kind, bufs)
-    _STATES.update(zip(map(id, leaves), zip(map(weakref.ref, leaves), repeat(state), count())))
+    refs = tuple(map(weakref.ref, leaves))
+    state = _State(plan, role, kind, bufs, refs)
+    _STATES.update(zip(map(id, leaves), zip(refs, repeat(state), count())))
     if len(_STATES) > _SWEEP_AT[0]:
         for key in [k for k, (ref, _, _) in _STATES.items() if ref() is None]:
             del _STATES[key]
@@ -83,16 +85,19 @@ def _own_state(leaves: list, plan: Plan, role: str, kind: str) -> _State | None:
     ``role`` and ``kind`` (so dtype, shape and placement are known right), else None."""
     if torch.compiler.is_compiling():
         return None
-    entries = list(map(_STATES.get, map(id, leaves)))
-    if not entries or entries[0] is None:
+    entry = _STATES.get(id(leaves[0])) if leaves else None
+    if entry is None:
         return None
-    state = entries[0][1]
+    state = entry[1]
     if state.plan is not plan or state.role != role or state.kind != kind:
         return None
-    for i, (leaf, entry) in enumerate(zip(leaves, entries)):
-        if entry is None or entry[1] is not state or entry[2] != i or entry[0]() is not leaf:
-            return None
-    return state
+    # every leaf is the live object the result held at that position (C-level loops)
+    if len(state.refs) == len(leaves) and all(map(operator.is_, map(_deref, state.refs), leaves)):
+        return state
+    return None
+
+
+_deref = weakref.ref.__call__
 
 
 def _flatten(tree: Any, name: str) -> tuple[list, optree.PyTreeSpec, tuple[str, ...]]:
