@@ -74,8 +74,8 @@ def _tag(
 
 
 def _state(leaf: Any) -> _State | None:
-    if torch.compiler.is_compiling():  # nothing is tagged under torch.compile (and reading
-        return None  # the registry would make dynamo guard on it, recompiling every call)
+    """The state of a tagged leaf, else None. (Not under torch.compile: reading the registry
+    would make dynamo guard on it; callers that can be traced check is_compiling first.)"""
     entry = _STATES.get(id(leaf))
     return entry[1] if entry is not None and entry[0]() is leaf else None
 
@@ -83,14 +83,20 @@ def _state(leaf: Any) -> _State | None:
 def _own_state(leaves: list, plan: Plan, role: str, kind: str) -> _State | None:
     """The state of ``leaves`` if they are, in order, exactly one result of ``plan`` at
     ``role`` and ``kind`` (so dtype, shape and placement are known right), else None."""
+    state = _result_state(leaves)
+    if state is None or state.plan is not plan or state.role != role or state.kind != kind:
+        return None
+    return state
+
+
+def _result_state(leaves: list) -> _State | None:
+    """The state of ``leaves`` if they are, in order, exactly the leaves of one result."""
     if torch.compiler.is_compiling():
         return None
     entry = _STATES.get(id(leaves[0])) if leaves else None
     if entry is None:
         return None
     state = entry[1]
-    if state.plan is not plan or state.role != role or state.kind != kind:
-        return None
     # every leaf is the live object the result held at that position (C-level loops)
     if len(state.refs) == len(leaves) and all(map(operator.is_, map(_deref, state.refs), leaves)):
         return state
@@ -248,8 +254,9 @@ def _check_local(
     leaves: list, paths: Sequence[str], plan: Plan, role: str, kinds: tuple[str, ...], what: str
 ) -> None:
     """Validate local values against ``plan`` at ``role``: dtype, shape and state tag."""
+    compiling = torch.compiler.is_compiling()  # then nothing is tagged
     for (slot, b), leaf, path in zip(plan.slots(), leaves, paths):
-        state = _state(leaf)
+        state = None if compiling else _state(leaf)
         if state is not None and state.plan is plan and state.role == role and state.kind in kinds:
             continue  # made by this very plan at this role: dtype and shape are right
         if state is not None:
@@ -528,8 +535,20 @@ def _move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: st
     if not leaves:
         return optree.tree_unflatten(treedef, [])
     mesh = specs[0].mesh
-    _check_tensors(leaves, paths, mesh, floating=False, batched=True)
-    plan, role = _find_layout(leaves, treedef, paths, specs, like, source, name)
+    roles = [source] if source else ["optimizer", "parameter"]
+    state = _result_state(leaves)
+    if (
+        like is None
+        and state is not None
+        and state.kind in ("final", "weights")
+        and state.role in roles
+        and state.plan.treedef == treedef
+        and state.plan.specs == specs
+    ):  # exactly a result of this library at a known layout: nothing to check
+        plan, role = state.plan, state.role
+    else:
+        _check_tensors(leaves, paths, mesh, floating=False, batched=True)
+        plan, role = _find_layout(leaves, treedef, paths, specs, like, source, name)
     validate.check(plan, f"move {role} -> {to}", paths)
     pack = functools.partial(plan.pack_bucket, leaves=leaves, role=role)
     out = plan.unpack([mesh.wait(b) for b in run(plan, pack, (role, to))], to)
@@ -541,12 +560,12 @@ def _move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: st
 def _find_layout(leaves, treedef, paths, specs, like, source, name) -> tuple[Plan, str]:
     """The plan and role that ``leaves`` (local shards) are laid out at."""
     roles = [source] if source else ["optimizer", "parameter"]
-    for leaf, path in zip(leaves, paths):
-        state = _state(leaf)
+    found = list(map(_state, leaves))
+    for state, path in zip(found, paths):
         if state is not None and state.kind == "accumulating":
             raise ValueError(_KIND_ERRORS[("accumulating", ("final", "weights"))].format(path=path))
-    states = {id(s.plan): s for s in map(_state, leaves) if s is not None}
-    if len(states) == 1 and all(_state(x) is not None for x in leaves):
+    states = {id(s.plan): s for s in found if s is not None}
+    if len(states) == 1 and None not in found:
         state = next(iter(states.values()))
         if state.plan.treedef == treedef and state.plan.specs == specs and state.role in roles:
             return state.plan, state.role
