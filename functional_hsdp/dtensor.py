@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .placement import Flat, Partial
 from .plan import Plan
-from .reduce import _check_tensors, _find_layout, _flatten
+from .reduce import _find_layout, _flatten
 from .spec import resolve_specs
 
 __all__ = ["to_dtensor"]
@@ -63,7 +63,6 @@ def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = 
     device_mesh = getattr(mesh, "device_mesh", None)
     if device_mesh is None:
         raise TypeError(f"to_dtensor needs a DistMesh (a real DeviceMesh); got {mesh!r}")
-    _check_tensors(leaves, paths, mesh, floating=False, batched=True)
     plan, role = _find_layout(leaves, treedef, paths, specs, None, source, "tree")
     if per == "bucket":
         return _buckets(plan, role, leaves, device_mesh)

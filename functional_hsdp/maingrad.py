@@ -207,18 +207,13 @@ class MainGrad:
             nonfinite=validate.nonfinite_index(leaves, nb) if check_finite else None,
         )
 
-        def issue(b: int) -> tuple[torch.Tensor, tuple[Step, ...]]:
-            todo = steps(plan.buckets[b].spec, "input", "gradient")
-            buf = self._pack(b, leaves)
-            return (self._reduce(buf, todo[0]), todo[1:]) if todo else (buf, todo)
-
         def done(b: int, chunk: torch.Tensor) -> None:
             if self._empty:
                 self._buffers[b].copy_(chunk)
             else:
                 self._buffers[b].add_(chunk)
 
-        self._pipeline(issue, done)
+        self._pipeline(("input", "gradient"), lambda b, todo: self._pack(b, leaves), done)
         self._empty = False
         if last:
             self._finish()
@@ -311,19 +306,22 @@ class MainGrad:
 
     def _pipeline(
         self,
-        issue: Callable[[int], tuple[torch.Tensor, tuple[Step, ...]]],
+        leg: tuple[str, str],
+        source: Callable[[int, tuple[Step, ...]], torch.Tensor],
         done: Callable[[int, torch.Tensor], None],
     ) -> None:
-        """For each bucket: ``issue(b)`` starts its first collective and returns (pending
-        buffer, remaining steps); the rest run and ``done(b, result)`` consumes the result,
-        with at most DEPTH buckets started and not done."""
+        """Move every bucket through the role change ``leg``, DEPTH buckets at a time: bucket
+        b's buffer is ``source(b, its steps)``, its first collective is issued before bucket
+        b-1 is finished, and ``done(b, result)`` consumes the result."""
         flight: deque = deque()
         try:
-            for b in range(len(self.plan.buckets)):
+            for b, bucket in enumerate(self.plan.buckets):
                 if len(flight) == DEPTH:
                     self._drain(flight[0], done)
                     flight.popleft()
-                flight.append((b, *issue(b)))
+                todo = steps(bucket.spec, *leg)
+                buf = source(b, todo)
+                flight.append((b, self._reduce(buf, todo[0]), todo[1:]) if todo else (b, buf, ()))
             while flight:
                 self._drain(flight[0], done)
                 flight.popleft()
@@ -349,21 +347,18 @@ class MainGrad:
     def _finish(self) -> None:
         """Reduce the deferred axes of each bucket in place, DEPTH buckets at a time: the
         extra memory stays within DEPTH buckets' reductions however many buckets there are."""
-        plan = self.plan
 
-        def issue(b: int) -> tuple[torch.Tensor, tuple[Step, ...]]:
-            todo = steps(plan.buckets[b].spec, "gradient", "optimizer")
-            if not todo:  # nothing deferred: the buffer is final as it is (no rounding)
-                return self._buffers[b], todo
-            buf = self._buffers[b].to(self.reduce_dtype)  # the buffer itself when same dtype
-            return (self._reduce(buf, todo[0]), todo[1:]) if todo else (buf, todo)
+        def source(b: int, todo: tuple[Step, ...]) -> torch.Tensor:
+            # nothing deferred: the buffer is final as it is (no rounding to the wire dtype);
+            # else the buffer itself when the wire dtype is its own
+            return self._buffers[b].to(self.reduce_dtype) if todo else self._buffers[b]
 
         def done(b: int, result: torch.Tensor) -> None:
             buf = self._buffers[b]
             if result.data_ptr() != buf.data_ptr():  # else the result is in place already
                 buf[..., : result.shape[-1]].copy_(result)
 
-        self._pipeline(issue, done)
+        self._pipeline(("gradient", "optimizer"), source, done)
         self._state = "final"
 
     def _fingerprint(self) -> dict[str, Any]:

@@ -280,11 +280,12 @@ _NATIVE_AVG = frozenset({"nccl", "gloo"})
 # implementations"). gloo has no native reduce-scatter: torch emulates one with an all-reduce
 # into a new buffer and a copy of the chunk. All-reducing the library's own packing buffer in
 # place and keeping the chunk moves the same bytes 1.6-2x faster at 10M-50M elements, with no
-# full-size temporary; so on gloo both reductions are in-place c10d all-reduces (SUM, then
-# divide, exactly), issued asynchronously. Other backends (NCCL), and every backend under
-# torch.compile, use the functional collectives: a real reduce-scatter, asynchronous and
-# traceable.
+# full-size temporary; so on gloo both reductions are in-place c10d all-reduces, issued
+# asynchronously, with the backend's own AVG (gloo's is SUM then divide: bitwise the same as
+# the emulation). Other backends (NCCL), and every backend under torch.compile, use the
+# functional collectives: a real reduce-scatter, asynchronous and traceable.
 _INPLACE = frozenset({"gloo"})
+assert _INPLACE <= _NATIVE_AVG, "the in-place path reduces with the backend's own AVG"
 
 
 class DistMesh(_MeshBase):
@@ -348,9 +349,7 @@ class DistMesh(_MeshBase):
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         buf, group = self.wait(buf), self._group(axis)
         if self._inplace[self._dim(axis)] and not torch.compiler.is_compiling():
-            n, divide = self.size(axis), op == "avg" and not self._native_avg[self._dim(axis)]
-            finish = (lambda: buf.div_(n)) if divide else (lambda: buf)
-            return self._issue_inplace(buf, axis, op, "all_reduce", finish)
+            return self._issue_inplace(buf, axis, op, "all_reduce")
         with self._guard("all_reduce", axis):
             out = self._reduce(lambda o: funcol.all_reduce(buf, o, group), axis, op)
         return self._pending(out, "all_reduce", axis)
@@ -361,12 +360,7 @@ class DistMesh(_MeshBase):
             # The result is this rank's chunk as a view of the all-reduced buffer: a *borrowed*
             # result (see Mesh.reduce_scatter), so that a consumer that makes a new tensor
             # anyway (adding acc, MainGrad's add into its buffer) needs no copy of it.
-            n, divide = self.size(axis), op == "avg" and not self._native_avg[self._dim(axis)]
-            if divide:
-                finish = lambda: torch.div(self._chunk(buf, axis), n)  # noqa: E731
-            else:
-                finish = lambda: self._chunk(buf, axis)  # noqa: E731
-            return self._issue_inplace(buf, axis, op, "reduce_scatter", finish)
+            return self._issue_inplace(buf, axis, op, "reduce_scatter")
         with self._guard("reduce_scatter", axis):
             out = self._reduce(lambda o: funcol.reduce_scatter_single(buf, o, 0, group), axis, op)
         return self._pending(out, "reduce_scatter", axis)
@@ -377,25 +371,20 @@ class DistMesh(_MeshBase):
             out = funcol.all_gather_single(buf, 0, group)
         return self._pending(out, "all_gather", axis)
 
-    def _issue_inplace(
-        self, buf: torch.Tensor, axis: str, op: str, name: str, finish
-    ) -> torch.Tensor:
+    def _issue_inplace(self, buf: torch.Tensor, axis: str, op: str, name: str) -> torch.Tensor:
         """Start an asynchronous c10d all-reduce of ``buf`` in place and return ``buf``,
-        pending: :meth:`wait` waits for it and returns ``finish()`` (the buffer, or this
-        rank's chunk). ``buf`` is always one of the library's own buffers (a fresh packing
-        buffer, a collective's result or MainGrad's buffer), never a caller's tensor. AVG is
-        the backend's own where it has one (gloo's is SUM then divide: bitwise the same as
-        the emulation, and done on gloo's thread), else SUM and ``finish`` divides.
-        """
-        native = op == "avg" and self._native_avg[self._dim(axis)]
+        pending: :meth:`wait` waits for it and returns the buffer (``name`` "all_reduce") or
+        this rank's chunk of it ("reduce_scatter"). ``buf`` is always one of the library's
+        own buffers (a fresh packing buffer, a collective's result or MainGrad's buffer),
+        never a caller's tensor."""
         with self._guard(name, axis):
             work = dist.all_reduce(
                 buf,
-                op=dist.ReduceOp.AVG if native else dist.ReduceOp.SUM,
+                op=dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM,
                 group=self.device_mesh.get_group(self._dim(axis)),
                 async_op=True,
             )
-        buf._fh_pending = (work, finish, name, axis)
+        buf._fh_pending = (work, name, axis)
         return buf if self.overlap else self.wait(buf)
 
     # A failed or timed-out collective raises CollectiveError naming it (op, axis): at issue,
@@ -469,10 +458,10 @@ class DistMesh(_MeshBase):
             return funcol.wait_tensor(buf) if isinstance(buf, funcol.AsyncCollectiveTensor) else buf
         pending = buf.__dict__.pop("_fh_pending", None)
         if pending is not None:
-            work, finish, name, axis = pending
+            work, name, axis = pending
             with self._guard(name, axis):
                 work.wait()
-            return finish()
+            return self._chunk(buf, axis) if name == "reduce_scatter" else buf
         if not isinstance(buf, funcol.AsyncCollectiveTensor):
             return buf
         with self._guard(*getattr(buf, "_fh_collective", ("a collective", None))):
@@ -480,7 +469,7 @@ class DistMesh(_MeshBase):
 
     def abandon(self, buf: torch.Tensor) -> None:
         # The c10d work still holds the tensor until it completes; dropping our reference
-        # (work, finish closure) lets both go then. Its error, if any, is not reported: the
+        # to the work lets both go then. Its error, if any, is not reported: the
         # caller is already raising another.
         if isinstance(buf, torch.Tensor):
             buf.__dict__.pop("_fh_pending", None)
@@ -488,9 +477,7 @@ class DistMesh(_MeshBase):
     def impl(self, op: str, axis: str, reduce: str | None) -> str:
         d = self._dim(axis)
         if self._inplace[d] and op != "all_gather":
-            kind = "all_reduce+slice" if op == "reduce_scatter" else "all_reduce"
-            emulated = reduce == "avg" and not self._native_avg[d]
-            return f"c10d in-place {kind}" + (" sum+div" if emulated else "")
+            return "c10d in-place " + ("all_reduce+slice" if op == "reduce_scatter" else op)
         if reduce == "avg" and not self._native_avg[d]:
             return "sum+div"
         return "native"

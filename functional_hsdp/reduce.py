@@ -535,6 +535,17 @@ def _move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: st
     if not leaves:
         return optree.tree_unflatten(treedef, [])
     mesh = specs[0].mesh
+    plan, role = _find_layout(leaves, treedef, paths, specs, like, source, name)
+    validate.check(plan, f"move {role} -> {to}", paths)
+    pack = functools.partial(plan.pack_bucket, leaves=leaves, role=role)
+    out = plan.unpack([mesh.wait(b) for b in run(plan, pack, (role, to))], to)
+    if to != "full":
+        _tag(out, plan, to, "weights")
+    return optree.tree_unflatten(treedef, out)
+
+
+def _find_layout(leaves, treedef, paths, specs, like, source, name) -> tuple[Plan, str]:
+    """The plan and role that ``leaves`` (local shards) are laid out at; checks them."""
     roles = [source] if source else ["optimizer", "parameter"]
     state = _result_state(leaves)
     if (
@@ -545,21 +556,8 @@ def _move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: st
         and state.plan.treedef == treedef
         and state.plan.specs == specs
     ):  # exactly a result of this library at a known layout: nothing to check
-        plan, role = state.plan, state.role
-    else:
-        _check_tensors(leaves, paths, mesh, floating=False, batched=True)
-        plan, role = _find_layout(leaves, treedef, paths, specs, like, source, name)
-    validate.check(plan, f"move {role} -> {to}", paths)
-    pack = functools.partial(plan.pack_bucket, leaves=leaves, role=role)
-    out = plan.unpack([mesh.wait(b) for b in run(plan, pack, (role, to))], to)
-    if to != "full":
-        _tag(out, plan, to, "weights")
-    return optree.tree_unflatten(treedef, out)
-
-
-def _find_layout(leaves, treedef, paths, specs, like, source, name) -> tuple[Plan, str]:
-    """The plan and role that ``leaves`` (local shards) are laid out at."""
-    roles = [source] if source else ["optimizer", "parameter"]
+        return state.plan, state.role
+    _check_tensors(leaves, paths, specs[0].mesh, floating=False, batched=True)
     found = list(map(_state, leaves))
     for state, path in zip(found, paths):
         if state is not None and state.kind == "accumulating":
