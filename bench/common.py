@@ -215,6 +215,12 @@ def across_ranks_max(per_rank: list[list[float]]) -> list[float]:
     return [max(col) for col in zip(*per_rank)]
 
 
+def slowest_rank(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Per timed variant (the keys of every rank's ``{variant: times}``), each repetition's
+    time on the slowest rank."""
+    return {k: across_ranks_max([r[k] for r in per_rank]) for k in per_rank[0]}
+
+
 def lo_bytes() -> int:
     """Bytes sent on the loopback interface so far (all processes of this machine)."""
     with open("/proc/net/dev") as f:

@@ -84,7 +84,7 @@ def run(size: str = "full", pool=None) -> dict:
         per_rank = p.run(task, cfg)
     res = {"size": size, "cfg": cfg, "cases": []}
     for n, case in per_rank[0].items():
-        times = {k: C.across_ranks_max([r[n]["times"][k] for r in per_rank]) for k in case["times"]}
+        times = C.slowest_rank([r[n]["times"] for r in per_rank])
         median = {k: C.median(v) for k, v in times.items()}
         res["cases"].append(
             {

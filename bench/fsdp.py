@@ -231,7 +231,7 @@ def run(size: str = "full", pool=None) -> dict:
         per_rank = p.run(task, cfg)
     variants = list(per_rank[0]["times"])
     res = {"size": size, "cfg": cfg, "variants": variants, "numel": per_rank[0]["numel"]}
-    res["times"] = {v: C.across_ranks_max([r["times"][v] for r in per_rank]) for v in variants}
+    res["times"] = C.slowest_rank([r["times"] for r in per_rank])
     res["median"] = {v: C.median(res["times"][v]) for v in variants}
     # the global loss of a step: mean over ranks of each rank's mean microbatch loss
     res["losses"] = {

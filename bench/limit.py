@@ -149,7 +149,7 @@ def run(size: str = "full", pool=None) -> dict:
     res = {"size": size, "cfg": cfg, "cases": []}
     for n, case in per_rank[0].items():
         c = {k: case[k] for k in ("numel", "leaves", "buckets")}
-        c["times"] = {k: C.across_ranks_max([r[n]["times"][k] for r in per_rank]) for k in OPS}
+        c["times"] = C.slowest_rank([r[n]["times"] for r in per_rank])
         c["median"] = {k: C.median(v) for k, v in c["times"].items()}
         c["ratio"] = {a: c["median"][a] / c["median"][b] for a, b, _ in PAIRS}
         c["ratio_fast"] = {a: c["median"][a] / c["median"][f] for a, _, f in PAIRS}

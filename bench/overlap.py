@@ -74,10 +74,7 @@ def run(size: str = "full", pool=None) -> dict:
     res = {"size": size, "cfg": cfg, "numel": first["numel"], "leaves": first["leaves"]}
     res["cases"] = []
     for cap, case in first["cases"].items():
-        keys = case["times"]
-        times = {
-            k: C.across_ranks_max([r["cases"][cap]["times"][k] for r in per_rank]) for k in keys
-        }
+        times = C.slowest_rank([r["cases"][cap]["times"] for r in per_rank])
         median = {k: C.median(v) for k, v in times.items()}
         ratio = {c: median[f"{c}/on"] / median[f"{c}/off"] for c in CALLS}
         res["cases"].append(

@@ -142,7 +142,7 @@ def run(size: str = "full", pool=None) -> dict:
     res = {"size": size, "cfg": cfg, "cases": {}}
     for key, case in per_rank[0].items():
         c = {"group": case["group"], "n": case["n"], "numel": case["numel"]}
-        c["times"] = {k: C.across_ranks_max([r[key]["times"][k] for r in per_rank]) for k in IMPLS}
+        c["times"] = C.slowest_rank([r[key]["times"] for r in per_rank])
         c["median"] = {k: C.median(v) for k, v in c["times"].items()}
         c["wire"] = {k: C.median(v) for k, v in case["wire"].items()}  # machine-wide counter
         c["peak"] = {k: max(r[key]["peak"][k] for r in per_rank) for k in IMPLS}
