@@ -343,7 +343,12 @@ def _overlap_off_on_rank(strategy: str):
         torch.allclose(x, y, rtol=1e-2, atol=1e-2)
         for x, y in zip(optree.tree_leaves(out[1]), optree.tree_leaves(out[2]))
     )
-    return all(same), fp16_close, logs[0] == logs[1], len({e.axis for e in logs[0]})
+    try:
+        fh.DistMesh(dm, overlap="no")
+        refused = False
+    except TypeError as e:
+        refused = "overlap must be a bool" in str(e)
+    return all(same) and refused, fp16_close, logs[0] == logs[1], len({e.axis for e in logs[0]})
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
