@@ -5,8 +5,10 @@ HSDP with deferred DP-outer reduction (Megatron-LM PR 5743) for ``torch.func`` t
 reduces the outer axis only on the last one.
 """
 
+from .cache import clear_caches
 from .collectives import all_gather, pmean, psum, psum_scatter
 from .dtensor import to_dtensor
+from .errors import CollectiveError
 from .maingrad import MainGrad, microbatches
 from .mesh import DistMesh, Mesh, SimMesh
 from .optim import (
@@ -23,7 +25,7 @@ from .placement import Flat, Partial, Placement, Replicate, Shard
 from .reduce import gather, reduce_grads, shard, sync_params
 from .spec import Spec, ddp, fsdp, hfsdp, hsdp
 from .trace import CommLog, Event, comm_log
-from .validate import CollectiveError, validation
+from .validate import validation
 
 __all__ = [
     "AdamWState",
@@ -45,6 +47,7 @@ __all__ = [
     "adamw",
     "all_gather",
     "apply_updates",
+    "clear_caches",
     "clip_by_global_norm",
     "comm_log",
     "ddp",

@@ -8,18 +8,18 @@ at a time, under a full :class:`Spec`; these functions are that machinery with a
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
+from . import engine
+from .cache import lru
 from .mesh import Mesh
 from .placement import Flat, Replicate
-from .reduce import _move, _reduce
 from .spec import Spec
 
 __all__ = ["psum", "pmean", "psum_scatter", "all_gather"]
 
 
-@functools.lru_cache(maxsize=256)
+@lru(maxsize=256)
 def _axis_spec(mesh: Mesh, axis: str, target: str, op: str, bucket_cap_mb: float) -> Spec:
     if axis not in mesh.axis_names:
         raise ValueError(f"axis {axis!r} is not in the mesh; its axes are {mesh.axis_names}")
@@ -55,9 +55,7 @@ def psum(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> An
         tensor([[3.],
                 [3.]])
     """
-    return _reduce(
-        tree, _axis_spec(mesh, axis, "replicate", "sum", bucket_cap_mb), True, None, "tree"
-    )
+    return _reduce(tree, _axis_spec(mesh, axis, "replicate", "sum", bucket_cap_mb), "psum")
 
 
 def pmean(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> Any:
@@ -79,9 +77,7 @@ def pmean(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> A
         tensor([[1.5000],
                 [1.5000]])
     """
-    return _reduce(
-        tree, _axis_spec(mesh, axis, "replicate", "avg", bucket_cap_mb), True, None, "tree"
-    )
+    return _reduce(tree, _axis_spec(mesh, axis, "replicate", "avg", bucket_cap_mb), "pmean")
 
 
 def psum_scatter(
@@ -106,7 +102,7 @@ def psum_scatter(
         tensor([[2., 2.],
                 [2., 2.]])
     """
-    return _reduce(tree, _axis_spec(mesh, axis, "flat", op, bucket_cap_mb), True, None, "tree")
+    return _reduce(tree, _axis_spec(mesh, axis, "flat", op, bucket_cap_mb), "psum_scatter")
 
 
 def all_gather(
@@ -134,4 +130,8 @@ def all_gather(
                 [2., 2., 2.]])
     """
     spec = _axis_spec(mesh, axis, "flat", "sum", bucket_cap_mb)
-    return _move(tree, spec, "full", "optimizer", like, "tree")
+    return engine.move(tree, spec, "full", "optimizer", like, "tree")
+
+
+def _reduce(tree: Any, spec: Spec, call: str) -> Any:
+    return engine.reduce(tree, spec, last=True, acc=None, name="tree", call=call)

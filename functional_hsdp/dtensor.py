@@ -16,10 +16,10 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .lookup import find_layout
 from .placement import Flat, Partial
 from .plan import Plan
-from .reduce import _find_layout, _flatten
-from .spec import resolve_specs
+from .tree import flatten
 
 __all__ = ["to_dtensor"]
 
@@ -55,19 +55,20 @@ def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = 
     """
     if per not in ("leaf", "bucket"):
         raise ValueError(f"to_dtensor: per must be 'leaf' or 'bucket'; got {per!r}")
-    leaves, treedef, paths = _flatten(tree, "tree")
-    specs = resolve_specs(spec, treedef, "tree")
+    leaves, treedef, paths = flatten(tree, "tree")
     if not leaves:
         return [] if per == "bucket" else optree.tree_unflatten(treedef, [])
-    mesh = specs[0].mesh
-    device_mesh = getattr(mesh, "device_mesh", None)
+    roles = (source,) if source else ("optimizer", "parameter")
+    plan, role = find_layout(
+        leaves, treedef, paths, spec, None, roles, ("final", "weights"), "tree"
+    )
+    device_mesh = getattr(plan.mesh, "device_mesh", None)
     if device_mesh is None:
-        raise TypeError(f"to_dtensor needs a DistMesh (a real DeviceMesh); got {mesh!r}")
-    plan, role = _find_layout(leaves, treedef, paths, specs, None, source, "tree")
+        raise TypeError(f"to_dtensor needs a DistMesh (a real DeviceMesh); got {plan.mesh!r}")
     if per == "bucket":
         return _buckets(plan, role, leaves, device_mesh)
     out = []
-    for (slot, _), leaf, path in zip(plan.slots(), leaves, paths):
+    for slot, leaf, path in zip(plan.slot_of, leaves, paths):
         placements = plan.specs[slot.index].placements(role)
         if any(isinstance(p, Flat) for p in placements):
             raise NotImplementedError(
@@ -98,7 +99,8 @@ def _plain(p: Any) -> Any:
 def _buckets(plan: Plan, role: str, leaves: list, device_mesh: Any) -> list[DTensor]:
     mesh, out = plan.mesh, []
     names = mesh.axis_names
-    for bucket, buf in zip(plan.buckets, plan.pack(leaves, role)):
+    for b, bucket in enumerate(plan.buckets):
+        buf = plan.pack(b, leaves, role)
         spec = bucket.spec
         split = spec.sharded_axes(role)
         placements = []

@@ -1,9 +1,11 @@
 """Buckets: which leaves share a flat buffer, where each leaf lives in it, and packing.
 
 Layout (where bytes live) is separate from the buffers that hold them (made per call) and from
-the mesh that reduces them. A bucket holds leaves of one spec, dtype and device, in tree order,
-up to the spec's size cap; its length is padded at the tail to a multiple of the product of its
-Flat axes' sizes, so every Flat chunk is the same size and padding never falls inside a leaf.
+the mesh that reduces them. A bucket holds leaves of one *unit* (a leaf of the spec prefix,
+FSDP2's ``fully_shard`` granularity: one spec), dtype and device, in tree order, up to the
+spec's size cap, so a unit's buckets never hold another unit's leaves. A bucket's length is
+padded at the tail to a multiple of the product of its Flat axes' sizes, so every Flat chunk
+is the same size and padding never falls inside a leaf.
 Zero-size leaves take no bucket: they never need communication.
 
 A bucket of a ``Shard(d)`` spec is laid out rank-major instead (FSDP2's all-gather layout):
@@ -15,6 +17,7 @@ same as for Flat. Only packing and unpacking differ.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import einops
@@ -22,7 +25,16 @@ import torch
 
 from .spec import Spec
 
-__all__ = ["Slot", "Bucket", "build_buckets", "pack_full", "unpack_full"]
+__all__ = [
+    "Bucket",
+    "Slot",
+    "bucket_elements",
+    "build_buckets",
+    "pack_full",
+    "pack_shard_full",
+    "unpack_full",
+    "unpack_shard_full",
+]
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,7 @@ class Bucket:
     """Leaves packed into one flat buffer of ``padded`` elements per rank."""
 
     spec: Spec
+    unit: int
     dtype: torch.dtype
     device: torch.device
     slots: tuple[Slot, ...]
@@ -71,8 +84,20 @@ class Bucket:
     def __post_init__(self) -> None:
         # Derived once here, not lazily (a lazily cached attribute would be filled inside a
         # torch.compile trace, which cannot trace cached_property's lock on Python 3.11).
-        object.__setattr__(self, "sizes", [s.numel for s in self.slots])
-        object.__setattr__(self, "flat_shapes", all(len(s.shape) == 1 for s in self.slots))
+        set_ = object.__setattr__
+        set_(self, "sizes", [s.numel for s in self.slots])
+        set_(self, "flat_shapes", all(len(s.shape) == 1 for s in self.slots))
+        indices = tuple(s.index for s in self.slots)
+        set_(self, "indices", indices)
+        # the bucket's leaves out of a tree's leaf list, in one C-level call
+        pick = operator.itemgetter(*indices)
+        set_(self, "_pick", pick if len(indices) > 1 else lambda leaves: (pick(leaves),))
+
+    def take(self, leaves: list) -> tuple:
+        """This bucket's leaves out of a tree's leaf list, in slot order."""
+        if torch.compiler.is_compiling():  # dynamo cannot trace itemgetter
+            return tuple(leaves[i] for i in self.indices)
+        return self._pick(leaves)
 
 
 def bucket_elements(spec: Spec) -> int:
@@ -86,22 +111,23 @@ def build_buckets(
     dtypes: tuple[torch.dtype, ...],
     devices: tuple[torch.device, ...],
     specs: tuple[Spec, ...],
+    units: tuple[int, ...],
     kinds: tuple | None = None,
 ) -> tuple[tuple[Bucket, ...], tuple[Slot, ...]]:
     """Group leaves into buckets; returns (buckets, zero-size slots).
 
-    Leaves share a bucket when they share a spec, device and *kind*: by default their dtype.
+    Leaves share a bucket when they share a unit, device and *kind*: by default their dtype.
     A persistent buffer of another dtype (fp32 main grads for bf16 parameters) passes the
     parameters' dtypes as ``kinds`` to get the parameters' layout.
     """
     kinds = dtypes if kinds is None else kinds
     groups: dict[tuple, list[int]] = {}
-    for i, key in enumerate(zip(specs, kinds, devices)):
+    for i, key in enumerate(zip(units, kinds, devices)):
         groups.setdefault(key, []).append(i)
     buckets: list[Bucket] = []
     empty: list[Slot] = []
-    for (spec, _, device), members in groups.items():
-        dtype = dtypes[members[0]]
+    for (unit, _, device), members in groups.items():
+        spec, dtype = specs[members[0]], dtypes[members[0]]
         cap = bucket_elements(spec)
         multiple = math.prod(spec.mesh.size(a) for a in spec.split_order)
         shard = spec.shard
@@ -128,7 +154,7 @@ def build_buckets(
                 padded = block * spec.mesh.size(shard[0])
             else:
                 padded = -(-total // multiple) * multiple
-            buckets.append(Bucket(spec, dtype, device, tuple(run), total, padded, shard))
+            buckets.append(Bucket(spec, unit, dtype, device, tuple(run), total, padded, shard))
     return tuple(buckets), tuple(empty)
 
 
@@ -144,7 +170,7 @@ def pack_full(bucket: Bucket, leaves: list[torch.Tensor], batch: tuple[int, ...]
     its pattern per leaf, which dominates the host time of trees of many small leaves.) No
     graph is kept.
     """
-    parts = [leaves[s.index] for s in bucket.slots]
+    parts = list(bucket.take(leaves))
     if bucket.padded > bucket.numel:
         parts.append(
             torch.zeros(
@@ -153,6 +179,8 @@ def pack_full(bucket: Bucket, leaves: list[torch.Tensor], batch: tuple[int, ...]
         )
     if not batch and len(parts) > 1 and _FLATTEN is not None:
         return _FLATTEN(parts)
+    if bucket.flat_shapes:  # every leaf is (*batch, n) already
+        return torch.cat(parts, dim=-1)
     return torch.cat([x.reshape(*batch, -1) for x in parts], dim=-1)
 
 
@@ -164,7 +192,7 @@ _FLATTEN = getattr(getattr(torch._C, "_nn", None), "flatten_dense_tensors", None
 def unpack_full(bucket: Bucket, buf: torch.Tensor, batch: tuple[int, ...]) -> list[torch.Tensor]:
     """Views of each leaf, full shape, in a packed ``(*batch, padded)`` buffer."""
     pieces = torch.split(buf[..., : bucket.numel], bucket.sizes, dim=-1)
-    if not batch and bucket.flat_shapes:  # every leaf is 1-D: the pieces are the leaves
+    if bucket.flat_shapes:  # every leaf is 1-D: the pieces are the leaves
         return list(pieces)
     # Splitting the contiguous last dim into the leaf's dims is always a view.
     return [p.view((*batch, *s.shape)) for p, s in zip(pieces, bucket.slots)]

@@ -4,7 +4,8 @@ The pure :func:`~functional_hsdp.reduce_grads` returns a new tree on every call.
 is the one stateful piece of the library (Megatron-FSDP's persistent ``main_grad``): flat
 bucket buffers allocated once at the gradient placement, that every microbatch reduces into
 and the last microbatch finishes in place. The bucket layout is the parameters' own, so
-``mg.grads`` lines up leaf by leaf with ``shard(params, spec)``.
+``mg.grads`` lines up leaf by leaf with ``shard(params, spec)``. It runs on the same
+scheduler as ``reduce_grads``, two buckets deep.
 
 Mixed precision: gradients may arrive in bf16/fp16 and accumulate in the buffers' dtype
 (fp32 by default); ``reduce_dtype`` is the dtype on the wire (default: the buffers' dtype).
@@ -13,8 +14,7 @@ Mixed precision: gradients may arrive in bf16/fp16 and accumulate in the buffers
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import optree
@@ -22,33 +22,18 @@ import torch
 
 from . import validate
 from .layout import pack_shard_full
-from .plan import Plan, Step, apply, get_plan, steps
-from .reduce import _check_last, _check_tensors, _flatten, _structure_error, _tag
+from .plan import Plan, TreeMeta, get_plan
+from .schedule import expand, run
 from .spec import resolve_specs
+from .tags import tag
+from .tree import check_bool, check_tensors, flatten, structure_error
 
-__all__ = ["MainGrad", "microbatches"]
+__all__ = ["DEPTH", "MainGrad", "microbatches"]
 
-# Buckets in flight at once in MainGrad: packing one overlaps the other's collectives.
+#: Buckets in flight at once in MainGrad: packing one overlaps the other's collectives.
 DEPTH = 2
 
 T = TypeVar("T")
-
-
-def _divide_factors(step: Step, n: int, wire: torch.dtype) -> tuple[float, str | None, float]:
-    """(pre-divide, op on the wire, post-divide) for one reduction over ``n`` ranks.
-
-    fp32 and bf16 share fp32's exponent range, so they reduce with the placement's own op.
-    fp16 overflows at 65504: a SUM of n large gradients can overflow before an AVG divides.
-    As FSDP2 does, divide by f before the sum and the rest after, f a power of two near
-    sqrt(n) (f doubles while n is divisible by f and n / f > f; power-of-two scaling is
-    exact), and sum on the wire: avg = (sum of x / f) / (n / f); sum = (sum of x / f) * f.
-    """
-    if step.reduce is None or wire != torch.float16:
-        return 1.0, step.reduce, 1.0
-    f = 1
-    while n % f == 0 and n / f > f:
-        f *= 2
-    return float(f), "sum", (n / f if step.reduce == "avg" else 1.0 / f)
 
 
 class MainGrad:
@@ -96,27 +81,28 @@ class MainGrad:
         for name, d in (("dtype", dtype), ("reduce_dtype", reduce_dtype or dtype)):
             if not isinstance(d, torch.dtype) or not d.is_floating_point:
                 raise TypeError(f"MainGrad: {name} must be a floating torch.dtype; got {d!r}")
-        leaves, treedef, paths = _flatten(like, "like")
-        specs = resolve_specs(spec, treedef, "like")
+        leaves, treedef, paths = flatten(like, "like")
+        specs, units = resolve_specs(spec, treedef, "like")
         if not leaves:
             raise ValueError("MainGrad: like has no tensor leaves")
         self.mesh = mesh = specs[0].mesh
-        _check_tensors(leaves, paths, mesh, floating=True, batched=False)
+        check_tensors(leaves, paths, mesh, floating=True, batched=False)
         self.dtype, self.reduce_dtype = dtype, reduce_dtype or dtype
-        self.plan: Plan = get_plan(
+        meta = TreeMeta(
             treedef,
-            paths,
             tuple(tuple(x.shape) for x in leaves),
             (dtype,) * len(leaves),
             tuple(x.device for x in leaves),
             specs,
+            units,
             kinds=tuple(x.dtype for x in leaves),
         )
+        self.plan: Plan = get_plan(meta, paths)
         self._buffers = [
             torch.zeros(
-                (*mesh.batch_shape, self._length(b, "gradient")), dtype=dtype, device=bucket.device
+                (*mesh.batch_shape, placed["gradient"].length), dtype=dtype, device=bucket.device
             )
-            for b, bucket in enumerate(self.plan.buckets)
+            for bucket, placed in zip(self.plan.buckets, self.plan.placed)
         ]
         # Two packing buffers, reused: bucket b packs into the one bucket b-2 used, which is
         # free once b-2 is done (DEPTH buckets in flight at most).
@@ -152,12 +138,14 @@ class MainGrad:
         if self._empty:
             return None
         role = "optimizer" if self._state == "final" else "gradient"
-        bufs = [buf[..., : self._length(b, role)] for b, buf in enumerate(self._buffers)]
+        bufs = [buf[..., : p[role].length] for buf, p in zip(self._buffers, self.plan.placed)]
         leaves = self.plan.unpack(bufs, role)
-        _tag(leaves, self.plan, role, "final" if self._state == "final" else "accumulating")
+        tag(leaves, self.plan, role, "final" if self._state == "final" else "accumulating")
         return optree.tree_unflatten(self.plan.treedef, leaves)
 
-    def accumulate(self, grads: Any, *, last: bool, check_finite: bool = False) -> None:
+    def accumulate(
+        self, grads: Any, *, last: bool, at: str = "input", check_finite: bool = False
+    ) -> None:
         """Reduce one microbatch's per-rank gradients into the buffers.
 
         Args:
@@ -165,6 +153,10 @@ class MainGrad:
                 SimMesh with the mesh shape in front), any floating dtype.
             last: keyword-only, required: True on the step's final microbatch, which then
                 reduces the deferred axes in place to the optimizer placement.
+            at: ``"input"`` (default): raw gradients, Partial on every DP axis.
+                ``"gradient"``: local shards already at the gradient placement (what
+                ``torch.func.grad`` returns through :func:`gathered` units): they are added
+                into the buffers with no communication until ``last``.
             check_finite: raise ValueError naming the first leaf holding NaN or Inf (and the
                 ranks), on every rank, before any collective; the buffers are left as they
                 were. One tiny all-gather per call on a DistMesh.
@@ -172,39 +164,33 @@ class MainGrad:
         Returns:
             None; read the result from :attr:`grads`.
         """
-        _check_last(last)
-        if not isinstance(check_finite, bool):
-            raise TypeError(f"check_finite must be a bool; got {type(check_finite).__name__}")
+        check_bool("last", last, " (True on the final microbatch)")
+        check_bool("check_finite", check_finite)
+        if at not in ("input", "gradient"):
+            raise ValueError(f"MainGrad.accumulate: at must be 'input' or 'gradient'; got {at!r}")
         if self._state == "final":
             raise ValueError(
                 "MainGrad holds the final gradients of a finished step; call "
                 "zero_grad() before accumulating the next step"
             )
         plan, mesh = self.plan, self.mesh
-        nb = len(mesh.batch_shape)
-        leaves, treedef, paths = _flatten(grads, "grads")
+        leaves, treedef, paths = flatten(grads, "grads")
         if treedef != plan.treedef:
-            raise _structure_error(plan.treedef, grads, "grads", "MainGrad's like tree")
-        try:  # the checks below run once per distinct leaf metadata, not once per call
-            metas = tuple((x.shape, x.dtype, x.device, x.layout) for x in leaves)
-        except AttributeError:
-            metas = None
-        if metas is None or metas != self._checked:
-            _check_tensors(leaves, paths, mesh, floating=True, batched=True)
-            for leaf, path, shape in zip(leaves, paths, plan.shapes):
-                if tuple(leaf.shape[nb:]) != shape:
-                    raise ValueError(
-                        f"{path}: expected per-rank shape {shape} (as in like); got "
-                        f"{tuple(leaf.shape[nb:])}"
-                    )
-            self._checked = metas
+            raise structure_error(plan.treedef, grads, "grads", "MainGrad's like tree")
+        self._check(leaves, paths, at)
         validate.check(
             plan,
             "MainGrad.accumulate",
             paths,
             last=last,
-            options=(f"reduce_dtype={self.reduce_dtype}", f"check_finite={check_finite}"),
-            nonfinite=validate.nonfinite_index(leaves, nb) if check_finite else None,
+            options=(
+                f"reduce_dtype={self.reduce_dtype}",
+                f"check_finite={check_finite}",
+                f"at={at}",
+            ),
+            nonfinite=validate.nonfinite_index(leaves, len(mesh.batch_shape))
+            if check_finite
+            else None,
         )
 
         def done(b: int, chunk: torch.Tensor) -> None:
@@ -213,10 +199,39 @@ class MainGrad:
             else:
                 self._buffers[b].add_(chunk)
 
-        self._pipeline(("input", "gradient"), lambda b, todo: self._pack(b, leaves), done)
+        if at == "input":
+            programs = [
+                expand(plan.program(b, "input", "gradient"), self.reduce_dtype)
+                for b in range(len(plan.buckets))
+            ]
+            run(mesh, programs, lambda b: self._pack(b, leaves), depth=DEPTH, sink=done)
+        else:  # already reduced: one bucket's chunk at a time, no communication
+            for b in range(len(plan.buckets)):
+                done(b, plan.pack(b, leaves, "gradient"))
         self._empty = False
         if last:
             self._finish()
+
+    def _check(self, leaves: list, paths: tuple[str, ...], at: str) -> None:
+        """The per-leaf checks, once per distinct leaf metadata (not once per call)."""
+        try:
+            metas = (at, *((x.shape, x.dtype, x.device, x.layout) for x in leaves))
+        except AttributeError:
+            metas = None
+        if metas is not None and metas == self._checked:
+            return
+        check_tensors(leaves, paths, self.mesh, floating=True, batched=True)
+        plan, role = self.plan, "input" if at == "input" else "gradient"
+        for i, (leaf, path) in enumerate(zip(leaves, paths)):
+            want = plan.local_shapes[role][i]
+            if tuple(leaf.shape) != want:
+                shape = plan.shapes[i]
+                raise ValueError(
+                    f"{path}: expected per-rank shape {shape} (as in like)"
+                    + ("" if at == "input" else f", local shape {want} at the gradient placement")
+                    + f"; got {tuple(leaf.shape[len(self.mesh.batch_shape) :])}"
+                )
+        self._checked = metas
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new step, with ``torch.optim``'s meaning of ``set_to_none``.
@@ -280,12 +295,6 @@ class MainGrad:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _length(self, b: int, role: str) -> int:
-        bucket = self.plan.buckets[b]
-        if self.plan.is_flat(bucket, role):
-            return self.plan.geometry(b, role)[0]
-        return bucket.padded
-
     @torch.no_grad()
     def _pack(self, b: int, leaves: list[torch.Tensor]) -> torch.Tensor:
         """Bucket ``b`` packed, in the wire dtype, into packing buffer ``b % DEPTH`` (one copy
@@ -296,69 +305,33 @@ class MainGrad:
         scratch = self._scratch[(bucket.device, b % DEPTH)]
         out = scratch[: math.prod(batch) * bucket.padded].view(*batch, bucket.padded)
         if not batch:  # one C++ call copies (and casts) every leaf
-            torch.cat([leaves[s.index].reshape(-1) for s in bucket.slots], out=out[: bucket.numel])
+            torch.cat([x.reshape(-1) for x in bucket.take(leaves)], out=out[: bucket.numel])
         else:
-            for s in bucket.slots:
-                flat = leaves[s.index].reshape(*batch, -1)
-                out[..., s.offset : s.offset + s.numel].copy_(flat)
+            for s, x in zip(bucket.slots, bucket.take(leaves)):
+                out[..., s.offset : s.offset + s.numel].copy_(x.reshape(*batch, -1))
         out[..., bucket.numel :].zero_()
         return out
-
-    def _pipeline(
-        self,
-        leg: tuple[str, str],
-        source: Callable[[int, tuple[Step, ...]], torch.Tensor],
-        done: Callable[[int, torch.Tensor], None],
-    ) -> None:
-        """Move every bucket through the role change ``leg``, DEPTH buckets at a time: bucket
-        b's buffer is ``source(b, its steps)``, its first collective is issued before bucket
-        b-1 is finished, and ``done(b, result)`` consumes the result."""
-        flight: deque = deque()
-        try:
-            for b, bucket in enumerate(self.plan.buckets):
-                if len(flight) == DEPTH:
-                    self._drain(flight[0], done)
-                    flight.popleft()
-                todo = steps(bucket.spec, *leg)
-                buf = source(b, todo)
-                flight.append((b, self._reduce(buf, todo[0]), todo[1:]) if todo else (b, buf, ()))
-            while flight:
-                self._drain(flight[0], done)
-                flight.popleft()
-        except BaseException:
-            for _, buf, _ in flight:  # drop what is still in flight (see Mesh.abandon)
-                self.mesh.abandon(buf)
-            raise
-
-    def _drain(self, item: tuple, done: Callable[[int, torch.Tensor], None]) -> None:
-        b, buf, todo = item
-        for step in todo:
-            buf = self._reduce(buf, step)
-        done(b, self.mesh.wait(buf))
-
-    def _reduce(self, buf: torch.Tensor, step: Step) -> torch.Tensor:
-        pre, op, post = _divide_factors(step, self.mesh.size(step.axis), buf.dtype)
-        if pre != 1.0:  # dividing reads the buffer: the previous collective must be done
-            buf = self.mesh.wait(buf)
-            buf = buf / pre
-        buf = apply(self.mesh, buf, Step(step.op, step.axis, op))
-        return self.mesh.wait(buf) / post if post != 1.0 else buf  # waits named on failure
 
     def _finish(self) -> None:
         """Reduce the deferred axes of each bucket in place, DEPTH buckets at a time: the
         extra memory stays within DEPTH buckets' reductions however many buckets there are."""
+        plan = self.plan
+        programs = [
+            expand(plan.program(b, "gradient", "optimizer"), self.reduce_dtype)
+            for b in range(len(plan.buckets))
+        ]
 
-        def source(b: int, todo: tuple[Step, ...]) -> torch.Tensor:
+        def source(b: int) -> torch.Tensor:
             # nothing deferred: the buffer is final as it is (no rounding to the wire dtype);
             # else the buffer itself when the wire dtype is its own
-            return self._buffers[b].to(self.reduce_dtype) if todo else self._buffers[b]
+            return self._buffers[b].to(self.reduce_dtype) if programs[b] else self._buffers[b]
 
         def done(b: int, result: torch.Tensor) -> None:
             buf = self._buffers[b]
             if result.data_ptr() != buf.data_ptr():  # else the result is in place already
                 buf[..., : result.shape[-1]].copy_(result)
 
-        self._pipeline(("gradient", "optimizer"), source, done)
+        run(self.mesh, programs, source, depth=DEPTH, sink=done)
         self._state = "final"
 
     def _fingerprint(self) -> dict[str, Any]:
@@ -366,7 +339,7 @@ class MainGrad:
         return {
             "tree": str(plan.treedef),
             "shapes": [list(s) for s in plan.shapes],
-            "kinds": [str(k) for k in plan.kinds],
+            "kinds": [str(k) for k in plan.meta.kinds],
             "specs": sorted({repr(s) for s in plan.specs}),
             "mesh": list(zip(self.mesh.axis_names, self.mesh.sizes)),
             "dtype": str(self.dtype),

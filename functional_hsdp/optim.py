@@ -47,10 +47,12 @@ import optree
 import torch
 
 from .collectives import psum
+from .errors import still_partial
 from .mesh import Mesh
-from .placement import Flat, is_sharded
-from .reduce import _state
-from .spec import Spec, format_path, resolve_specs
+from .placement import Flat
+from .spec import Spec, resolve_specs
+from .tags import state_of
+from .tree import flatten, structure_error
 
 __all__ = [
     "AdamWState",
@@ -70,12 +72,6 @@ _CLIP_EPS = 1e-6
 # -- global norm and clipping --------------------------------------------------------------
 
 
-def _sharded_axes(spec: Spec, role: str) -> tuple[str, ...]:
-    """The mesh axes over which a value at ``role`` is split (Flat or Shard), in mesh order."""
-    names = spec.mesh.axis_names
-    return tuple(a for a, p in zip(names, spec.placements(role)) if is_sharded(p))
-
-
 def _placement_str(spec: Spec, role: str) -> str:
     return "[" + ", ".join(map(str, spec.placements(role))) + "]"
 
@@ -88,20 +84,18 @@ def _check_tagged(
     leaf: Any, index: int, treedef: optree.PyTreeSpec, path: str, axes: tuple[str, ...], spec: Spec
 ) -> None:
     """Refuse a leaf whose state tag says it is Partial, or split over other axes than ``axes``."""
-    state = _state(leaf)
-    if state is None:
+    found = state_of(leaf)
+    if found is None:
         return
+    state = found[0]
     if state.kind == "accumulating":
-        raise ValueError(
-            f"{path}: is an accumulating gradient, still Partial on the deferred axes "
-            f"{spec.deferred_axes}, so its norm is not defined yet; call "
-            "reduce_grads(..., last=True) first"
-        )
+        why = f" {spec.deferred_axes}, so its norm is not defined yet"
+        raise ValueError(still_partial(path, why))
     # The spec the leaf was made with: found by position when the tag's tree is this tree,
     # else known only when every spec of the tag's tree splits the same axes (say, a subtree
     # of a one-spec tree). Other specs with the same split axes give the same norm.
     made = [state.plan.specs[index]] if state.plan.treedef == treedef else state.plan.specs
-    made_axes = {_sharded_axes(s, state.role) for s in made}
+    made_axes = {s.sharded_axes(state.role) for s in made}
     if len(made_axes) == 1 and made_axes != {axes}:
         raise ValueError(
             f"{path}: was made at the {state.role} placement "
@@ -141,18 +135,17 @@ def global_norm(tree: Any, spec: Any) -> torch.Tensor:
         tensor([[4.4721, 4.4721],
                 [4.4721, 4.4721]])
     """
-    paths, leaves, treedef = optree.tree_flatten_with_path(tree)
-    specs = resolve_specs(spec, treedef, "tree")
+    leaves, treedef, names = flatten(tree, "tree")
+    specs, _ = resolve_specs(spec, treedef, "tree")
     mesh = _spec_mesh(spec)
     batch = mesh.batch_shape
     nb = len(batch)
-    names = [f"tree{format_path(p)}" for p in paths]
     wide = any(x.dtype in (torch.float64, torch.complex128) for x in leaves if _is_tensor(x))
     acc = torch.float64 if wide else torch.float32
     groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
     with torch.no_grad():
         for i, (leaf, s, path) in enumerate(zip(leaves, specs, names)):
-            axes = _sharded_axes(s, "optimizer")
+            axes = s.sharded_axes("optimizer")
             flat = any(isinstance(p, Flat) for p in s.optimizer)
             _check_leaf(leaf, path, mesh, axes if flat else ())
             _check_tagged(leaf, i, treedef, path, axes, s)
@@ -281,9 +274,8 @@ class AdamWState(NamedTuple):
     nu: Any
 
 
-def _flat(tree: Any, name: str) -> tuple[list, optree.PyTreeSpec, list[str]]:
-    paths, leaves, treedef = optree.tree_flatten_with_path(tree)
-    names = [f"{name}{format_path(p)}" for p in paths]
+def _flat(tree: Any, name: str) -> tuple[list, optree.PyTreeSpec, tuple[str, ...]]:
+    leaves, treedef, names = flatten(tree, name)
     for leaf, path in zip(leaves, names):
         if not _is_tensor(leaf):
             raise TypeError(f"{path}: expected a torch.Tensor leaf; got {type(leaf).__name__}")
@@ -296,10 +288,7 @@ def _like(
     """``tree``'s leaves and paths, checked to have the structure and local shapes of params."""
     leaves, treedef, names = _flat(tree, name)
     if treedef != params_def:
-        reference = optree.tree_unflatten(params_def, [0] * params_def.num_leaves)
-        errors = optree.prefix_errors(reference, tree) or optree.prefix_errors(tree, reference)
-        detail = errors[0](name) if errors else f"expected {params_def}; got {treedef}"
-        raise ValueError(f"{name} does not have the structure of params: {detail}; {hint}")
+        raise ValueError(f"{structure_error(params_def, tree, name, 'params')}; {hint}")
     for leaf, p, path in zip(leaves, params, names):
         if leaf.shape != p.shape:
             raise ValueError(
@@ -321,12 +310,9 @@ _GRAD_HINT = (
 
 def _grads(grads: Any, params: list, params_def: optree.PyTreeSpec) -> list[torch.Tensor]:
     for leaf, path in zip(*_flat(grads, "grads")[::2]):
-        state = _state(leaf)
-        if state is not None and state.kind == "accumulating":
-            raise ValueError(
-                f"{path}: is an accumulating gradient, still Partial on the deferred axes; "
-                "call reduce_grads(..., last=True) first"
-            )
+        found = state_of(leaf)
+        if found is not None and found[0].kind == "accumulating":
+            raise ValueError(still_partial(path))
     leaves, _ = _like(grads, "grads", params, params_def, _GRAD_HINT)
     return [g.to(p.dtype) for g, p in zip(leaves, params)]
 

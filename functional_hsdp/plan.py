@@ -1,19 +1,25 @@
-"""Plans: (tree structure, shapes, dtypes, spec) -> bucket layout and per-axis steps, cached.
+"""Plans: a tree's metadata and spec -> a finished recipe, built once and cached.
 
-Parse once, run many times: building a plan does all the Python bookkeeping (bucketing, the
-collective sequence of every role change, each rank's ragged offsets); a call only packs,
-runs the collectives and unpacks.
+Parse once, run many times (as einops does with a pattern): building a :class:`Plan` does
+all the Python bookkeeping (bucketing, every role change's per-axis collectives, each
+bucket's geometry and every leaf's local shape at every role); a call only packs, runs the
+collectives and unpacks. The plan never goes back to the :class:`~functional_hsdp.Spec`.
+
+Roles (where a value rests): ``input`` (raw per-rank gradients: Partial on every DP axis),
+``gradient``, ``optimizer``, ``parameter`` (the spec's three placements) and ``full`` (all
+Replicate).
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 from typing import Any
 
 import optree
 import torch
 
+from .cache import Bounded
 from .layout import (
     Bucket,
     Slot,
@@ -25,301 +31,271 @@ from .layout import (
 )
 from .placement import Partial, reduce_op, transition
 from .spec import Spec
-from .trace import Event, record
 
-__all__ = ["Plan", "Step", "get_plan", "layouts_for", "run"]
+__all__ = ["LEGS", "ROLES", "Placed", "Plan", "Step", "TreeMeta", "get_plan", "layouts_for"]
+
+ROLES = ("input", "gradient", "optimizer", "parameter", "full")
+
+#: The role changes a plan prepares (from, to).
+LEGS = (
+    ("input", "gradient"),
+    ("gradient", "optimizer"),
+    ("full", "optimizer"),
+    ("full", "parameter"),
+    ("optimizer", "full"),
+    ("parameter", "full"),
+    ("optimizer", "parameter"),
+)
 
 
 @dataclass(frozen=True)
 class Step:
-    """One step on one axis: reduce_scatter, all_reduce, all_gather or (local) slice."""
+    """One collective (or local slice) on one axis of ``size`` ranks."""
 
-    op: str
+    op: str  # "reduce_scatter" | "all_reduce" | "all_gather" | "slice"
     axis: str
-    reduce: str | None
+    reduce: str | None  # "avg" | "sum" for reductions
+    size: int
 
 
-@functools.cache
-def steps(spec: Spec, frm: str, to: str) -> tuple[Step, ...]:
+@dataclass(frozen=True)
+class TreeMeta:
+    """Everything a plan depends on: the cache key, and the one argument that builds a plan.
+
+    ``shapes`` are per-rank full shapes (no mesh dims); ``units`` number each leaf's unit
+    (its spec-prefix leaf); ``kinds`` decide which leaves may share a bucket (default: the
+    dtypes; a MainGrad passes the parameters' dtypes to get their layout in fp32).
+    """
+
+    treedef: optree.PyTreeSpec
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    devices: tuple[torch.device, ...]
+    specs: tuple[Spec, ...]
+    units: tuple[int, ...]
+    kinds: tuple | None = None
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        key = (self.treedef, self.shapes, self.dtypes, self.devices, self.specs, self.units)
+        object.__setattr__(self, "_hash", hash((*key, self.kinds)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A bucket at one role: its sharded axes, per-rank length, leaf pieces and shapes."""
+
+    axes: tuple[str, ...]  # sharded (Flat/Shard) axes, in split order
+    length: int  # elements of the rank's buffer at this role
+    geometry: Any  # Flat: the mesh geometry's pieces; Shard(d): per-slot chunk lengths
+    shapes: tuple[tuple[int, ...], ...]  # per slot: the local shape (batch dims in front)
+    views: bool  # whether unpacking gives views of the buffer (else copies)
+
+
+def _steps(spec: Spec, frm: str, to: str) -> tuple[Step, ...]:
     """The per-axis steps that move a bucket of ``spec`` from role ``frm`` to role ``to``.
 
     Reduce-scatters (and slices) first, in split order; then all-reduces, which so run on the
-    smallest chunk; then all-gathers, in reverse split order.
+    smallest chunk; then all-gathers, in reverse split order. Size-1 axes move nothing.
     """
-    names = spec.mesh.axis_names
+    mesh = spec.mesh
+    names = [a for a in mesh.axis_names if mesh.size(a) > 1]
     src, dst = spec.placements(frm), spec.placements(to)
-    kinds = {a: transition(p, q, a) for a, p, q in zip(names, src, dst)}
-    op = {a: reduce_op(p) if isinstance(p, Partial) else None for a, p in zip(names, src)}
-    order = spec.split_order
-    out = [Step(kinds[a], a, op[a]) for a in order if kinds[a] in ("reduce_scatter", "slice")]
-    out += [Step("all_reduce", a, op[a]) for a in reversed(names) if kinds[a] == "all_reduce"]
-    out += [Step("all_gather", a, None) for a in reversed(order) if kinds[a] == "all_gather"]
+    index = {a: mesh.axis_names.index(a) for a in names}
+    kinds = {a: transition(src[index[a]], dst[index[a]], a) for a in names}
+    op = {
+        a: reduce_op(src[index[a]]) if isinstance(src[index[a]], Partial) else None for a in names
+    }
+    order = [a for a in spec.split_order if a in kinds]
+    n = mesh.size
+    out = [Step(kinds[a], a, op[a], n(a)) for a in order if kinds[a] in ("reduce_scatter", "slice")]
+    out += [Step("all_reduce", a, op[a], n(a)) for a in reversed(names) if kinds[a] == "all_reduce"]
+    out += [Step("all_gather", a, None, n(a)) for a in reversed(order) if kinds[a] == "all_gather"]
     return tuple(out)
 
 
 class Plan:
-    """Everything about one (tree structure, per-rank shapes, dtypes, devices, specs)."""
+    """The finished recipe for one :class:`TreeMeta`: buckets, programs, geometry, shapes."""
 
-    def __init__(
-        self,
-        key: tuple,
-        treedef: optree.PyTreeSpec,
-        paths: tuple[str, ...],
-        shapes: tuple[tuple[int, ...], ...],
-        dtypes: tuple[torch.dtype, ...],
-        devices: tuple[torch.device, ...],
-        specs: tuple[Spec, ...],
-        kinds: tuple | None = None,
-    ):
-        self.key = key
-        self.treedef = treedef
-        self.paths = paths
-        self.shapes = shapes
-        self.dtypes = dtypes
-        self.specs = specs
-        self.devices = devices
-        self.kinds = kinds  # what decided bucket sharing; None: the dtypes
-        self.mesh = specs[0].mesh
-        self.buckets, self.empty = build_buckets(paths, shapes, dtypes, devices, specs, kinds)
-        self._geometry: dict[tuple[int, str], Any] = {}
-        # (slot, bucket index or None) and the slot's place in its bucket, per leaf index
-        self._slots: list = [None] * len(paths)
-        self._position: dict[int, int] = {}
+    def __init__(self, meta: TreeMeta, paths: tuple[str, ...]):
+        self.meta = meta
+        self.treedef = meta.treedef
+        self.shapes, self.dtypes, self.devices = meta.shapes, meta.dtypes, meta.devices
+        self.specs = meta.specs
+        self.mesh = meta.specs[0].mesh
+        self.buckets, self.empty = build_buckets(
+            paths, meta.shapes, meta.dtypes, meta.devices, meta.specs, meta.units, meta.kinds
+        )
+        n = len(meta.shapes)
+        self.bucket_of: list[int | None] = [None] * n  # per leaf: its bucket (None: zero-size)
+        self.slot_of: list[Slot] = [None] * n  # type: ignore[list-item]
         for b, bucket in enumerate(self.buckets):
-            for k, s in enumerate(bucket.slots):
-                self._slots[s.index] = (s, b)
-                self._position[s.index] = k
+            for s in bucket.slots:
+                self.slot_of[s.index], self.bucket_of[s.index] = s, b
         for s in self.empty:
-            self._slots[s.index] = (s, None)
+            self.slot_of[s.index] = s
+        # unpacked leaves come bucket by bucket, then the zero-size ones: back to tree order
+        order = [s.index for bucket in self.buckets for s in bucket.slots]
+        order += [s.index for s in self.empty]
+        position = [0] * n
+        for k, i in enumerate(order):
+            position[i] = k
+        self._position = position
+        self._reorder = operator.itemgetter(*position) if n > 1 else (lambda xs: tuple(xs))
+        self.programs = self._programs()
+        self.placed = self._placed()
+        self.local_shapes = {role: self._local_shapes(role) for role in ROLES}
 
     def __repr__(self) -> str:
-        return f"Plan({len(self.paths)} leaves, {len(self.buckets)} buckets)"
+        return f"Plan({len(self.shapes)} leaves, {len(self.buckets)} buckets)"
 
-    def is_flat(self, bucket: Bucket, role: str) -> bool:
-        return bool(bucket.spec.sharded_axes(role))
+    # -- building --------------------------------------------------------------------------
 
-    def geometry(self, b: int, role: str) -> tuple[int, list]:
-        """(chunk length, per-slot geometry) of bucket ``b`` at a sharded ``role``.
+    def _programs(self) -> dict[tuple[str, str], tuple[tuple[Step, ...] | None, ...]]:
+        by_spec: dict[tuple[Spec, tuple[str, str]], tuple[Step, ...] | None] = {}
+        for spec in dict.fromkeys(self.specs):
+            for leg in LEGS:
+                try:
+                    by_spec[(spec, leg)] = _steps(spec, *leg)
+                except (ValueError, NotImplementedError):  # a move this spec cannot make
+                    by_spec[(spec, leg)] = None
+        return {leg: tuple(by_spec[(b.spec, leg)] for b in self.buckets) for leg in LEGS}
 
-        Flat: each slot's ragged range in the rank's chunk. Shard(d): each slot's chunk
-        length along d on this rank.
-        """
-        if (b, role) not in self._geometry:
-            bucket, mesh = self.buckets[b], self.mesh
-            axes = bucket.spec.sharded_axes(role)
-            start, stride = 0, bucket.padded
-            for a in axes:
-                stride //= mesh.size(a)
-                start = start + mesh.coordinate(a) * stride
-            if bucket.shard is not None:
-                axis = bucket.shard[0]
-                geoms = [mesh.chunk_length(s.shape[s.dim], s.size, axis) for s in bucket.slots]
-            else:
-                geoms = [
-                    mesh.ragged(s.offset - start, s.offset + s.numel - start, stride)
-                    for s in bucket.slots
-                ]
-            self._geometry[(b, role)] = (stride, geoms)
-        return self._geometry[(b, role)]
+    def _placed(self) -> list[dict[str, Placed]]:
+        out = []
+        for bucket in self.buckets:
+            spec, per_axes = bucket.spec, {}
+            roles = {}
+            for role in ROLES:
+                axes = (
+                    spec.sharded_axes(role)
+                    if role in ("gradient", "optimizer", "parameter")
+                    else ()
+                )
+                if axes not in per_axes:
+                    per_axes[axes] = self._place(bucket, axes)
+                roles[role] = per_axes[axes]
+            out.append(roles)
+        return out
 
-    def local_shape(self, slot: Slot, role: str, bucket_index: int | None) -> tuple[int, ...]:
-        """The shape of a leaf's local value at ``role`` (batch dims included)."""
-        batch = self.mesh.batch_shape
-        bucket = self.buckets[bucket_index] if bucket_index is not None else None
-        spec = self.specs[slot.index]
-        if not spec.sharded_axes(role):
-            return (*batch, *slot.shape)
-        if bucket is None:  # a zero-size leaf: an empty piece on every rank
-            return (*batch, *slot.shape) if spec.shard else (*batch, 0)
-        _, geoms = self.geometry(bucket_index, role)
-        geom = geoms[self._position[slot.index]]
+    def _place(self, bucket: Bucket, axes: tuple[str, ...]) -> Placed:
+        mesh, batch = self.mesh, self.mesh.batch_shape
+        if not axes:
+            shapes = tuple((*batch, *s.shape) for s in bucket.slots)
+            return Placed((), bucket.padded, None, shapes, bucket.shard is None)
+        start, stride = 0, bucket.padded
+        for a in axes:
+            stride //= mesh.size(a)
+            start = start + mesh.coordinate(a) * stride
+        geometry = mesh.geometry
         if bucket.shard is not None:
-            return self.mesh.narrow_shape(slot.chunk_shape, slot.dim, geom)
-        return self.mesh.ragged_shape(geom)
+            axis = bucket.shard[0]
+            lengths = [geometry.chunk_length(s.shape[s.dim], s.size, axis) for s in bucket.slots]
+            shapes = tuple(
+                geometry.narrow_shape(s.chunk_shape, s.dim, g)
+                for s, g in zip(bucket.slots, lengths)
+            )
+            return Placed(axes, stride, lengths, shapes, False)
+        pieces = geometry.pieces(start, [(s.offset, s.numel) for s in bucket.slots], stride)
+        shapes = tuple(map(tuple, geometry.piece_shapes(pieces)))
+        return Placed(axes, stride, pieces, shapes, geometry.views)
 
-    def slots(self) -> list[tuple[Slot, int | None]]:
-        """(slot, bucket index or None) for every leaf, in tree order."""
-        return self._slots
+    def _local_shapes(self, role: str) -> tuple[tuple[int, ...], ...]:
+        batch, out = self.mesh.batch_shape, [None] * len(self.shapes)
+        for b, bucket in enumerate(self.buckets):
+            for s, shape in zip(bucket.slots, self.placed[b][role].shapes):
+                out[s.index] = shape
+        for s in self.empty:  # a zero-size leaf: an empty piece on every rank
+            spec = self.specs[s.index]
+            flat = role in ("gradient", "optimizer", "parameter") and spec.sharded_axes(role)
+            out[s.index] = (*batch, 0) if flat and spec.shard is None else (*batch, *s.shape)
+        return tuple(out)
 
-    # -- packing --------------------------------------------------------------------------
+    # -- running ---------------------------------------------------------------------------
 
-    def pack(self, leaves: list[torch.Tensor], role: str) -> list[torch.Tensor]:
-        """New bucket buffers holding ``leaves`` (local values at ``role``); no graph kept."""
-        return [self.pack_bucket(b, leaves, role) for b in range(len(self.buckets))]
+    def program(self, b: int, frm: str, to: str) -> tuple[Step, ...]:
+        """Bucket ``b``'s steps from role ``frm`` to role ``to``."""
+        steps = self.programs[(frm, to)][b]
+        if steps is None:
+            raise ValueError(f"{self.buckets[b].spec!r} cannot move a value from {frm} to {to}")
+        return steps
 
     @torch.no_grad()
-    def pack_bucket(self, b: int, leaves: list[torch.Tensor], role: str) -> torch.Tensor:
+    def pack(self, b: int, leaves: list[torch.Tensor], role: str) -> torch.Tensor:
         """A new buffer holding bucket ``b``'s leaves (local values at ``role``)."""
-        batch, bucket = self.mesh.batch_shape, self.buckets[b]
-        if not self.is_flat(bucket, role):
+        batch, bucket, placed = self.mesh.batch_shape, self.buckets[b], self.placed[b][role]
+        if not placed.axes:
             pack = pack_shard_full if bucket.shard else pack_full
             return pack(bucket, leaves, batch)
-        length, geoms = self.geometry(b, role)
-        pieces = [leaves[s.index] for s in bucket.slots]
+        values = bucket.take(leaves)
         if bucket.shard is None:
-            return self.mesh.ragged_join(pieces, geoms, length)
+            return self.mesh.geometry.join(list(values), placed.geometry)
         nb, flat = len(batch), []
-        for s, x, geom in zip(bucket.slots, pieces, geoms):
-            x = self.mesh.narrow(x, nb + s.dim, geom)  # ignore any fill past the chunk
+        for s, x, length in zip(bucket.slots, values, placed.geometry):
+            x = self.mesh.geometry.narrow(x, nb + s.dim, length)  # ignore fill past the chunk
             pad = s.size - x.shape[nb + s.dim]
             if pad:
                 x = torch.nn.functional.pad(x, (0, 0) * (len(s.shape) - s.dim - 1) + (0, pad))
             flat.append(x.reshape(*batch, -1))
         return torch.cat(flat, dim=-1)
 
-    def views(self, b: int, role: str) -> bool:
-        """Whether :meth:`unpack` gives bucket ``b``'s leaves at ``role`` as views of its
-        buffer (else as copies)."""
-        bucket = self.buckets[b]
-        if self.is_flat(bucket, role):
-            return self.mesh.ragged_views
-        return bucket.shard is None
-
     def unpack(self, bufs: list[torch.Tensor], role: str) -> list[torch.Tensor]:
-        """Each leaf's local value at ``role``: views of ``bufs`` where the mesh allows."""
-        batch, leaves = self.mesh.batch_shape, [None] * len(self.paths)
+        """Each leaf's local value at ``role``, in tree order: views of ``bufs`` where
+        :attr:`Placed.views` says so, else new tensors."""
+        batch, geometry, values = self.mesh.batch_shape, self.mesh.geometry, []
         for b, (bucket, buf) in enumerate(zip(self.buckets, bufs)):
-            if not self.is_flat(bucket, role):
+            placed = self.placed[b][role]
+            if not placed.axes:
                 unpack = unpack_shard_full if bucket.shard else unpack_full
-                views = unpack(bucket, buf, batch)
+                values.extend(unpack(bucket, buf, batch))
             elif bucket.shard is None:
-                _, geoms = self.geometry(b, role)
-                views = self.mesh.ragged_split(buf, geoms)
+                values.extend(geometry.split(buf, placed.geometry))
             else:
-                _, geoms = self.geometry(b, role)
                 nb = len(batch)
-                views = [
-                    self.mesh.narrow(
-                        buf[..., s.offset : s.offset + s.chunk_numel].view(*batch, *s.chunk_shape),
-                        nb + s.dim,
-                        g,
+                for s, length in zip(bucket.slots, placed.geometry):
+                    chunk = buf[..., s.offset : s.offset + s.chunk_numel].view(
+                        *batch, *s.chunk_shape
                     )
-                    for s, g in zip(bucket.slots, geoms)
-                ]
-            for s, v in zip(bucket.slots, views):
-                leaves[s.index] = v
+                    values.append(geometry.narrow(chunk, nb + s.dim, length))
         for s in self.empty:
-            shape = self.local_shape(s, role, None)
-            leaves[s.index] = torch.zeros(
-                shape, dtype=self.dtypes[s.index], device=self.devices[s.index]
+            shape = self.local_shapes[role][s.index]
+            values.append(
+                torch.zeros(shape, dtype=self.dtypes[s.index], device=self.devices[s.index])
             )
-        return leaves
+        if torch.compiler.is_compiling():  # dynamo cannot trace itemgetter
+            return [values[k] for k in self._position]
+        return list(self._reorder(values))
 
 
-Leg = Any  # a (from role, to role) pair, or a local function (bucket index, buffer) -> buffer
+# -- the plan cache ---------------------------------------------------------------------------
+
+_PLANS: Bounded = Bounded(256)
+# (treedef, specs, units) -> per-rank full shapes seen, newest last (for finding the layout of
+# local shards, whose full shapes they do not show)
+_LAYOUTS: Bounded = Bounded(256)
 
 
-def run(plan: Plan, bufs: Any, *legs: Leg) -> list[torch.Tensor]:
-    """Run every bucket through ``legs`` and return the buffers (possibly still pending:
-    ``plan.mesh.wait`` each before use).
-
-    A ``(frm, to)`` leg is the per-axis collectives that move a bucket from role ``frm`` to
-    role ``to``; a function leg is local work on the waited buffer (adding the running
-    accumulation, say). ``bufs`` is the list of input buffers, or a function from bucket
-    index to buffer, called just before that bucket's first collective, so that packing the
-    next bucket overlaps the collectives already in flight.
-
-    Collectives are issued step-major across buckets: every bucket's first collective is
-    issued before any bucket waits on its first, every second before any third, and so on.
-    So buckets overlap each other, and the second axis's collective of one bucket runs while
-    the first axis's collectives of later buckets are still in flight.
-    """
-    mesh, n = plan.mesh, len(plan.buckets)
-    step_fn = steps.__wrapped__ if torch.compiler.is_compiling() else steps  # traced: no cache
-    programs = []  # per bucket: [(local functions to run first, step or None)]
-    for bucket in plan.buckets:
-        program, local = [], []
-        for leg in legs:
-            if callable(leg):
-                local.append(leg)
-                continue
-            for step in step_fn(bucket.spec, *leg):
-                program.append((local, step))
-                local = []
-        program.append((local, None))
-        programs.append(program)
-    lazy = callable(bufs)
-    out = [None] * n if lazy else list(bufs)
-    try:
-        for t in range(max([0, *map(len, programs)])):
-            for b, program in enumerate(programs):
-                if t >= len(program):
-                    continue
-                if t == 0 and lazy:
-                    out[b] = bufs(b)
-                local, step = program[t]
-                buf = out[b]
-                if local:
-                    buf = mesh.wait(buf)
-                    for fn in local:
-                        buf = fn(b, buf)
-                out[b] = apply(mesh, buf, step) if step is not None else buf
-    except BaseException:
-        for buf in out:  # collectives in flight: drop them rather than leak their buffers
-            if buf is not None:
-                mesh.abandon(buf)
-        raise
-    return out
-
-
-def apply(mesh: Any, buf: torch.Tensor, step: Step) -> torch.Tensor:
-    """Issue one bucket collective (logged) or take the local chunk."""
-    if step.op == "slice":
-        return mesh.chunk(buf, step.axis)
-    buf = mesh.wait(buf)  # the previous step's result: its final length is logged
-    if not torch.compiler.is_compiling():  # traced collectives are not logged
-        record(
-            Event(
-                step.op,
-                step.axis,
-                buf.dtype,
-                buf.shape[-1],
-                step.reduce,
-                mesh.impl(step.op, step.axis, step.reduce),
-            )
-        )
-    if step.op == "reduce_scatter":
-        return mesh.reduce_scatter(buf, step.axis, step.reduce)
-    if step.op == "all_reduce":
-        return mesh.all_reduce(buf, step.axis, step.reduce)
-    return mesh.all_gather(buf, step.axis)
-
-
-# -- caches -------------------------------------------------------------------------------
-
-_PLANS: dict[tuple, Plan] = {}
-_LAYOUTS: dict[tuple, dict[tuple, None]] = {}  # (treedef, specs) -> shapes seen, newest last
-_MAX_PLANS = 256
-
-
-def get_plan(
-    treedef: optree.PyTreeSpec,
-    paths: tuple[str, ...],
-    shapes: tuple,
-    dtypes: tuple,
-    devices: tuple,
-    specs: tuple[Spec, ...],
-    kinds: tuple | None = None,
-) -> Plan:
-    """The cached plan for this tree; also remembers its shapes for :func:`layouts_for`.
-
-    ``kinds`` (default: the dtypes) decides which leaves may share a bucket; see
-    :func:`~functional_hsdp.layout.build_buckets`.
-    """
-    key = (treedef, shapes, dtypes, devices, specs, kinds)
-    plan = _PLANS.get(key)
+def get_plan(meta: TreeMeta, paths: tuple[str, ...]) -> Plan:
+    """The cached plan for ``meta`` (``paths`` name leaves in errors while building it)."""
+    plan = _PLANS.get(meta)
     if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = Plan(key, treedef, paths, shapes, dtypes, devices, specs, kinds)
-        seen = _LAYOUTS.setdefault((treedef, specs), {})
-        seen.pop(shapes, None)
-        seen[shapes] = None
+        plan = _PLANS[meta] = Plan(meta, paths)
+        key = (meta.treedef, meta.specs, meta.units)
+        seen = _LAYOUTS.get(key)
+        if seen is None:
+            seen = _LAYOUTS[key] = {}
+        seen.pop(meta.shapes, None)
+        seen[meta.shapes] = None
         if len(seen) > 16:
-            seen.pop(next(iter(seen)))
+            del seen[next(iter(seen))]
     return plan
 
 
-def layouts_for(treedef: optree.PyTreeSpec, specs: tuple[Spec, ...]) -> list[tuple]:
+def layouts_for(
+    treedef: optree.PyTreeSpec, specs: tuple[Spec, ...], units: tuple[int, ...]
+) -> list[tuple]:
     """Per-rank full shapes of the trees of this structure and spec seen so far, newest first."""
-    return list(reversed(_LAYOUTS.get((treedef, specs), {})))
+    return list(reversed(_LAYOUTS.get((treedef, specs, units), {})))

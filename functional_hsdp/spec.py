@@ -16,8 +16,10 @@ from typing import Any
 
 import optree
 
+from .cache import lru
 from .mesh import Mesh
 from .placement import REDUCE_OPS, Flat, Partial, Placement, Replicate, Shard, is_sharded
+from .tree import format_path
 
 __all__ = ["Spec", "ddp", "fsdp", "hsdp", "hfsdp", "resolve_specs"]
 
@@ -413,36 +415,41 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, Spec)
 
 
-@functools.lru_cache(maxsize=1024)
+@lru(maxsize=1024)
 def _broadcast(
     spec_def: optree.PyTreeSpec, specs: tuple[Spec, ...], tree_def: optree.PyTreeSpec, name: str
-) -> tuple[Spec, ...]:
-    prefix = optree.tree_unflatten(spec_def, list(specs))
+) -> tuple[tuple[Spec, ...], tuple[int, ...]]:
+    units = optree.tree_unflatten(spec_def, list(range(len(specs))))
     full = optree.tree_unflatten(tree_def, list(range(tree_def.num_leaves)))
-    errors = optree.prefix_errors(prefix, full, is_leaf=_is_spec)
+    errors = optree.prefix_errors(units, full)
     if errors:
         raise ValueError(f"spec is not a pytree prefix of {name}: {errors[0]('spec')}")
-    out = optree.tree_broadcast_prefix(prefix, full, is_leaf=_is_spec)
-    return tuple(optree.tree_leaves(out, is_leaf=_is_spec))
+    owner = tuple(optree.tree_leaves(optree.tree_broadcast_prefix(units, full)))
+    return tuple(specs[u] for u in owner), owner
 
 
-def resolve_specs(spec: Any, tree_def: optree.PyTreeSpec, name: str) -> tuple[Spec, ...]:
-    """One Spec per leaf of a tree, from a Spec or a pytree prefix of Specs."""
+def resolve_specs(
+    spec: Any, tree_def: optree.PyTreeSpec, name: str
+) -> tuple[tuple[Spec, ...], tuple[int, ...]]:
+    """One Spec per leaf of a tree, and the *unit* of each leaf.
+
+    ``spec`` is a Spec (the whole tree is one unit) or a pytree prefix of Specs: each prefix
+    leaf is a unit (FSDP2's ``fully_shard`` granularity), whose leaves are bucketed apart
+    from every other unit's. Units are numbered in prefix order.
+    """
     if isinstance(spec, Spec):
-        return (spec,) * tree_def.num_leaves
+        return (spec,) * tree_def.num_leaves, (0,) * tree_def.num_leaves
     spec_leaves, spec_def = optree.tree_flatten(spec, is_leaf=_is_spec)
     if not spec_leaves:
         raise TypeError(f"expected a Spec or a pytree prefix of Specs; got {spec!r}")
-    for path, leaf in zip(optree.tree_paths(spec, is_leaf=_is_spec), spec_leaves):
+    paths = [format_path(p) for p in optree.tree_paths(spec, is_leaf=_is_spec)]
+    for path, leaf in zip(paths, spec_leaves):
         if not isinstance(leaf, Spec):
-            raise TypeError(
-                f"spec{format_path(path)}: expected a Spec (a pytree prefix of Specs); got {leaf!r}"
+            raise TypeError(f"spec{path}: expected a Spec (a pytree prefix of Specs); got {leaf!r}")
+    for path, leaf in zip(paths, spec_leaves):
+        if leaf.mesh is not spec_leaves[0].mesh:
+            raise ValueError(
+                f"spec{path}: uses {leaf.mesh!r}, but spec{paths[0]} uses "
+                f"{spec_leaves[0].mesh!r}; every Spec of a spec tree must use the same mesh"
             )
-    if len({id(s.mesh) for s in spec_leaves}) > 1:
-        raise ValueError("every Spec of a spec tree must use the same mesh")
     return _broadcast(spec_def, tuple(spec_leaves), tree_def, name)
-
-
-def format_path(path: tuple) -> str:
-    """JAX-style key path: ``['layers'][0]['w']``."""
-    return "".join(f"[{k!r}]" if not isinstance(k, int) else f"[{k}]" for k in path)

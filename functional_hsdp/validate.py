@@ -67,47 +67,18 @@ from typing import Any
 
 import torch
 
+from .cache import register
+from .errors import CollectiveError
+
 __all__ = [
     "CollectiveError",
     "Fingerprint",
     "agree",
     "check",
-    "collective_error",
     "fingerprint",
     "nonfinite_index",
     "validation",
 ]
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out: a peer rank died, hung or issued another collective.
-
-    Attributes:
-        op: the collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,
-            ``"exchange"``).
-        axis: the mesh axis, or None if unknown.
-    """
-
-    def __init__(self, message: str, op: str, axis: str | None):
-        super().__init__(message)
-        self.op = op
-        self.axis = axis
-
-
-def collective_error(
-    op: str, axis: str | None, mesh: Any, exc: BaseException, *, rank: Any = None, timeout=None
-) -> CollectiveError:
-    """The :class:`CollectiveError` for ``exc`` raised by collective ``op`` on ``axis``."""
-    where = f"over mesh axis {axis!r}" if axis is not None else "(issued earlier)"
-    who = f" on rank {rank}" if rank is not None else ""
-    limit = f"; the group's timeout is {timeout}" if timeout is not None else ""
-    return CollectiveError(
-        f"{op} {where} failed{who} of {mesh!r}: a peer rank may have died, hung, raised an "
-        f"error before joining, or issued a different collective{limit}. "
-        f"Original error: {type(exc).__name__}: {exc}",
-        op,
-        axis,
-    )
 
 
 # -- mode -----------------------------------------------------------------------------------
@@ -239,7 +210,7 @@ def nonfinite_index(
 # -- the check ------------------------------------------------------------------------------
 
 # plan -> {(op, last, options): agreed Fingerprint}; weak: evicted plans take their entries.
-_DONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_DONE: weakref.WeakKeyDictionary = register(weakref.WeakKeyDictionary())
 
 
 def _dp_axes(plan: Any) -> tuple[str, ...]:
@@ -300,10 +271,10 @@ def agree(
         local[..., -1] = nonfinite
     tables = _gather(mesh, axes, local)  # (B, G, L)
     if not bool((tables[..., 0] == tables[..., :1, 0]).all()):
-        raise ValueError(_explain(mesh, axes, fp, tables, mesh.member_names(axes)))
+        raise ValueError(_explain(mesh, axes, fp, tables, mesh.diagnostics.members(axes)))
     bad = tables[..., -1]
     if bool((bad >= 0).any()):
-        i, names = int(bad[bad >= 0].min()), mesh.member_names(axes)
+        i, names = int(bad[bad >= 0].min()), mesh.diagnostics.members(axes)
         ranks = _unique(
             n for t, b in enumerate(bad.tolist()) for n, x in zip(names[t], b) if x == i
         )
@@ -314,7 +285,7 @@ def agree(
 
 
 def _gather(mesh: Any, axes: tuple[str, ...], local: torch.Tensor) -> torch.Tensor:
-    out = mesh.exchange(local, axes)
+    out = mesh.diagnostics.exchange(local, axes)
     return out.reshape(-1, *out.shape[-2:])
 
 

@@ -1,0 +1,238 @@
+"""The engine under every public function: pack -> run -> wait -> unpack.
+
+Each operation is a composition of role changes (see :mod:`functional_hsdp.plan`) run
+bucket by bucket by the one scheduler (:mod:`functional_hsdp.schedule`):
+
+=====================  ============================================================
+operation              role changes per bucket
+=====================  ============================================================
+reduce (at="input")    input -> gradient, + acc, [gradient -> optimizer if last]
+reduce (at="gradient") + acc, [gradient -> optimizer if last]
+shard                  full -> optimizer (or parameter): local slices only
+gather                 optimizer (or parameter) -> full
+sync_params            optimizer -> parameter
+=====================  ============================================================
+
+Inputs are never mutated: buffers are packed anew, and only buffers the call made are reduced
+or added into in place. Results are new trees of plain tensors, tagged with their state.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import optree
+import torch
+
+from . import validate
+from .lookup import check_local, find_layout, grads_plan, plan_for, traced_grads_plan
+from .plan import Plan
+from .schedule import expand, run
+from .spec import resolve_specs
+from .tags import result_state, tag, untouched
+from .tree import check_bool, check_tensors, flatten, structure_error
+
+__all__ = ["finish", "move", "reduce", "shard", "start"]
+
+ACC_ROLES = {"input": "gradient", "gradient": "gradient"}
+
+
+# -- plan level: the pipeline ------------------------------------------------------------------
+
+
+def start(
+    plan: Plan,
+    source: Any,
+    legs: list,
+    *,
+    depth: int | None = None,
+) -> list[Any]:
+    """Issue every bucket's role changes ``legs``; returns per bucket its result, the last
+    collective possibly in flight (:func:`finish` waits and unpacks).
+
+    Args:
+        plan: the plan.
+        source: bucket index -> its input buffer (packed just before its first collective).
+        legs: ``(from role, to role)`` pairs and local functions ``(bucket, buf) -> buf``,
+            in order.
+        depth: the most buckets in flight (default: all).
+    """
+    programs = []
+    for b, bucket in enumerate(plan.buckets):
+        items: list = []
+        for leg in legs:
+            items.extend(plan.program(b, *leg) if isinstance(leg, tuple) else (leg,))
+        programs.append(expand(items, bucket.dtype))
+    return run(plan.mesh, programs, source, depth=depth)
+
+
+def finish(plan: Plan, pending: list[Any], role: str) -> tuple[list[torch.Tensor], list]:
+    """Wait for ``pending`` bucket results and unpack them at ``role``: (leaves in tree
+    order, the bucket buffers they were unpacked from)."""
+    bufs = [_owned(plan.mesh.wait(x)) for x in pending]
+    return plan.unpack(bufs, role), bufs
+
+
+def _borrowed(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a view of part of a larger buffer (a borrowed reduce-scatter result,
+    see ``Mesh.reduce_scatter``): keeping it would keep the whole buffer alive."""
+    base = x._base
+    return base is not None and x.numel() < base.numel()
+
+
+def _owned(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy of it if it is borrowed."""
+    return x.clone() if _borrowed(x) else x
+
+
+def _add(buf: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """``buf + acc``: in place when ``buf`` is a dense buffer of the call's own, into a new
+    tensor when it is borrowed (which spares a copy of it). A bucket buffer at this point is
+    always one the call made, never a caller's tensor."""
+    if buf.is_contiguous() and not _borrowed(buf):
+        return buf.add_(acc)
+    return torch.add(buf, acc)
+
+
+# -- tree level -------------------------------------------------------------------------------
+
+
+def reduce(
+    grads: Any,
+    spec: Any,
+    *,
+    last: Any,
+    acc: Any,
+    at: str = "input",
+    check_finite: bool = False,
+    name: str = "grads",
+    call: str = "reduce_grads",
+) -> Any:
+    """One microbatch: reduce ``grads`` (at role ``at``), add ``acc``, finish on ``last``."""
+    check_bool("last", last, " (True on the final microbatch)")
+    check_bool("check_finite", check_finite)
+    if at not in ACC_ROLES:
+        raise ValueError(f"{call}: at must be 'input' or 'gradient'; got {at!r}")
+    leaves, treedef, paths = flatten(grads, name)
+    if not leaves:
+        resolve_specs(spec, treedef, name)
+        if acc is not None and optree.tree_structure(acc) != treedef:
+            raise structure_error(treedef, acc, "acc", name)
+        return optree.tree_unflatten(treedef, [])
+    plan = _input_plan(grads, leaves, treedef, paths, spec, at, name)
+    legs: list = [("input", "gradient")] if at == "input" else []
+    if acc is not None:  # checked before any collective, so a bad acc cannot strand peers
+        acc_bufs = _acc_buffers(plan, acc, treedef, name)
+        legs.append(lambda b, buf: _add(buf, acc_bufs[b]))
+    if last:
+        legs.append(("gradient", "optimizer"))
+    role = "input" if at == "input" else "gradient"
+    if check_finite:
+        packed = [plan.pack(b, leaves, role) for b in range(len(plan.buckets))]
+        nonfinite = validate.nonfinite_index(leaves, len(plan.mesh.batch_shape), packed)
+        source = packed.__getitem__
+    else:  # packed bucket by bucket, each just before its first collective
+        source, nonfinite = functools.partial(plan.pack, leaves=leaves, role=role), None
+    validate.check(
+        plan,
+        call,
+        paths,
+        last=last,
+        options=(f"check_finite={check_finite}", f"at={at}"),
+        nonfinite=nonfinite,
+    )
+    out_role = "optimizer" if last else "gradient"
+    out, bufs = finish(plan, start(plan, source, legs), out_role)
+    tag(out, plan, out_role, "final" if last else "accumulating", None if last else bufs)
+    return optree.tree_unflatten(treedef, out)
+
+
+def _input_plan(grads, leaves, treedef, paths, spec, at: str, name: str) -> Plan:
+    if at == "gradient":  # local shards at the gradient placement (layer-wise backward)
+        plan, _ = find_layout(
+            leaves, treedef, paths, spec, None, ("gradient",), ("accumulating",), name
+        )
+        return plan
+    if torch.compiler.is_compiling():
+        return traced_grads_plan(grads, leaves, spec, name)
+    return grads_plan(leaves, treedef, paths, spec, name)
+
+
+def _acc_buffers(plan: Plan, acc: Any, treedef: Any, name: str) -> list[torch.Tensor]:
+    """``acc``'s bucket buffers at the gradient role: read from the previous result's own
+    buffers when ``acc`` is exactly that result, untouched; else checked and packed."""
+    acc_leaves, acc_def, acc_paths = flatten(acc, "acc")
+    if acc_def != treedef:
+        raise structure_error(treedef, acc, "acc", name)
+    state = result_state(acc_leaves)
+    if not (
+        state is not None
+        and state.plan is plan
+        and state.role == "gradient"
+        and state.kind == "accumulating"
+        and untouched(state, acc_leaves)
+    ):
+        state = None  # not the previous call's result as it was returned: check it all
+        check_tensors(acc_leaves, acc_paths, plan.mesh, floating=True, batched=True)
+        check_local(
+            acc_leaves, acc_paths, plan, "gradient", ("accumulating",), "a running accumulation"
+        )
+    known = state.bufs if state is not None and state.bufs else (None,) * len(plan.buckets)
+    out = []
+    for b, ref in enumerate(known):
+        buf = ref() if ref is not None else None
+        out.append(buf if buf is not None else plan.pack(b, acc_leaves, "gradient"))
+    return out
+
+
+def shard(tree: Any, spec: Any, *, to: str, stacked: bool | None) -> Any:
+    """Full values -> local shards at role ``to`` (local slices, no communication)."""
+    if to not in ("optimizer", "parameter"):
+        raise ValueError(f"shard: to must be 'optimizer' or 'parameter'; got {to!r}")
+    leaves, treedef, paths = flatten(tree, "tree")
+    specs, units = resolve_specs(spec, treedef, "tree")
+    if not leaves:
+        return optree.tree_unflatten(treedef, [])
+    mesh = specs[0].mesh
+    batch, nb = mesh.batch_shape, len(mesh.batch_shape)
+    if stacked is None:
+        stacked = all(_replicated(x, batch) for x in leaves)
+    check_tensors(leaves, paths, mesh, floating=False, batched=stacked)
+    if not stacked:
+        leaves = [x.expand(*batch, *x.shape) for x in leaves]
+    plan = plan_for(leaves, treedef, paths, specs, units, (x.shape[nb:] for x in leaves))
+    source = functools.partial(plan.pack, leaves=leaves, role="full")
+    out, _ = finish(plan, start(plan, source, [("full", to)]), to)
+    tag(out, plan, to, "weights")
+    return optree.tree_unflatten(treedef, out)
+
+
+def _replicated(x: torch.Tensor, batch: tuple[int, ...]) -> bool:
+    """Whether ``x`` reads as a stacked replicated value: mesh dims in front, equal slices."""
+    if not batch:  # a real rank holds only its own value
+        return True
+    if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_meta:
+        return False  # check_tensors refuses it with a clear error
+    if tuple(x.shape[: len(batch)]) != batch:
+        return False
+    flat = x.reshape(-1, *x.shape[len(batch) :])
+    return bool((flat == flat[:1]).all()) if flat.numel() else True
+
+
+def move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: str) -> Any:
+    """Local shards (at ``source``, or found) -> role ``to`` (all-gathers)."""
+    if source not in (None, "optimizer", "parameter"):
+        raise ValueError(f"source must be 'optimizer' or 'parameter'; got {source!r}")
+    leaves, treedef, paths = flatten(tree, name)
+    if not leaves:
+        resolve_specs(spec, treedef, name)
+        return optree.tree_unflatten(treedef, [])
+    roles = (source,) if source else ("optimizer", "parameter")
+    plan, role = find_layout(leaves, treedef, paths, spec, like, roles, ("final", "weights"), name)
+    validate.check(plan, f"move {role} -> {to}", paths)
+    pack = functools.partial(plan.pack, leaves=leaves, role=role)
+    out, _ = finish(plan, start(plan, pack, [(role, to)]), to)
+    if to != "full":
+        tag(out, plan, to, "weights")
+    return optree.tree_unflatten(treedef, out)

@@ -1,0 +1,50 @@
+"""The library's own exception, and the messages shared by several modules.
+
+Bad input raises ``ValueError``/``TypeError`` naming the pytree path; a collective that fails
+or times out raises :class:`CollectiveError` naming the collective and mesh axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CollectiveError", "collective_error", "still_partial"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer rank died, hung or issued another collective.
+
+    Attributes:
+        op: the collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,
+            ``"exchange"``).
+        axis: the mesh axis, or None if unknown.
+    """
+
+    def __init__(self, message: str, op: str, axis: str | None):
+        super().__init__(message)
+        self.op = op
+        self.axis = axis
+
+
+def collective_error(
+    op: str, axis: str | None, mesh: Any, exc: BaseException, *, rank: Any = None, timeout=None
+) -> CollectiveError:
+    """The :class:`CollectiveError` for ``exc`` raised by collective ``op`` on ``axis``."""
+    where = f"over mesh axis {axis!r}" if axis is not None else "(issued earlier)"
+    who = f" on rank {rank}" if rank is not None else ""
+    limit = f"; the group's timeout is {timeout}" if timeout is not None else ""
+    return CollectiveError(
+        f"{op} {where} failed{who} of {mesh!r}: a peer rank may have died, hung, raised an "
+        f"error before joining, or issued a different collective{limit}. "
+        f"Original error: {type(exc).__name__}: {exc}",
+        op,
+        axis,
+    )
+
+
+def still_partial(path: str, why: str = "") -> str:
+    """The message for an accumulating (still Partial) value where a final one is needed."""
+    return (
+        f"{path}: is an accumulating gradient, still Partial on the deferred axes{why}; finish "
+        "it with reduce_grads(..., last=True) first"
+    )

@@ -1,0 +1,242 @@
+"""Plan lookup: which plan a tree of gradients or local shards belongs to, checked once.
+
+- :func:`grads_plan`: per-rank full gradients (their shapes are the full shapes). The leaf
+  checks run on the first tree of each metadata; later trees with the same metadata reuse
+  the result.
+- :func:`traced_grads_plan`: the same under ``torch.compile``.
+- :func:`find_layout`: local shards (their shapes are pieces): the plan and role they are
+  laid out at, from their state tags or the full shapes this process has seen.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+from .cache import Bounded
+from .plan import Plan, TreeMeta, get_plan, layouts_for
+from .spec import Spec, resolve_specs
+from .tags import kind_error, result_state, state_of
+from .tree import check_tensors, paths_of, structure_error
+
+__all__ = [
+    "check_local",
+    "find_layout",
+    "grads_plan",
+    "plan_for",
+    "traced_grads_plan",
+]
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, Spec)
+
+
+def plan_for(
+    leaves: Sequence[torch.Tensor],
+    treedef: optree.PyTreeSpec,
+    paths: tuple[str, ...],
+    specs: tuple[Spec, ...],
+    units: tuple[int, ...],
+    shapes: Any,
+) -> Plan:
+    """The plan of a tree with these leaves' dtypes and devices and per-rank ``shapes``."""
+    meta = TreeMeta(
+        treedef,
+        tuple(map(tuple, shapes)),
+        tuple(x.dtype for x in leaves),
+        tuple(x.device for x in leaves),
+        specs,
+        units,
+    )
+    return get_plan(meta, paths)
+
+
+# (structure, every leaf's shape/dtype/device/layout, spec, name) -> plan, for gradient trees
+# that passed the leaf checks: a later tree with the same metadata passes them too.
+_CHECKED: Bounded = Bounded(256)
+_META = operator.attrgetter("shape", "dtype", "device", "layout")
+
+
+def _spec_key(spec: Any) -> Any:
+    return spec if isinstance(spec, Spec) else optree.tree_flatten(spec, is_leaf=_is_spec)
+
+
+def grads_plan(
+    leaves: list, treedef: optree.PyTreeSpec, paths: tuple, spec: Any, name: str
+) -> Plan:
+    """The plan of a tree of per-rank full gradients, its leaves checked on first use."""
+    try:
+        key = (treedef, tuple(map(_META, leaves)), _spec_key(spec), name)
+        plan = _CHECKED.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable spec: check below
+        key = plan = None
+    if plan is not None:
+        return plan
+    specs, units = resolve_specs(spec, treedef, name)
+    mesh = specs[0].mesh
+    check_tensors(leaves, paths, mesh, floating=True, batched=True)
+    nb = len(mesh.batch_shape)
+    plan = plan_for(leaves, treedef, paths, specs, units, (x.shape[nb:] for x in leaves))
+    if key is not None:
+        _CHECKED[key] = plan
+    return plan
+
+
+# -- torch.compile ----------------------------------------------------------------------------
+#
+# Under torch.compile(fullgraph=True) dynamo traces reduce_grads, but cannot hash an optree
+# PyTreeSpec (the plan caches' keys). So the traced call hands the tree's structure (as a
+# skeleton of int leaves), each leaf's shape, dtype and device, and the Specs, all of which
+# dynamo guards on, to a function dynamo runs as plain Python (assume_constant_result): the
+# eager lookup, checks included, on stand-in tensors. It returns a key; the trace reads the
+# plan under it.
+
+# id(plan) -> plan, for the plans that traced code uses (kept alive: graphs refer to them).
+_TRACED_PLANS: Bounded = Bounded(256)
+
+
+def traced_grads_plan(grads: Any, leaves: list, spec: Any, name: str) -> Plan:
+    """:func:`grads_plan` under torch.compile."""
+    # A plan is per shape: operator.index specializes any dynamic dim (with a guard).
+    metas = tuple((tuple(map(operator.index, x.shape)), x.dtype, x.device) for x in leaves)
+    skeleton = optree.tree_map(lambda _: 0, grads)
+    if isinstance(spec, Spec):
+        return _TRACED_PLANS[_traced_plan_key(skeleton, metas, name, None, spec)]
+    # Specs only pass one by one (dynamo cannot make a constant of a container of them).
+    specs = optree.tree_leaves(spec, is_leaf=_is_spec)
+    spec_skeleton = optree.tree_map(lambda _: 0, spec, is_leaf=_is_spec)
+    return _TRACED_PLANS[_traced_plan_key(skeleton, metas, name, spec_skeleton, *specs)]
+
+
+@torch._dynamo.assume_constant_result
+def _traced_plan_key(skeleton: Any, metas: tuple, name: str, spec_skeleton: Any, *specs) -> int:
+    # Runs as plain Python at trace time (is_compiling() is still true, so this calls the
+    # uncached helpers directly).
+    treedef = optree.tree_structure(skeleton)
+    if spec_skeleton is None:
+        spec = specs[0]
+    else:
+        spec = optree.tree_unflatten(optree.tree_structure(spec_skeleton), specs)
+    stand_ins = [torch.empty((), dtype=d, device=v).expand(s) for s, d, v in metas]
+    plan = grads_plan(stand_ins, treedef, paths_of.__wrapped__(treedef, name), spec, name)
+    _TRACED_PLANS[id(plan)] = plan
+    return id(plan)
+
+
+# -- local shards ----------------------------------------------------------------------------
+
+
+def check_local(
+    leaves: Sequence[Any],
+    paths: Sequence[str],
+    plan: Plan,
+    role: str,
+    kinds: tuple[str, ...],
+    what: str,
+) -> None:
+    """Validate local values against ``plan`` at ``role``: dtype, shape and state tag."""
+    compiling = torch.compiler.is_compiling()  # then nothing is tagged
+    shapes = plan.local_shapes[role]
+    for i, (leaf, path) in enumerate(zip(leaves, paths)):
+        found = None if compiling else state_of(leaf)
+        if found is not None:
+            state, index = found
+            same = state.plan is plan and state.role == role and index == i
+            if same and state.kind in kinds:
+                continue  # made by this very plan, role and position: dtype and shape are right
+            # else (another position, say): checked by value below, like an untagged tensor
+            if not same and (
+                state.plan.treedef != plan.treedef
+                or state.plan.shapes != plan.shapes
+                or state.plan.specs != plan.specs
+            ):
+                raise ValueError(
+                    f"{path}: was produced for another tree or spec ({state.plan!r}); it cannot "
+                    f"be used as {what}"
+                )
+            if state.kind not in kinds:
+                raise ValueError(kind_error(path, state.kind, kinds))
+        if leaf.dtype != plan.dtypes[i]:
+            raise TypeError(
+                f"{path}: expected dtype {plan.dtypes[i]} (as {what}); got {leaf.dtype}"
+            )
+        if tuple(leaf.shape) != shapes[i]:
+            raise ValueError(
+                f"{path}: expected local shape {shapes[i]} at the {role} placement "
+                f"{list(map(str, plan.specs[i].placements(role)))}; got {tuple(leaf.shape)}"
+            )
+
+
+def find_layout(
+    leaves: list,
+    treedef: optree.PyTreeSpec,
+    paths: tuple[str, ...],
+    spec: Any,
+    like: Any,
+    roles: Sequence[str],
+    kinds: tuple[str, ...],
+    name: str,
+) -> tuple[Plan, str]:
+    """The plan and role (one of ``roles``) that ``leaves`` (local shards) are laid out at;
+    checks them (dtype, shape, state)."""
+    specs, units = resolve_specs(spec, treedef, name)
+    state = result_state(leaves)
+    if (
+        like is None
+        and state is not None
+        and state.kind in kinds
+        and state.role in roles
+        and state.plan.treedef == treedef
+        and state.plan.specs == specs
+        and state.plan.meta.units == units
+    ):  # exactly a result of this library at a known layout: nothing to check
+        return state.plan, state.role
+    mesh = specs[0].mesh
+    check_tensors(leaves, paths, mesh, floating=False, batched=True)
+    found = [state_of(x) for x in leaves]
+    for f, path in zip(found, paths):
+        if f is not None and f[0].kind not in kinds:
+            raise ValueError(kind_error(path, f[0].kind, kinds))
+    plans = {id(f[0].plan): f[0] for f in found if f is not None}
+    if len(plans) == 1 and None not in found:
+        state = next(iter(plans.values()))
+        if state.plan.meta.treedef == treedef and state.plan.specs == specs and state.role in roles:
+            if state.plan.meta.units == units:
+                check_local(leaves, paths, state.plan, state.role, kinds, "local shards")
+                return state.plan, state.role
+    nb = len(mesh.batch_shape)
+    if like is not None:
+        like_leaves, like_def = optree.tree_flatten(like)
+        if like_def != treedef:
+            raise structure_error(treedef, like, "like", name)
+        known = [tuple(tuple(x.shape) for x in like_leaves)]
+    else:
+        known = layouts_for(treedef, specs, units)
+    first_error = None
+    for role in roles:
+        candidates = list(known)
+        if like is None and not any(s.sharded_axes(role) for s in specs):
+            candidates.append(tuple(tuple(x.shape[nb:]) for x in leaves))  # local == full
+        for shapes in candidates:
+            plan = plan_for(leaves, treedef, paths, specs, units, shapes)
+            try:
+                check_local(leaves, paths, plan, role, kinds, "local shards")
+            except ValueError as e:
+                first_error = first_error or e
+                continue
+            return plan, role
+    hint = (
+        ""
+        if like is not None
+        else "; if this tree's layout was not made by shard/reduce_grads in this process, pass "
+        "like=<tree of full-shape tensors>"
+    )
+    raise ValueError(
+        f"{name}: its local shapes match no known layout of this tree and spec at the "
+        f"{' or '.join(roles)} placement ({first_error}){hint}"
+    )

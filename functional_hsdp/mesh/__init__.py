@@ -1,0 +1,13 @@
+"""Meshes: the protocol library code is written against, and its two implementations.
+
+- :class:`SimMesh` (``sim.py``) simulates every rank in one process.
+- :class:`DistMesh` (``dist.py``) wraps a real ``torch.distributed`` ``DeviceMesh``.
+- ``protocol.py``: :class:`Mesh` (ten members), its :class:`Geometry` and
+  :class:`Diagnostics` companions, and :class:`Flight`, a collective in flight.
+"""
+
+from .dist import DistMesh
+from .protocol import Diagnostics, Flight, Geometry, Mesh
+from .sim import SimMesh
+
+__all__ = ["Diagnostics", "DistMesh", "Flight", "Geometry", "Mesh", "SimMesh"]

@@ -1,0 +1,264 @@
+"""DistMesh: a real ``torch.distributed`` device mesh (gloo, NCCL; torchrun for many machines).
+
+Collectives are ``torch.distributed._functional_collectives`` over ``(device_mesh, dim)``:
+asynchronous and traceable by ``torch.compile``. On gloo, eager reductions are asynchronous
+in-place c10d all-reduces of the library's own buffers instead (see ``_INPLACE``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from ..errors import collective_error
+from .protocol import Flight, MeshAxes
+
+__all__ = ["DistMesh"]
+
+# Backends whose all-reduce / reduce-scatter implement AVG themselves; any other backend gets
+# an exact emulation: SUM, then divide by the group size.
+_NATIVE_AVG = frozenset({"nccl", "gloo"})
+
+# How reductions run, per backend (measured: bench/RESULTS.md, "gloo reduce-scatter
+# implementations"). gloo has no native reduce-scatter: torch emulates one with an all-reduce
+# into a new buffer and a copy of the chunk. All-reducing the library's own packing buffer in
+# place and keeping the chunk moves the same bytes 1.6-2x faster at 10M-50M elements, with no
+# full-size temporary; so on gloo both reductions are in-place c10d all-reduces, issued
+# asynchronously, with the backend's own AVG (gloo's is SUM then divide: bitwise the same as
+# the emulation). Other backends (NCCL), and every backend under torch.compile, use the
+# functional collectives: a real reduce-scatter, asynchronous and traceable.
+_INPLACE = frozenset({"gloo"})
+assert _INPLACE <= _NATIVE_AVG, "the in-place path reduces with the backend's own AVG"
+
+
+class DistMesh(MeshAxes):
+    """A real ``torch.distributed`` device mesh (gloo, NCCL; torchrun for many machines).
+
+    Args:
+        device_mesh: a ``DeviceMesh`` built with ``mesh_dim_names``; its dims are the axes,
+            outer to inner.
+        overlap: True (default): collectives are asynchronous; the library issues every
+            bucket's collective before it waits on any, so buckets overlap each other and
+            packing. False: each collective is waited for as soon as it is issued (for
+            debugging, and to measure what overlap gains).
+
+    Example:
+        >>> import functional_hsdp as fh
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> dm = init_device_mesh(  # doctest: +SKIP
+        ...     "cuda", (2, 4), mesh_dim_names=("dp_outer", "dp_inner"))
+        >>> mesh = fh.DistMesh(dm)  # doctest: +SKIP
+    """
+
+    batch_shape: tuple[int, ...] = ()
+
+    def __init__(self, device_mesh: Any, *, overlap: bool = True):
+        if not isinstance(overlap, bool):
+            raise TypeError(f"DistMesh: overlap must be a bool; got {overlap!r}")
+        self.overlap = overlap
+        names = getattr(device_mesh, "mesh_dim_names", None)
+        if names is None:
+            raise ValueError(
+                "DistMesh needs a DeviceMesh with mesh_dim_names, e.g. "
+                "init_device_mesh('cuda', (2, 4), mesh_dim_names=('dp_outer', 'dp_inner'))"
+            )
+        self.device_mesh = device_mesh
+        self.axis_names = tuple(names)
+        self.sizes = tuple(int(n) for n in device_mesh.shape)
+        backends = [dist.get_backend(device_mesh.get_group(d)) for d in range(self.ndim)]
+        self._native_avg = tuple(b in _NATIVE_AVG for b in backends)
+        self._inplace = tuple(b in _INPLACE for b in backends)
+        self._coords = tuple(int(device_mesh.get_local_rank(d)) for d in range(self.ndim))
+        self.geometry = RankGeometry(self)
+        self.diagnostics = DistDiagnostics(self)
+
+    def __repr__(self) -> str:
+        return f"DistMesh({self.shape}{'' if self.overlap else ', overlap=False'})"
+
+    def coordinate(self, axis: str) -> int:
+        """This rank's index along ``axis``."""
+        return self._coords[self._dim(axis)]
+
+    def group(self, axis: str) -> Any:
+        """The process group of ``axis``."""
+        return self.device_mesh.get_group(self._dim(axis))
+
+    def _in_place(self, axis: str) -> bool:
+        return self._inplace[self._dim(axis)] and not torch.compiler.is_compiling()
+
+    def _funcol(self, name: str, fn, axis: str, op: str) -> torch.Tensor:
+        """A functional reduction ``fn(op)``; AVG emulated where the backend lacks it."""
+        with self.guard(name, axis):
+            if op == "avg" and not self._native_avg[self._dim(axis)]:
+                return fn("sum") / self.size(axis)
+            return fn(op)
+
+    def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor | Flight:
+        """All-reduce over ``axis`` (in place on gloo)."""
+        if self._in_place(axis):
+            return self._issue_in_place(buf, axis, op, "all_reduce")
+        group = (self.device_mesh, self._dim(axis))
+        reduce = lambda o: funcol.all_reduce(buf, o, group)  # noqa: E731
+        out = self._funcol("all_reduce", reduce, axis, op)
+        return self._flight(out, "all_reduce", axis)
+
+    def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor | Flight:
+        """Reduce-scatter over ``axis``. On gloo an in-place all-reduce of ``buf`` whose
+        waited result is this rank's chunk as a view of it (a borrowed result), so that a
+        consumer that makes a new tensor anyway (adding acc, MainGrad's add) copies nothing."""
+        if self._in_place(axis):
+            return self._issue_in_place(buf, axis, op, "reduce_scatter")
+        group = (self.device_mesh, self._dim(axis))
+        reduce = lambda o: funcol.reduce_scatter_single(buf, o, 0, group)  # noqa: E731
+        out = self._funcol("reduce_scatter", reduce, axis, op)
+        return self._flight(out, "reduce_scatter", axis)
+
+    def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor | Flight:
+        """All-gather over ``axis`` (functional collective)."""
+        group = (self.device_mesh, self._dim(axis))
+        with self.guard("all_gather", axis):
+            out = funcol.all_gather_single(buf, 0, group)
+        return self._flight(out, "all_gather", axis)
+
+    def _issue_in_place(self, buf: torch.Tensor, axis: str, op: str, name: str) -> Flight:
+        # ``buf`` is always one of the library's own buffers (a fresh packing buffer, a
+        # collective's result or MainGrad's buffer), never a caller's tensor.
+        with self.guard(name, axis):
+            work = dist.all_reduce(
+                buf,
+                op=dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM,
+                group=self.group(axis),
+                async_op=True,
+            )
+        flight = Flight(name, axis, buf, work, chunk=name == "reduce_scatter")
+        return flight if self.overlap else self.wait(flight)
+
+    def _flight(self, out: torch.Tensor, name: str, axis: str) -> torch.Tensor | Flight:
+        if torch.compiler.is_compiling():  # traced: funcol's own tensors, waited by wait()
+            return out
+        flight = Flight(name, axis, out)
+        return flight if self.overlap else self.wait(flight)
+
+    def wait(self, x: torch.Tensor | Flight) -> torch.Tensor:
+        """The result of ``x``; CollectiveError naming the collective if it failed."""
+        if not isinstance(x, Flight):
+            if isinstance(x, funcol.AsyncCollectiveTensor):  # traced code's results
+                return funcol.wait_tensor(x)
+            return x
+        with self.guard(x.op, x.axis):
+            if x.work is not None:
+                x.work.wait()
+                buf = x.buffer
+            else:
+                buf = funcol.wait_tensor(x.buffer)
+        if x.chunk:
+            n = self.size(x.axis)
+            return buf.view(n, buf.shape[-1] // n)[self.coordinate(x.axis)]
+        return buf
+
+    def abandon(self, x: torch.Tensor | Flight) -> None:
+        """Drop our reference to a collective in flight; the backend still holds its buffer
+        until it completes. Its error, if any, is not reported: the caller is already raising
+        another."""
+
+    # A failed or timed-out collective raises CollectiveError naming it (op, axis): at issue,
+    # or (gloo, usually) at the wait.
+
+    @contextlib.contextmanager
+    def guard(self, op: str, axis: str | None) -> Iterator[None]:
+        """Turn a RuntimeError of collective ``op`` on ``axis`` into a CollectiveError."""
+        try:
+            yield
+        except RuntimeError as e:
+            timeout = self._timeout(axis)
+            raise collective_error(op, axis, self, e, rank=dist.get_rank(), timeout=timeout) from e
+
+    def _timeout(self, axis: str | None) -> Any:
+        if axis is None:
+            return None
+        try:  # private API; the message just omits the timeout without it
+            device = torch.device(self.device_mesh.device_type)
+            return self.group(axis)._get_backend(device).options._timeout
+        except Exception:
+            return None
+
+
+class RankGeometry:
+    """Geometry on a DistMesh: coordinates are ints, pieces are exact-length views."""
+
+    views = True
+
+    def __init__(self, mesh: DistMesh):
+        self._mesh = mesh
+
+    def chunk(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
+        # A copy, so that a rank's shards do not keep the whole buffer alive.
+        n = self._mesh.size(axis)
+        return buf.view(n, buf.shape[-1] // n)[self._mesh.coordinate(axis)].clone()
+
+    def pieces(self, start: int, ranges: list[tuple[int, int]], length: int) -> tuple[int, ...]:
+        # Consecutive leaves' pieces tile the chunk from 0 (pieces outside it are empty).
+        sizes = []
+        for offset, numel in ranges:
+            lo = min(max(offset - start, 0), length)
+            sizes.append(max(lo, min(max(offset + numel - start, 0), length)) - lo)
+        return (*sizes, length - sum(sizes))  # the last entry is the tail
+
+    def piece_shapes(self, pieces: tuple[int, ...]) -> list[tuple[int, ...]]:
+        return [(n,) for n in pieces[:-1]]
+
+    def split(self, buf: torch.Tensor, pieces: tuple[int, ...]) -> list[torch.Tensor]:
+        return list(torch.split(buf, pieces))[:-1]
+
+    def join(self, values: list[torch.Tensor], pieces: tuple[int, ...]) -> torch.Tensor:
+        dtype = values[0].dtype if values else torch.float32
+        device = values[0].device if values else None
+        return torch.cat([*values, torch.zeros(pieces[-1], dtype=dtype, device=device)])
+
+    def chunk_length(self, total: int, size: int, axis: str) -> int:
+        return min(max(total - self._mesh.coordinate(axis) * size, 0), size)
+
+    def narrow(self, x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+        return x.narrow(dim, 0, length)
+
+    def narrow_shape(self, shape: tuple[int, ...], dim: int, length: int) -> tuple[int, ...]:
+        return tuple(length if k == dim else n for k, n in enumerate(shape))
+
+
+class DistDiagnostics:
+    """Descriptions and the validation exchange on a DistMesh."""
+
+    def __init__(self, mesh: DistMesh):
+        self._mesh = mesh
+
+    def describe(self, op: str, axis: str, reduce: str | None) -> str:
+        mesh = self._mesh
+        d = mesh.axis_names.index(axis)
+        if mesh._inplace[d] and op != "all_gather":
+            return "c10d in-place " + ("all_reduce+slice" if op == "reduce_scatter" else op)
+        if reduce == "avg" and not mesh._native_avg[d]:
+            return "sum+div"
+        return "native"
+
+    def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        # Plain c10d all-gathers (not functional collectives), so that profiles of the
+        # gradient collectives stay exact.
+        mesh = self._mesh
+        out = t.to(torch.device(mesh.device_mesh.device_type))
+        for axis in sorted(axes, key=mesh.axis_names.index, reverse=True):  # inner first
+            parts = [torch.empty_like(out) for _ in range(mesh.size(axis))]
+            with mesh.guard("exchange", axis):
+                dist.all_gather(parts, out.contiguous(), group=mesh.group(axis))
+            out = torch.stack(parts)
+        return out.reshape(-1, t.shape[-1]).cpu()
+
+    def members(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+        mesh = self._mesh
+        dims = {mesh.axis_names.index(a) for a in axes}
+        index = tuple(slice(None) if d in dims else c for d, c in enumerate(mesh._coords))
+        return [tuple(str(r) for r in mesh.device_mesh.mesh[index].flatten().tolist())]

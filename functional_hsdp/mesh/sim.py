@@ -1,0 +1,207 @@
+"""SimMesh: every rank of a mesh in one process.
+
+A distributed value is a tensor whose leading dims are the mesh shape (rank ``(o, i)`` holds
+``x[o, i]``); collectives are einops reductions and rearranges over those dims. Results never
+alias across ranks: each rank's value is its own memory, as on a real mesh.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import einops
+import torch
+
+from .protocol import Flight, MeshAxes
+
+__all__ = ["SimMesh"]
+
+_EINOPS_REDUCE = {"sum": "sum", "avg": "mean"}
+
+
+class SimMesh(MeshAxes):
+    """All ranks of a mesh in one process; distributed values carry the mesh shape in front.
+
+    Args:
+        shape: ``{axis name: size}``, ordered outer to inner (like ``DeviceMesh`` dims).
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+        >>> x = torch.arange(4.0).reshape(2, 2, 1)        # rank (o, i) holds x[o, i]
+        >>> fh.psum(x, "dp_inner", mesh)[:, :, 0]
+        tensor([[1., 1.],
+                [5., 5.]])
+    """
+
+    def __init__(self, shape: dict[str, int]):
+        if not isinstance(shape, dict) or not shape:
+            raise TypeError(f"SimMesh expects a non-empty dict {{axis name: size}}; got {shape!r}")
+        for name, n in shape.items():
+            if not isinstance(name, str) or isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(
+                    f"SimMesh axis {name!r}: expected a str name and a positive int size; got {n!r}"
+                )
+        self.axis_names = tuple(shape)
+        self.sizes = tuple(shape.values())
+        self.batch_shape = self.sizes
+        self._names = [f"m{k}" for k in range(len(self.sizes))]
+        self._coords: dict[str, torch.Tensor] = {}
+        self.geometry = SimGeometry(self)
+        self.diagnostics = SimDiagnostics(self)
+
+    def __repr__(self) -> str:
+        return f"SimMesh({self.shape})"
+
+    def _pattern(self, dim: int, repl: str) -> str:
+        return " ".join(repl if k == dim else n for k, n in enumerate(self._names))
+
+    def coordinate(self, axis: str) -> torch.Tensor:
+        """Every rank's index along ``axis``, as an int64 tensor of the mesh shape."""
+        if axis not in self._coords:
+            d = self._dim(axis)
+            view = [1] * self.ndim
+            view[d] = self.sizes[d]
+            self._coords[axis] = torch.arange(self.sizes[d]).reshape(view).expand(self.sizes)
+        return self._coords[axis]
+
+    def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
+        """Every rank gets the reduction over its group along ``axis``."""
+        d, all_ = self._dim(axis), " ".join(self._names)
+        kept = self._pattern(d, "1")
+        red = einops.reduce(buf, f"{all_} l -> {kept} l", _EINOPS_REDUCE[op])
+        # materialized: each rank's copy is its own memory, as on a real mesh
+        return red.expand(buf.shape).contiguous()
+
+    def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
+        """Every rank gets its chunk of the reduction over its group along ``axis``."""
+        d, all_ = self._dim(axis), " ".join(self._names)
+        return einops.reduce(
+            buf,
+            f"{all_} (n c) -> {self._pattern(d, 'n')} c",
+            _EINOPS_REDUCE[op],
+            n=self.sizes[d],
+        )
+
+    def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
+        """Every rank gets its group's chunks along ``axis``, concatenated."""
+        d, all_ = self._dim(axis), " ".join(self._names)
+        out = einops.repeat(
+            buf, f"{all_} c -> {self._pattern(d, 'r')} ({self._names[d]} c)", r=self.sizes[d]
+        )
+        return out.contiguous()
+
+    def wait(self, x: torch.Tensor | Flight) -> torch.Tensor:
+        """SimMesh collectives finish at once: ``x`` is already the result."""
+        return x
+
+    def abandon(self, x: torch.Tensor | Flight) -> None:
+        """Nothing is ever in flight on a SimMesh."""
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """Ragged pieces of a chunk, for every rank at once."""
+
+    index: torch.Tensor  # (*batch, total) positions in the chunk; `length` marks fill
+    valid: torch.Tensor  # (*batch, total) bool
+    widths: tuple[int, ...]  # each piece's stacked width (the longest rank's length)
+    length: int
+
+
+class SimGeometry:
+    """Geometry on a SimMesh: coordinates are tensors of the mesh shape; pieces are stacked
+    and zero-filled to the longest rank's length, so they are gathered copies."""
+
+    views = False
+
+    def __init__(self, mesh: SimMesh):
+        self._mesh = mesh
+
+    def chunk(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
+        mesh = self._mesh
+        d, all_ = mesh._dim(axis), " ".join(mesh._names)
+        split = einops.rearrange(buf, f"{all_} (n c) -> {all_} n c", n=mesh.sizes[d])
+        index = mesh.coordinate(axis)[..., None, None]
+        return torch.take_along_dim(split, index, dim=mesh.ndim).squeeze(mesh.ndim)
+
+    def pieces(self, start: torch.Tensor, ranges: list[tuple[int, int]], length: int) -> _Pieces:
+        batch = self._mesh.batch_shape
+        start = torch.as_tensor(start).broadcast_to(batch)[..., None]
+        offsets = torch.tensor([o for o, _ in ranges], dtype=torch.int64)
+        ends = offsets + torch.tensor([n for _, n in ranges], dtype=torch.int64)
+        lo = (offsets - start).clamp(0, length)  # (*batch, K)
+        hi = torch.maximum((ends - start).clamp(0, length), lo)
+        widths = (hi - lo).reshape(-1, len(ranges)).amax(0) if ranges else torch.zeros(0)
+        owner = torch.repeat_interleave(torch.arange(len(ranges)), widths)
+        first = torch.cumsum(widths, 0) - widths
+        within = torch.arange(int(widths.sum())) - first[owner]
+        index = lo[..., owner] + within
+        valid = index < hi[..., owner]
+        return _Pieces(torch.where(valid, index, length), valid, tuple(widths.tolist()), length)
+
+    def piece_shapes(self, pieces: _Pieces) -> list[tuple[int, ...]]:
+        return [(*self._mesh.batch_shape, w) for w in pieces.widths]
+
+    def split(self, buf: torch.Tensor, pieces: _Pieces) -> list[torch.Tensor]:
+        # one gather for the whole chunk: index `length` (a rank's fill) reads the zero pad
+        gathered = torch.take_along_dim(torch.nn.functional.pad(buf, (0, 1)), pieces.index, -1)
+        return list(torch.split(gathered, pieces.widths, dim=-1))
+
+    def join(self, values: list[torch.Tensor], pieces: _Pieces) -> torch.Tensor:
+        batch = self._mesh.batch_shape
+        dtype = values[0].dtype if values else torch.float32
+        device = values[0].device if values else None
+        out = torch.zeros((*batch, pieces.length + 1), dtype=dtype, device=device)
+        if values:
+            source = torch.where(pieces.valid, torch.cat(values, dim=-1), 0)
+            out.scatter_(-1, pieces.index, source)  # fill lands on the dropped last column
+        return out[..., : pieces.length]
+
+    def chunk_length(self, total: int, size: int, axis: str) -> torch.Tensor:
+        return (total - self._mesh.coordinate(axis) * size).clamp(0, size)
+
+    def narrow(self, x: torch.Tensor, dim: int, length: torch.Tensor) -> torch.Tensor:
+        batch = self._mesh.batch_shape
+        view = [1] * x.dim()
+        view[dim] = x.shape[dim]
+        index = torch.arange(x.shape[dim], device=x.device).view(view)
+        lengths = length.reshape(*batch, *[1] * (x.dim() - len(batch)))
+        return torch.where(index < lengths.to(x.device), x, 0)
+
+    def narrow_shape(self, shape: tuple[int, ...], dim: int, length: torch.Tensor) -> tuple:
+        return (*self._mesh.batch_shape, *shape)
+
+
+class SimDiagnostics:
+    """Descriptions and the validation exchange on a SimMesh (einops, in one process)."""
+
+    def __init__(self, mesh: SimMesh):
+        self._mesh = mesh
+
+    def describe(self, op: str, axis: str, reduce: str | None) -> str:
+        return "einops"
+
+    def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        mesh = self._mesh
+        dims = sorted(mesh._dim(a) for a in axes)
+        all_, group = " ".join(mesh._names), " ".join(mesh._names[d] for d in dims)
+        rest = " ".join(n for d, n in enumerate(mesh._names) if d not in dims)
+        rows = einops.rearrange(t, f"{all_} l -> {rest} ({group}) l")
+        sizes = {mesh._names[d]: mesh.sizes[d] for d in dims}
+        return einops.repeat(rows, f"{rest} g l -> {all_} g l", **sizes)
+
+    def members(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+        mesh = self._mesh
+        dims = sorted(mesh._dim(a) for a in axes)
+        out = []
+        for coord in itertools.product(*map(range, mesh.sizes)):
+            names = []
+            for g in itertools.product(*(range(mesh.sizes[d]) for d in dims)):
+                c = list(coord)
+                for d, v in zip(dims, g):
+                    c[d] = v
+                names.append(str(c[0]) if mesh.ndim == 1 else str(tuple(c)))
+            out.append(tuple(names))
+        return out
