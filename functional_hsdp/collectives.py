@@ -61,11 +61,7 @@ def psum(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> An
 def pmean(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> Any:
     """Average every leaf over ``axis`` (all-reduce with AVG, or SUM then divide).
 
-    Args:
-        tree: pytree of floating local values (on a SimMesh with the mesh shape in front).
-        axis: the mesh axis name.
-        mesh: the mesh.
-        bucket_cap_mb: bucket size cap (MiB of 4-byte elements).
+    Args: as :func:`psum`.
 
     Returns:
         A new tree, same structure and shapes.

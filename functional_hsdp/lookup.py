@@ -186,30 +186,37 @@ def find_layout(
     checks them (dtype, shape, state)."""
     specs, units = resolve_specs(spec, treedef, name)
     state = result_state(leaves)
-    if (
-        like is None
-        and state is not None
-        and state.kind in kinds
-        and state.role in roles
-        and state.plan.treedef == treedef
-        and state.plan.specs == specs
-        and state.plan.meta.units == units
-    ):  # exactly a result of this library at a known layout: nothing to check
-        return state.plan, state.role
-    mesh = specs[0].mesh
-    check_tensors(leaves, paths, mesh, floating=False, batched=True)
+    if like is None and state is not None and _matches(state, treedef, specs, units, roles):
+        if state.kind in kinds:  # exactly a result of this library at a known layout
+            return state.plan, state.role
+    check_tensors(leaves, paths, specs[0].mesh, floating=False, batched=True)
     found = [state_of(x) for x in leaves]
     for f, path in zip(found, paths):
         if f is not None and f[0].kind not in kinds:
             raise ValueError(kind_error(path, f[0].kind, kinds))
-    plans = {id(f[0].plan): f[0] for f in found if f is not None}
-    if len(plans) == 1 and None not in found:
-        state = next(iter(plans.values()))
-        if state.plan.meta.treedef == treedef and state.plan.specs == specs and state.role in roles:
-            if state.plan.meta.units == units:
-                check_local(leaves, paths, state.plan, state.role, kinds, "local shards")
-                return state.plan, state.role
-    nb = len(mesh.batch_shape)
+    states = {id(f[0].plan): f[0] for f in found if f is not None}
+    if len(states) == 1 and None not in found:  # every leaf from results of one plan
+        state = next(iter(states.values()))
+        if _matches(state, treedef, specs, units, roles):
+            check_local(leaves, paths, state.plan, state.role, kinds, "local shards")
+            return state.plan, state.role
+    return _by_shapes(leaves, treedef, paths, specs, units, like, roles, kinds, name)
+
+
+def _matches(state: Any, treedef, specs, units, roles: Sequence[str]) -> bool:
+    meta = state.plan.meta
+    return (
+        state.role in roles
+        and meta.treedef == treedef
+        and meta.specs == specs
+        and meta.units == units
+    )
+
+
+def _by_shapes(leaves, treedef, paths, specs, units, like, roles, kinds, name) -> tuple[Plan, str]:
+    """The first layout whose local shapes the leaves have: from ``like``'s full shapes, or
+    from the full shapes of trees of this structure this process has seen."""
+    nb = len(specs[0].mesh.batch_shape)
     if like is not None:
         like_leaves, like_def = optree.tree_flatten(like)
         if like_def != treedef:

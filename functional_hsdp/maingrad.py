@@ -104,18 +104,7 @@ class MainGrad:
             )
             for bucket, placed in zip(self.plan.buckets, self.plan.placed)
         ]
-        # Two packing buffers, reused: bucket b packs into the one bucket b-2 used, which is
-        # free once b-2 is done (DEPTH buckets in flight at most).
-        # Per device (buckets split by device): each the size of that device's largest bucket.
-        batch = math.prod(mesh.batch_shape)
-        longest: dict[torch.device, int] = {}
-        for bucket in self.plan.buckets:
-            longest[bucket.device] = max(longest.get(bucket.device, 0), bucket.padded)
-        self._scratch = {
-            (device, i): torch.empty(batch * n, dtype=self.reduce_dtype, device=device)
-            for device, n in longest.items()
-            for i in range(DEPTH)
-        }
+        self._scratch = self._packing_buffers()
         self._state = "accumulating"
         self._empty = True  # grads are None: the next accumulate overwrites instead of adding
         self._checked: tuple | None = None  # metadata of the last gradient tree that passed
@@ -178,19 +167,12 @@ class MainGrad:
         if treedef != plan.treedef:
             raise structure_error(plan.treedef, grads, "grads", "MainGrad's like tree")
         self._check(leaves, paths, at)
+        options = (f"reduce_dtype={self.reduce_dtype}", f"check_finite={check_finite}", f"at={at}")
+        nonfinite = (
+            validate.nonfinite_index(leaves, len(mesh.batch_shape)) if check_finite else None
+        )
         validate.check(
-            plan,
-            "MainGrad.accumulate",
-            paths,
-            last=last,
-            options=(
-                f"reduce_dtype={self.reduce_dtype}",
-                f"check_finite={check_finite}",
-                f"at={at}",
-            ),
-            nonfinite=validate.nonfinite_index(leaves, len(mesh.batch_shape))
-            if check_finite
-            else None,
+            plan, "MainGrad.accumulate", paths, last=last, options=options, nonfinite=nonfinite
         )
 
         def done(b: int, chunk: torch.Tensor) -> None:
@@ -294,6 +276,20 @@ class MainGrad:
         )
 
     # -- internals ------------------------------------------------------------------------
+
+    def _packing_buffers(self) -> dict[tuple[torch.device, int], torch.Tensor]:
+        """DEPTH packing buffers per device, reused: bucket b packs into the one bucket
+        b - DEPTH used, which is free by then. Each is the size of that device's largest
+        bucket."""
+        batch = math.prod(self.mesh.batch_shape)
+        longest: dict[torch.device, int] = {}
+        for bucket in self.plan.buckets:
+            longest[bucket.device] = max(longest.get(bucket.device, 0), bucket.padded)
+        return {
+            (device, i): torch.empty(batch * n, dtype=self.reduce_dtype, device=device)
+            for device, n in longest.items()
+            for i in range(DEPTH)
+        }
 
     @torch.no_grad()
     def _pack(self, b: int, leaves: list[torch.Tensor]) -> torch.Tensor:

@@ -109,30 +109,15 @@ class Spec:
                 f"Spec.bucket_cap_mb: expected a positive number; got {self.bucket_cap_mb!r}"
             )
         for axis, p, g, o in zip(mesh.axis_names, self.parameter, self.gradient, self.optimizer):
-            if axis not in axes:
-                if not all(isinstance(x, Replicate) for x in (p, g, o)):
-                    raise ValueError(
-                        f"Spec: axis {axis!r} is not a data-parallel axis (dp_axes={axes}), so "
-                        f"it must be Replicate in every role; got parameter={p}, gradient={g}, "
-                        f"optimizer={o}"
-                    )
-                continue
-            for role, x in (("parameter", p), ("optimizer", o)):
-                if isinstance(x, Partial):
-                    raise ValueError(
-                        f"Spec.{role} on axis {axis!r}: {x!r} is not allowed; {role} values are "
-                        "fully reduced (Replicate, Flat or Shard)"
-                    )
-            for role, x in (("gradient", g), ("parameter", p)):
-                if is_sharded(x) and x != o:
-                    raise NotImplementedError(
-                        f"Spec on axis {axis!r}: {role} {x!r} with optimizer {o!r} is not "
-                        f"supported; a sharded {role} axis keeps its placement in the optimizer"
-                    )
+            _check_axis(axis, axis in axes, axes, p, g, o)
         self._check_shard()
+        self._check_split()
+
+    def _check_split(self) -> None:
         order = self.split_order
         for role in ("parameter", "gradient", "optimizer"):
-            flat = {a for a, x in zip(mesh.axis_names, getattr(self, role)) if is_sharded(x)}
+            names = self.mesh.axis_names
+            flat = {a for a, x in zip(names, getattr(self, role)) if is_sharded(x)}
             if flat != set(order[: len(flat)]):
                 raise ValueError(
                     f"Spec.{role}: Flat axes {sorted(flat)} cannot be honoured: buckets are "
@@ -255,6 +240,30 @@ class Spec:
         )
 
 
+def _check_axis(axis: str, dp: bool, axes: tuple, p: Placement, g: Placement, o: Placement) -> None:
+    """One axis's three placements (parameter, gradient, optimizer) make a valid spec."""
+    if not dp:
+        if not all(isinstance(x, Replicate) for x in (p, g, o)):
+            raise ValueError(
+                f"Spec: axis {axis!r} is not a data-parallel axis (dp_axes={axes}), so "
+                f"it must be Replicate in every role; got parameter={p}, gradient={g}, "
+                f"optimizer={o}"
+            )
+        return
+    for role, x in (("parameter", p), ("optimizer", o)):
+        if isinstance(x, Partial):
+            raise ValueError(
+                f"Spec.{role} on axis {axis!r}: {x!r} is not allowed; {role} values are "
+                "fully reduced (Replicate, Flat or Shard)"
+            )
+    for role, x in (("gradient", g), ("parameter", p)):
+        if is_sharded(x) and x != o:
+            raise NotImplementedError(
+                f"Spec on axis {axis!r}: {role} {x!r} with optimizer {o!r} is not "
+                f"supported; a sharded {role} axis keeps its placement in the optimizer"
+            )
+
+
 def _axes(axis: str | Sequence[str] | None, mesh: Mesh, what: str) -> tuple[str, ...]:
     if axis is None:
         return mesh.axis_names
@@ -318,11 +327,7 @@ def fsdp(
 ) -> Spec:
     """FSDP (ZeRO-3): everything Flat; every microbatch reduce-scatters.
 
-    Args:
-        mesh: the mesh.
-        axis: the data-parallel axis or axes (default: every mesh axis).
-        reduce_op: ``"avg"`` (default) or ``"sum"``.
-        bucket_cap_mb: bucket size cap (MiB of 4-byte elements).
+    Args: as :func:`ddp`.
 
     Returns:
         ``[Flat]`` in every role on each DP axis.
@@ -392,12 +397,7 @@ def hfsdp(
     The last microbatch reduce-scatters over ``outer`` too; main weights and optimizer state
     are sharded over both axes.
 
-    Args:
-        mesh: the mesh.
-        outer: the replica axis (deferred).
-        inner: the sharding axis.
-        reduce_op: ``"avg"`` (default) or ``"sum"``.
-        bucket_cap_mb: bucket size cap (MiB of 4-byte elements).
+    Args: as :func:`hsdp`.
 
     Returns:
         parameter ``[Replicate, Flat]``, gradient ``[Partial(op), Flat]``, optimizer

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import count, repeat
 from typing import Any
 
@@ -42,6 +42,7 @@ class State:
         refs: weak references to the result's leaves, in order.
         pointers: each leaf's data pointer when it was made: a leaf whose storage was
             replaced since (``.set_``, ``.data =``) no longer views its bucket.
+        position: ``id(leaf)`` -> its index in the result.
     """
 
     plan: Any
@@ -50,12 +51,18 @@ class State:
     bufs: tuple[weakref.ref | None, ...] | None = None
     refs: tuple[weakref.ref, ...] = ()
     pointers: tuple[int, ...] = ()
+    position: dict = field(default_factory=dict)
+
+    def index(self, leaf: Any) -> int | None:
+        """``leaf``'s index in this result if it is one of its live leaves, else None."""
+        i = self.position.get(id(leaf))
+        return i if i is not None and self.refs[i]() is leaf else None
 
 
 class _Registry(dict):
-    """id(tensor) -> (weak reference to it, its state, its index in the result). No per-tensor
-    callback (its cost would be paid on every result leaf): dead entries are swept whenever
-    the registry has doubled."""
+    """id(tensor) -> its State (one object per result: nothing allocated per leaf but the
+    weak reference). No per-tensor callback (its cost would be paid on every result leaf):
+    dead entries are swept whenever the registry has doubled."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -66,9 +73,9 @@ class _Registry(dict):
         self.clear()
 
     def add(self, leaves: list[torch.Tensor], state: State) -> None:
-        self.update(zip(map(id, leaves), zip(state.refs, repeat(state), count())))
+        self.update(zip(state.position, repeat(state)))
         if len(self) > self.sweep_at:
-            for key in [k for k, (ref, _, _) in self.items() if ref() is None]:
+            for key in [k for k, st in self.items() if st.refs[st.position[k]]() is None]:
                 del self[key]
             self.sweep_at = max(1 << 14, 2 * len(self))
 
@@ -93,25 +100,28 @@ def tag(
             for x, placed in zip(bufs, plan.placed)
         )
     refs = tuple(map(weakref.ref, leaves))
-    state = State(plan, role, kind, bufs, refs, tuple(map(_pointer, leaves)) if bufs else ())
+    pointers = tuple(map(_pointer, leaves)) if bufs else ()
+    state = State(plan, role, kind, bufs, refs, pointers, dict(zip(map(id, leaves), count())))
     _STATES.add(leaves, state)
 
 
 def state_of(leaf: Any) -> tuple[State, int] | None:
     """``(state, index in its result)`` of a tagged leaf, else None. (Not under
     torch.compile: callers that can be traced check is_compiling first.)"""
-    entry = _STATES.get(id(leaf))
-    return (entry[1], entry[2]) if entry is not None and entry[0]() is leaf else None
+    state = _STATES.get(id(leaf))
+    if state is None:
+        return None
+    i = state.index(leaf)
+    return None if i is None else (state, i)
 
 
 def result_state(leaves: list) -> State | None:
     """The state of ``leaves`` if they are, in order, exactly the leaves of one result."""
     if torch.compiler.is_compiling() or not leaves:
         return None
-    entry = _STATES.get(id(leaves[0]))
-    if entry is None:
+    state = _STATES.get(id(leaves[0]))
+    if state is None:
         return None
-    state = entry[1]
     # every leaf is the live object the result held at that position (C-level loops)
     if len(state.refs) == len(leaves) and all(map(operator.is_, map(_deref, state.refs), leaves)):
         return state
