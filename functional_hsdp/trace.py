@@ -68,6 +68,7 @@ class CommLog:
         return {k: (counts[k], sizes[k]) for k in counts}
 
     def clear(self) -> None:
+        """Forget the events recorded so far (recording goes on)."""
         self.events.clear()
 
     def _select(self, op: str | None, axis: str | None) -> Iterator[Event]:
