@@ -27,9 +27,9 @@ import torch
 
 from . import validate
 from .lookup import check_local, find_layout, grads_plan, plan_for, traced_grads_plan
-from .plan import Plan
+from .plan import Plan, remember_layout
 from .schedule import expand, run
-from .spec import resolve_specs
+from .spec import Spec, resolve_specs
 from .tags import result_state, tag, untouched
 from .tree import check_bool, check_tensors, flatten, structure_error
 
@@ -202,10 +202,30 @@ def shard(tree: Any, spec: Any, *, to: str, stacked: bool | None) -> Any:
     if not stacked:
         leaves = [x.expand(*batch, *x.shape) for x in leaves]
     plan = plan_for(leaves, treedef, paths, specs, units, (x.shape[nb:] for x in leaves))
+    if not isinstance(spec, Spec):
+        _remember_units(tree, spec, plan)
     source = functools.partial(plan.pack, leaves=leaves, role="full")
     out, _ = finish(plan, start(plan, source, [("full", to)]), to)
     tag(out, plan, to, "weights")
     return optree.tree_unflatten(treedef, out)
+
+
+def plan_specs(spec: Any) -> list[Spec]:
+    """The Specs of a spec prefix tree, in unit order."""
+    return optree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, Spec))
+
+
+def _remember_units(tree: Any, spec: Any, plan: Plan) -> None:
+    """Record each unit's own layout, so that a unit's local shards are recognized alone
+    (by :func:`~functional_hsdp.gathered`) as well as within the whole tree."""
+    spec_def = optree.tree_structure(spec, is_leaf=lambda x: isinstance(x, Spec))
+    first = 0
+    for unit_spec, subtree in zip(plan_specs(spec), spec_def.flatten_up_to(tree)):
+        sub_def = optree.tree_structure(subtree)
+        n = sub_def.num_leaves
+        shapes = plan.shapes[first : first + n]
+        remember_layout(sub_def, (unit_spec,) * n, (0,) * n, shapes)
+        first += n
 
 
 def _replicated(x: torch.Tensor, batch: tuple[int, ...]) -> bool:

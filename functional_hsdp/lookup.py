@@ -150,14 +150,16 @@ def check_local(
             if same and state.kind in kinds:
                 continue  # made by this very plan, role and position: dtype and shape are right
             # else (another position, say): checked by value below, like an untagged tensor
+            # a leaf of another result (a whole tree's, given a unit of it): the same leaf
+            # only if made with the same spec and full shape
+            made = state.plan
             if not same and (
-                state.plan.treedef != plan.treedef
-                or state.plan.shapes != plan.shapes
-                or state.plan.specs != plan.specs
+                made.specs[index] != plan.specs[i] or made.shapes[index] != plan.shapes[i]
             ):
                 raise ValueError(
-                    f"{path}: was produced for another tree or spec ({state.plan!r}); it cannot "
-                    f"be used as {what}"
+                    f"{path}: was produced for another tree or spec ({made!r}: spec "
+                    f"{made.specs[index]!r}, full shape {made.shapes[index]}); it cannot be used "
+                    f"as {what}"
                 )
             if state.kind not in kinds:
                 raise ValueError(kind_error(path, state.kind, kinds))
@@ -200,7 +202,18 @@ def find_layout(
         if _matches(state, treedef, specs, units, roles):
             check_local(leaves, paths, state.plan, state.role, kinds, "local shards")
             return state.plan, state.role
-    return _by_shapes(leaves, treedef, paths, specs, units, like, roles, kinds, name)
+    if like is not None or any(f is not None for f in found):
+        return _by_shapes(leaves, treedef, paths, specs, units, like, roles, kinds, name)
+    # untagged local shards (an optimizer's new tensors, say): found once per metadata
+    key = (treedef, tuple(map(_META, leaves)), specs, units, tuple(roles), kinds, name)
+    if key not in _FOUND:
+        _FOUND[key] = _by_shapes(leaves, treedef, paths, specs, units, like, roles, kinds, name)
+    return _FOUND[key]
+
+
+# (structure, leaf metadata, specs, units, roles, kinds, name) -> (plan, role) of untagged
+# local shards that passed the checks
+_FOUND: Bounded = Bounded(256)
 
 
 def _matches(state: Any, treedef, specs, units, roles: Sequence[str]) -> bool:

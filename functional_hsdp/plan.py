@@ -32,7 +32,17 @@ from .layout import (
 from .placement import Partial, reduce_op, transition
 from .spec import Spec
 
-__all__ = ["LEGS", "ROLES", "Placed", "Plan", "Step", "TreeMeta", "get_plan", "layouts_for"]
+__all__ = [
+    "LEGS",
+    "ROLES",
+    "Placed",
+    "Plan",
+    "Step",
+    "TreeMeta",
+    "get_plan",
+    "layouts_for",
+    "remember_layout",
+]
 
 ROLES = ("input", "gradient", "optimizer", "parameter", "full")
 
@@ -283,15 +293,22 @@ def get_plan(meta: TreeMeta, paths: tuple[str, ...]) -> Plan:
     plan = _PLANS.get(meta)
     if plan is None:
         plan = _PLANS[meta] = Plan(meta, paths)
-        key = (meta.treedef, meta.specs, meta.units)
-        seen = _LAYOUTS.get(key)
-        if seen is None:
-            seen = _LAYOUTS[key] = {}
-        seen.pop(meta.shapes, None)
-        seen[meta.shapes] = None
-        if len(seen) > 16:
-            del seen[next(iter(seen))]
+        remember_layout(meta.treedef, meta.specs, meta.units, meta.shapes)
     return plan
+
+
+def remember_layout(
+    treedef: optree.PyTreeSpec, specs: tuple[Spec, ...], units: tuple[int, ...], shapes: tuple
+) -> None:
+    """Record the per-rank full shapes of a tree of this structure and spec (newest last)."""
+    key = (treedef, specs, units)
+    seen = _LAYOUTS.get(key)
+    if seen is None:
+        seen = _LAYOUTS[key] = {}
+    seen.pop(shapes, None)
+    seen[shapes] = None
+    if len(seen) > 16:
+        del seen[next(iter(seen))]
 
 
 def layouts_for(
