@@ -1,8 +1,11 @@
-"""Shared machinery of the benchmarks: the gloo process pool, memory and timing probes, trees,
-and writing sections of ``bench/RESULTS.md``.
+"""Shared machinery of the benchmarks: running a task on 4 gloo ranks, memory and timing
+probes, trees, and writing sections of ``bench/RESULTS.md``.
 
-Gloo runs use ``tests/gloo_pool.py``'s :class:`GlooPool` (a forkserver pool of 4 real gloo
-processes; tasks are module-level functions of ``bench.*`` modules, run on every rank).
+Gloo runs use :mod:`functional_hsdp.launch`: a benchmark run on its own starts 4 fresh ranks
+with the one-shot :func:`~functional_hsdp.launch.run` (torch's ``elastic_launch``); the smoke
+test passes one :class:`~functional_hsdp.launch.GlooPool` to all benchmarks instead, since
+starting ranks once per benchmark would dominate its run time there. Tasks are module-level
+functions of ``bench.*`` modules, run on every rank.
 
 Memory: torch has no CPU allocator statistics, so a probe reads the process's resident set
 (``/proc/self/statm``) and its high-water mark (``getrusage(RUSAGE_SELF).ru_maxrss``). glibc is
@@ -15,7 +18,6 @@ several regions.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
 import os
@@ -24,16 +26,16 @@ import re
 import resource
 import statistics
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from functional_hsdp import launch
+
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
-TESTS_DIR = os.path.join(REPO_ROOT, "tests")
 RESULTS = os.path.join(BENCH_DIR, "RESULTS.md")
 
 MMAP_THRESHOLD = 65536
@@ -41,49 +43,17 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
 WORLD = 4
 AXES = ("dp_outer", "dp_inner")
 
-# -- the gloo pool ----------------------------------------------------------------------------
+# -- gloo ranks -------------------------------------------------------------------------------
 
 PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "torch.distributed._functional_collectives",
-    "torch.distributed.device_mesh",
+    *launch.DEFAULT_PRELOAD,
     "torch.distributed.fsdp",
-    "torch._dynamo",
     "torch.profiler",
     "functional_hsdp",
-    "pytest",
 )
 
-
-def _gloo_pool_module():
-    if TESTS_DIR not in sys.path:
-        sys.path.insert(0, TESTS_DIR)
-    import gloo_pool
-
-    return gloo_pool
-
-
-def new_pool(world_size: int = WORLD, timeout: float = 900.0):
-    """A started pool of ``world_size`` gloo processes (forkserver; cheap to restart).
-
-    The workers keep glibc's default malloc settings (timings are what users get); a memory
-    measurement calls :func:`set_malloc` in the worker, after any timing in that process.
-    """
-    global WORKER_LIBRARY
-    gp = _gloo_pool_module()
-    pool = gp.GlooPool(world_size, timeout=timeout, start_timeout=180.0, preload=PRELOAD)
-    starts_server = _forkserver_pid() is None
-    pool.start()
-    if starts_server and WORKER_LIBRARY is None:
-        # the forkserver imported functional_hsdp just now; every worker forked from it later
-        # in this process runs that code, whatever happens to the checkout meanwhile
-        WORKER_LIBRARY = library_version()
-    return pool
-
-
 # The library version the gloo workers run: the checkout when this process started the
-# forkserver (which preloads functional_hsdp). None: not known (another pool started it).
+# forkserver (which preloads functional_hsdp). None: not known (another caller started it).
 WORKER_LIBRARY: str | None = None
 
 
@@ -93,22 +63,46 @@ def _forkserver_pid():
     return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
-@contextlib.contextmanager
-def pool_or(pool) -> Iterator[Any]:
-    """Use ``pool`` if given, else a fresh one closed on exit."""
+def _note_worker_library() -> None:
+    """Before starting workers: if this starts the forkserver, which imports functional_hsdp
+    now, every worker forked from it later in this process runs this checkout's code as of now,
+    whatever happens to the checkout meanwhile."""
+    global WORKER_LIBRARY
+    if WORKER_LIBRARY is None and _forkserver_pid() is None:
+        WORKER_LIBRARY = library_version()
+
+
+def new_pool(world_size: int = WORLD, timeout: float = 900.0) -> launch.GlooPool:
+    """A started pool of ``world_size`` gloo processes, for running many benchmarks (the
+    smoke test). The workers keep glibc's default malloc settings (timings are what users
+    get); a memory measurement calls :func:`set_malloc` in the worker, after any timing in
+    that process."""
+    pool = launch.GlooPool(world_size, timeout=timeout, start_timeout=180.0, preload=PRELOAD)
+    _note_worker_library()
+    pool.start()
+    return pool
+
+
+def on_ranks(pool: launch.GlooPool | None, task: Callable[..., Any], *args: Any) -> list[Any]:
+    """``task(*args)`` on every rank: on ``pool`` if given, else on 4 fresh ranks."""
     if pool is not None:
-        yield pool
-        return
-    p = new_pool()
-    try:
-        yield p
-    finally:
-        p.close()
+        return pool.run(task, *args)
+    _note_worker_library()
+    return launch.run(task, *args, world_size=WORLD, timeout=900.0, preload=PRELOAD)
+
+
+def run_task(task: Callable[[dict], Any], sizes: dict, size: str, pool=None) -> tuple[list, dict]:
+    """A benchmark's ``task(cfg)`` (``cfg = sizes[size]``) on every rank: its per-rank results,
+    and the start of the benchmark's result dict (size, cfg, wall time of the run)."""
+    cfg = sizes[size]
+    t0 = time.perf_counter()
+    per_rank = on_ranks(pool, task, cfg)
+    return per_rank, {"size": size, "cfg": cfg, "wall_s": time.perf_counter() - t0}
 
 
 def device_mesh(shape: tuple[int, ...] = (2, 2), names: tuple[str, ...] = AXES):
     """A cached CPU DeviceMesh in a worker (collective: call on every rank)."""
-    return _gloo_pool_module().device_mesh(tuple(shape), tuple(names))
+    return launch.device_mesh(tuple(shape), tuple(names))
 
 
 def rank() -> int:
@@ -210,6 +204,37 @@ def geomean(xs) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
+def interleaved(
+    ops: dict[Any, Callable[[], Any]],
+    warmup: int,
+    reps: int,
+    after: dict[Any, Callable[[], Any]] | None = None,
+) -> dict[Any, list[float]]:
+    """Times of every op in ``ops`` over ``reps`` repetitions after ``warmup`` untimed ones:
+    each repetition calls every op once, in turn (interleaved, so that drift on a noisy machine
+    hits all of them alike), each call after a barrier. ``after[key]()`` runs untimed after
+    each call of op ``key`` (a reset, say)."""
+    after = after or {}
+    times: dict[Any, list[float]] = {k: [] for k in ops}
+    for rep in range(warmup + reps):
+        for k, fn in ops.items():
+            dt, res = timed(fn)
+            del res
+            if k in after:
+                after[k]()
+            if rep >= warmup:
+                times[k].append(dt)
+    return times
+
+
+def timing_note(cfg: dict, what: str) -> str:
+    """The report's sentence on how :func:`interleaved` timed ``what`` and what is shown."""
+    return (
+        f"{cfg['warmup']} warm-up and {cfg['reps']} timed repetitions, {what} interleaved, "
+        "each after a barrier; median of the slowest rank's time."
+    )
+
+
 def across_ranks_max(per_rank: list[list[float]]) -> list[float]:
     """Per repetition, the slowest rank's time (a step is as slow as its slowest rank)."""
     return [max(col) for col in zip(*per_rank)]
@@ -219,6 +244,14 @@ def slowest_rank(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float
     """Per timed variant (the keys of every rank's ``{variant: times}``), each repetition's
     time on the slowest rank."""
     return {k: across_ranks_max([r[k] for r in per_rank]) for k in per_rank[0]}
+
+
+def slowest_rank_medians(
+    per_rank: list[dict[str, list[float]]],
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """:func:`slowest_rank`'s times, and their median per variant."""
+    times = slowest_rank(per_rank)
+    return times, {k: median(v) for k, v in times.items()}
 
 
 def lo_bytes() -> int:
@@ -315,21 +348,16 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
 
 def library_version() -> str:
     """The commit of the checkout, and whether functional_hsdp/ has uncommitted changes."""
+
+    def git(*args: str) -> str:
+        out = subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "functional_hsdp"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "functional_hsdp")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return f"commit {head}" + (" + uncommitted changes in functional_hsdp/" if dirty else "")

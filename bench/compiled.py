@@ -11,7 +11,6 @@ compiled graphs. Results are checked equal to eager before timing.
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 from . import common as C
@@ -60,17 +59,11 @@ def task(cfg: dict) -> dict:
             for mode, fns in (("eager", eager), ("compiled", compiled))
             for k in CALLS
         }
-        times = {f"{k}/{mode}": [] for k, mode in ops}
-        for rep in range(cfg["warmup"] + cfg["reps"]):
-            for (k, mode), fn in ops.items():
-                dt, res = C.timed(fn)
-                del res
-                if rep >= cfg["warmup"]:
-                    times[f"{k}/{mode}"].append(dt)
+        times = C.interleaved(ops, cfg["warmup"], cfg["reps"])
         out[n] = {
             "numel": C.numel(shapes),
             "leaves": len(shapes),
-            "times": times,
+            "times": {f"{k}/{mode}": v for (k, mode), v in times.items()},
             "compile_s": compile_s,
             "equal": equal,
         }
@@ -78,14 +71,10 @@ def task(cfg: dict) -> dict:
 
 
 def run(size: str = "full", pool=None) -> dict:
-    cfg = SIZES[size]
-    t0 = time.perf_counter()
-    with C.pool_or(pool) as p:
-        per_rank = p.run(task, cfg)
-    res = {"size": size, "cfg": cfg, "cases": []}
+    per_rank, res = C.run_task(task, SIZES, size, pool)
+    res["cases"] = []
     for n, case in per_rank[0].items():
-        times = C.slowest_rank([r[n]["times"] for r in per_rank])
-        median = {k: C.median(v) for k, v in times.items()}
+        _, median = C.slowest_rank_medians([r[n]["times"] for r in per_rank])
         res["cases"].append(
             {
                 "numel": case["numel"],
@@ -96,7 +85,6 @@ def run(size: str = "full", pool=None) -> dict:
                 "equal": all(all(r[n]["equal"].values()) for r in per_rank),
             }
         )
-    res["wall_s"] = time.perf_counter() - t0
     return res
 
 
@@ -111,9 +99,7 @@ def report(res: dict, command: str, when: str) -> str:
         f'"{cfg["backend"]}")`, one function per value of `last`. Traced, the DistMesh runs '
         "the functional collectives; eager, its asynchronous in-place c10d all-reduces (the "
         "faster form on gloo). Compile time = the first compiled call (max over ranks). "
-        f"{cfg['warmup']} warm-up and {cfg['reps']} timed repetitions, eager and compiled "
-        "interleaved, each after a barrier; median of the slowest rank's time. Ratio = "
-        "compiled / eager.\n"
+        f"{C.timing_note(cfg, 'eager and compiled')} Ratio = compiled / eager.\n"
     )
     rows = []
     for c in res["cases"]:

@@ -22,7 +22,6 @@ c10d / gloo events, and comm_log for fh), per-step peak memory.
 from __future__ import annotations
 
 import copy
-import time
 from collections import Counter
 from functools import partial
 
@@ -225,14 +224,10 @@ def task(cfg: dict, variants=VARIANTS) -> dict:
 
 
 def run(size: str = "full", pool=None) -> dict:
-    cfg = SIZES[size]
-    t0 = time.perf_counter()
-    with C.pool_or(pool) as p:
-        per_rank = p.run(task, cfg)
+    per_rank, res = C.run_task(task, SIZES, size, pool)
     variants = list(per_rank[0]["times"])
-    res = {"size": size, "cfg": cfg, "variants": variants, "numel": per_rank[0]["numel"]}
-    res["times"] = C.slowest_rank([r["times"] for r in per_rank])
-    res["median"] = {v: C.median(res["times"][v]) for v in variants}
+    res.update(variants=variants, numel=per_rank[0]["numel"])
+    res["times"], res["median"] = C.slowest_rank_medians([r["times"] for r in per_rank])
     # the global loss of a step: mean over ranks of each rank's mean microbatch loss
     res["losses"] = {
         v: [sum(col) / len(col) for col in zip(*(r["losses"][v] for r in per_rank))]
@@ -249,7 +244,6 @@ def run(size: str = "full", pool=None) -> dict:
     }
     if "fh" in variants:
         res["ratio"] = {v: res["median"]["fh"] / res["median"][v] for v in variants if v != "fh"}
-    res["wall_s"] = time.perf_counter() - t0
     return res
 
 

@@ -103,15 +103,7 @@ def task(cfg: dict) -> dict:
             "mg_last": partial(mg.accumulate, g, last=True),
             **_bare(dm, bufs),
         }
-        times = {k: [] for k in ops}
-        for rep in range(cfg["warmup"] + cfg["reps"]):
-            for k, fn in ops.items():
-                dt, res = C.timed(fn)
-                del res
-                if k == "mg_last":
-                    mg.zero_grad()
-                if rep >= cfg["warmup"]:
-                    times[k].append(dt)
+        times = C.interleaved(ops, cfg["warmup"], cfg["reps"], after={"mg_last": mg.zero_grad})
         out[n] = {
             "numel": C.numel(shapes),
             "leaves": len(shapes),
@@ -142,21 +134,16 @@ def _profile(fn, rows: int = 8) -> dict:
 
 
 def run(size: str = "full", pool=None) -> dict:
-    cfg = SIZES[size]
-    t0 = time.perf_counter()
-    with C.pool_or(pool) as p:
-        per_rank = p.run(task, cfg)
-    res = {"size": size, "cfg": cfg, "cases": []}
+    per_rank, res = C.run_task(task, SIZES, size, pool)
+    res["cases"] = []
     for n, case in per_rank[0].items():
         c = {k: case[k] for k in ("numel", "leaves", "buckets")}
-        c["times"] = C.slowest_rank([r[n]["times"] for r in per_rank])
-        c["median"] = {k: C.median(v) for k, v in c["times"].items()}
+        c["times"], c["median"] = C.slowest_rank_medians([r[n]["times"] for r in per_rank])
         c["ratio"] = {a: c["median"][a] / c["median"][b] for a, b, _ in PAIRS}
         c["ratio_fast"] = {a: c["median"][a] / c["median"][f] for a, _, f in PAIRS}
         if "profile" in case:
             c["profile"] = case["profile"]
         res["cases"].append(c)
-    res["wall_s"] = time.perf_counter() - t0
     return res
 
 
@@ -175,9 +162,7 @@ def report(res: dict, command: str, when: str) -> str:
         "reduce-scatter section), then in-place all-reduce of the slice over dp_outer. For "
         "reference, `bare` = the functional collectives (`funcol.reduce_scatter_single`, then "
         "`funcol.all_reduce` on the chunk). "
-        f"{cfg['warmup']} warm-up and {cfg['reps']} timed repetitions, every operation "
-        "interleaved in each repetition, each after a barrier; median of the slowest rank's "
-        "time.\n"
+        f"{C.timing_note(cfg, 'every operation')}\n"
     )
     rows = []
     for c in res["cases"]:

@@ -2,8 +2,8 @@
 
 One HSDP step (2x2 mesh, M microbatches) over a tree of about 50M fp32 parameters, on a SimMesh
 (one process; every value carries the 2x2 mesh in front, so 4 ranks' bytes) and on 4 gloo
-processes. Three configurations, each in a fresh process (a subprocess for SimMesh, a fresh
-pool of 4 workers for gloo):
+processes. Three configurations, each in a fresh process (a subprocess for SimMesh, 4 fresh
+gloo ranks for gloo):
 
 - ``baseline``: produce each microbatch's per-rank gradients (new tensors, as a backward
   would) and drop them; no reduction.
@@ -180,8 +180,7 @@ def _run_sim(paths: tuple[str, ...], cfg: dict, parallel: bool) -> dict:
 
 
 def _run_gloo(path: str, cfg: dict, pool=None) -> dict:
-    with C.pool_or(pool) as p:
-        per_rank = p.run(measure, "gloo", path, cfg["n"], cfg["M"], cfg["cap"])
+    per_rank = C.on_ranks(pool, measure, "gloo", path, cfg["n"], cfg["M"], cfg["cap"])
     out = dict(per_rank[0])
     for key in ("peak", "kept", "rss_before", "persistent_rss"):
         if key in out:
@@ -192,8 +191,8 @@ def _run_gloo(path: str, cfg: dict, pool=None) -> dict:
 
 
 def run(size: str = "full", pool=None) -> dict:
-    """All configs on both meshes. ``pool``: reuse one gloo pool (smoke test) instead of a
-    fresh one per configuration."""
+    """All configs on both meshes. ``pool``: reuse one gloo pool (smoke test) instead of
+    fresh ranks per configuration."""
     cfg = SIZES[size]
     res = {"size": size, "cfg": cfg, "sim": {}, "gloo": {}}
     # tiny (smoke test): the three subprocesses at once; full: one after another
@@ -237,8 +236,8 @@ def report(res: dict, command: str, when: str) -> str:
             command,
             when,
         ),
-        "Each configuration runs in a fresh process (SimMesh: a subprocess; gloo: a fresh pool "
-        "of 4 workers) with `MALLOC_MMAP_THRESHOLD_=65536` (and `mallopt`), so tensors are "
+        "Each configuration runs in a fresh process (SimMesh: a subprocess; gloo: 4 fresh "
+        "ranks) with `MALLOC_MMAP_THRESHOLD_=65536` (and `mallopt`), so tensors are "
         "mmap'd and freed memory returns to the OS. One warm-up step, then the measured step: "
         "RSS before it (`/proc/self/statm`), then for every microbatch the high-water mark "
         "(`ru_maxrss`, reset to the current RSS between microbatches via "

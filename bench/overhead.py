@@ -191,11 +191,8 @@ def _cprofile(fn, rows: int = 14) -> str:
 
 
 def run(size: str = "full", pool=None) -> dict:
-    cfg = SIZES[size]
-    t0 = time.perf_counter()
-    with C.pool_or(pool) as p:
-        per_rank = p.run(task, cfg)
-    res = {"size": size, "cfg": cfg, "cases": []}
+    per_rank, res = C.run_task(task, SIZES, size, pool)
+    res["cases"] = []
     for k in per_rank[0]:
         c = {"leaves": k}
         # per rank medians, then the slowest rank (host work does not synchronise ranks)
@@ -211,7 +208,6 @@ def run(size: str = "full", pool=None) -> dict:
         c["profile"] = per_rank[0][k]["profile"]
         c["reps"] = per_rank[0][k]["reps"]
         res["cases"].append(c)
-    res["wall_s"] = time.perf_counter() - t0
     return res
 
 

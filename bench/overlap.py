@@ -18,7 +18,6 @@ Ratio: overlap / no overlap (below 1: overlap gains).
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 from . import common as C
@@ -48,15 +47,8 @@ def task(cfg: dict) -> dict:
             ops[("rg_last", on)] = partial(fh.reduce_grads, g, spec, last=True, acc=acc)
             ops[("mg_acc", on)] = partial(mg.accumulate, g, last=False)
             ops[("mg_last", on)] = partial(mg.accumulate, g, last=True)
-        times = {k: [] for k in ops}
-        for rep in range(cfg["warmup"] + cfg["reps"]):
-            for k, fn in ops.items():
-                dt, res = C.timed(fn)
-                del res
-                if k[0] == "mg_last":
-                    mgs[k[1]].zero_grad()
-                if rep >= cfg["warmup"]:
-                    times[k].append(dt)
+        resets = {("mg_last", on): mg.zero_grad for on, mg in mgs.items()}
+        times = C.interleaved(ops, cfg["warmup"], cfg["reps"], after=resets)
         out[cap] = {
             "buckets": len(mgs[True].plan.buckets),
             "times": {f"{k[0]}/{'on' if k[1] else 'off'}": v for k, v in times.items()},
@@ -66,21 +58,15 @@ def task(cfg: dict) -> dict:
 
 
 def run(size: str = "full", pool=None) -> dict:
-    cfg = SIZES[size]
-    t0 = time.perf_counter()
-    with C.pool_or(pool) as p:
-        per_rank = p.run(task, cfg)
+    per_rank, res = C.run_task(task, SIZES, size, pool)
     first = per_rank[0]
-    res = {"size": size, "cfg": cfg, "numel": first["numel"], "leaves": first["leaves"]}
-    res["cases"] = []
+    res.update(numel=first["numel"], leaves=first["leaves"], cases=[])
     for cap, case in first["cases"].items():
-        times = C.slowest_rank([r["cases"][cap]["times"] for r in per_rank])
-        median = {k: C.median(v) for k, v in times.items()}
+        _, median = C.slowest_rank_medians([r["cases"][cap]["times"] for r in per_rank])
         ratio = {c: median[f"{c}/on"] / median[f"{c}/off"] for c in CALLS}
         res["cases"].append(
             {"cap": cap, "buckets": case["buckets"], "median": median, "ratio": ratio}
         )
-    res["wall_s"] = time.perf_counter() - t0
     return res
 
 
@@ -93,9 +79,8 @@ def report(res: dict, command: str, when: str) -> str:
         "`DistMesh(dm)` (overlap: every bucket packed just before its first collective and "
         "every bucket's collective issued before any is waited on; MainGrad two buckets in "
         "flight) and `DistMesh(dm, overlap=False)` (each collective waited for as soon as it "
-        f"is issued), same process groups. {cfg['warmup']} warm-up and {cfg['reps']} timed "
-        "repetitions, all calls interleaved, each after a barrier; median of the slowest "
-        "rank's time. Ratio = overlap / no overlap: below 1, overlap gains.\n"
+        f"is issued), same process groups. {C.timing_note(cfg, 'all calls')} Ratio = overlap / "
+        "no overlap: below 1, overlap gains.\n"
     )
     rows = []
     for c in res["cases"]:

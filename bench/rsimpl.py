@@ -16,7 +16,6 @@ bytes that crossed the loopback interface per call (all 4 processes together, fr
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import torch
@@ -135,19 +134,14 @@ def task(cfg: dict) -> dict:
 
 
 def run(size: str = "full", pool=None) -> dict:
-    cfg = SIZES[size]
-    t0 = time.perf_counter()
-    with C.pool_or(pool) as p:
-        per_rank = p.run(task, cfg)
-    res = {"size": size, "cfg": cfg, "cases": {}}
+    per_rank, res = C.run_task(task, SIZES, size, pool)
+    res["cases"] = {}
     for key, case in per_rank[0].items():
         c = {"group": case["group"], "n": case["n"], "numel": case["numel"]}
-        c["times"] = C.slowest_rank([r[key]["times"] for r in per_rank])
-        c["median"] = {k: C.median(v) for k, v in c["times"].items()}
+        c["times"], c["median"] = C.slowest_rank_medians([r[key]["times"] for r in per_rank])
         c["wire"] = {k: C.median(v) for k, v in case["wire"].items()}  # machine-wide counter
         c["peak"] = {k: max(r[key]["peak"][k] for r in per_rank) for k in IMPLS}
         res["cases"][key] = c
-    res["wall_s"] = time.perf_counter() - t0
     return res
 
 

@@ -16,7 +16,6 @@ Median of the timed repetitions (slowest rank), a table and a PNG plot.
 from __future__ import annotations
 
 import os
-import time
 
 from . import common as C
 
@@ -112,20 +111,16 @@ def task(cfg: dict) -> list[dict]:
 
 
 def run(size: str = "full", pool=None, png: str | None = PNG) -> dict:
-    cfg = SIZES[size]
-    t0 = time.perf_counter()
-    with C.pool_or(pool) as p:
-        per_rank = p.run(task, cfg)
+    per_rank, res = C.run_task(task, SIZES, size, pool)
     cases = []
     for i, c in enumerate(per_rank[0]):
         c = dict(c)
         c["times"] = C.across_ranks_max([r[i]["times"] for r in per_rank])
         c["median"] = C.median(c["times"])
         cases.append(c)
-    res = {"size": size, "cfg": cfg, "cases": cases, "png": png}
+    res.update(cases=cases, png=png)
     if png:
         plot(res, png)
-    res["wall_s"] = time.perf_counter() - t0
     return res
 
 

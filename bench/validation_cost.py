@@ -1,8 +1,9 @@
 """The cost of cross-rank validation: a first call (fingerprint exchange) vs a cached call.
 
-Standalone: ``python bench/validation_cost.py`` starts 4 gloo processes (2x2 mesh, one thread
-each), times ``reduce_grads`` (hsdp, last=True) on trees of several sizes, and writes its section
-of ``bench/RESULTS.md`` (between its own markers; the rest of the file is kept).
+Standalone: ``python bench/validation_cost.py`` starts 4 gloo ranks (2x2 mesh, one thread
+each; ``functional_hsdp.launch.run``), times ``reduce_grads`` (hsdp, last=True) on trees of
+several sizes, and writes its section of ``bench/RESULTS.md`` (between its own markers; the rest
+of the file is kept).
 
 Per tree, each figure is the median over repeats of the slowest rank, ranks started together
 by a barrier:
@@ -16,15 +17,13 @@ by a barrier:
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import platform
-import socket
 import statistics
 import subprocess
-import sys
 import time
-from datetime import timedelta
+
+from functional_hsdp import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "bench", "RESULTS.md")
@@ -32,21 +31,17 @@ TREES = [(10, 4096), (100, 4096), (1000, 256)]  # (leaves, elements per leaf)
 REPEATS = 9
 
 
-def _worker(rank: int, init: str, queue) -> None:
-    sys.path.insert(0, REPO)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+def _worker() -> list:
+    """On every rank (``launch.run`` has joined the process group): the timings of each tree."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import functional_hsdp as fh
     from functional_hsdp import validate
-    from functional_hsdp.reduce import _flatten, _plan_from
+    from functional_hsdp.lookup import plan_for
+    from functional_hsdp.tree import flatten
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=4, timeout=timedelta(seconds=120)
-    )
     dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_inner"))
 
     def timed(fn, *args, **kwargs) -> float:
@@ -65,24 +60,17 @@ def _worker(rank: int, init: str, queue) -> None:
             runs["cached"].append(timed(fh.reduce_grads, grads, spec, last=True))
             fh.reduce_grads(grads, spec, last=True, check_finite=True)  # its first call
             runs["fin"].append(timed(fh.reduce_grads, grads, spec, last=True, check_finite=True))
-            leaves_, treedef, paths = _flatten(grads, "grads")
+            leaves_, treedef, paths = flatten(grads, "grads")
             shapes = [tuple(x.shape) for x in leaves_]
-            plan = _plan_from(leaves_, treedef, paths, (spec,) * len(leaves_), shapes)
+            n = len(leaves_)
+            plan = plan_for(leaves_, treedef, paths, (spec,) * n, (0,) * n, shapes)
             key = f"bench {len(runs['check'])}"  # a call this plan has not been checked for
             runs["check"].append(timed(validate.check, plan, key, paths, last=True))
             other = fh.hsdp(fh.DistMesh(dm), "dp_outer", "dp_inner")
             with validate.validation("off"):
                 runs["off"].append(timed(fh.reduce_grads, grads, other, last=True))
         rows.append((leaves, size, {k: statistics.median(v) for k, v in runs.items()}))
-    queue.put((rank, rows))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return rows
 
 
 def _date() -> str:
@@ -111,15 +99,7 @@ def _write_section(markdown: str) -> None:
 
 def main() -> None:
     load = os.getloadavg()[0]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_worker, args=(r, init, queue)) for r in range(4)]
-    for p in procs:
-        p.start()
-    per_rank = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(60)
+    per_rank = dict(enumerate(launch.run(_worker, world_size=4, timeout=120)))
     import torch
 
     ms = lambda s: f"{1e3 * s:.2f}"  # noqa: E731

@@ -21,8 +21,6 @@ the theoretical total of all ranks: what gloo actually sends.
 
 from __future__ import annotations
 
-import time
-
 from . import common as C
 
 SIZES = {
@@ -95,13 +93,10 @@ def task(cfg: dict) -> dict:
 
 
 def run(size: str = "full", pool=None) -> dict:
-    cfg = SIZES[size]
-    t0 = time.perf_counter()
-    with C.pool_or(pool) as p:
-        per_rank = p.run(task, cfg)
-    numel = per_rank[0]["numel"]
+    per_rank, res = C.run_task(task, SIZES, size, pool)
+    cfg, numel = res["cfg"], per_rank[0]["numel"]
     S = numel * 4
-    res = {"size": size, "cfg": cfg, "numel": numel, "presets": {}}
+    res.update(numel=numel, presets={})
     for preset in PRESETS:
         evs = per_rank[0]["presets"][preset]["events"]
         assert all(r["presets"][preset]["events"] == evs for r in per_rank), "ranks disagree"
@@ -135,7 +130,6 @@ def run(size: str = "full", pool=None) -> dict:
             "theory": total_theory,
             "lo": per_rank[0]["presets"][preset]["lo"],  # machine-wide, all 4 processes
         }
-    res["wall_s"] = time.perf_counter() - t0
     return res
 
 

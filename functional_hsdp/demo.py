@@ -3,8 +3,8 @@
 The demo is the library's end-to-end check. One training loop, written once against the
 public API (``shard``, ``gather``, ``reduce_grads``, ``comm_log``), runs either
 
-- on real ranks (``--backend gloo``): the command starts O*I local workers itself with
-  torch.distributed's elastic launcher; each worker joins a gloo process group, builds a
+- on real ranks (``--backend gloo``): the command starts O*I local gloo ranks itself with
+  :func:`functional_hsdp.launch.run` (torch.distributed's elastic launcher); each builds a
   ``DeviceMesh`` and a :class:`~functional_hsdp.DistMesh`, and computes gradients on its own
   data slice; or
 - in one process (``--backend sim``) on a :class:`~functional_hsdp.SimMesh`, where every value
@@ -22,12 +22,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import multiprocessing
-import socket
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from typing import TextIO
 
@@ -39,6 +35,8 @@ from torch.func import functional_call, grad_and_value, vmap
 from tqdm import tqdm
 
 import functional_hsdp as fh
+
+from . import launch
 
 __all__ = ["AXES", "Config", "Result", "Report", "add_arguments", "main", "run"]
 
@@ -228,57 +226,25 @@ def train_sim(cfg: Config) -> Result:
 
 
 def _worker(cfg: Config) -> Result:
-    """One gloo rank, started by the elastic launcher (which sets RANK, MASTER_ADDR, ...)."""
+    """One gloo rank, in the process group that :func:`functional_hsdp.launch.run` set up."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)  # O*I processes share the machine's cores
-    dist.init_process_group("gloo")
-    try:
-        dm = init_device_mesh("cpu", (cfg.outer, cfg.inner), mesh_dim_names=AXES)
-        mesh = fh.DistMesh(dm)
-        o, i = (mesh.coordinate(a) for a in AXES)
-        x, y = make_data(cfg)
-        return train(cfg, mesh, x[o, i], y[o, i], progress=dist.get_rank() == 0)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    dm = init_device_mesh("cpu", (cfg.outer, cfg.inner), mesh_dim_names=AXES)
+    mesh = fh.DistMesh(dm)
+    o, i = (mesh.coordinate(a) for a in AXES)
+    x, y = make_data(cfg)
+    return train(cfg, mesh, x[o, i], y[o, i], progress=dist.get_rank() == 0)
 
 
 def train_gloo(cfg: Config) -> Result:
-    """O*I local gloo workers via ``elastic_launch``; per-rank losses come back to this process.
+    """O*I local gloo ranks (``launch.run``); per-rank losses come back to this process.
 
     Rank 0's communication log stands for every rank: each rank issues the same collectives.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    # Workers fork from a fresh server process that has imported torch once, instead of each
-    # importing it (spawn: seconds per worker). Forking this process instead can deadlock: the
-    # agent's rendezvous store already runs threads here. torch.func.grad imports
-    # torch._dynamo on first use, as slow again, so the server imports it too. Takes effect if
-    # no server runs yet.
-    multiprocessing.set_forkserver_preload(["torch._dynamo", "functional_hsdp.demo"])
-    with tempfile.TemporaryDirectory(prefix="functional_hsdp_demo_") as logs:
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=cfg.world_size,
-            rdzv_backend="c10d",
-            rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-            run_id=f"functional_hsdp_demo_{uuid.uuid4().hex[:8]}",
-            max_restarts=0,
-            monitor_interval=0.05,  # the agent polls workers: short polls end the run sooner
-            logs_specs=DefaultLogsSpecs(log_dir=logs),
-            start_method="forkserver",
-        )
-        results = elastic_launch(config, _worker)(cfg)
-    ranks = [results[r] for r in range(cfg.world_size)]
+    # The forkserver the ranks fork from imports this module too (if this run starts it).
+    preload = (*launch.DEFAULT_PRELOAD, "functional_hsdp.demo")
+    ranks = launch.run(_worker, cfg, world_size=cfg.world_size, preload=preload)
     losses = [[r.rank_losses[s][0] for r in ranks] for s in range(cfg.steps)]
     return dataclasses.replace(ranks[0], rank_losses=losses)
 
@@ -458,8 +424,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the demo from parsed flags; 0 on PASS, 1 on FAIL or a failed worker."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     cfg = Config(
         strategy=args.strategy,
         backend=args.backend,
@@ -474,8 +438,8 @@ def main(args: argparse.Namespace) -> int:
     )
     try:
         report = run(cfg)
-    except ChildFailedError as e:
-        print(e.format_msg(), file=sys.stderr)
+    except launch.WorkerError as e:
+        print(e, file=sys.stderr)
         print("FAIL: a gloo worker failed (its traceback is above)", flush=True)
         return 1
     return 0 if report.passed else 1

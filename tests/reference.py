@@ -1,4 +1,7 @@
-"""Plain dense-torch references that the tests check every mesh and spec against."""
+"""Plain dense-torch references that the tests check every mesh and spec against, and the
+helpers that gloo worker processes import with the test modules' task functions (workers
+import modules by name; ``conftest.py`` holds the fixtures, and is not imported).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import functional_hsdp as fh
 
 AXES = ("dp_outer", "dp_inner")
 SHAPES = {"a": (7, 3), "n": [(5,), {"s": (1,)}], "z": (13, 11)}
+STRATEGIES = ("ddp", "fsdp", "hsdp", "hfsdp")
+GLOO_SHAPE = (2, 2)  # the 4 ranks of conftest.py's ``pool`` as a (dp_outer, dp_inner) mesh
 
 
 def preset(name: str, mesh: fh.Mesh, **kw) -> fh.Spec:
@@ -87,6 +92,50 @@ def mlp_loss(model):
         return torch.nn.functional.mse_loss(functional_call(model, params, (x,)), y)
 
     return loss
+
+
+def mlp_step(step_grad, full, x, y, spec, each=None):
+    """One training step's M microbatches ``x[m]``, ``y[m]`` on this rank: ``reduce_grads``
+    of ``grad(loss) / M`` (each scaled gradient is also given to ``each(g, last)``, if given).
+    Returns the reduced gradients and the mean microbatch loss."""
+    M = len(x)
+    acc, loss_sum = None, 0.0
+    for m, last in fh.microbatches(M):
+        g, loss = step_grad(full, x[m], y[m])
+        g = optree.tree_map(lambda t: t / M, g)
+        if each is not None:
+            each(g, last)
+        acc = fh.reduce_grads(g, spec, last=last, acc=acc)
+        loss_sum += loss.item() / M
+    return acc, loss_sum
+
+
+# -- in a gloo worker: helpers for the tasks that tests run on conftest.py's ``pool`` ---------
+
+
+def dist_mesh(**kw) -> fh.DistMesh:
+    """A DistMesh over the worker's cached 2x2 (dp_outer, dp_inner) DeviceMesh."""
+    from functional_hsdp.launch import device_mesh
+
+    return fh.DistMesh(device_mesh(GLOO_SHAPE, AXES), **kw)
+
+
+def dist_preset(strategy: str, **kw) -> fh.Spec:
+    """``preset(strategy)`` on :func:`dist_mesh`."""
+    return preset(strategy, dist_mesh(), **kw)
+
+
+def coords() -> tuple[int, int]:
+    """This rank's (dp_outer, dp_inner) coordinates."""
+    import torch.distributed as dist
+
+    return divmod(dist.get_rank(), GLOO_SHAPE[1])
+
+
+def this_rank(tree):
+    """This rank's values ``x[o, i]`` of a tree with the mesh shape in front."""
+    o, i = coords()
+    return optree.tree_map(lambda x: x[o, i], tree)
 
 
 def check_acc_reuse(strategy: str, spec, batch: tuple[int, ...], rank: int = 0) -> bool:

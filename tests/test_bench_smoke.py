@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from bench import BENCHMARKS, common  # noqa: E402
-from bench.__main__ import run_one  # noqa: E402
+from bench import BENCHMARKS, common
+from bench.__main__ import run_one
 
 # memory last: it switches the shared workers' malloc to mmap-everything
 ORDER = ["wire", "limit", "overlap", "compiled", "rsimpl", "overhead", "scaling", "fsdp", "memory"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 from reference import random_tree
@@ -21,8 +22,6 @@ def per_microbatch_logs(spec, micro):
 
 
 def n_buckets(spec, tree) -> int:
-    import optree
-
     from functional_hsdp.layout import build_buckets
 
     paths, leaves, _ = optree.tree_flatten_with_path(tree)
@@ -33,6 +32,7 @@ def n_buckets(spec, tree) -> int:
         tuple(x.dtype for x in leaves),
         tuple(x.device for x in leaves),
         (spec,) * len(leaves),
+        (0,) * len(leaves),
     )
     return len(buckets)
 
@@ -110,17 +110,24 @@ def test_ddp_defers_everything_and_fsdp_defers_nothing(microbatches):
         assert log.count("all_reduce") == 0
 
 
-def test_hfsdp_reduce_scatters_over_outer_on_the_last_microbatch_and_sync_gathers():
+@pytest.mark.parametrize("cap", [25.0, CAP_40], ids=["one_bucket", "many_buckets"])
+def test_hfsdp_reduce_scatters_over_outer_on_the_last_microbatch_and_sync_gathers(cap):
+    """Per bucket: a reduce-scatter on inner every microbatch, one on outer on the last, and one
+    all-gather on outer in sync_params (of shard's weights or of updated ones)."""
     mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
-    spec = fh.hfsdp(mesh, "dp_outer", "dp_inner")
+    spec = fh.hfsdp(mesh, "dp_outer", "dp_inner", bucket_cap_mb=cap)
     micro = [random_tree((2, 2), seed=m) for m in range(3)]
+    b = n_buckets(spec, micro[0])
+    assert (b == 1) == (cap == 25.0)
     logs, grads = per_microbatch_logs(spec, micro)
-    assert [log.count("reduce_scatter", "dp_outer") for log in logs] == [0, 0, 1]
-    assert sum(log.count("reduce_scatter", "dp_inner") for log in logs) == 3
+    assert [log.count("reduce_scatter", "dp_outer") for log in logs] == [0, 0, b]
+    assert [log.count("reduce_scatter", "dp_inner") for log in logs] == [b, b, b]
     params = fh.shard(random_tree(()), spec)
-    with fh.comm_log() as log:
-        fh.sync_params(params, spec)
-    assert [(e.op, e.axis) for e in log.events] == [("all_gather", "dp_outer")]
+    updated = optree.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+    for tree in (params, updated):
+        with fh.comm_log() as log:
+            fh.sync_params(tree, spec)
+        assert [(e.op, e.axis) for e in log.events] == [("all_gather", "dp_outer")] * b
 
 
 def test_shard_is_communication_free_and_gather_undoes_splits_in_reverse_order():

@@ -12,12 +12,10 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_pool import device_mesh, module_pool
-from reference import AXES, preset, random_tree
+from reference import AXES, dist_preset, preset, random_tree
 
 import functional_hsdp as fh
 
-pool = module_pool(4)
 SHAPES = {"w": (37, 5), "n": [(7,), {"s": (3, 2)}]}
 OTHER = {"w": (11, 5), "n": [(9,), {"s": (3, 2)}]}
 
@@ -72,7 +70,7 @@ def check_compiled_matches_eager(spec, batch, seed: int, backend: str) -> dict:
 
 
 def _on_rank(strategy: str, backend: str) -> dict:
-    spec = preset(strategy, fh.DistMesh(device_mesh((2, 2), AXES)))
+    spec = dist_preset(strategy)
     return check_compiled_matches_eager(spec, (), 10 * dist.get_rank(), backend)
 
 

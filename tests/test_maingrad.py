@@ -5,11 +5,18 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from reference import AXES, SHAPES, accumulate, dense_reduce, max_error, preset, random_tree
+from reference import (
+    AXES,
+    SHAPES,
+    STRATEGIES,
+    accumulate,
+    dense_reduce,
+    max_error,
+    preset,
+    random_tree,
+)
 
 import functional_hsdp as fh
-
-STRATEGIES = ["ddp", "fsdp", "hsdp", "hfsdp"]
 
 
 def like(shapes=SHAPES, dtype=torch.float32):

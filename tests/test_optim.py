@@ -7,11 +7,10 @@ import math
 import optree
 import pytest
 import torch
-from reference import AXES, accumulate, dense_reduce, max_error, preset, random_tree
+from reference import AXES, STRATEGIES, accumulate, dense_reduce, max_error, preset, random_tree
 
 import functional_hsdp as fh
 
-PRESETS = ["ddp", "fsdp", "hsdp", "hfsdp"]
 MESHES = [(2, 2), (1, 4), (2, 3)]
 R, F, P = fh.Replicate(), fh.Flat(), fh.Partial("avg")
 
@@ -42,7 +41,7 @@ def _assert_all_equal(norm: torch.Tensor, expected: float, shape, rtol=1e-6) -> 
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("strategy", PRESETS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_global_norm_of_reduced_grads_equals_dense_norm(strategy, shape):
     spec = preset(strategy, _mesh(shape))
     final, dense = _final(spec, shape)
@@ -52,7 +51,7 @@ def test_global_norm_of_reduced_grads_equals_dense_norm(strategy, shape):
     _assert_all_equal(fh.global_norm(doubled, spec), 2 * _dense_norm(dense), shape)
 
 
-@pytest.mark.parametrize("strategy", PRESETS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_global_norm_of_sharded_weights_equals_dense_norm(strategy):
     shape = (2, 3)
     spec = preset(strategy, _mesh(shape))
@@ -147,7 +146,7 @@ def test_norm_does_not_depend_on_the_shard_count():
             _assert_all_equal(fh.global_norm(fh.shard(full, spec), spec), expected, shape)
 
 
-@pytest.mark.parametrize("strategy", PRESETS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_epsilon_is_added_once_not_per_rank(strategy):
     # bug: an epsilon added per rank before the reduction. A zero tree has norm exactly 0,
     # and a tiny one is clipped by torch's factor max_norm / (norm + 1e-6).
@@ -211,7 +210,7 @@ def _torch_clip(dense, max_norm: float):
 
 
 @pytest.mark.parametrize("clips", [True, False], ids=["clipped", "unclipped"])
-@pytest.mark.parametrize("strategy", PRESETS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_clip_by_global_norm_matches_torch_clip_grad_norm(strategy, clips):
     shape = (2, 3)
     spec = preset(strategy, _mesh(shape))
@@ -258,7 +257,7 @@ def _run(strategy, shape, make_fh, make_torch, steps=3, max_norm=None):
     assert max_error(fh.gather(params, spec), ref) < 2e-6
 
 
-@pytest.mark.parametrize("strategy", PRESETS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sgd_on_shards_equals_torch_sgd_on_dense_params(strategy):
     _run(
         strategy,
@@ -274,7 +273,7 @@ def test_plain_sgd_keeps_no_buffers():
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (2, 3)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("strategy", PRESETS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_adamw_on_shards_equals_torch_adamw_on_dense_params(strategy, shape):
     _run(
         strategy,

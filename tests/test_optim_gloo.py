@@ -7,28 +7,38 @@ batch; global_norm on a DistMesh gives SimMesh's norm on every rank.
 
 from __future__ import annotations
 
-import optree
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_pool import device_mesh, module_pool
-from reference import AXES, MLP_IN, accumulate, mlp_loss, mlp_problem, preset, random_tree
+from reference import (
+    AXES,
+    GLOO_SHAPE,
+    MLP_IN,
+    STRATEGIES,
+    accumulate,
+    dist_mesh,
+    dist_preset,
+    mlp_loss,
+    mlp_problem,
+    mlp_step,
+    preset,
+    random_tree,
+    this_rank,
+)
 from torch.func import grad_and_value
 
 import functional_hsdp as fh
 
-pool = module_pool(4)
-SHAPE = (2, 2)
 LR, STEPS, MICROBATCHES = 0.05, 5, 3
 MAX_NORM = 0.25  # between the gradient norms of the steps: clipping is active in some only
 
 
 def _setup():
-    return mlp_problem(SHAPE[0] * SHAPE[1], MICROBATCHES)
+    return mlp_problem(GLOO_SHAPE[0] * GLOO_SHAPE[1], MICROBATCHES)
 
 
 def _train_hfsdp_adamw():
-    spec = fh.hfsdp(fh.DistMesh(device_mesh(SHAPE, AXES)), *AXES)
+    spec = fh.hfsdp(dist_mesh(), *AXES)
     model, full0, x, y = _setup()
     step_grad = grad_and_value(mlp_loss(model))
     rank = dist.get_rank()
@@ -37,13 +47,7 @@ def _train_hfsdp_adamw():
     state = opt.init(params)
     losses, norms = [], []
     for _ in range(STEPS):
-        full = fh.gather(params, spec)
-        acc, loss_sum = None, 0.0
-        for m in range(MICROBATCHES):
-            g, loss = step_grad(full, x[rank, m], y[rank, m])
-            g = optree.tree_map(lambda t: t / MICROBATCHES, g)
-            acc = fh.reduce_grads(g, spec, last=(m == MICROBATCHES - 1), acc=acc)
-            loss_sum += loss.item() / MICROBATCHES
+        acc, loss_sum = mlp_step(step_grad, fh.gather(params, spec), x[rank], y[rank], spec)
         with fh.comm_log() as log:
             grads, norm = fh.clip_by_global_norm(acc, spec, MAX_NORM)
         updates, state = opt.update(grads, state, params)
@@ -89,21 +93,19 @@ def test_hfsdp_adamw_with_clipping_matches_single_rank_torch_adamw(pool):
 
 # -- DistMesh and SimMesh give the same norm -----------------------------------------------
 
-STRATEGIES = ["ddp", "fsdp", "hsdp", "hfsdp"]
-
 
 def _norm_on_rank(strategy: str):
-    spec = preset(strategy, fh.DistMesh(device_mesh(SHAPE, AXES)))
-    o, i = divmod(dist.get_rank(), SHAPE[1])
-    micro = [optree.tree_map(lambda x: x[o, i], random_tree(SHAPE, seed=m)) for m in range(2)]
+    spec = dist_preset(strategy)
+    micro = [this_rank(random_tree(GLOO_SHAPE, seed=m)) for m in range(2)]
     return fh.global_norm(accumulate(micro, spec), spec)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_dist_global_norm_equals_sim_global_norm(pool, strategy):
     results = pool.run(_norm_on_rank, strategy)
-    spec = preset(strategy, fh.SimMesh(dict(zip(AXES, SHAPE))))
-    sim = fh.global_norm(accumulate([random_tree(SHAPE, seed=m) for m in range(2)], spec), spec)
+    spec = preset(strategy, fh.SimMesh(dict(zip(AXES, GLOO_SHAPE))))
+    micro = [random_tree(GLOO_SHAPE, seed=m) for m in range(2)]
+    sim = fh.global_norm(accumulate(micro, spec), spec)
     for rank, norm in enumerate(results):
         assert norm.shape == ()
-        torch.testing.assert_close(norm, sim[divmod(rank, SHAPE[1])], rtol=1e-6, atol=0)
+        torch.testing.assert_close(norm, sim[divmod(rank, GLOO_SHAPE[1])], rtol=1e-6, atol=0)

@@ -28,20 +28,14 @@ from hypothesis import strategies as st
 
 import functional_hsdp as fh
 
-settings.register_profile(
-    "ci",
-    max_examples=200,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
-settings.register_profile(
-    "thorough",
-    max_examples=2000,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+for name, examples in (("ci", 200), ("thorough", 2000)):
+    settings.register_profile(
+        name,
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
 PROFILE = settings.get_profile(os.environ.get("FH_HYPOTHESIS_PROFILE", "ci"))
 SMALLER = settings(PROFILE, max_examples=max(1, PROFILE.max_examples // 2))
 

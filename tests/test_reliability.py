@@ -14,12 +14,12 @@ unsupported or impossible placements                  NotImplementedError / VE  
 non-floating gradients                                TypeError, path            E, G
 non-tensor leaf                                       TypeError, path            E, G
 SimMesh value without the mesh shape in front         ValueError, path           E
-``last`` missing or not a bool                        TypeError                  E, D
-finalized result / weights / other spec as ``acc``    ValueError, path           E, D
-``acc`` of another structure, shape or dtype          ValueError/TypeError, path E, D, G
+``last`` missing or not a bool                        TypeError                  E, G
+finalized result / weights / other spec as ``acc``    ValueError, path           E, G
+``acc`` of another structure, shape or dtype          ValueError/TypeError, path E, R, G
 gather of a Partial accumulation / unknown layout     ValueError                 E
-sparse leaves (reduce_grads, shard, gather, MainGrad) TypeError, path            E, R, G
-meta-device leaves (every entry point)                ValueError, path           E, R, G
+sparse leaves (reduce_grads, shard, gather, MainGrad) TypeError, path            R, G
+meta-device leaves (every entry point)                ValueError, path           R, G
 trees that differ across ranks (keys, list/tuple)     ValueError on every rank   G, R
 shapes that differ across ranks                       ValueError on every rank   G, R
 dtypes that differ across ranks                       ValueError on every rank   G, R
@@ -30,8 +30,8 @@ MainGrad ``like`` or ``last`` differing across ranks  ValueError on every rank  
 NaN/Inf with ``check_finite=True``                    ValueError, path + ranks   R, G
 empty tree                                            empty tree, no collective  R, G
 zero-size leaves                                      work (empty results)       R, G
-non-contiguous leaves                                 work                       E, R, G
-requires_grad leaves                                  work, results detached     E, R, G
+non-contiguous leaves                                 work                       R, G
+requires_grad leaves                                  work, results detached     R, G
 a rank that dies mid-accumulation / raises alone      CollectiveError in time    G
 ====================================================  =========================  ==========
 """
@@ -48,52 +48,59 @@ import threading
 import optree
 import pytest
 import torch
-from reference import AXES, SHAPES, accumulate, dense_reduce, max_error, preset, random_tree
+from reference import (
+    AXES,
+    SHAPES,
+    STRATEGIES,
+    accumulate,
+    dense_reduce,
+    max_error,
+    preset,
+    random_tree,
+)
 
 import functional_hsdp as fh
 from functional_hsdp import validate
-from functional_hsdp.plan import get_plan
+from functional_hsdp.errors import collective_error
+from functional_hsdp.plan import TreeMeta, get_plan
 from functional_hsdp.validate import CollectiveError, validation
 
-STRATEGIES = ["ddp", "fsdp", "hsdp", "hfsdp"]
-
-
-@pytest.fixture
-def mesh():
-    return fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
-
-
-@pytest.fixture
-def spec(mesh):
-    return fh.hsdp(mesh, "dp_outer", "dp_inner")
-
+# ``mesh`` (a 2x2 SimMesh) and ``spec`` (hsdp on it) are conftest.py's fixtures.
 
 # -- documented behaviours -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("empty", [{}, [], {"a": []}, (None, {})], ids=repr)
 def test_empty_tree_gives_an_empty_tree_and_no_collective(spec, empty):
+    ddp_1d = fh.ddp(fh.SimMesh({"dp": 2}))
     with fh.comm_log() as log:
-        assert fh.reduce_grads(empty, spec, last=True) == empty
-        assert fh.gather(empty, spec) == empty
-        assert fh.shard(empty, spec) == empty
+        for s in (spec, ddp_1d):
+            assert fh.reduce_grads(empty, s, last=True) == empty
+            assert fh.gather(empty, s) == empty
+            assert fh.shard(empty, s) == empty
     assert log.events == []
     with pytest.raises(ValueError, match="acc does not have the structure"):
         fh.reduce_grads({}, spec, last=True, acc={"x": torch.ones(1)})
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_zero_size_leaves_work(mesh, strategy):
+def test_zero_size_and_scalar_leaves_work(mesh, strategy):
     spec = preset(strategy, mesh)
     micro = [
-        {"z": torch.ones(2, 2, 0, 3), "w": torch.randn(2, 2, 5), "e": torch.ones(2, 2, 4, 0)}
+        {
+            "z": torch.ones(2, 2, 0, 3),
+            "w": torch.randn(2, 2, 5),
+            "e": torch.ones(2, 2, 4, 0),
+            "s": torch.randn(2, 2),  # a scalar per rank
+        }
         for _ in range(2)
     ]
     full = fh.gather(accumulate(micro, spec), spec)
     assert full["z"].shape == (2, 2, 0, 3) and full["e"].shape == (2, 2, 4, 0)
+    assert full["s"].shape == (2, 2)
     assert max_error(full, dense_reduce(micro, 2)) < 1e-6
-    params = fh.shard({"z": torch.ones(0, 3), "w": torch.ones(5), "e": torch.ones(4, 0)}, spec)
-    assert fh.gather(params, spec)["z"].shape == (2, 2, 0, 3)
+    params = {"z": torch.ones(0, 3), "w": torch.ones(5), "e": torch.ones(4, 0), "s": torch.ones(())}
+    assert fh.gather(fh.shard(params, spec), spec)["z"].shape == (2, 2, 0, 3)
 
 
 def test_only_zero_size_leaves_issue_no_collective(spec):
@@ -141,27 +148,36 @@ def test_sparse_and_meta_leaves_are_refused_by_every_entry_point(spec):
     sparse, meta = torch.ones(2, 2, 4).to_sparse(), torch.empty(2, 2, 4, device="meta")
     like = {"w": torch.zeros(4)}
     calls = {
+        "reduce_grads": lambda x: fh.reduce_grads(
+            {"a": torch.ones(2, 2, 3), "w": x}, spec, last=True
+        ),
         "shard": lambda x: fh.shard({"w": x}, spec),
         "gather": lambda x: fh.gather({"w": x}, spec),
         "MainGrad": lambda x: fh.MainGrad(spec, like=like).accumulate({"w": x}, last=True),
         "MainGrad like": lambda x: fh.MainGrad(spec, like={"w": x[0, 0]}),
         "psum": lambda x: fh.psum({"w": x}, "dp_inner", spec.mesh),
     }
-    for call in calls.values():
-        with pytest.raises(TypeError, match=r"\['w'\]: expected a dense"):
+    for name, call in calls.items():
+        where = re.escape("grads['w']") if name == "reduce_grads" else r"\['w'\]"
+        with pytest.raises(TypeError, match=where + ": expected a dense"):
             call(sparse)
-        with pytest.raises(ValueError, match=r"\['w'\]: is on the meta device"):
+        with pytest.raises(ValueError, match=where + ": is on the meta device"):
             call(meta)
     with pytest.raises(TypeError, match=re.escape("tree['lr']: expected a torch.Tensor")):
         fh.shard({"w": torch.ones(3), "lr": 0.1}, spec)
 
 
-def test_a_bad_acc_is_refused_before_any_collective(spec):
-    g = {"w": torch.ones(2, 2, 6)}
+def test_an_acc_of_the_wrong_dtype_is_refused_naming_its_path_before_any_collective(spec):
+    g = {"layers": [{"w": torch.randn(2, 2, 4, 3)}, {"w": torch.randn(2, 2, 6)}]}
     acc = fh.reduce_grads(g, spec, last=False)
-    with fh.comm_log() as log, pytest.raises(TypeError, match=re.escape("acc['w']")):
-        fh.reduce_grads(g, spec, last=True, acc={"w": acc["w"].double()})
-    assert log.events == []  # on a DistMesh no peer is left waiting in a collective
+    edited = fh.reduce_grads(g, spec, last=False)  # the result itself, one leaf replaced
+    edited["layers"][1]["w"] = edited["layers"][1]["w"].double()
+    rebuilt = {"layers": [acc["layers"][0], {"w": acc["layers"][1]["w"].double()}]}
+    for bad in (edited, rebuilt):
+        message = re.escape("acc['layers'][1]['w']: expected dtype")
+        with fh.comm_log() as log, pytest.raises(TypeError, match=message):
+            fh.reduce_grads(g, spec, last=True, acc=bad)
+        assert log.events == []  # on a DistMesh no peer is left waiting in a collective
 
 
 # -- check_finite --------------------------------------------------------------------------
@@ -212,10 +228,12 @@ def test_without_check_finite_nan_propagates_and_check_finite_must_be_a_bool(spe
 
 
 class ThreadMesh:
-    """The validation half of the mesh protocol for ranks that are threads (a test double)."""
+    """The mesh's diagnostics (the validation exchange) for ranks that are threads (a test
+    double)."""
 
     def __init__(self, n: int):
         self.n, self.batch_shape = n, ()
+        self.diagnostics = self
         self._barrier = threading.Barrier(n, timeout=30)
         self._rows: list = [None] * n
         self._local = threading.local()
@@ -231,7 +249,7 @@ class ThreadMesh:
         self._barrier.wait()  # nobody overwrites a row before everyone has read it
         return out
 
-    def member_names(self, axes):
+    def members(self, axes):
         return [tuple(str(r) for r in range(self.n))]
 
 
@@ -240,12 +258,15 @@ def _fingerprint(grads: dict, spec: fh.Spec, last: bool, name: str = "grads"):
     paths, leaves, treedef = optree.tree_flatten_with_path(grads)
     paths = tuple(name + "".join(f"[{k!r}]" for k in p) for p in paths)
     plan = get_plan(
-        treedef,
+        TreeMeta(
+            treedef,
+            tuple(tuple(x.shape[nb:]) for x in leaves),
+            tuple(x.dtype for x in leaves),
+            tuple(x.device for x in leaves),
+            (spec,) * len(leaves),
+            (0,) * len(leaves),
+        ),
         paths,
-        tuple(tuple(x.shape[nb:]) for x in leaves),
-        tuple(x.dtype for x in leaves),
-        tuple(x.device for x in leaves),
-        (spec,) * len(leaves),
     )
     return validate.fingerprint(plan, "reduce_grads", paths, last, ()), paths
 
@@ -334,13 +355,13 @@ def test_protocol_reports_last_and_non_finite_leaves(dp2):
 
 def _count_exchanges(monkeypatch, mesh) -> list:
     calls = []
-    original = mesh.exchange
+    original = mesh.diagnostics.exchange
 
     def spy(t, axes):
         calls.append(axes)
         return original(t, axes)
 
-    monkeypatch.setattr(mesh, "exchange", spy)
+    monkeypatch.setattr(mesh.diagnostics, "exchange", spy)
     return calls
 
 
@@ -383,7 +404,8 @@ def test_validation_is_not_a_logged_collective(mesh, spec):
 
 def test_collective_error_names_the_collective_and_chains_the_cause(mesh):
     cause = RuntimeError("Connection closed by peer")
-    err = validate.collective_error("all_reduce", "dp_outer", mesh, cause, rank=3, timeout=5)
+    err = collective_error("all_reduce", "dp_outer", mesh, cause, rank=3, timeout=5)
+    assert issubclass(CollectiveError, RuntimeError)
     assert isinstance(err, RuntimeError) and isinstance(err, CollectiveError)
     assert (err.op, err.axis) == ("all_reduce", "dp_outer")
     text = str(err)

@@ -26,22 +26,14 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_pool import DEFAULT_PRELOAD, WorkerError, device_mesh, module_pool
-from reference import AXES
+from reference import AXES, GLOO_SHAPE, dist_mesh
 
 import functional_hsdp as fh
-from functional_hsdp.validate import CollectiveError
-
-pool = module_pool(4)
-SHAPE = (2, 2)
-
-
-def _mesh() -> fh.DistMesh:
-    return fh.DistMesh(device_mesh(SHAPE, AXES))
+from functional_hsdp.launch import DEFAULT_PRELOAD, WorkerError, device_mesh
 
 
 def _hsdp(mesh=None, **kw) -> fh.Spec:
-    return fh.hsdp(mesh or _mesh(), "dp_outer", "dp_inner", **kw)
+    return fh.hsdp(mesh or dist_mesh(), "dp_outer", "dp_inner", **kw)
 
 
 def _grads(seed: int = 0, **shapes) -> dict:
@@ -96,11 +88,11 @@ def _last_differs():
 
 
 def _last_differs_ddp():  # ddp's non-last call issues no collective; it is still compared
-    fh.reduce_grads(_grads(), fh.ddp(_mesh()), last=dist.get_rank() == 2)
+    fh.reduce_grads(_grads(), fh.ddp(dist_mesh()), last=dist.get_rank() == 2)
 
 
 def _spec_differs():
-    mesh = _mesh()
+    mesh = dist_mesh()
     spec = fh.fsdp(mesh) if dist.get_rank() == 0 else _hsdp(mesh)
     fh.reduce_grads(_grads(), spec, last=True)
 
@@ -249,12 +241,31 @@ def _acc_of_another_structure():
     fh.reduce_grads(_grads(), spec, last=True, acc={"w": acc["w"]})
 
 
+def _finalized_acc():
+    spec = _hsdp()
+    g = {"w": torch.ones(5, 3)}
+    final = fh.reduce_grads(g, spec, last=True)
+    fh.reduce_grads(g, spec, last=True, acc=final)
+
+
+def _last_not_a_bool():
+    fh.reduce_grads({"w": torch.ones(3)}, _hsdp(), last="yes")
+
+
+def _acc_of_another_shape():
+    g = {"w": torch.ones(5, 3)}
+    fh.reduce_grads(g, fh.fsdp(dist_mesh()), last=True, acc={"w": torch.ones(15)})
+
+
 LOCAL = {
     "sparse": (_sparse_leaf, "TypeError", "grads['s']: expected a dense (strided) tensor"),
     "meta": (_meta_leaf, "ValueError", "grads['m']: is on the meta device"),
     "int": (_int_leaf, "TypeError", "grads['i']: gradients must have a floating dtype"),
     "non_tensor": (_non_tensor_leaf, "TypeError", "grads['lr']: expected a torch.Tensor"),
     "acc_structure": (_acc_of_another_structure, "ValueError", "acc does not have the structure"),
+    "acc_finalized": (_finalized_acc, "ValueError", "acc['w']: is a finalized result"),
+    "last_not_bool": (_last_not_a_bool, "TypeError", "last must be a bool"),
+    "acc_shape": (_acc_of_another_shape, "ValueError", "acc['w']: expected local shape"),
 }
 
 
@@ -297,7 +308,7 @@ def test_empty_zero_size_non_contiguous_and_requires_grad_leaves_work(pool):
 
 
 def _repeatable():
-    spec = fh.hfsdp(_mesh(), "dp_outer", "dp_inner", bucket_cap_mb=40 * 4 / 2**20)
+    spec = fh.hfsdp(dist_mesh(), "dp_outer", "dp_inner", bucket_cap_mb=40 * 4 / 2**20)
     runs = []
     for _ in range(3):
         acc = None
@@ -397,7 +408,7 @@ def _timed(fn):
 
 
 def _dies_mid_accumulation(maingrad: bool):
-    dm = device_mesh(SHAPE, AXES)
+    dm = device_mesh(GLOO_SHAPE, AXES)
     _short_timeouts(dm)
     spec = _hsdp(fh.DistMesh(dm))
     mg = fh.MainGrad(spec, like={"w": torch.zeros(5, 3)}) if maingrad else None
@@ -421,7 +432,7 @@ def _dies_mid_accumulation(maingrad: bool):
 
 
 def _raises_alone():
-    dm = device_mesh(SHAPE, AXES)
+    dm = device_mesh(GLOO_SHAPE, AXES)
     _short_timeouts(dm)
     spec = _hsdp(fh.DistMesh(dm))
     g = {"w": torch.ones(5, 3)}
@@ -470,7 +481,3 @@ def test_a_rank_raising_alone_makes_the_others_raise_in_time():
         _, name, message, elapsed = replies[rank]
         assert name == "CollectiveError", message
         assert elapsed < BOUND_S, (rank, elapsed)
-
-
-def test_collective_error_is_a_runtime_error():
-    assert issubclass(CollectiveError, RuntimeError)

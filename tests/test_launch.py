@@ -1,8 +1,7 @@
-"""Tests for the gloo process-pool harness in ``tests/gloo_pool.py``.
+"""Tests of ``functional_hsdp.launch``: the one-shot ``run`` and the reusable ``GlooPool``.
 
-Task functions are module-level (``_task_*``) so the workers can import them
-from this module (pytest imports it as ``test_gloo_pool``; tests/ is on
-sys.path and is not a package).
+Task functions are module-level (``_task_*``) so the workers can import them from this module
+(pytest imports it as ``test_launch``; tests/ is on sys.path and is not a package).
 """
 
 from __future__ import annotations
@@ -11,14 +10,21 @@ import os
 import pickle
 import time
 
-import gloo_pool
 import pytest
+import reference
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from gloo_pool import GlooPool, WorkerError, WorkerTimeout, device_mesh, module_pool
 
-pool = module_pool(4, error_grace=3.0)
+from functional_hsdp import launch
+from functional_hsdp.launch import GlooPool, WorkerError, WorkerTimeout, device_mesh
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """conftest.py's pool, but giving up on stuck ranks 3 s after another one raised."""
+    with GlooPool(4, preload=(*launch.DEFAULT_PRELOAD, "pytest"), error_grace=3.0) as p:
+        yield p
 
 
 # ---------------------------------------------------------------- tasks ----
@@ -86,10 +92,6 @@ def _task_unpicklable_result():
     return lambda: None
 
 
-def _task_getenv(name: str):
-    return os.environ.get(name)
-
-
 def _task_tensor_roundtrip(x: torch.Tensor):
     r = dist.get_rank()
     big = torch.arange(1000.0)
@@ -129,9 +131,10 @@ def test_tensor_args_and_results_travel_by_value(pool):
 
 
 def test_helper_module_functions_as_tasks(pool):
-    # Functions from a helper module in tests/ (not the test module) work too.
-    assert pool.run(gloo_pool.rank) == [0, 1, 2, 3]
-    assert pool.run(gloo_pool.world_size) == [4, 4, 4, 4]
+    # Functions of a helper module in tests/ (not the test module), or of the package, work too.
+    assert pool.run(reference.coords) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert pool.run(launch.rank) == [0, 1, 2, 3]
+    assert pool.run(launch.world_size) == [4, 4, 4, 4]
 
 
 def test_device_mesh_2x2_per_dim_groups(pool):
@@ -236,7 +239,7 @@ def test_error_while_others_block_in_collective(pool):
     assert err.errors[0][0] == "RuntimeError"
     assert err.missing == [1, 2, 3]
     assert pool.broken
-    assert pool.run(gloo_pool.rank) == [0, 1, 2, 3]
+    assert pool.run(launch.rank) == [0, 1, 2, 3]
 
 
 def _pid_exists(pid: int) -> bool:
@@ -247,15 +250,41 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
-def test_standalone_pool_context_manager(start_method, monkeypatch):
-    monkeypatch.setenv("GLOO_POOL_TEST_VAR", "seen")
-    with GlooPool(world_size=2, timeout=30, start_method=start_method) as p:
+def test_standalone_pool_context_manager():
+    with GlooPool(world_size=2, timeout=30) as p:
         assert p.started
-        # No collective here: with "spawn" the first functional collective
-        # would import torch._dynamo in each worker (~4.5 s CPU each).
-        assert p.run(_task_getenv, "GLOO_POOL_TEST_VAR") == ["seen", "seen"]
-        assert p.run(gloo_pool.world_size) == [2, 2]
+        assert p.run(launch.world_size) == [2, 2]
         pids = p.pids
     assert not p.started
     assert not any(_pid_exists(pid) for pid in pids)
+
+
+# -- the one-shot run ------------------------------------------------------------------------
+
+
+def test_run_starts_fresh_ranks_and_returns_each_ranks_result(pool):
+    out = launch.run(_task_all_reduce, 1.0, scale=2.0)
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    assert all(o["world"] == 4 for o in out)
+    for o in out:
+        assert torch.equal(o["sum"], torch.full((3,), 2.0 * (1 + 2 + 3 + 4)))
+    pids = {o["pid"] for o in out}
+    assert len(pids) == 4 and pids.isdisjoint(pool.pids) and os.getpid() not in pids
+    assert not any(_pid_exists(pid) for pid in pids)  # ended with the run
+    assert launch.run(launch.world_size, world_size=2) == [2, 2]
+
+
+def test_run_reports_a_failing_rank_and_stops_the_others_at_once():
+    # Rank 0 raises; ranks 1-3 wait in an all_reduce (collective timeout: 60 s). The agent
+    # stops them as soon as rank 0 fails.
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch.run(_task_raise_then_others_block, timeout=60)
+    assert time.monotonic() - t0 < 20
+    err = info.value
+    assert set(err.errors) == {0} and not err.exitcodes
+    type_name, message, tb = err.errors[0]
+    assert type_name == "RuntimeError" and "never joins the all_reduce" in message
+    assert "_task_raise_then_others_block" in tb and "_task_raise_then_others_block" in str(err)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        launch.run(lambda: 1)  # refused before any process starts

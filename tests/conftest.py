@@ -1,0 +1,32 @@
+"""Fixtures shared by the test modules.
+
+Gloo worker processes import task functions by module name, so what a task needs lives in
+importable modules: the test modules themselves and ``reference.py`` (this file is pytest's,
+not imported by tests).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import functional_hsdp as fh
+from functional_hsdp.launch import DEFAULT_PRELOAD, GlooPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """4 gloo ranks (``functional_hsdp.launch.GlooPool``) shared by one module's tests."""
+    with GlooPool(4, preload=(*DEFAULT_PRELOAD, "pytest")) as p:  # workers import test modules
+        yield p
+
+
+@pytest.fixture
+def mesh() -> fh.SimMesh:
+    """A 2x2 SimMesh over (dp_outer, dp_inner)."""
+    return fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+
+
+@pytest.fixture
+def spec(mesh) -> fh.Spec:
+    """hsdp on :func:`mesh`."""
+    return fh.hsdp(mesh, "dp_outer", "dp_inner")
