@@ -5,13 +5,14 @@ Each module has ``SIZES`` (``tiny`` for the smoke test, ``full`` for the figures
 section for ``bench/RESULTS.md``).
 """
 
-from . import compiled, fsdp, limit, memory, overhead, overlap, rsimpl, scaling, wire
+from . import compiled, fsdp, host, limit, memory, overhead, overlap, rsimpl, scaling, wire
 
 BENCHMARKS = {
     "fsdp": fsdp,
     "limit": limit,
     "overlap": overlap,
     "overhead": overhead,
+    "host": host,
     "wire": wire,
     "scaling": scaling,
     "rsimpl": rsimpl,
