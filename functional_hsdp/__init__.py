@@ -9,6 +9,7 @@ from .cache import clear_caches
 from .collectives import all_gather, pmean, psum, psum_scatter
 from .dtensor import to_dtensor
 from .errors import CollectiveError
+from .gathered import Gathered, gathered, per_rank, sequence
 from .maingrad import MainGrad, microbatches
 from .mesh import DistMesh, Mesh, SimMesh
 from .optim import (
@@ -34,6 +35,7 @@ __all__ = [
     "DistMesh",
     "Event",
     "Flat",
+    "Gathered",
     "GradientTransformation",
     "MainGrad",
     "Mesh",
@@ -53,14 +55,17 @@ __all__ = [
     "ddp",
     "fsdp",
     "gather",
+    "gathered",
     "global_norm",
     "hfsdp",
     "hsdp",
     "microbatches",
+    "per_rank",
     "pmean",
     "psum",
     "psum_scatter",
     "reduce_grads",
+    "sequence",
     "sgd",
     "shard",
     "sync_params",

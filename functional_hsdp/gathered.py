@@ -1,0 +1,382 @@
+"""Layer-wise HSDP: a unit's weights all-gathered inside the loss, its gradient reduce-scattered
+during backward (FSDP2's memory, in a ``torch.func`` loop).
+
+``gathered(fn, spec)(unit_shards, *args) == fn(gather(unit_shards, spec), *args)``, and it is
+differentiable under ``torch.func.grad``/``vjp``/``grad_and_value`` and plain autograd: the
+gradient with respect to ``unit_shards`` is the unit's gradient *at the gradient placement*
+(reduce-scattered over the non-deferred axes; the deferred axes stay Partial). JAX's rule is
+the picture: the transpose of an all-gather is a reduce-scatter.
+
+How (one ``torch.autograd.Function`` per unit call, functorch style: ``setup_context``, and a
+backward that is ``once_differentiable``, so its collectives see plain tensors):
+
+- **forward** all-gathers the unit (parameter placement -> Replicate) through the engine,
+  waits, and runs ``fn`` without recording a graph. With ``reshard_after_forward=True`` the
+  gathered weights are dropped (only the shards and the arguments are saved); ``False`` keeps
+  them for backward.
+- **backward** re-gathers the unit (unless kept), recomputes ``fn`` under ``torch.func.vjp``
+  (per-unit activation recomputation: measured cheaper in time and memory than keeping the
+  unit's graph with freed weight storage), and issues the reduce-scatter of the weight
+  gradient asynchronously.
+- A second Function, an identity on the unit's shards applied just before the unit, is the one
+  consumer of that pending gradient: its backward waits for the reduce-scatter and hands on a
+  finished tensor. So nothing (a tied weight's sum, a cast's backward, a second ``.backward()``)
+  can read a gradient still in flight, whatever order the autograd engine picks.
+
+Overlap comes from the engine's order: it runs the most recently created ready node first, so
+when a unit's wait node was created one call early (by :meth:`Gathered.prefetch`, or
+:func:`sequence`), unit ``i``'s reduce-scatter runs during unit ``i-1``'s backward; and the
+all-gather of the next unit (forward) or of the previous unit (backward) is issued before this
+unit's compute.
+
+Not supported (refused): ``vmap`` over a gathered call (torch raises: the Function has no vmap
+rule), and differentiating twice (``grad`` of ``grad``): the backward is not differentiable.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import engine
+from .lookup import find_layout
+from .plan import Plan
+from .spec import Spec
+from .tree import flatten
+
+__all__ = ["Gathered", "gathered", "per_rank", "sequence"]
+
+
+@dataclass(eq=False)
+class _Call:
+    """One call of a gathered unit: what forward and backward share."""
+
+    block: Gathered
+    plan: Plan
+    treedef: Any  # of the unit's shards
+    k: int  # shard leaves
+    args: list  # the call's argument leaves: tensors replaced by None where differentiated
+    args_def: Any
+    diff: list[int]  # positions in ``args`` of the differentiated (floating tensor) leaves
+    nxt: _Call | None = None  # the next unit to prefetch (its all-gather, its wait node)
+    prev: Any = None  # weak reference to the unit called before this one (backward prefetch)
+    pieces: tuple = ()  # the unit's shards as forward saw them (plain tensors)
+    full: list | None = None  # gathered weights kept for backward (reshard_after_forward=False)
+    out_def: Any = None
+    pending: list | None = None  # the gradient's reduce-scatter in flight
+    ahead: dict = field(default_factory=dict)  # "forward"/"backward": all-gather in flight
+
+
+class _Thread(threading.local):
+    """Per-thread state: the last unit called (for backward prefetch), wait nodes made ahead."""
+
+    def __init__(self) -> None:
+        self.last: Any = None  # weak reference to the last unit called
+        self.prepared: dict[tuple[int, ...], tuple[_Call, list, list]] = {}
+        self.callback = False
+
+
+_STATE = _Thread()
+
+
+def _gather_start(call: _Call, pieces: Sequence[torch.Tensor]) -> list:
+    plan = call.plan
+    pack = lambda b: plan.pack(b, list(pieces), "parameter")  # noqa: E731
+    return engine.start(plan, pack, [("parameter", "full")])
+
+
+def _gathered(call: _Call, when: str, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The unit's full weights: its all-gather issued ahead, or one issued now."""
+    pending = call.ahead.pop(when, None)
+    if pending is None:
+        pending = _gather_start(call, pieces)
+    full, _ = engine.finish(call.plan, pending, "full")
+    return full
+
+
+def _run(call: _Call, full: list, args: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``fn`` on full weights and the differentiated argument leaves, its outputs flattened."""
+    leaves = list(call.args)
+    for i, x in zip(call.diff, args):
+        leaves[i] = x
+    fn_args, fn_kwargs = optree.tree_unflatten(call.args_def, leaves)
+    out = call.block.fn(optree.tree_unflatten(call.treedef, full), *fn_args, **fn_kwargs)
+    outs, call.out_def = optree.tree_flatten(out)
+    for x in outs:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"gathered: {call.block.name} must return a pytree of tensors; got a "
+                f"{type(x).__name__} leaf"
+            )
+    return tuple(outs)
+
+
+class _Unit(torch.autograd.Function):
+    """fn(gather(shards), *args): gather in forward, recompute + reduce-scatter in backward."""
+
+    @staticmethod
+    def forward(call: _Call, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = call.k + len(call.diff)
+        pieces, args, nxt = ts[: call.k], ts[call.k : n], ts[n:]
+        call.pieces = pieces
+        full = _gathered(call, "forward", pieces)
+        if call.nxt is not None:  # the next unit's all-gather overlaps this unit's compute
+            call.nxt.pieces = nxt
+            call.nxt.ahead["forward"] = _gather_start(call.nxt, nxt)
+        call.prev, _STATE.last = _STATE.last, weakref.ref(call)
+        with torch.no_grad():
+            outs = _run(call, full, args)
+        if not call.block.reshard_after_forward:
+            call.full = full
+        # an output that is an input (or a view of one) would alias it: give a copy
+        return tuple(
+            o.clone() if o._base is not None or any(o is t for t in ts) else o for o in outs
+        )
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        call = inputs[0]
+        ctx.call = call
+        n = 1 + call.k + len(call.diff)
+        ctx.save_for_backward(*inputs[1 + call.k : n])  # the arguments; shards are on call
+        ctx.n_extra = len(inputs) - n  # the next unit's shards ride along, not differentiated
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        call = ctx.call
+        _end_of_backward_callback()
+        prev, call.prev = (call.prev() if call.prev is not None else None), None
+        if prev is not None and prev.block.reshard_after_forward and not prev.ahead:
+            prev.ahead["backward"] = _gather_start(prev, prev.pieces)  # backward prefetch
+        full = call.full if call.full is not None else _gathered(call, "backward", call.pieces)
+        call.full = None
+        args = ctx.saved_tensors
+        _, vjp = torch.func.vjp(lambda w, *a: _run(call, w, a), full, *args)
+        weight_grads, *arg_grads = vjp(tuple(grads))
+        del full, vjp
+        plan = call.plan
+        pack = lambda b: plan.pack(b, weight_grads, "input")  # noqa: E731
+        call.pending = engine.start(plan, pack, [("input", "gradient")])
+        # the shards' gradient is handed on by the wait node, once the reduce-scatter is done
+        dummies = [
+            torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape) for p in call.pieces
+        ]
+        return (None, *dummies, *arg_grads, *(None for _ in range(ctx.n_extra)))
+
+
+class _Wait(torch.autograd.Function):
+    """Identity on a unit's shards; backward: wait for the unit's reduce-scatter, hand it on."""
+
+    @staticmethod
+    def forward(call: _Call, *pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(p.view_as(p) for p in pieces)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.call = inputs[0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        call = ctx.call
+        pending, call.pending = call.pending, None
+        if pending is None:  # the unit's backward did not run: no gradient
+            return (None, *(torch.zeros_like(g) for g in grads))
+        leaves, _ = engine.finish(call.plan, pending, "gradient")
+        return (None, *leaves)
+
+
+def _end_of_backward_callback() -> None:
+    """At the end of this backward: forget the last unit and prefetches never used."""
+    if _STATE.callback:
+        return
+    _STATE.callback = True
+
+    def done() -> None:
+        _STATE.callback, _STATE.last = False, None
+
+    torch.autograd.Variable._execution_engine.queue_callback(done)
+
+
+class Gathered:
+    """A function of one unit's full weights, called with the unit's local shards.
+
+    Made by :func:`gathered`; see there. Calling it all-gathers the unit inside forward and
+    reduce-scatters its gradient inside backward.
+    """
+
+    def __init__(self, fn: Callable, spec: Spec, reshard_after_forward: bool):
+        self.fn = fn
+        self.spec = spec
+        self.reshard_after_forward = reshard_after_forward
+        self.name = getattr(fn, "__name__", repr(fn))
+        self._next: tuple | None = None
+
+    def __repr__(self) -> str:
+        return f"gathered({self.name}, {self.spec!r})"
+
+    def prefetch(self, shards: Any) -> None:
+        """Declare ``shards`` the unit that runs after the next call: that call issues its
+        all-gather before computing (forward) and makes its wait node first, so that its
+        reduce-scatter overlaps the backward of the unit before it."""
+        self._next = _prepare(self, shards)
+
+    def __call__(self, shards: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(gather(shards, spec), *args, **kwargs)``, differentiable (see :func:`gathered`).
+
+        Args:
+            shards: this unit's local shards at the spec's parameter placement (a subtree of
+                ``fh.shard(full, spec_tree)``, or the same after an optimizer step).
+            *args: the rest of ``fn``'s arguments; floating tensors among them are
+                differentiated, anything else is passed through as a constant.
+            **kwargs: as ``args``.
+
+        Returns:
+            ``fn``'s result (a pytree of tensors).
+        """
+        call, wrapped = self._prepared(shards)
+        nxt, self._next = self._next, None
+        arg_leaves, args_def = optree.tree_flatten((args, kwargs))
+        diff = [i for i, x in enumerate(arg_leaves) if _differentiable(x)]
+        call.args = [None if i in diff else x for i, x in enumerate(arg_leaves)]
+        call.args_def, call.diff = args_def, diff
+        extra = []
+        if nxt is not None:  # the next unit's shards ride along so forward can gather them
+            call.nxt, extra = nxt
+        outs = _Unit.apply(call, *wrapped, *(arg_leaves[i] for i in diff), *extra)
+        return optree.tree_unflatten(call.out_def, list(outs[: call.out_def.num_leaves]))
+
+    def _prepared(self, shards: Any) -> tuple[_Call, list]:
+        """This call's record and its shards through their wait node (made ahead, or now)."""
+        leaves = optree.tree_leaves(shards)
+        found = _STATE.prepared.pop(tuple(map(id, leaves)), None)
+        if found is not None and found[0].block is self:
+            return found[0], found[2]
+        call, wrapped = _prepare(self, shards)
+        del _STATE.prepared[tuple(map(id, leaves))]
+        return call, wrapped
+
+
+def _prepare(block: Gathered, shards: Any) -> tuple[_Call, list]:
+    """A call record for ``shards`` and its wait node, made now (so, before the unit that runs
+    first): the engine then runs that unit's backward before this wait."""
+    leaves, treedef, paths = flatten(shards, "shards")
+    if not leaves:
+        raise ValueError(f"gathered: {block.name}'s shards are an empty tree")
+    plan, _ = find_layout(
+        leaves, treedef, paths, block.spec, None, ("parameter",), ("final", "weights"), "shards"
+    )
+    call = _Call(block, plan, treedef, len(leaves), [], None, [])
+    wrapped = list(_Wait.apply(call, *leaves))
+    while len(_STATE.prepared) >= 4:  # prepared but never called: forget the oldest
+        del _STATE.prepared[next(iter(_STATE.prepared))]
+    _STATE.prepared[tuple(map(id, leaves))] = (call, leaves, wrapped)
+    return call, wrapped
+
+
+def _differentiable(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _check_spec(spec: Any, name: str) -> None:
+    if not isinstance(spec, Spec):
+        raise TypeError(
+            f"gathered({name}, spec): spec must be one Spec (the unit's); got {type(spec).__name__}"
+        )
+    if spec.sharded_axes("parameter") != spec.sharded_axes("gradient"):
+        raise NotImplementedError(
+            f"gathered({name}, spec): a parameter placement {list(map(str, spec.parameter))} "
+            f"sharded over other axes than the gradient placement "
+            f"{list(map(str, spec.gradient))}: the gradient of a shard must have its shape"
+        )
+
+
+def gathered(fn: Callable, spec: Spec, *, reshard_after_forward: bool = True) -> Gathered:
+    """Make ``fn`` of a unit's full weights callable on the unit's local shards.
+
+    ``gathered(fn, spec)(shards, *args) == fn(gather(shards, spec), *args)``, differentiable
+    under ``torch.func.grad``/``vjp``/``grad_and_value``/``functional_call`` and plain
+    autograd. Forward all-gathers the unit; backward reduces the unit's gradient to the
+    gradient placement (reduce-scatter over the non-deferred axes; deferred axes stay
+    Partial), issued as soon as it exists. So ``torch.func.grad(loss)(shards, x)`` returns
+    local shards at the gradient placement: pass them to ``reduce_grads(..., at="gradient")``
+    or ``MainGrad.accumulate(..., at="gradient")``.
+
+    Args:
+        fn: ``fn(weights, *args, **kwargs)``: a pure function of one unit's full weights (a
+            pytree like the unit's shards). On a :class:`SimMesh` the weights carry the mesh
+            dims in front: wrap a per-rank function with :func:`per_rank`.
+        spec: the unit's :class:`Spec` (a leaf of the spec tree the shards were made with).
+        reshard_after_forward: True (default): the gathered weights are not kept from forward
+            to backward (re-gathered there, as FSDP2 does); False keeps them (one all-gather
+            less per unit, the unit's full weights held until its backward).
+
+    Returns:
+        A :class:`Gathered` block: ``block(shards, *args, **kwargs)``; ``block.prefetch(next)``
+        declares the unit that runs after the next call (see :func:`sequence`).
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp": 2})
+        >>> spec = fh.fsdp(mesh)
+        >>> shards = fh.shard({"w": torch.tensor([1.0, 2.0, 3.0])}, spec)
+        >>> block = fh.gathered(fh.per_rank(lambda p, x: (p["w"] * x).sum(), mesh), spec)
+        >>> x = torch.ones(2, 3)                          # each rank's input
+        >>> g = torch.func.grad(lambda s: block(s, x).sum())(shards)
+        >>> fh.gather(fh.reduce_grads(g, spec, last=True, at="gradient"), spec)["w"][0]
+        tensor([1., 1., 1.])
+    """
+    if not callable(fn):
+        raise TypeError(f"gathered: fn must be callable; got {type(fn).__name__}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"gathered: reshard_after_forward must be a bool; got {reshard_after_forward!r}"
+        )
+    _check_spec(spec, getattr(fn, "__name__", "fn"))
+    return Gathered(fn, spec, reshard_after_forward)
+
+
+def sequence(block: Gathered, units: Sequence[Any], x: Any, *args: Any) -> Any:
+    """``x = block(unit, x, *args)`` for each unit in turn, each next unit prefetched.
+
+    The loop of a stack of identical layers, with the next unit's all-gather issued before
+    the current unit computes and every reduce-scatter overlapping the backward of the unit
+    before it.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp": 2})
+        >>> spec = fh.fsdp(mesh)
+        >>> layers = fh.shard([{"w": torch.full((2,), 2.0)}] * 3, [spec] * 3)
+        >>> block = fh.gathered(fh.per_rank(lambda p, x: p["w"] * x, mesh), spec)
+        >>> fh.sequence(block, layers, torch.ones(2, 2))[0]
+        tensor([8., 8.])
+    """
+    for i, unit in enumerate(units):
+        if i + 1 < len(units):
+            block.prefetch(units[i + 1])
+        x = block(unit, x, *args)
+    return x
+
+
+def per_rank(fn: Callable, mesh: Any) -> Callable:
+    """``fn`` applied to every rank's values: ``vmap`` over the mesh dims of a SimMesh (all
+    arguments and results carry them), ``fn`` itself on a DistMesh.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> f = fh.per_rank(lambda w, x: w @ x, fh.SimMesh({"dp": 3}))
+        >>> f(torch.ones(3, 2, 2), torch.ones(3, 2)).shape
+        torch.Size([3, 2])
+    """
+    for _ in mesh.batch_shape:
+        fn = torch.func.vmap(fn)
+    return fn
