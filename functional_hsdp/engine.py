@@ -33,7 +33,7 @@ from .spec import Spec, resolve_specs
 from .tags import result_state, tag, untouched
 from .tree import check_bool, check_tensors, flatten, structure_error
 
-__all__ = ["finish", "move", "reduce", "shard", "start"]
+__all__ = ["finish", "move", "reduce", "shard", "start", "wait"]
 
 ACC_ROLES = {"input": "gradient", "gradient": "gradient"}
 
@@ -67,10 +67,15 @@ def start(
     return run(plan.mesh, programs, source, depth=depth)
 
 
+def wait(plan: Plan, pending: list[Any]) -> list[torch.Tensor]:
+    """Wait for ``pending`` bucket results: the buckets' buffers, each the call's own."""
+    return [_owned(plan.mesh.wait(x)) for x in pending]
+
+
 def finish(plan: Plan, pending: list[Any], role: str) -> tuple[list[torch.Tensor], list]:
     """Wait for ``pending`` bucket results and unpack them at ``role``: (leaves in tree
     order, the bucket buffers they were unpacked from)."""
-    bufs = [_owned(plan.mesh.wait(x)) for x in pending]
+    bufs = wait(plan, pending)
     return plan.unpack(bufs, role), bufs
 
 

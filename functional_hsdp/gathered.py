@@ -47,8 +47,10 @@ from torch.autograd.function import once_differentiable
 
 from . import engine
 from .lookup import find_layout
+from .maingrad import MainGrad
 from .plan import Plan
 from .spec import Spec
+from .tags import state_of
 from .tree import flatten
 
 __all__ = ["Gathered", "gathered", "per_rank", "sequence"]
@@ -71,6 +73,7 @@ class _Call:
     full: list | None = None  # gathered weights kept for backward (reshard_after_forward=False)
     out_def: Any = None
     pending: list | None = None  # the gradient's reduce-scatter in flight
+    sink: list[int] | None = None  # into=MainGrad: its buckets of this unit
     ahead: dict = field(default_factory=dict)  # "forward"/"backward": all-gather in flight
 
 
@@ -177,6 +180,8 @@ class _Wait(torch.autograd.Function):
 
     @staticmethod
     def forward(call: _Call, *pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if call.block.into is not None and call.sink is None:
+            call.sink = _sink_buckets(call, pieces)
         return tuple(p.view_as(p) for p in pieces)
 
     @staticmethod
@@ -190,6 +195,9 @@ class _Wait(torch.autograd.Function):
         pending, call.pending = call.pending, None
         if pending is None:  # the unit's backward did not run: no gradient
             return (None, *(torch.zeros_like(g) for g in grads))
+        if call.sink is not None:  # added into the MainGrad; the shards' gradient is zero
+            call.block.into.add_chunks(call.sink, engine.wait(call.plan, pending))
+            return (None, *(torch.zeros((), dtype=g.dtype).expand(g.shape) for g in grads))
         leaves, _ = engine.finish(call.plan, pending, "gradient")
         return (None, *leaves)
 
@@ -213,10 +221,11 @@ class Gathered:
     reduce-scatters its gradient inside backward.
     """
 
-    def __init__(self, fn: Callable, spec: Spec, reshard_after_forward: bool):
+    def __init__(self, fn: Callable, spec: Spec, reshard_after_forward: bool, into: Any):
         self.fn = fn
         self.spec = spec
         self.reshard_after_forward = reshard_after_forward
+        self.into = into
         self.name = getattr(fn, "__name__", repr(fn))
         self._next: tuple | None = None
 
@@ -271,6 +280,7 @@ def _prepare(block: Gathered, shards: Any) -> tuple[_Call, list]:
     leaves, treedef, paths = flatten(shards, "shards")
     if not leaves:
         raise ValueError(f"gathered: {block.name}'s shards are an empty tree")
+    _check_transforms(leaves[0], block.name)
     plan, _ = find_layout(
         leaves, treedef, paths, block.spec, None, ("parameter",), ("final", "weights"), "shards"
     )
@@ -280,6 +290,56 @@ def _prepare(block: Gathered, shards: Any) -> tuple[_Call, list]:
         del _STATE.prepared[next(iter(_STATE.prepared))]
     _STATE.prepared[tuple(map(id, leaves))] = (call, leaves, wrapped)
     return call, wrapped
+
+
+def _sink_buckets(call: _Call, pieces: Sequence[torch.Tensor]) -> list[int]:
+    """The buckets of ``call.block.into`` that hold this unit, found from the shards' tags."""
+    mg, name = call.block.into, call.block.name
+    found = state_of(pieces[0])
+    made = found[0].plan.meta if found is not None else None
+    mine = mg.plan.meta
+    if made is None or (made.treedef, made.shapes, made.specs) != (
+        mine.treedef,
+        mine.shapes,
+        mine.specs,
+    ):
+        raise ValueError(
+            f"gathered({name}, into={mg!r}): these shards are not known as a unit of the tree "
+            "the MainGrad was made for; pass the tensors fh.shard(full, spec_tree) made "
+            "(updated in place by the optimizer), or leave into=None"
+        )
+    buckets = mg.buckets_of(made.units[found[1]])
+    ours = [(b.padded, b.numel) for b in call.plan.buckets]
+    if [(mg.plan.buckets[b].padded, mg.plan.buckets[b].numel) for b in buckets] != ours:
+        raise ValueError(
+            f"gathered({name}, into={mg!r}): the shards' unit is bucketed unlike the "
+            "MainGrad's (another bucket_cap_mb or dtype split?)"
+        )
+    return buckets
+
+
+def _check_transforms(x: Any, name: str) -> None:
+    """Refuse what the gathered rule cannot honour: differentiating twice (its backward is not
+    differentiable, so a second-order gradient would silently be zero) and vmap."""
+    if not isinstance(x, torch.Tensor):
+        return  # find_layout names the leaf
+    functorch = torch._C._functorch
+    grads = 0
+    while True:
+        if functorch.is_batchedtensor(x):
+            raise NotImplementedError(
+                f"gathered({name}): vmap over a gathered call is not supported (on a SimMesh "
+                "the mesh dims reach fn whole: vmap inside it, e.g. with fh.per_rank)"
+            )
+        if not functorch.is_gradtrackingtensor(x):
+            break
+        grads += 1
+        x = functorch.get_unwrapped(x)
+    if grads > 1:
+        raise NotImplementedError(
+            f"gathered({name}): differentiating twice (grad of grad) is not supported: the "
+            "unit's backward recomputes it and is not itself differentiable"
+        )
 
 
 def _differentiable(x: Any) -> bool:
@@ -299,7 +359,9 @@ def _check_spec(spec: Any, name: str) -> None:
         )
 
 
-def gathered(fn: Callable, spec: Spec, *, reshard_after_forward: bool = True) -> Gathered:
+def gathered(
+    fn: Callable, spec: Spec, *, reshard_after_forward: bool = True, into: MainGrad | None = None
+) -> Gathered:
     """Make ``fn`` of a unit's full weights callable on the unit's local shards.
 
     ``gathered(fn, spec)(shards, *args) == fn(gather(shards, spec), *args)``, differentiable
@@ -318,6 +380,13 @@ def gathered(fn: Callable, spec: Spec, *, reshard_after_forward: bool = True) ->
         reshard_after_forward: True (default): the gathered weights are not kept from forward
             to backward (re-gathered there, as FSDP2 does); False keeps them (one all-gather
             less per unit, the unit's full weights held until its backward).
+        into: a :class:`MainGrad` of the whole tree the shards belong to: each unit's
+            reduce-scattered gradient is added into its buffers during backward (no
+            gradient tree is ever held: FSDP2's memory), and the gradient
+            ``torch.func.grad`` returns for the shards is zero. Scale the loss by 1/M, and
+            after the step's last microbatch call ``into.finish()``. The shards must be the
+            tensors ``fh.shard`` made (updated in place by the optimizer), so that their
+            unit is known.
 
     Returns:
         A :class:`Gathered` block: ``block(shards, *args, **kwargs)``; ``block.prefetch(next)``
@@ -341,7 +410,9 @@ def gathered(fn: Callable, spec: Spec, *, reshard_after_forward: bool = True) ->
             f"gathered: reshard_after_forward must be a bool; got {reshard_after_forward!r}"
         )
     _check_spec(spec, getattr(fn, "__name__", "fn"))
-    return Gathered(fn, spec, reshard_after_forward)
+    if into is not None and not isinstance(into, MainGrad):
+        raise TypeError(f"gathered: into must be a MainGrad or None; got {type(into).__name__}")
+    return Gathered(fn, spec, reshard_after_forward, into)
 
 
 def sequence(block: Gathered, units: Sequence[Any], x: Any, *args: Any) -> Any:

@@ -56,14 +56,30 @@ def plan_for(
     return get_plan(meta, paths)
 
 
-# (structure, every leaf's shape/dtype/device/layout, spec, name) -> plan, for gradient trees
-# that passed the leaf checks: a later tree with the same metadata passes them too.
+# (structure, spec, name) -> [(shapes, dtypes, devices, plan), ...] (newest first): the leaf
+# metadata of gradient trees that passed the leaf checks, so a later tree with the same
+# metadata passes them too. Shapes and dtypes are compared per leaf, the devices as a set and
+# the layouts only as "all strided" (a plan's leaves passed check_tensors): four C-level maps
+# over the leaves and tuple comparisons, no per-leaf tuple or hash.
 _CHECKED: Bounded = Bounded(256)
+_KNOWN_PER_KEY = 8
 _META = operator.attrgetter("shape", "dtype", "device", "layout")
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_LAYOUT = operator.attrgetter("layout")
+_STRIDED = frozenset({torch.strided})
 
 
 def _spec_key(spec: Any) -> Any:
     return spec if isinstance(spec, Spec) else optree.tree_flatten(spec, is_leaf=_is_spec)
+
+
+def _leaf_metadata(leaves: list) -> tuple | None:
+    """(shapes, dtypes, set of devices) of tensor-like leaves, if every layout is strided."""
+    shapes = tuple(map(_SHAPE, leaves))
+    dtypes = tuple(map(_DTYPE, leaves))
+    return (shapes, dtypes, None)
 
 
 def grads_plan(
@@ -71,19 +87,24 @@ def grads_plan(
 ) -> Plan:
     """The plan of a tree of per-rank full gradients, its leaves checked on first use."""
     try:
-        key = (treedef, tuple(map(_META, leaves)), _spec_key(spec), name)
-        plan = _CHECKED.get(key)
+        key = (treedef, _spec_key(spec), name)
+        known = _CHECKED.get(key)
+        meta = _leaf_metadata(leaves)
     except (AttributeError, TypeError):  # not tensors, or an unhashable spec: check below
-        key = plan = None
-    if plan is not None:
-        return plan
+        key = known = meta = None
+    if known is not None and meta is not None:
+        shapes, dtypes, devices = meta
+        for k_shapes, k_dtypes, k_devices, plan in known:
+            if k_dtypes == dtypes and k_devices == devices and k_shapes == shapes:
+                return plan
     specs, units = resolve_specs(spec, treedef, name)
     mesh = specs[0].mesh
     check_tensors(leaves, paths, mesh, floating=True, batched=True)
     nb = len(mesh.batch_shape)
     plan = plan_for(leaves, treedef, paths, specs, units, (x.shape[nb:] for x in leaves))
-    if key is not None:
-        _CHECKED[key] = plan
+    if key is not None and meta is not None:
+        entries = [m for m in (known or ()) if m[3] is not plan]
+        _CHECKED[key] = [(*meta, plan), *entries][:_KNOWN_PER_KEY]
     return plan
 
 

@@ -26,7 +26,7 @@ from .plan import Plan, TreeMeta, get_plan
 from .schedule import expand, run
 from .spec import resolve_specs
 from .tags import tag
-from .tree import check_bool, check_tensors, flatten, structure_error
+from .tree import check_bool, check_tensors, flatten, paths_of, structure_error
 
 __all__ = ["DEPTH", "MainGrad", "microbatches"]
 
@@ -106,7 +106,8 @@ class MainGrad:
         ]
         self._scratch = self._packing_buffers()
         self._state = "accumulating"
-        self._empty = True  # grads are None: the next accumulate overwrites instead of adding
+        # per bucket: holds nothing of this step yet (the next write overwrites instead of adding)
+        self._fresh = [True] * len(self._buffers)
         self._checked: tuple | None = None  # metadata of the last gradient tree that passed
 
     # -- public ---------------------------------------------------------------------------
@@ -124,8 +125,9 @@ class MainGrad:
     @property
     def grads(self) -> Any:
         """Local gradient shards: views of the buffers, or None after ``zero_grad()``."""
-        if self._empty:
+        if all(self._fresh):
             return None
+        self._zero_fresh()
         role = "optimizer" if self._state == "final" else "gradient"
         bufs = [buf[..., : p[role].length] for buf, p in zip(self._buffers, self.plan.placed)]
         leaves = self.plan.unpack(bufs, role)
@@ -176,10 +178,11 @@ class MainGrad:
         )
 
         def done(b: int, chunk: torch.Tensor) -> None:
-            if self._empty:
+            if self._fresh[b]:
                 self._buffers[b].copy_(chunk)
             else:
                 self._buffers[b].add_(chunk)
+            self._fresh[b] = False
 
         if at == "input":
             programs = [
@@ -190,7 +193,6 @@ class MainGrad:
         else:  # already reduced: one bucket's chunk at a time, no communication
             for b in range(len(plan.buckets)):
                 done(b, plan.pack(b, leaves, "gradient"))
-        self._empty = False
         if last:
             self._finish()
 
@@ -215,6 +217,34 @@ class MainGrad:
                 )
         self._checked = metas
 
+    def finish(self) -> None:
+        """Reduce the deferred axes now (what ``accumulate(..., last=True)`` does after its
+        add): for gradients that :func:`~functional_hsdp.gathered` units with ``into=self``
+        added during backward. Every rank must call it."""
+        if self._state == "final":
+            raise ValueError("MainGrad.finish: the step is finished already; call zero_grad()")
+        if all(self._fresh):
+            raise ValueError("MainGrad.finish: no gradient was accumulated this step")
+        validate.check(self.plan, "MainGrad.finish", paths_of(self.plan.treedef, "grads"))
+        self._finish()
+
+    def buckets_of(self, unit: int) -> list[int]:
+        """The buckets of ``unit`` (a leaf of the spec prefix, numbered in prefix order)."""
+        return [b for b, bucket in enumerate(self.plan.buckets) if bucket.unit == unit]
+
+    def add_chunks(self, buckets: list[int], chunks: list[torch.Tensor]) -> None:
+        """Add reduced chunks at the gradient placement into ``buckets`` (overwriting a
+        bucket that holds nothing of this step). Safe inside a backward under ``torch.func``:
+        the add is a custom op that declares its mutation."""
+        if self._state == "final":
+            raise ValueError(
+                "MainGrad holds the final gradients of a finished step; call "
+                "zero_grad() before accumulating the next step"
+            )
+        for b, chunk in zip(buckets, chunks):
+            _accumulate(self._buffers[b], chunk, self._fresh[b])
+            self._fresh[b] = False
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new step, with ``torch.optim``'s meaning of ``set_to_none``.
 
@@ -224,11 +254,11 @@ class MainGrad:
                 zeroed and :attr:`grads` are zeros.
         """
         if set_to_none:
-            self._empty = True
+            self._fresh = [True] * len(self._buffers)
         else:
             for buf in self._buffers:
                 buf.zero_()
-            self._empty = False
+            self._fresh = [False] * len(self._buffers)
         self._state = "accumulating"
 
     def state_dict(self) -> dict[str, Any]:
@@ -236,7 +266,7 @@ class MainGrad:
         return {
             "layout": self._fingerprint(),
             "state": self._state,
-            "empty": self._empty,
+            "fresh": list(self._fresh),
             "buffers": [buf.detach().clone() for buf in self._buffers],
         }
 
@@ -266,7 +296,10 @@ class MainGrad:
             buf.copy_(saved)
         if state_dict["state"] not in ("accumulating", "final"):
             raise ValueError(f"load_state_dict: unknown state {state_dict['state']!r}")
-        self._state, self._empty = state_dict["state"], bool(state_dict["empty"])
+        fresh = state_dict.get("fresh")
+        if not (isinstance(fresh, list) and len(fresh) == len(self._buffers)):
+            raise ValueError("load_state_dict: not a MainGrad state_dict (no per-bucket 'fresh')")
+        self._state, self._fresh = state_dict["state"], [bool(f) for f in fresh]
 
     def __repr__(self) -> str:
         n = sum(buf.numel() for buf in self._buffers)
@@ -308,9 +341,17 @@ class MainGrad:
         out[..., bucket.numel :].zero_()
         return out
 
+    def _zero_fresh(self) -> None:
+        """Buckets no gradient reached this step (a unit never used) hold zeros."""
+        for b, fresh in enumerate(self._fresh):
+            if fresh:
+                self._buffers[b].zero_()
+                self._fresh[b] = False
+
     def _finish(self) -> None:
         """Reduce the deferred axes of each bucket in place, DEPTH buckets at a time: the
         extra memory stays within DEPTH buckets' reductions however many buckets there are."""
+        self._zero_fresh()
         plan = self.plan
         programs = [
             expand(plan.program(b, "gradient", "optimizer"), self.reduce_dtype)
@@ -342,6 +383,23 @@ class MainGrad:
             "reduce_dtype": str(self.reduce_dtype),
             "buffers": [list(buf.shape) for buf in self._buffers],
         }
+
+
+@torch.library.custom_op("functional_hsdp::accumulate_", mutates_args=("buf",))
+def _accumulate(buf: torch.Tensor, chunk: torch.Tensor, overwrite: bool) -> None:
+    """``buf[..., :n] += chunk`` (or ``=`` when ``overwrite``), n the chunk's length. A custom op
+    declaring its mutation: inside a backward under ``torch.func.grad`` an ``add_`` into a
+    tensor made outside the transform is refused ("mutating a captured Tensor")."""
+    part = buf[..., : chunk.shape[-1]]
+    if overwrite:
+        part.copy_(chunk)
+    else:
+        part.add_(chunk)
+
+
+@_accumulate.register_fake
+def _(buf: torch.Tensor, chunk: torch.Tensor, overwrite: bool) -> None:
+    return None
 
 
 def microbatches(items: int | Iterable[T]) -> Iterator[tuple[int | T, bool]]:

@@ -211,7 +211,8 @@ class Plan:
             return Placed(axes, stride, lengths, shapes, False)
         pieces = geometry.pieces(start, [(s.offset, s.numel) for s in bucket.slots], stride)
         shapes = tuple(map(tuple, geometry.piece_shapes(pieces)))
-        return Placed(axes, stride, pieces, shapes, geometry.views)
+        # a geometry may know per bucket that its pieces are views (SimMesh: no rank has fill)
+        return Placed(axes, stride, pieces, shapes, getattr(pieces, "views", geometry.views))
 
     def _local_shapes(self, role: str) -> tuple[tuple[int, ...], ...]:
         batch, out = self.mesh.batch_shape, [None] * len(self.shapes)

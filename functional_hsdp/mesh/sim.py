@@ -108,13 +108,19 @@ class _Pieces:
     valid: torch.Tensor  # (*batch, total) bool
     widths: tuple[int, ...]  # each piece's stacked width (the longest rank's length)
     length: int
+    # No rank has fill (every piece is as wide on every rank, as when the chunk is the whole
+    # bucket: a size-1 Flat axis): the pieces tile each rank's chunk from 0, the same way on
+    # every rank, so they are views of the chunk's first `sum(widths)` elements.
+    views: bool = False
 
 
 class SimGeometry:
     """Geometry on a SimMesh: coordinates are tensors of the mesh shape; pieces are stacked
-    and zero-filled to the longest rank's length, so they are gathered copies."""
+    and zero-filled to the longest rank's length, so they are gathered copies, except where
+    no rank needs fill (``_Pieces.views``, the plan's per-bucket answer): then they are views
+    of each rank's own row of the chunk, so results still never alias across ranks."""
 
-    views = False
+    views = False  # in general; a plan reads each bucket's answer from its pieces
 
     def __init__(self, mesh: SimMesh):
         self._mesh = mesh
@@ -139,12 +145,18 @@ class SimGeometry:
         within = torch.arange(int(widths.sum())) - first[owner]
         index = lo[..., owner] + within
         valid = index < hi[..., owner]
-        return _Pieces(torch.where(valid, index, length), valid, tuple(widths.tolist()), length)
+        index = torch.where(valid, index, length)
+        return _Pieces(index, valid, tuple(widths.tolist()), length, bool(valid.all()))
 
     def piece_shapes(self, pieces: _Pieces) -> list[tuple[int, ...]]:
         return [(*self._mesh.batch_shape, w) for w in pieces.widths]
 
     def split(self, buf: torch.Tensor, pieces: _Pieces) -> list[torch.Tensor]:
+        if pieces.views:  # no fill anywhere: each rank's pieces tile its row from 0
+            total = pieces.index.shape[-1]
+            if total != buf.shape[-1]:
+                buf = buf.narrow(-1, 0, total)
+            return list(buf.split_with_sizes(pieces.widths, -1))
         # one gather for the whole chunk: index `length` (a rank's fill) reads the zero pad
         gathered = torch.take_along_dim(torch.nn.functional.pad(buf, (0, 1)), pieces.index, -1)
         return list(torch.split(gathered, pieces.widths, dim=-1))
@@ -153,6 +165,11 @@ class SimGeometry:
         batch = self._mesh.batch_shape
         dtype = values[0].dtype if values else torch.float32
         device = values[0].device if values else None
+        if pieces.views:  # no fill to drop: concatenate, and zero the chunk's tail
+            tail = pieces.length - pieces.index.shape[-1]
+            if tail or not values:
+                values = [*values, torch.zeros((*batch, tail), dtype=dtype, device=device)]
+            return torch.cat(values, dim=-1)
         out = torch.zeros((*batch, pieces.length + 1), dtype=dtype, device=device)
         if values:
             source = torch.where(pieces.valid, torch.cat(values, dim=-1), 0)
