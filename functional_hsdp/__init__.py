@@ -9,7 +9,6 @@ from .cache import clear_caches
 from .collectives import all_gather, pmean, psum, psum_scatter
 from .dtensor import to_dtensor
 from .errors import CollectiveError
-from .gathered import Gathered, gathered, per_rank, sequence
 from .maingrad import MainGrad, microbatches
 from .mesh import DistMesh, Mesh, SimMesh
 from .optim import (
@@ -26,6 +25,7 @@ from .placement import Flat, Partial, Placement, Replicate, Shard
 from .reduce import gather, reduce_grads, shard, sync_params
 from .spec import Spec, ddp, fsdp, hfsdp, hsdp
 from .trace import CommLog, Event, comm_log
+from .units import Gathered, gathered, per_rank, sequence
 from .validate import validation
 
 __all__ = [

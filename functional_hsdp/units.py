@@ -64,9 +64,10 @@ class _Call:
     plan: Plan
     treedef: Any  # of the unit's shards
     k: int  # shard leaves
-    args: list  # the call's argument leaves: tensors replaced by None where differentiated
+    args: list  # the call's argument leaves, tensors replaced by None (they are inputs)
     args_def: Any
-    diff: list[int]  # positions in ``args`` of the differentiated (floating tensor) leaves
+    tensors: list[int]  # positions in ``args`` of the tensor leaves, passed as inputs
+    diff: list[bool]  # per tensor leaf: differentiated (floating) or a constant (ints)
     nxt: _Call | None = None  # the next unit to prefetch (its all-gather, its wait node)
     prev: Any = None  # weak reference to the unit called before this one (backward prefetch)
     pieces: tuple = ()  # the unit's shards as forward saw them (plain tensors)
@@ -105,9 +106,9 @@ def _gathered(call: _Call, when: str, pieces: Sequence[torch.Tensor]) -> list[to
 
 
 def _run(call: _Call, full: list, args: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """``fn`` on full weights and the differentiated argument leaves, its outputs flattened."""
+    """``fn`` on full weights and the tensor argument leaves, its outputs flattened."""
     leaves = list(call.args)
-    for i, x in zip(call.diff, args):
+    for i, x in zip(call.tensors, args):
         leaves[i] = x
     fn_args, fn_kwargs = optree.tree_unflatten(call.args_def, leaves)
     out = call.block.fn(optree.tree_unflatten(call.treedef, full), *fn_args, **fn_kwargs)
@@ -126,7 +127,7 @@ class _Unit(torch.autograd.Function):
 
     @staticmethod
     def forward(call: _Call, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n = call.k + len(call.diff)
+        n = call.k + len(call.tensors)
         pieces, args, nxt = ts[: call.k], ts[call.k : n], ts[n:]
         call.pieces = pieces
         full = _gathered(call, "forward", pieces)
@@ -147,7 +148,7 @@ class _Unit(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         call = inputs[0]
         ctx.call = call
-        n = 1 + call.k + len(call.diff)
+        n = 1 + call.k + len(call.tensors)
         ctx.save_for_backward(*inputs[1 + call.k : n])  # the arguments; shards are on call
         ctx.n_extra = len(inputs) - n  # the next unit's shards ride along, not differentiated
 
@@ -162,9 +163,17 @@ class _Unit(torch.autograd.Function):
         full = call.full if call.full is not None else _gathered(call, "backward", call.pieces)
         call.full = None
         args = ctx.saved_tensors
-        _, vjp = torch.func.vjp(lambda w, *a: _run(call, w, a), full, *args)
-        weight_grads, *arg_grads = vjp(tuple(grads))
+        floats = [x for x, d in zip(args, call.diff) if d]
+
+        def f(weights: list, *floating: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            it = iter(floating)
+            return _run(call, weights, [next(it) if d else x for x, d in zip(args, call.diff)])
+
+        _, vjp = torch.func.vjp(f, full, *floats)
+        weight_grads, *float_grads = vjp(tuple(grads))
         del full, vjp
+        it = iter(float_grads)
+        arg_grads = [next(it) if d else None for d in call.diff]
         plan = call.plan
         pack = lambda b: plan.pack(b, weight_grads, "input")  # noqa: E731
         call.pending = engine.start(plan, pack, [("input", "gradient")])
@@ -254,13 +263,16 @@ class Gathered:
         call, wrapped = self._prepared(shards)
         nxt, self._next = self._next, None
         arg_leaves, args_def = optree.tree_flatten((args, kwargs))
-        diff = [i for i, x in enumerate(arg_leaves) if _differentiable(x)]
-        call.args = [None if i in diff else x for i, x in enumerate(arg_leaves)]
-        call.args_def, call.diff = args_def, diff
+        tensors = [i for i, x in enumerate(arg_leaves) if isinstance(x, torch.Tensor)]
+        call.args = [None if i in tensors else x for i, x in enumerate(arg_leaves)]
+        call.args_def, call.tensors = args_def, tensors
+        call.diff = [_differentiable(arg_leaves[i]) for i in tensors]
         extra = []
         if nxt is not None:  # the next unit's shards ride along so forward can gather them
             call.nxt, extra = nxt
-        outs = _Unit.apply(call, *wrapped, *(arg_leaves[i] for i in diff), *extra)
+        # every tensor argument is an input (so forward sees it unwrapped from any transform);
+        # only floating ones get gradients
+        outs = _Unit.apply(call, *wrapped, *(arg_leaves[i] for i in tensors), *extra)
         return optree.tree_unflatten(call.out_def, list(outs[: call.out_def.num_leaves]))
 
     def _prepared(self, shards: Any) -> tuple[_Call, list]:
@@ -284,7 +296,7 @@ def _prepare(block: Gathered, shards: Any) -> tuple[_Call, list]:
     plan, _ = find_layout(
         leaves, treedef, paths, block.spec, None, ("parameter",), ("final", "weights"), "shards"
     )
-    call = _Call(block, plan, treedef, len(leaves), [], None, [])
+    call = _Call(block, plan, treedef, len(leaves), [], None, [], [])
     wrapped = list(_Wait.apply(call, *leaves))
     while len(_STATE.prepared) >= 4:  # prepared but never called: forget the oldest
         del _STATE.prepared[next(iter(_STATE.prepared))]
