@@ -79,7 +79,8 @@ def _leaf_metadata(leaves: list) -> tuple | None:
     """(shapes, dtypes, set of devices) of tensor-like leaves, if every layout is strided."""
     shapes = tuple(map(_SHAPE, leaves))
     dtypes = tuple(map(_DTYPE, leaves))
-    return (shapes, dtypes, None)
+    devices = frozenset(map(_DEVICE, leaves))
+    return (shapes, dtypes, devices) if _STRIDED.issuperset(map(_LAYOUT, leaves)) else None
 
 
 def grads_plan(

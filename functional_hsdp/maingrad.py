@@ -304,7 +304,7 @@ class MainGrad:
     def __repr__(self) -> str:
         n = sum(buf.numel() for buf in self._buffers)
         return (
-            f"MainGrad({len(self.plan.paths)} leaves, {len(self._buffers)} buckets, "
+            f"MainGrad({len(self.plan.shapes)} leaves, {len(self._buffers)} buckets, "
             f"{n} x {self.dtype}, state={self._state!r})"
         )
 

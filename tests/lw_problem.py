@@ -84,8 +84,10 @@ def mesh_batches(mesh, microbatches: int, step: int) -> list:
         n *= s
     per_rank = [batches(r, microbatches, step) for r in range(n)]
     return [
-        tuple(torch.stack([per_rank[r][m][j] for r in range(n)]).unflatten(0, mesh.batch_shape)
-              for j in range(2))
+        tuple(
+            torch.stack([per_rank[r][m][j] for r in range(n)]).unflatten(0, mesh.batch_shape)
+            for j in range(2)
+        )
         for m in range(microbatches)
     ]
 

@@ -1,0 +1,213 @@
+"""Layer-wise HSDP on a SimMesh: ``fh.gathered`` units inside the loss, gradients at the
+gradient placement, checked against dense single-process SGD (tests/lw_problem.py)."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from lw_problem import B, T, V, block, dense_train, init, max_rel_error, train
+from reference import AXES, STRATEGIES, preset
+from torch.func import grad
+
+import functional_hsdp as fh
+
+STEPS = 3
+RANKS = 4
+
+
+@pytest.fixture(scope="module")
+def dense():
+    """Dense SGD for M = 1 and 3 microbatches (computed once)."""
+    return {m: dense_train(STEPS, m, RANKS) for m in (1, 3)}
+
+
+def _mesh() -> fh.SimMesh:
+    return fh.SimMesh(dict(zip(AXES, (2, 2))))
+
+
+@pytest.mark.parametrize("mode", ["pure", "maingrad", "sink"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_three_steps_match_dense_sgd(strategy, mode, dense):
+    mesh = _mesh()
+    got, _ = train(preset(strategy, mesh), STEPS, 3, mode)
+    assert max_rel_error(got, dense[3], mesh.batch_shape) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["pure", "maingrad", "sink"])
+def test_one_microbatch_matches_dense_sgd(mode, dense):
+    mesh = _mesh()
+    got, _ = train(preset("hsdp", mesh), STEPS, 1, mode)
+    assert max_rel_error(got, dense[1], mesh.batch_shape) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["maingrad", "sink"])
+def test_zero_grad_without_set_to_none_gives_the_same_training(mode, dense):
+    mesh = _mesh()
+    got, _ = train(preset("hsdp", mesh), STEPS, 3, mode, set_to_none=False)
+    assert max_rel_error(got, dense[3], mesh.batch_shape) <= 1e-5
+
+
+def _counts(events) -> dict:
+    out: dict = {}
+    for e in events:
+        out[(e.op, e.axis)] = out.get((e.op, e.axis), 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_collectives_per_step_are_fsdp2s(reshard):
+    """Per step, as FSDP2 HSDP with the same units: an all-gather per unit call in forward and,
+    when resharding, again in backward; a reduce-scatter over dp_inner per unit call per
+    microbatch; one dp_outer all-reduce per bucket, on the last microbatch only."""
+    mesh, layers, m = _mesh(), 2, 3
+    _, events = train(preset("hsdp", mesh), 1, m, "sink", reshard_after_forward=reshard)
+    calls = layers + 2  # the blocks, and the tied embedding: used as input and as the head
+    units = layers + 1  # one bucket each
+    assert _counts(events) == {
+        ("all_gather", "dp_inner"): m * calls * (2 if reshard else 1),
+        ("reduce_scatter", "dp_inner"): m * calls,
+        ("all_reduce", "dp_outer"): units,
+    }
+    outer = [i for i, e in enumerate(events) if e.axis == "dp_outer"]
+    assert outer == list(range(len(events) - units, len(events)))  # after the last backward
+
+
+def test_keeping_gathered_weights_gives_the_same_training(dense):
+    mesh = _mesh()
+    got, _ = train(preset("hsdp", mesh), STEPS, 3, "pure", reshard_after_forward=False)
+    assert max_rel_error(got, dense[3], mesh.batch_shape) <= 1e-5
+
+
+def test_prefetching_changes_nothing_but_the_order(dense):
+    mesh = _mesh()
+    a, ea = train(preset("hsdp", mesh), STEPS, 3, "pure", prefetch=True)
+    b, eb = train(preset("hsdp", mesh), STEPS, 3, "pure", prefetch=False)
+    assert max_rel_error(a, dense[3], mesh.batch_shape) <= 1e-5
+    assert all(map(torch.equal, optree.tree_leaves(a), optree.tree_leaves(b)))
+    assert sorted(map(str, ea)) == sorted(map(str, eb))
+
+
+def test_bf16_weights_accumulate_in_fp32_main_grads():
+    """bf16 shards (compute and wire in bf16), MainGrad in fp32: close to the fp32 gradient."""
+    mesh = _mesh()
+    spec = preset("hsdp", mesh)
+    tree_spec = {"embed": spec, "blocks": [spec] * 2}
+    full32 = init(2)
+    shards = fh.shard(optree.tree_map(lambda t: t.bfloat16(), full32), tree_spec)
+    ids = torch.randint(V, (2, 2, B, T), generator=torch.Generator().manual_seed(0))
+
+    def main_grads(shards):
+        mg = fh.MainGrad(tree_spec, like=full32, dtype=torch.float32)
+        emb = fh.gathered(fh.per_rank(lambda p, i: p["tok"][i], mesh), spec, into=mg)
+        blk = fh.gathered(fh.per_rank(block, mesh), spec, into=mg)
+        loss = lambda s: fh.sequence(blk, s["blocks"], emb(s["embed"], ids)).float().square().mean()  # noqa: E731
+        grad(loss)(shards)
+        mg.finish()
+        return fh.gather(mg.grads, tree_spec)
+
+    got = main_grads(shards)
+    assert all(x.dtype == torch.float32 for x in optree.tree_leaves(got))
+    ref = main_grads(fh.shard(full32, tree_spec))
+    assert max_rel_error(got, optree.tree_map(lambda t: t[0, 0], ref), mesh.batch_shape) < 0.05
+
+
+def _unit_problem(spec):
+    mesh = spec.mesh
+    full = {"w": torch.linspace(-1, 1, 12).reshape(4, 3), "b": torch.arange(3.0)}
+    shards = fh.shard(full, spec)
+    blk = fh.gathered(fh.per_rank(lambda p, x: torch.tanh(x @ p["w"] + p["b"]), mesh), spec)
+    x = torch.randn(*mesh.batch_shape, 2, 4, generator=torch.Generator().manual_seed(1))
+    return full, shards, blk, x
+
+
+def _dense_unit_grad(full, x, batch):
+    def f(p, x):
+        return torch.tanh(x @ p["w"] + p["b"]).square().sum()
+
+    xs = x.reshape(-1, *x.shape[len(batch) :])
+    gs = [grad(f)(full, xi) for xi in xs]
+    return optree.tree_map(lambda *t: sum(t) / len(t), *gs)
+
+
+def _finish(g, spec):
+    return fh.gather(fh.reduce_grads(g, spec, last=True, at="gradient"), spec)
+
+
+def _shard0_spec() -> fh.Spec:
+    mesh = fh.SimMesh({"dp": 3})
+    return fh.Spec(mesh, [fh.Shard(0)], [fh.Shard(0)], [fh.Shard(0)])
+
+
+def _three_axis_spec() -> fh.Spec:
+    """hsdp with two deferred replica axes on a 2x2x2 mesh."""
+    mesh = fh.SimMesh({"replica": 2, "outer": 2, "inner": 2})
+    r, f = fh.Replicate(), fh.Flat()
+    return fh.Spec(mesh, [r, r, f], [fh.Partial("avg"), fh.Partial("avg"), f], [r, r, f])
+
+
+@pytest.mark.parametrize("make", [_shard0_spec, _three_axis_spec], ids=["shard0", "3d"])
+def test_shard_dim_specs_and_three_axis_meshes(make):
+    spec = make()
+    full, shards, blk, x = _unit_problem(spec)
+    g = grad(lambda s: blk(s, x).square().sum())(shards)
+    got = _finish(g, spec)
+    ref = _dense_unit_grad(full, x, spec.mesh.batch_shape)
+    assert max_rel_error(got, ref, spec.mesh.batch_shape) <= 1e-5
+
+
+def test_plain_autograd_vjp_and_grad_and_value_agree():
+    spec = preset("hsdp", _mesh())
+    _, shards, blk, x = _unit_problem(spec)
+    by_grad = grad(lambda s: blk(s, x).square().sum())(shards)
+    g2, value = torch.func.grad_and_value(lambda s: blk(s, x).square().sum())(shards)
+    out, vjp = torch.func.vjp(lambda s: blk(s, x).square().sum(), shards)
+    (g3,) = vjp(torch.ones(()))
+    leaves = {k: v.clone().requires_grad_() for k, v in shards.items()}
+    blk(leaves, x).square().sum().backward()
+    g4 = {k: v.grad for k, v in leaves.items()}
+    for other in (g2, g3, g4):
+        assert all(map(torch.equal, optree.tree_leaves(by_grad), optree.tree_leaves(other)))
+    assert torch.equal(value, out)
+
+
+def test_a_weight_used_by_two_units_gets_both_gradients():
+    """A tied weight: the same shards through two gathered calls; the engine sums two finished
+    gradients (the wait nodes hand them on only after their reduce-scatters)."""
+    spec = preset("hsdp", _mesh())
+    full, shards, blk, x = _unit_problem(spec)
+    twice = grad(lambda s: (blk(s, x) + blk(s, x)).square().sum() / 4)(shards)
+    once = grad(lambda s: blk(s, x).square().sum())(shards)
+    assert max_rel_error(_finish(twice, spec), _finish(once, spec)) <= 1e-6
+
+
+def test_refuses_grad_of_grad_vmap_and_a_spec_tree():
+    spec = preset("hsdp", _mesh())
+    _, shards, blk, x = _unit_problem(spec)
+    f = lambda s: blk(s, x).sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match="differentiating twice"):
+        grad(lambda s: grad(f)(s)["w"].sum())(shards)
+    with pytest.raises(NotImplementedError, match="vmap"):
+        torch.func.vmap(lambda s: blk(s, x[0, 0]))(shards)
+    with pytest.raises(TypeError, match="one Spec"):
+        fh.gathered(lambda p: p, {"a": spec})
+    lopsided = fh.Spec(
+        spec.mesh, [fh.Replicate(), fh.Flat()], [fh.Flat(), fh.Flat()], [fh.Flat(), fh.Flat()]
+    )
+    with pytest.raises(NotImplementedError, match="sharded over other axes"):
+        fh.gathered(lambda p: p, lopsided)
+
+
+def test_refuses_non_tensor_outputs_and_unknown_shards_for_into():
+    spec = preset("hsdp", _mesh())
+    full, shards, _, x = _unit_problem(spec)
+    bad = fh.gathered(lambda p, x: {"y": p["w"].sum(), "n": 3}, spec)
+    with pytest.raises(TypeError, match="pytree of tensors"):
+        bad(shards, x)
+    mg = fh.MainGrad(spec, like=full)
+    blk = fh.gathered(fh.per_rank(lambda p, x: x @ p["w"] + p["b"], spec.mesh), spec, into=mg)
+    copies = optree.tree_map(torch.clone, shards)  # untagged: which unit is unknown
+    with pytest.raises(ValueError, match="not known as a unit"):
+        grad(lambda s: blk(s, x).sum())(copies)
+    with pytest.raises(TypeError, match="into must be a MainGrad"):
+        fh.gathered(lambda p: p, spec, into=object())
