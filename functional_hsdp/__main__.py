@@ -17,12 +17,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo_parser = commands.add_parser(
         "demo",
-        help="train a small torch.func MLP with ddp/fsdp/hsdp and check it against dense torch",
+        help="train a small torch.func MLP with ddp/fsdp/hsdp/hfsdp and check it against dense "
+        "torch",
         description=(
             "Train a small torch.func MLP with the chosen strategy on a dp_outer x dp_inner mesh "
-            "(real gloo ranks, or one process on a SimMesh), compare per-step losses with a "
-            "dense single-process reference, and print the communication per axis. Exits 0 on "
-            "PASS, 1 on FAIL."
+            "(real gloo ranks, or one process on a SimMesh), the whole parameter tree at once or "
+            "layer by layer (fh.gathered units), compare per-step losses and the final "
+            "parameters with a dense single-process reference, and print the communication per "
+            "step by phase and axis. Exits 0 on PASS; 1 on FAIL (a mismatch, a non-finite loss "
+            "or a failed worker); 2 on a bad flag."
         ),
     )
     demo.add_arguments(demo_parser)
@@ -30,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; its exit status."""
     args = build_parser().parse_args(argv)
     return demo.main(args)
 

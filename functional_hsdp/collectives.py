@@ -126,7 +126,7 @@ def all_gather(
                 [2., 2., 2.]])
     """
     spec = _axis_spec(mesh, axis, "flat", "sum", bucket_cap_mb)
-    return engine.move(tree, spec, "full", "optimizer", like, "tree")
+    return engine.move(tree, spec, "full", "optimizer", like, "tree", "all_gather")
 
 
 def _reduce(tree: Any, spec: Spec, call: str) -> Any:

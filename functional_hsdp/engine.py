@@ -115,42 +115,44 @@ def reduce(
     call: str = "reduce_grads",
 ) -> Any:
     """One microbatch: reduce ``grads`` (at role ``at``), add ``acc``, finish on ``last``."""
-    check_bool("last", last, " (True on the final microbatch)")
-    check_bool("check_finite", check_finite)
-    if at not in ACC_ROLES:
-        raise ValueError(f"{call}: at must be 'input' or 'gradient'; got {at!r}")
     leaves, treedef, paths = flatten(grads, name)
-    if not leaves:
-        resolve_specs(spec, treedef, name)
-        if acc is not None and optree.tree_structure(acc) != treedef:
-            raise structure_error(treedef, acc, "acc", name)
-        return optree.tree_unflatten(treedef, [])
-    plan = _input_plan(grads, leaves, treedef, paths, spec, at, name)
-    legs: list = [("input", "gradient")] if at == "input" else []
-    if acc is not None:  # checked before any collective, so a bad acc cannot strand peers
-        acc_bufs = _acc_buffers(plan, acc, treedef, name)
-        legs.append(lambda b, buf: _add(buf, acc_bufs[b]))
-    if last:
-        legs.append(("gradient", "optimizer"))
-    role = "input" if at == "input" else "gradient"
-    if check_finite:
-        packed = [plan.pack(b, leaves, role) for b in range(len(plan.buckets))]
-        nonfinite = validate.nonfinite_index(leaves, len(plan.mesh.batch_shape), packed)
-        source = packed.__getitem__
-    else:  # packed bucket by bucket, each just before its first collective
-        source, nonfinite = functools.partial(plan.pack, leaves=leaves, role=role), None
-    validate.check(
-        plan,
-        call,
-        paths,
-        last=last,
-        options=(f"check_finite={check_finite}", f"at={at}"),
-        nonfinite=nonfinite,
-    )
+    with validate.agreement(spec, call) as agreed:  # a local error: every rank raises
+        check_bool("last", last, " (True on the final microbatch)")
+        check_bool("check_finite", check_finite)
+        if at not in ACC_ROLES:
+            raise ValueError(f"{call}: at must be 'input' or 'gradient'; got {at!r}")
+        if not leaves:
+            resolve_specs(spec, treedef, name)
+            if acc is not None and optree.tree_structure(acc) != treedef:
+                raise structure_error(treedef, acc, "acc", name)
+            return optree.tree_unflatten(treedef, [])
+        plan = _input_plan(grads, leaves, treedef, paths, spec, at, name)
+        legs: list = [("input", "gradient")] if at == "input" else []
+        if acc is not None:  # checked before any collective
+            acc_bufs = _acc_buffers(plan, acc, treedef, name)
+            legs.append(lambda b, buf: _add(buf, acc_bufs[b]))
+        if last:
+            legs.append(("gradient", "optimizer"))
+        source, nonfinite = _source(
+            plan, leaves, "input" if at == "input" else "gradient", check_finite
+        )
+        options = (f"check_finite={check_finite}", f"at={at}")
+        agreed.check(plan, paths, last=last, options=options, nonfinite=nonfinite)
     out_role = "optimizer" if last else "gradient"
     out, bufs = finish(plan, start(plan, source, legs), out_role)
     tag(out, plan, out_role, "final" if last else "accumulating", None if last else bufs)
     return optree.tree_unflatten(treedef, out)
+
+
+def _source(plan: Plan, leaves: list, role: str, check_finite: bool) -> tuple[Any, Any]:
+    """(bucket index -> packed buffer, per-rank first non-finite leaf or None). Buckets are
+    packed one by one just before their first collective, unless every one is needed first
+    to look for NaN/Inf."""
+    if not check_finite:
+        return functools.partial(plan.pack, leaves=leaves, role=role), None
+    packed = [plan.pack(b, leaves, role) for b in range(len(plan.buckets))]
+    nonfinite = validate.nonfinite_index(leaves, len(plan.mesh.batch_shape), packed)
+    return packed.__getitem__, nonfinite
 
 
 def _input_plan(grads, leaves, treedef, paths, spec, at: str, name: str) -> Plan:
@@ -245,8 +247,9 @@ def _replicated(x: torch.Tensor, batch: tuple[int, ...]) -> bool:
     return bool((flat == flat[:1]).all()) if flat.numel() else True
 
 
-def move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: str) -> Any:
-    """Local shards (at ``source``, or found) -> role ``to`` (all-gathers)."""
+def move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: str, call: str) -> Any:
+    """Local shards (at ``source``, or found) -> role ``to`` (all-gathers); ``call`` names the
+    public function in the cross-rank check."""
     if source not in (None, "optimizer", "parameter"):
         raise ValueError(f"source must be 'optimizer' or 'parameter'; got {source!r}")
     leaves, treedef, paths = flatten(tree, name)
@@ -254,8 +257,10 @@ def move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: str
         resolve_specs(spec, treedef, name)
         return optree.tree_unflatten(treedef, [])
     roles = (source,) if source else ("optimizer", "parameter")
-    plan, role = find_layout(leaves, treedef, paths, spec, like, roles, ("final", "weights"), name)
-    validate.check(plan, f"move {role} -> {to}", paths)
+    with validate.agreement(spec, call) as agreed:
+        kinds = ("final", "weights")
+        plan, role = find_layout(leaves, treedef, paths, spec, like, roles, kinds, name)
+        agreed.check(plan, paths, options=(f"from {role}",))
     pack = functools.partial(plan.pack, leaves=leaves, role=role)
     out, _ = finish(plan, start(plan, pack, [(role, to)]), to)
     if to != "full":

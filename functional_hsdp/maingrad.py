@@ -108,6 +108,7 @@ class MainGrad:
         self._state = "accumulating"
         # per bucket: holds nothing of this step yet (the next write overwrites instead of adding)
         self._fresh = [True] * len(self._buffers)
+        self._empty = True  # grads are None: nothing was accumulated since zero_grad()
         self._checked: tuple | None = None  # metadata of the last gradient tree that passed
 
     # -- public ---------------------------------------------------------------------------
@@ -125,7 +126,7 @@ class MainGrad:
     @property
     def grads(self) -> Any:
         """Local gradient shards: views of the buffers, or None after ``zero_grad()``."""
-        if all(self._fresh):
+        if self._empty:
             return None
         self._zero_fresh()
         role = "optimizer" if self._state == "final" else "gradient"
@@ -155,27 +156,28 @@ class MainGrad:
         Returns:
             None; read the result from :attr:`grads`.
         """
-        check_bool("last", last, " (True on the final microbatch)")
-        check_bool("check_finite", check_finite)
-        if at not in ("input", "gradient"):
-            raise ValueError(f"MainGrad.accumulate: at must be 'input' or 'gradient'; got {at!r}")
-        if self._state == "final":
-            raise ValueError(
-                "MainGrad holds the final gradients of a finished step; call "
-                "zero_grad() before accumulating the next step"
-            )
         plan, mesh = self.plan, self.mesh
         leaves, treedef, paths = flatten(grads, "grads")
-        if treedef != plan.treedef:
-            raise structure_error(plan.treedef, grads, "grads", "MainGrad's like tree")
-        self._check(leaves, paths, at)
-        options = (f"reduce_dtype={self.reduce_dtype}", f"check_finite={check_finite}", f"at={at}")
-        nonfinite = (
-            validate.nonfinite_index(leaves, len(mesh.batch_shape)) if check_finite else None
-        )
-        validate.check(
-            plan, "MainGrad.accumulate", paths, last=last, options=options, nonfinite=nonfinite
-        )
+        with validate.agreement(mesh, "MainGrad.accumulate") as agreed:
+            check_bool("last", last, " (True on the final microbatch)")
+            check_bool("check_finite", check_finite)
+            if at not in ("input", "gradient"):
+                raise ValueError(
+                    f"MainGrad.accumulate: at must be 'input' or 'gradient'; got {at!r}"
+                )
+            self._check_accumulating("grads")
+            if treedef != plan.treedef:
+                raise structure_error(plan.treedef, grads, "grads", "MainGrad's like tree")
+            self._check(leaves, paths, at)
+            options = (
+                f"reduce_dtype={self.reduce_dtype}",
+                f"check_finite={check_finite}",
+                f"at={at}",
+            )
+            nonfinite = (
+                validate.nonfinite_index(leaves, len(mesh.batch_shape)) if check_finite else None
+            )
+            agreed.check(plan, paths, last=last, options=options, nonfinite=nonfinite)
 
         def done(b: int, chunk: torch.Tensor) -> None:
             if self._fresh[b]:
@@ -183,6 +185,8 @@ class MainGrad:
             else:
                 self._buffers[b].add_(chunk)
             self._fresh[b] = False
+
+        self._empty = False
 
         if at == "input":
             programs = [
@@ -221,11 +225,12 @@ class MainGrad:
         """Reduce the deferred axes now (what ``accumulate(..., last=True)`` does after its
         add): for gradients that :func:`~functional_hsdp.gathered` units with ``into=self``
         added during backward. Every rank must call it."""
-        if self._state == "final":
-            raise ValueError("MainGrad.finish: the step is finished already; call zero_grad()")
-        if all(self._fresh):
-            raise ValueError("MainGrad.finish: no gradient was accumulated this step")
-        validate.check(self.plan, "MainGrad.finish", paths_of(self.plan.treedef, "grads"))
+        with validate.agreement(self.mesh, "MainGrad.finish") as agreed:
+            if self._state == "final":
+                raise ValueError("MainGrad.finish: the step is finished already; call zero_grad()")
+            if self._empty:
+                raise ValueError("MainGrad.finish: no gradient was accumulated this step")
+            agreed.check(self.plan, paths_of(self.plan.treedef, "grads"))
         self._finish()
 
     def buckets_of(self, unit: int) -> list[int]:
@@ -236,14 +241,18 @@ class MainGrad:
         """Add reduced chunks at the gradient placement into ``buckets`` (overwriting a
         bucket that holds nothing of this step). Safe inside a backward under ``torch.func``:
         the add is a custom op that declares its mutation."""
-        if self._state == "final":
-            raise ValueError(
-                "MainGrad holds the final gradients of a finished step; call "
-                "zero_grad() before accumulating the next step"
-            )
+        self._check_accumulating("gradients")
         for b, chunk in zip(buckets, chunks):
             _accumulate(self._buffers[b], chunk, self._fresh[b])
             self._fresh[b] = False
+        self._empty = False
+
+    def _check_accumulating(self, what: str) -> None:
+        if self._state == "final":
+            raise ValueError(
+                f"{what}: this MainGrad holds the final gradients of a finished step; call "
+                "zero_grad() before accumulating the next step"
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new step, with ``torch.optim``'s meaning of ``set_to_none``.
@@ -255,10 +264,12 @@ class MainGrad:
         """
         if set_to_none:
             self._fresh = [True] * len(self._buffers)
+            self._empty = True
         else:
             for buf in self._buffers:
                 buf.zero_()
             self._fresh = [False] * len(self._buffers)
+            self._empty = False
         self._state = "accumulating"
 
     def state_dict(self) -> dict[str, Any]:
@@ -267,6 +278,7 @@ class MainGrad:
             "layout": self._fingerprint(),
             "state": self._state,
             "fresh": list(self._fresh),
+            "empty": self._empty,
             "buffers": [buf.detach().clone() for buf in self._buffers],
         }
 
@@ -300,6 +312,7 @@ class MainGrad:
         if not (isinstance(fresh, list) and len(fresh) == len(self._buffers)):
             raise ValueError("load_state_dict: not a MainGrad state_dict (no per-bucket 'fresh')")
         self._state, self._fresh = state_dict["state"], [bool(f) for f in fresh]
+        self._empty = bool(state_dict.get("empty", all(self._fresh)))
 
     def __repr__(self) -> str:
         n = sum(buf.numel() for buf in self._buffers)

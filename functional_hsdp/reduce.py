@@ -112,7 +112,7 @@ def gather(tree: Any, spec: Any, *, like: Any = None, source: str | None = None)
         >>> fh.gather(fh.shard({"w": torch.arange(5.0)}, spec), spec)["w"][1]
         tensor([0., 1., 2., 3., 4.])
     """
-    return engine.move(tree, spec, "full", source, like, "tree")
+    return engine.move(tree, spec, "full", source, like, "tree", "gather")
 
 
 def sync_params(tree: Any, spec: Any, *, like: Any = None) -> Any:
@@ -137,4 +137,4 @@ def sync_params(tree: Any, spec: Any, *, like: Any = None) -> Any:
         >>> fh.sync_params(w, spec)["w"][0, 1]
         tensor([4., 5., 6., 7.])
     """
-    return engine.move(tree, spec, "parameter", "optimizer", like, "tree")
+    return engine.move(tree, spec, "parameter", "optimizer", like, "tree", "sync_params")

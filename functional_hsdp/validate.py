@@ -65,6 +65,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import torch
 
 from .cache import register
@@ -73,9 +74,11 @@ from .errors import CollectiveError
 __all__ = [
     "CollectiveError",
     "Fingerprint",
+    "Agreement",
     "agree",
-    "check",
+    "agreement",
     "fingerprint",
+    "mesh_of",
     "nonfinite_index",
     "validation",
 ]
@@ -83,24 +86,26 @@ __all__ = [
 
 # -- mode -----------------------------------------------------------------------------------
 
-_MODES = ("first", "always", "off")
-_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("fh_validation", default="first")
+_MODES = ("on", "off", "first", "always")
+_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("fh_validation", default="on")
 
 
 @contextlib.contextmanager
 def validation(mode: str) -> Iterator[None]:
-    """Set how often ranks compare fingerprints inside the ``with`` block.
+    """Turn the cross-rank agreement on or off inside the ``with`` block.
 
     Args:
-        mode: ``"first"`` (default: the first call per layout and operation), ``"always"``
-            (every call: one tiny all-gather each, for debugging) or ``"off"``.
-            ``check_finite=True`` exchanges on every call in every mode.
+        mode: ``"on"`` (the default: every call exchanges one small row over the mesh before
+            any gradient collective), or ``"off"`` (nothing is exchanged, unless
+            ``check_finite=True``). ``"first"`` and ``"always"``, the names of earlier
+            versions, mean ``"on"``. Every rank must use the same mode: a rank with
+            validation off while the others exchange makes them wait (bounded by the mesh's
+            timeout).
 
     Example:
         >>> import torch, functional_hsdp as fh
-        >>> from functional_hsdp.validate import validation
         >>> mesh = fh.SimMesh({"dp": 2})
-        >>> with validation("always"):
+        >>> with fh.validation("off"):
         ...     out = fh.reduce_grads({"w": torch.ones(2, 3)}, fh.ddp(mesh), last=True)
         >>> out["w"][0]
         tensor([1., 1., 1.])
@@ -118,7 +123,8 @@ def validation(mode: str) -> Iterator[None]:
 
 _MASK = (1 << 62) - 1
 _ABSENT = -1  # the per-leaf digest of a leaf a rank does not have (digests are >= 0)
-HEADER = ("call", "last", "options", "mesh", "tree")
+HEADER = ("call", "last", "options", "mesh", "dp axes", "tree")
+CALL_FIELDS = 5  # the header fields every rank of the mesh must agree on (all but "tree")
 LEAF_FIELDS = ("path", "shape", "dtype", "device", "spec", "bucket slot")
 
 
@@ -135,8 +141,10 @@ class Fingerprint:
     whole: int
 
     def row(self) -> list[int]:
-        """The round-1 row (without the non-finite column)."""
-        return [self.whole, len(self.leaves), *map(_digest, self.header)]
+        """Its part of the per-call row: the digests of the call (every header field but
+        the tree), of the whole, the leaf count and each header field."""
+        call = _digest("\x1e".join(self.header[:CALL_FIELDS]))
+        return [call, self.whole, len(self.leaves), *map(_digest, self.header)]
 
     def leaf_digests(self, n: int) -> list[int]:
         """Per-leaf digests of what the user passed (path, shape, dtype, device, spec), then
@@ -182,6 +190,7 @@ def fingerprint(
         f"last={last!r}",
         ", ".join(options) or "none",
         " x ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.sizes)),
+        ", ".join(_dp_axes(plan)),
         str(plan.treedef),
     )
     whole = _digest("\x1e".join(header) + "\x1d" + "\x1e".join("\x1f".join(x) for x in leaves))
@@ -207,10 +216,13 @@ def nonfinite_index(
     return torch.where(bad.any(0), bad.to(torch.int8).argmax(0), -1).to(torch.int64)
 
 
-# -- the check ------------------------------------------------------------------------------
+# -- the agreement ----------------------------------------------------------------------------
 
-# plan -> {(op, last, options): agreed Fingerprint}; weak: evicted plans take their entries.
+# plan -> {(op, last, options): its Fingerprint}; weak: evicted plans take their entries.
 _DONE: weakref.WeakKeyDictionary = register(weakref.WeakKeyDictionary())
+_LOCAL_ERRORS = (ValueError, TypeError, NotImplementedError)
+# the row every rank contributes on every call
+_ERROR, _NONFINITE, _CALL, _WHOLE, _COUNT, _HEADER0 = range(6)
 
 
 def _dp_axes(plan: Any) -> tuple[str, ...]:
@@ -218,63 +230,119 @@ def _dp_axes(plan: Any) -> tuple[str, ...]:
     return tuple(a for a in plan.mesh.axis_names if a in axes)
 
 
-def check(
-    plan: Any,
-    op: str,
-    paths: Sequence[str],
-    *,
-    last: Any = None,
-    options: tuple[str, ...] = (),
-    nonfinite: torch.Tensor | None = None,
-) -> None:
-    """Make every rank agree on this call before it issues any collective.
+def mesh_of(spec: Any) -> Any:
+    """The mesh of a Spec or of the first Spec of a spec tree, or ``spec`` itself if it is a
+    mesh (None if there is none)."""
+    from .spec import Spec
 
-    Exchanges a fingerprint on the first call per ``(plan, op, last, options)`` (see the
-    module docstring), and on every call when ``nonfinite`` (from :func:`nonfinite_index`)
-    is given or the mode is ``"always"``.
+    if hasattr(spec, "diagnostics"):
+        return spec
+    if isinstance(spec, Spec):
+        return spec.mesh
+    try:
+        leaves = optree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, Spec))
+    except Exception:  # not even a pytree: the caller's own check names the problem
+        return None
+    return next((x.mesh for x in leaves if isinstance(x, Spec)), None)
 
-    Raises:
-        ValueError: on every rank, naming the first differing leaf path (or header field) and
-            the ranks, or the first leaf holding NaN/Inf and the ranks.
-        CollectiveError: the exchange failed (a peer died or is in another collective).
+
+class Agreement:
+    """One call's cross-rank agreement (see the module docstring): every rank takes part in
+    one small exchange per call, before any gradient collective, and all raise together."""
+
+    def __init__(self, mesh: Any, call: str):
+        self.mesh, self.call, self.done = mesh, call, False
+
+    def check(
+        self,
+        plan: Any,
+        paths: Sequence[str],
+        *,
+        last: Any = None,
+        options: tuple[str, ...] = (),
+        nonfinite: torch.Tensor | None = None,
+    ) -> None:
+        """Agree on this call (``plan``: what it will do); raise on any difference."""
+        self.done = True
+        if torch.compiler.is_compiling():  # nothing is exchanged while tracing (nor can
+            return  # dynamo read the ContextVar below)
+        if _MODE.get() == "off" and nonfinite is None:
+            return
+        key = (self.call, last, options)
+        done = _DONE.setdefault(plan, {})
+        fp = done.get(key)
+        if fp is None:
+            fp = done[key] = fingerprint(plan, self.call, paths, last, options)
+        agree(self.mesh, _dp_axes(plan), fp, paths, nonfinite)
+
+    def fail(self, exc: BaseException) -> None:
+        """This rank's local checks raised ``exc``: tell the others (who raise too)."""
+        self.done = True
+        row = torch.full((len(HEADER) + _HEADER0,), -1, dtype=torch.int64)
+        row[_ERROR] = 1
+        local = row.expand(*self.mesh.batch_shape, row.numel()).clone()
+        tables = _gather(self.mesh, self.mesh.axis_names, local)
+        _peer_errors(self.mesh, tables, exc)
+
+
+@contextlib.contextmanager
+def agreement(spec: Any, call: str) -> Iterator[Agreement]:
+    """Run a call's local checks inside; ``agreement.check(plan, ...)`` before communicating.
+
+    A ``ValueError``/``TypeError``/``NotImplementedError`` raised inside before ``check`` is
+    reported to the other ranks in the same one exchange, so that every rank raises (each
+    with its own error, or naming the rank that failed) instead of waiting for the others.
     """
-    if torch.compiler.is_compiling():  # nothing is exchanged while tracing (nor can dynamo
-        return  # read the ContextVar below)
-    mode = _MODE.get()
-    if mode == "off" and nonfinite is None:
-        return
-    key = (op, last, options)
-    done = _DONE.setdefault(plan, {})
-    if key in done and mode == "first" and nonfinite is None:
-        return
-    fp = done.get(key) or fingerprint(plan, op, paths, last, options)
-    agree(plan.mesh, _dp_axes(plan), fp, paths, nonfinite)
-    done[key] = fp
+    mesh = mesh_of(spec)
+    agreed = Agreement(mesh, call)
+    try:
+        yield agreed
+    except _LOCAL_ERRORS as exc:
+        if mesh is None or agreed.done or _MODE.get() == "off" or torch.compiler.is_compiling():
+            raise
+        agreed.fail(exc)
+        raise
 
 
 def agree(
     mesh: Any,
-    axes: tuple[str, ...],
+    dp: tuple[str, ...],
     fp: Fingerprint,
     paths: Sequence[str],
     nonfinite: torch.Tensor | None = None,
 ) -> None:
-    """The protocol: compare ``fp`` across the ranks of ``axes``; raise on any difference.
-
-    Every rank of the group calls this with its own fingerprint and takes part in the same
-    exchanges (each decision is made from gathered data that all ranks share).
-    """
-    batch = mesh.batch_shape
-    row = torch.tensor([*fp.row(), -1], dtype=torch.int64)
-    local = row.expand(*batch, row.numel()).clone()
+    """The protocol for one call: exchange ``fp``'s row over every axis of ``mesh``; raise on
+    any difference (the call's header across all ranks, the layout within each group over
+    ``dp``), or a non-finite leaf."""
+    local = _row(fp, mesh.batch_shape)
     if nonfinite is not None:
-        local[..., -1] = nonfinite
-    tables = _gather(mesh, axes, local)  # (B, G, L)
-    if not bool((tables[..., 0] == tables[..., :1, 0]).all()):
-        raise ValueError(_explain(mesh, axes, fp, tables, mesh.diagnostics.members(axes)))
-    bad = tables[..., -1]
+        local[..., _NONFINITE] = nonfinite
+    _decide(mesh, dp, fp, paths, local)
+
+
+def _row(fp: Fingerprint, batch: tuple[int, ...]) -> torch.Tensor:
+    row = torch.tensor([0, -1, *fp.row()], dtype=torch.int64)
+    return row.expand(*batch, row.numel()).clone()
+
+
+def _decide(mesh: Any, dp: tuple[str, ...], fp: Fingerprint, paths, local: torch.Tensor) -> None:
+    """The exchange over the whole mesh, and every decision made from it, alike on all ranks."""
+    everyone = mesh.axis_names
+    tables = _gather(mesh, everyone, local)  # (B, G, L): G = every rank of the mesh
+    if bool((tables[..., _ERROR] > 0).any()):
+        _peer_errors(mesh, tables, None)
+    names = mesh.diagnostics.members(everyone)
+    for k, field in enumerate(HEADER[:CALL_FIELDS]):  # what every rank must agree on
+        column = tables[..., _HEADER0 + k]
+        if bool((column != column[:, :1]).any()):
+            texts = _gather_text(mesh, everyone, fp.header[k])
+            raise ValueError(f"{field} differs across ranks: {_groups(texts, names)}{_TAIL}")
+    if not _agree_within(mesh, dp, tables[..., _WHOLE]):  # the layout, per data-parallel group
+        dp_tables = _gather(mesh, dp, local)
+        raise ValueError(_explain(mesh, dp, fp, dp_tables, mesh.diagnostics.members(dp)))
+    bad = tables[..., _NONFINITE]
     if bool((bad >= 0).any()):
-        i, names = int(bad[bad >= 0].min()), mesh.diagnostics.members(axes)
+        i = int(bad[bad >= 0].min())
         ranks = _unique(
             n for t, b in enumerate(bad.tolist()) for n, x in zip(names[t], b) if x == i
         )
@@ -284,6 +352,44 @@ def agree(
         )
 
 
+def _agree_within(mesh: Any, dp: tuple[str, ...], column: torch.Tensor) -> bool:
+    """Whether ``column`` (B, G over every rank, row-major) agrees within each group of ranks
+    that differ only in their ``dp`` coordinates."""
+    sizes, dims = mesh.sizes, [mesh.axis_names.index(a) for a in dp]
+    other = [d for d in range(len(sizes)) if d not in dims]
+    grid = column.reshape(column.shape[0], *sizes)
+    grid = grid.permute(0, *[1 + d for d in other], *[1 + d for d in dims])
+    flat = grid.reshape(
+        column.shape[0], -1, max(1, int(torch.tensor([sizes[d] for d in dims]).prod()))
+    )
+    return bool((flat == flat[..., :1]).all())
+
+
+def _peer_errors(mesh: Any, tables: torch.Tensor, mine: BaseException | None) -> None:
+    """Some rank's local checks failed: raise (every rank). A failing rank's own error is
+    re-raised by its caller; the others raise the first failing rank's error type and text."""
+    everyone = mesh.axis_names
+    text = f"{type(mine).__name__}\x1f{mine}" if mine is not None else ""
+    texts = _gather_text(mesh, everyone, text)
+    if mine is not None:
+        return  # agreement() re-raises it
+    names = mesh.diagnostics.members(everyone)
+    failed = [(n, t) for table, ns in zip(texts, names) for n, t in zip(ns, table) if t]
+    kind, message = failed[0][1].split("\x1f", 1)
+    ranks = _unique(n for n, _ in failed)
+    cls = {"TypeError": TypeError, "NotImplementedError": NotImplementedError}.get(kind, ValueError)
+    raise cls(
+        f"{message} [raised on {_ranks(ranks)}; this rank's own input passed its checks, and it "
+        "raises too instead of waiting in a collective]"
+    )
+
+
+_TAIL = (
+    " (cross-rank check before the first collective of this call; every rank must make "
+    "the same library calls with the same trees, shapes, dtypes, specs and last)"
+)
+
+
 def _gather(mesh: Any, axes: tuple[str, ...], local: torch.Tensor) -> torch.Tensor:
     out = mesh.diagnostics.exchange(local, axes)
     return out.reshape(-1, *out.shape[-2:])
@@ -291,17 +397,9 @@ def _gather(mesh: Any, axes: tuple[str, ...], local: torch.Tensor) -> torch.Tens
 
 def _explain(mesh, axes, fp: Fingerprint, tables: torch.Tensor, names) -> str:
     """The error message for differing fingerprints (more exchanges, all ranks alike)."""
-    tail = (
-        " (cross-rank check before the first collective of this call; every rank must make "
-        "the same library calls with the same trees, shapes, dtypes, specs and last)"
-    )
-    for k, field in enumerate(HEADER[:-1]):
-        column = tables[..., 2 + k]
-        if bool((column != column[:, :1]).any()):
-            texts = _gather_text(mesh, axes, fp.header[k])
-            return f"{field} differs across ranks: {_groups(texts, names)}{tail}"
+    tail = _TAIL
     # the first leaf whose digests differ, over the longest tree of any rank
-    n = int(tables[..., 1].max())
+    n = int(tables[..., _COUNT].max())
     mine = torch.tensor(fp.leaf_digests(n), dtype=torch.int64)
     digests = _gather(mesh, axes, mine.expand(*mesh.batch_shape, 2 * n))
     differs = (digests != digests[:, :1]).any(1).any(0)

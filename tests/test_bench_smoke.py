@@ -14,8 +14,20 @@ import pytest
 from bench import BENCHMARKS, common
 from bench.__main__ import run_one
 
-# memory last: it switches the shared workers' malloc to mmap-everything
-ORDER = ["wire", "limit", "overlap", "compiled", "rsimpl", "overhead", "scaling", "fsdp", "memory"]
+# layerwise and memory last: they switch the shared workers' malloc to mmap-everything
+ORDER = [
+    "wire",
+    "limit",
+    "overlap",
+    "compiled",
+    "rsimpl",
+    "overhead",
+    "host",
+    "scaling",
+    "fsdp",
+    "layerwise",
+    "memory",
+]
 
 
 @pytest.fixture(scope="module")

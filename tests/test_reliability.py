@@ -233,6 +233,7 @@ class ThreadMesh:
 
     def __init__(self, n: int):
         self.n, self.batch_shape = n, ()
+        self.axis_names, self.sizes = ("dp",), (n,)
         self.diagnostics = self
         self._barrier = threading.Barrier(n, timeout=30)
         self._rows: list = [None] * n
@@ -365,29 +366,32 @@ def _count_exchanges(monkeypatch, mesh) -> list:
     return calls
 
 
-def test_fingerprints_are_exchanged_once_per_layout_call_and_last(monkeypatch, mesh, spec):
+def test_every_call_exchanges_one_row_over_the_whole_mesh(monkeypatch, mesh, spec):
+    """The agreement cannot be skipped by one rank alone: every call takes part in exactly one
+    small exchange (a healthy run never makes a second), check_finite included."""
     calls = _count_exchanges(monkeypatch, mesh)
     g = {"w": torch.ones(2, 2, 6)}
     for _ in range(3):
-        accumulate([g, g, g], spec)  # last=False then last=True, three steps
-    assert len(calls) == 2 and set(calls) == {("dp_outer", "dp_inner")}
+        accumulate([g, g, g], spec)  # 3 calls per step
+    assert len(calls) == 9 and set(calls) == {("dp_outer", "dp_inner")}
     fh.gather(fh.reduce_grads(g, spec, last=True), spec)
-    assert len(calls) == 3  # gather is another call
+    assert len(calls) == 11
     fh.reduce_grads(g, spec, last=True, check_finite=True)
-    fh.reduce_grads(g, spec, last=True, check_finite=True)
-    assert len(calls) == 5  # check_finite exchanges on every call
-    with validation("always"):
+    assert len(calls) == 12
+    with validation("always"):  # a former name of the default, kept
         fh.reduce_grads(g, spec, last=True)
     with validation("off"):
         fh.reduce_grads({"new": torch.ones(2, 2, 1)}, spec, last=True)
-    assert len(calls) == 6
+    assert len(calls) == 13
 
 
-def test_validation_exchanges_only_over_the_data_parallel_axes(monkeypatch):
+def test_the_exchange_spans_every_axis_so_ranks_naming_other_axes_cannot_deadlock(monkeypatch):
+    """A spec over "dp" alone still exchanges over ("tp", "dp"): ranks whose specs name
+    different data-parallel axes would otherwise wait in different groups."""
     mesh = fh.SimMesh({"tp": 2, "dp": 2})
     calls = _count_exchanges(monkeypatch, mesh)
     fh.reduce_grads({"w": torch.ones(2, 2, 3)}, fh.fsdp(mesh, "dp"), last=True)
-    assert calls == [("dp",)]
+    assert calls == [("tp", "dp")]
     with pytest.raises(ValueError, match="mode must be one of"):
         with validation("sometimes"):
             pass

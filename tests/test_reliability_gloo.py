@@ -147,7 +147,7 @@ CROSS_RANK = {
     "bucket_cap": (_bucket_cap_differs, ["bucket_cap_mb=25.0 on ranks [0, 1, 2] but", "on rank 3"]),
     "calls": (
         _calls_differ,
-        ["call differs across ranks: reduce_grads on ranks [0, 1, 3] but move optimizer"],
+        ["call differs across ranks: reduce_grads on ranks [0, 1, 3] but gather on rank 2"],
     ),
     "maingrad_like": (
         _maingrad_like_differs,
@@ -436,7 +436,7 @@ def _raises_alone():
     _short_timeouts(dm)
     spec = _hsdp(fh.DistMesh(dm))
     g = {"w": torch.ones(5, 3)}
-    fh.reduce_grads(g, spec, last=True)  # validated: the next calls exchange nothing
+    fh.reduce_grads(g, spec, last=True)
     acc = fh.reduce_grads(g, spec, last=False)
     if dist.get_rank() == 2:
         acc = {"w": acc["w"].double()}  # a local error: raised at once, on rank 2 only
@@ -477,7 +477,44 @@ def test_a_rank_raising_alone_makes_the_others_raise_in_time():
     assert sorted(replies) == [0, 1, 2, 3]
     name, message = replies[2][1:3]
     assert name == "TypeError" and "acc['w']: expected dtype" in message
+    for rank in (0, 1, 3):  # told in the call's one exchange: they raise at once, naming it
+        _, name, message, elapsed = replies[rank]
+        assert name == "TypeError" and "acc['w']: expected dtype" in message, message
+        assert "raised on rank 2" in message
+        assert elapsed < BOUND_S, (rank, elapsed)
+
+
+def _stalls(mesh_timeout):
+    """Rank 2 is alive but late (busy elsewhere): the others' waits are bounded."""
+    dm = device_mesh(GLOO_SHAPE, AXES)  # groups with gloo's default 30 min timeout
+    spec = _hsdp(fh.DistMesh(dm) if mesh_timeout is None else fh.DistMesh(dm, timeout=2.0))
+    g = {"w": torch.ones(5, 3)}
+    fh.reduce_grads(g, spec, last=True)
+    if dist.get_rank() == 2:
+        time.sleep(PG_TIMEOUT_S + 3)
+    _timed(lambda: fh.reduce_grads(g, spec, last=True))
+
+
+def _task_stalls_default():
+    return _stalls(None)
+
+
+def _task_stalls_explicit():
+    return _stalls(2.0)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("task", "bound"),
+    [(_task_stalls_default, PG_TIMEOUT_S + 10), (_task_stalls_explicit, 2.0 + 10)],
+    ids=["process_group_timeout", "DistMesh_timeout"],
+)
+def test_a_late_rank_makes_the_others_raise_within_the_timeout(task, bound):
+    """The mesh's groups keep gloo's 30 min default, but the library's waits honour the
+    default process group's timeout, or DistMesh(dm, timeout=...)."""
+    replies = _world(task)
     for rank in (0, 1, 3):
         _, name, message, elapsed = replies[rank]
         assert name == "CollectiveError", message
-        assert elapsed < BOUND_S, (rank, elapsed)
+        assert "exchange over mesh axis" in message and "timeout" in message
+        assert elapsed < bound, (rank, elapsed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -46,6 +47,12 @@ class DistMesh(MeshAxes):
             bucket's collective before it waits on any, so buckets overlap each other and
             packing. False: each collective is waited for as soon as it is issued (for
             debugging, and to measure what overlap gains).
+        timeout: the longest wait for one collective (seconds or a ``timedelta``), after
+            which :class:`~functional_hsdp.CollectiveError` names it. Default: the timeout the
+            default process group was made with (``init_process_group(timeout=...)``), which
+            the groups ``init_device_mesh`` makes do not inherit. It bounds the library's own
+            waits (gloo's in-place reductions, the cross-rank check); a functional
+            collective's wait (NCCL) is bounded by its group's own timeout (watchdog).
 
     Example:
         >>> import functional_hsdp as fh
@@ -57,10 +64,11 @@ class DistMesh(MeshAxes):
 
     batch_shape: tuple[int, ...] = ()
 
-    def __init__(self, device_mesh: Any, *, overlap: bool = True):
+    def __init__(self, device_mesh: Any, *, overlap: bool = True, timeout: Any = None):
         if not isinstance(overlap, bool):
             raise TypeError(f"DistMesh: overlap must be a bool; got {overlap!r}")
         self.overlap = overlap
+        self.timeout = _as_timedelta(timeout, device_mesh)
         names = getattr(device_mesh, "mesh_dim_names", None)
         if names is None:
             raise ValueError(
@@ -152,7 +160,7 @@ class DistMesh(MeshAxes):
             return x
         with self.guard(x.op, x.axis):
             if x.work is not None:
-                x.work.wait()
+                x.work.wait(self.timeout) if self.timeout is not None else x.work.wait()
                 buf = x.buffer
             else:
                 buf = funcol.wait_tensor(x.buffer)
@@ -179,13 +187,31 @@ class DistMesh(MeshAxes):
             raise collective_error(op, axis, self, e, rank=dist.get_rank(), timeout=timeout) from e
 
     def _timeout(self, axis: str | None) -> Any:
-        if axis is None:
-            return None
+        """The wait bound named in errors: the mesh's, else the axis group's own."""
+        if self.timeout is not None or axis is None:
+            return self.timeout
         try:  # private API; the message just omits the timeout without it
             device = torch.device(self.device_mesh.device_type)
             return self.group(axis)._get_backend(device).options._timeout
         except Exception:
             return None
+
+
+def _as_timedelta(timeout: Any, device_mesh: Any) -> timedelta | None:
+    """``timeout`` as a timedelta; by default the default process group's."""
+    if isinstance(timeout, timedelta):
+        return timeout
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise TypeError(
+                f"DistMesh: timeout must be a positive number of seconds; got {timeout!r}"
+            )
+        return timedelta(seconds=timeout)
+    try:  # private API: without it, waits are bounded by each group's own timeout
+        device = torch.device(device_mesh.device_type)
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except Exception:
+        return None
 
 
 class RankGeometry:
@@ -253,7 +279,10 @@ class DistDiagnostics:
         for axis in sorted(axes, key=mesh.axis_names.index, reverse=True):  # inner first
             parts = [torch.empty_like(out) for _ in range(mesh.size(axis))]
             with mesh.guard("exchange", axis):
-                dist.all_gather(parts, out.contiguous(), group=mesh.group(axis))
+                work = dist.all_gather(
+                    parts, out.contiguous(), group=mesh.group(axis), async_op=True
+                )
+                work.wait(mesh.timeout) if mesh.timeout is not None else work.wait()
             out = torch.stack(parts)
         return out.reshape(-1, t.shape[-1]).cpu()
 
