@@ -175,6 +175,12 @@ def check_local(
             # a leaf of another result (a whole tree's, given a unit of it): the same leaf
             # only if made with the same spec and full shape
             made = state.plan
+            if made is plan and index != i and made.shapes[index] != plan.shapes[i]:
+                raise ValueError(
+                    f"{path}: holds this tree's leaf {paths[index]} (full shape "
+                    f"{made.shapes[index]}), not its own (full shape {plan.shapes[i]}); it "
+                    f"cannot be used as {what}"
+                )
             if not same and (
                 made.specs[index] != plan.specs[i] or made.shapes[index] != plan.shapes[i]
             ):

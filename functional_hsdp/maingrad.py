@@ -294,14 +294,14 @@ class MainGrad:
         for key in mine:
             if theirs[key] != mine[key]:
                 raise ValueError(
-                    f"load_state_dict: saved with different {key}: {theirs[key]!r}; this "
-                    f"MainGrad has {mine[key]!r}"
+                    f"state_dict['layout'][{key!r}]: saved with another {key}: {theirs[key]!r}; "
+                    f"this MainGrad has {mine[key]!r}"
                 )
         buffers = state_dict["buffers"]
         for b, (buf, saved) in enumerate(zip(self._buffers, buffers)):
             if saved.shape != buf.shape or saved.dtype != buf.dtype:
                 raise ValueError(
-                    f"load_state_dict: buffer {b} has shape {tuple(saved.shape)} {saved.dtype}; "
+                    f"state_dict['buffers'][{b}]: has shape {tuple(saved.shape)} {saved.dtype}; "
                     f"expected {tuple(buf.shape)} {buf.dtype}"
                 )
         for buf, saved in zip(self._buffers, buffers):
@@ -386,12 +386,12 @@ class MainGrad:
 
     def _fingerprint(self) -> dict[str, Any]:
         plan = self.plan
-        return {
+        return {  # in the order a mismatch is reported: the most telling first
+            "mesh": list(zip(self.mesh.axis_names, self.mesh.sizes)),
             "tree": str(plan.treedef),
             "shapes": [list(s) for s in plan.shapes],
             "kinds": [str(k) for k in plan.meta.kinds],
             "specs": sorted({repr(s) for s in plan.specs}),
-            "mesh": list(zip(self.mesh.axis_names, self.mesh.sizes)),
             "dtype": str(self.dtype),
             "reduce_dtype": str(self.reduce_dtype),
             "buffers": [list(buf.shape) for buf in self._buffers],

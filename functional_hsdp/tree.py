@@ -94,7 +94,12 @@ def check_tensors(
             )
         if leaf.device.type == "meta":
             raise ValueError(f"{path}: is on the meta device and holds no data")
-        if floating and not (leaf.is_floating_point() or leaf.is_complex()):
+        if floating and leaf.is_complex():
+            raise TypeError(
+                f"{path}: complex gradients are not supported ({leaf.dtype}); pass "
+                "torch.view_as_real(x), a real tensor of the same bytes"
+            )
+        if floating and not leaf.is_floating_point():
             raise TypeError(f"{path}: gradients must have a floating dtype; got {leaf.dtype}")
         if batched and tuple(leaf.shape[: len(batch)]) != batch:
             raise ValueError(

@@ -458,3 +458,46 @@ def test_results_and_fingerprints_are_identical_across_processes():
     assert child.returncode == 0, child.stderr
     digest, whole = child.stdout.split()
     assert (digest, int(whole)) == _digests()
+
+
+def test_simmesh_results_never_alias_across_ranks(mesh):
+    """ddp's final result on a SimMesh: each rank's value is its own memory, as on real ranks."""
+    out = fh.reduce_grads({"w": torch.randn(2, 2, 3)}, fh.ddp(mesh), last=True)
+    before = out["w"][1, 0].clone()
+    out["w"][0, 0].mul_(10)
+    assert torch.equal(out["w"][1, 0], before)
+    out["w"].mul_(0.5)  # writable as a whole, too
+
+
+def test_complex_leaves_are_refused_with_their_path(mesh, spec):
+    with pytest.raises(TypeError, match=re.escape("grads['c']: complex gradients")):
+        fh.reduce_grads({"c": torch.ones(2, 2, 3, dtype=torch.complex64)}, spec, last=True)
+
+
+def test_fp16_average_does_not_overflow_on_a_simmesh(mesh):
+    g = {"w": torch.full((2, 2, 4), 40000.0, dtype=torch.float16)}
+    out = fh.reduce_grads(g, fh.ddp(mesh), last=True)["w"]
+    assert torch.equal(out, g["w"])
+
+
+def test_acc_leaves_swapped_between_positions_are_checked_by_value(mesh, spec):
+    """A result's own leaves given back at other positions: not trusted as that result (its
+    buffers are not read); checked by value, so a shape that no longer fits is refused."""
+    g = {"a": torch.ones(2, 2, 7, 3), "c": torch.ones(2, 2, 5)}
+    acc = fh.reduce_grads(g, spec, last=False)
+    with pytest.raises(ValueError, match=re.escape("acc['a']: holds this tree's leaf acc['c']")):
+        fh.reduce_grads(g, spec, last=True, acc={"a": acc["c"], "c": acc["a"]})
+
+
+@pytest.mark.parametrize("replace", ["set_", "data"])
+def test_acc_leaf_whose_storage_was_replaced_is_read_by_value(mesh, spec, replace):
+    g = {"a": torch.ones(2, 2, 7, 3), "c": torch.ones(2, 2, 5)}
+    acc = fh.reduce_grads(g, spec, last=False)
+    fresh = acc["a"].clone().fill_(5.0)
+    if replace == "set_":
+        acc["a"].set_(fresh)
+    else:
+        acc["a"].data = fresh
+    out = fh.reduce_grads(g, spec, last=False, acc=acc)
+    ref = fh.reduce_grads(g, spec, last=False, acc=optree.tree_map(torch.clone, acc))
+    assert all(map(torch.equal, optree.tree_leaves(out), optree.tree_leaves(ref)))

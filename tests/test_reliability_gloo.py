@@ -124,6 +124,33 @@ def _maingrad_last_differs():
     mg.accumulate({"w": torch.ones(5, 3)}, last=dist.get_rank() == 0)
 
 
+def _shape_changes_after_the_first_step():
+    spec = _hsdp()
+    for step in range(3):  # a healthy step first: the check is per call, not per layout
+        shape = (4, 3) if step == 2 and dist.get_rank() == 1 else (5, 3)
+        acc = fh.reduce_grads(_grads(step, w=shape), spec, last=False)
+        fh.reduce_grads(_grads(step, w=shape), spec, last=True, acc=acc)
+
+
+def _last_changes_after_the_first_step():
+    spec = _hsdp()
+    for step in range(2):
+        last = step == 1 and dist.get_rank() == 3
+        acc = fh.reduce_grads(_grads(step), spec, last=False)
+        fh.reduce_grads(_grads(step), spec, last=True, acc=acc)
+        fh.reduce_grads(_grads(step), spec, last=last)
+
+
+def _check_finite_on_one_rank():
+    fh.reduce_grads(_grads(), _hsdp(), last=True, check_finite=dist.get_rank() == 0)
+
+
+def _dp_axes_differ():  # ranks that exchanged over their own axes would wait in other groups
+    mesh = dist_mesh()
+    spec = fh.fsdp(mesh, "dp_inner") if dist.get_rank() == 1 else fh.fsdp(mesh)
+    fh.reduce_grads(_grads(), spec, last=True)
+
+
 CROSS_RANK = {
     "shape": (_shape_differs, ["grads['w']: shape (5, 3) on ranks [0, 1, 3] but (4, 3) on rank 2"]),
     "dtype": (
@@ -145,6 +172,19 @@ CROSS_RANK = {
     "last_ddp": (_last_differs_ddp, ["last=False on ranks [0, 1, 3] but last=True on rank 2"]),
     "spec": (_spec_differs, ["grads['b']: spec", "on rank 0 but", "on ranks [1, 2, 3]"]),
     "bucket_cap": (_bucket_cap_differs, ["bucket_cap_mb=25.0 on ranks [0, 1, 2] but", "on rank 3"]),
+    "shape_later": (
+        _shape_changes_after_the_first_step,
+        ["grads['w']: shape (5, 3) on ranks [0, 2, 3] but (4, 3) on rank 1"],
+    ),
+    "last_later": (
+        _last_changes_after_the_first_step,
+        ["last=False on ranks [0, 1, 2] but last=True on rank 3"],
+    ),
+    "check_finite_one_rank": (
+        _check_finite_on_one_rank,
+        ["options differs across ranks", "check_finite=True", "on rank 0"],
+    ),
+    "dp_axes": (_dp_axes_differ, ["dp axes differs across ranks", "dp_inner on rank 1"]),
     "calls": (
         _calls_differ,
         ["call differs across ranks: reduce_grads on ranks [0, 1, 3] but gather on rank 2"],
@@ -167,6 +207,29 @@ def test_cross_rank_mismatch_raises_the_same_error_on_every_rank(pool, case):
     messages = _expect_on_every_rank(pool, task, "ValueError", *texts)
     assert len(set(messages)) == 1  # the very same message on every rank
     assert "cross-rank check before the first collective" in messages[0]
+
+
+def _fp16_average_does_not_overflow():
+    g = {"w": torch.full((4,), 40000.0, dtype=torch.float16)}  # 4 x 40000 > 65504
+    avg = fh.reduce_grads(g, fh.ddp(dist_mesh()), last=True)["w"]
+    mg = fh.MainGrad(fh.ddp(dist_mesh()), like=g, dtype=torch.float16)
+    mg.accumulate(g, last=True)
+    return avg, mg.grads["w"]
+
+
+def test_fp16_reductions_pre_and_post_divide_on_gloo(pool):
+    for avg, main in pool.run(_fp16_average_does_not_overflow, timeout=60):
+        assert torch.equal(avg, torch.full((4,), 40000.0, dtype=torch.float16)), avg
+        assert torch.equal(main, avg)
+
+
+def _complex_leaf():
+    fh.reduce_grads({"c": torch.ones(3, dtype=torch.complex64)}, _hsdp(), last=True)
+
+
+@pytest.mark.timeout(60)
+def test_complex_leaves_are_refused_naming_the_path(pool):
+    _expect_on_every_rank(pool, _complex_leaf, "TypeError", "grads['c']: complex gradients")
 
 
 def _nan_on_rank_2(maingrad: bool):

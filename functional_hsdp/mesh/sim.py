@@ -196,6 +196,7 @@ class SimDiagnostics:
 
     def __init__(self, mesh: SimMesh):
         self._mesh = mesh
+        self._members: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
 
     def describe(self, op: str, axis: str, reduce: str | None) -> str:
         return "einops"
@@ -210,6 +211,12 @@ class SimDiagnostics:
         return einops.repeat(rows, f"{rest} g l -> {all_} g l", **sizes)
 
     def members(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+        known = self._members.get(tuple(axes))
+        if known is None:  # the same for every call on this mesh: built once per axes
+            known = self._members[tuple(axes)] = self._members_of(axes)
+        return list(known)
+
+    def _members_of(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
         mesh = self._mesh
         dims = sorted(mesh._dim(a) for a in axes)
         out = []
