@@ -17,20 +17,24 @@ class CollectiveError(RuntimeError):
     Attributes:
         op: the collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,
             ``"exchange"``).
-        axis: the mesh axis, or None if unknown.
+        axis: the mesh axis (a tuple of axes for the cross-rank check's exchange over the
+            whole mesh), or None if unknown.
     """
 
-    def __init__(self, message: str, op: str, axis: str | None):
+    def __init__(self, message: str, op: str, axis: str | tuple[str, ...] | None):
         super().__init__(message)
         self.op = op
         self.axis = axis
 
 
 def collective_error(
-    op: str, axis: str | None, mesh: Any, exc: BaseException, *, rank: Any = None, timeout=None
+    op: str, axis: Any, mesh: Any, exc: BaseException, *, rank: Any = None, timeout=None
 ) -> CollectiveError:
     """The :class:`CollectiveError` for ``exc`` raised by collective ``op`` on ``axis``."""
-    where = f"over mesh axis {axis!r}" if axis is not None else "(issued earlier)"
+    if isinstance(axis, tuple):
+        where = f"over mesh axes {', '.join(map(repr, axis))}"
+    else:
+        where = f"over mesh axis {axis!r}" if axis is not None else "(issued earlier)"
     who = f" on rank {rank}" if rank is not None else ""
     limit = f"; the group's timeout is {timeout}" if timeout is not None else ""
     return CollectiveError(

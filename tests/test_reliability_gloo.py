@@ -529,7 +529,9 @@ def test_a_rank_dying_mid_accumulation_makes_survivors_raise_in_time(task):
         _, name, message, elapsed = reply
         assert name == "CollectiveError", message
         assert "a peer rank may have died" in message and f"on rank {rank}" in message
-        assert "over mesh axis 'dp_" in message
+        assert (
+            "over mesh axis 'dp_" in message or "over mesh axes 'dp_outer', 'dp_inner'" in message
+        )
         assert elapsed < BOUND_S, (rank, elapsed)
     assert time.monotonic() - start < 60
 
@@ -579,5 +581,5 @@ def test_a_late_rank_makes_the_others_raise_within_the_timeout(task, bound):
     for rank in (0, 1, 3):
         _, name, message, elapsed = replies[rank]
         assert name == "CollectiveError", message
-        assert "exchange over mesh axis" in message and "timeout" in message
+        assert "exchange over mesh ax" in message and "timeout" in message
         assert elapsed < bound, (rank, elapsed)

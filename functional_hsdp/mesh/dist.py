@@ -178,7 +178,7 @@ class DistMesh(MeshAxes):
     # or (gloo, usually) at the wait.
 
     @contextlib.contextmanager
-    def guard(self, op: str, axis: str | None) -> Iterator[None]:
+    def guard(self, op: str, axis: Any) -> Iterator[None]:
         """Turn a RuntimeError of collective ``op`` on ``axis`` into a CollectiveError."""
         try:
             yield
@@ -186,9 +186,9 @@ class DistMesh(MeshAxes):
             timeout = self._timeout(axis)
             raise collective_error(op, axis, self, e, rank=dist.get_rank(), timeout=timeout) from e
 
-    def _timeout(self, axis: str | None) -> Any:
+    def _timeout(self, axis: Any) -> Any:
         """The wait bound named in errors: the mesh's, else the axis group's own."""
-        if self.timeout is not None or axis is None:
+        if self.timeout is not None or not isinstance(axis, str):
             return self.timeout
         try:  # private API; the message just omits the timeout without it
             device = torch.device(self.device_mesh.device_type)
@@ -261,6 +261,10 @@ class DistDiagnostics:
 
     def __init__(self, mesh: DistMesh):
         self._mesh = mesh
+        # global ranks in row-major mesh order, if the mesh is the whole world
+        ranks = mesh.device_mesh.mesh.flatten().tolist()
+        whole = sorted(ranks) == list(range(dist.get_world_size()))
+        self._world_order = ranks if whole else None
 
     def describe(self, op: str, axis: str, reduce: str | None) -> str:
         mesh = self._mesh
@@ -273,18 +277,25 @@ class DistDiagnostics:
 
     def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         # Plain c10d all-gathers (not functional collectives), so that profiles of the
-        # gradient collectives stay exact.
+        # gradient collectives stay exact. Over every axis of a mesh that spans the world:
+        # one all-gather over the default group (the per-call agreement: one round trip).
         mesh = self._mesh
         out = t.to(torch.device(mesh.device_mesh.device_type))
+        if set(axes) == set(mesh.axis_names) and self._world_order is not None:
+            parts = self._gather(out, None, mesh.axis_names)
+            return torch.stack([parts[r] for r in self._world_order]).cpu()
         for axis in sorted(axes, key=mesh.axis_names.index, reverse=True):  # inner first
-            parts = [torch.empty_like(out) for _ in range(mesh.size(axis))]
-            with mesh.guard("exchange", axis):
-                work = dist.all_gather(
-                    parts, out.contiguous(), group=mesh.group(axis), async_op=True
-                )
-                work.wait(mesh.timeout) if mesh.timeout is not None else work.wait()
-            out = torch.stack(parts)
+            out = torch.stack(self._gather(out, mesh.group(axis), axis))
         return out.reshape(-1, t.shape[-1]).cpu()
+
+    def _gather(self, t: torch.Tensor, group: Any, axis: Any) -> list[torch.Tensor]:
+        mesh = self._mesh
+        size = dist.get_world_size(group)
+        parts = [torch.empty_like(t) for _ in range(size)]
+        with mesh.guard("exchange", axis):
+            work = dist.all_gather(parts, t.contiguous(), group=group, async_op=True)
+            work.wait(mesh.timeout) if mesh.timeout is not None else work.wait()
+        return parts
 
     def members(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
         mesh = self._mesh
