@@ -31,7 +31,7 @@ from .plan import Plan, remember_layout
 from .schedule import expand, run
 from .spec import Spec, resolve_specs
 from .tags import result_state, tag, untouched
-from .tree import check_bool, check_tensors, flatten, structure_error
+from .tree import check_bool, check_tensors, flatten, refuse_vmap, structure_error
 
 __all__ = ["finish", "move", "reduce", "shard", "start", "wait"]
 
@@ -116,6 +116,7 @@ def reduce(
 ) -> Any:
     """One microbatch: reduce ``grads`` (at role ``at``), add ``acc``, finish on ``last``."""
     leaves, treedef, paths = flatten(grads, name)
+    refuse_vmap(leaves, call)
     with validate.agreement(spec, call) as agreed:  # a local error: every rank raises
         check_bool("last", last, " (True on the final microbatch)")
         check_bool("check_finite", check_finite)
@@ -193,11 +194,13 @@ def _acc_buffers(plan: Plan, acc: Any, treedef: Any, name: str) -> list[torch.Te
     return out
 
 
+@torch.compiler.disable  # under torch.compile: run eagerly, a clean graph break
 def shard(tree: Any, spec: Any, *, to: str, stacked: bool | None) -> Any:
     """Full values -> local shards at role ``to`` (local slices, no communication)."""
     if to not in ("optimizer", "parameter"):
         raise ValueError(f"shard: to must be 'optimizer' or 'parameter'; got {to!r}")
     leaves, treedef, paths = flatten(tree, "tree")
+    refuse_vmap(leaves, "shard")
     specs, units = resolve_specs(spec, treedef, "tree")
     if not leaves:
         return optree.tree_unflatten(treedef, [])
@@ -247,12 +250,14 @@ def _replicated(x: torch.Tensor, batch: tuple[int, ...]) -> bool:
     return bool((flat == flat[:1]).all()) if flat.numel() else True
 
 
+@torch.compiler.disable  # under torch.compile: run eagerly, a clean graph break
 def move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: str, call: str) -> Any:
     """Local shards (at ``source``, or found) -> role ``to`` (all-gathers); ``call`` names the
     public function in the cross-rank check."""
     if source not in (None, "optimizer", "parameter"):
         raise ValueError(f"source must be 'optimizer' or 'parameter'; got {source!r}")
     leaves, treedef, paths = flatten(tree, name)
+    refuse_vmap(leaves, call)
     if not leaves:
         resolve_specs(spec, treedef, name)
         return optree.tree_unflatten(treedef, [])

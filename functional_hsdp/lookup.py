@@ -102,11 +102,31 @@ def grads_plan(
     mesh = specs[0].mesh
     check_tensors(leaves, paths, mesh, floating=True, batched=True)
     nb = len(mesh.batch_shape)
-    plan = plan_for(leaves, treedef, paths, specs, units, (x.shape[nb:] for x in leaves))
+    shapes = tuple(tuple(x.shape[nb:]) for x in leaves)
+    _refuse_per_example(shapes, layouts_for(treedef, specs, units), paths)
+    plan = plan_for(leaves, treedef, paths, specs, units, shapes)
     if key is not None and meta is not None:
         entries = [m for m in (known or ()) if m[3] is not plan]
         _CHECKED[key] = [(*meta, plan), *entries][:_KNOWN_PER_KEY]
     return plan
+
+
+def _refuse_per_example(shapes: tuple, known: list, paths: Sequence[str]) -> None:
+    """A tree of per-example gradients passed by mistake: every leaf is a known layout's
+    leaf with one more leading dim, the same on every leaf (a vmap over examples)."""
+    if not shapes or shapes in known:
+        return
+    for full in known:
+        if len(full) == len(shapes) and all(
+            len(s) == len(f) + 1 and s[1:] == f and s[0] == shapes[0][0]
+            for s, f in zip(shapes, full)
+        ):
+            raise ValueError(
+                f"{paths[0]}: has shape {shapes[0]}, a leaf of this tree with a leading dim of "
+                f"{shapes[0][0]} in front of its shape {full[0]}, as on every leaf: "
+                "per-example gradients? Sum (or average) them over that dim first; the library "
+                "reduces one gradient per rank"
+            )
 
 
 # -- torch.compile ----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from .plan import Plan, TreeMeta, get_plan
 from .schedule import expand, run
 from .spec import resolve_specs
 from .tags import tag
-from .tree import check_bool, check_tensors, flatten, paths_of, structure_error
+from .tree import check_bool, check_tensors, flatten, paths_of, refuse_vmap, structure_error
 
 __all__ = ["DEPTH", "MainGrad", "microbatches"]
 
@@ -135,6 +135,7 @@ class MainGrad:
         tag(leaves, self.plan, role, "final" if self._state == "final" else "accumulating")
         return optree.tree_unflatten(self.plan.treedef, leaves)
 
+    @torch.compiler.disable  # under torch.compile: run eagerly, a clean graph break
     def accumulate(
         self, grads: Any, *, last: bool, at: str = "input", check_finite: bool = False
     ) -> None:
@@ -158,6 +159,7 @@ class MainGrad:
         """
         plan, mesh = self.plan, self.mesh
         leaves, treedef, paths = flatten(grads, "grads")
+        refuse_vmap(leaves, "MainGrad.accumulate")
         with validate.agreement(mesh, "MainGrad.accumulate") as agreed:
             check_bool("last", last, " (True on the final microbatch)")
             check_bool("check_finite", check_finite)
@@ -221,6 +223,7 @@ class MainGrad:
                 )
         self._checked = metas
 
+    @torch.compiler.disable
     def finish(self) -> None:
         """Reduce the deferred axes now (what ``accumulate(..., last=True)`` does after its
         add): for gradients that :func:`~functional_hsdp.gathered` units with ``into=self``

@@ -18,6 +18,7 @@ __all__ = [
     "flatten",
     "format_path",
     "paths_of",
+    "refuse_vmap",
     "structure_error",
 ]
 
@@ -106,6 +107,19 @@ def check_tensors(
                 f"{path}: on {mesh!r} a value's leading dims must be the mesh shape {batch} "
                 f"(rank (i, j, ...) holds x[i, j, ...]); got shape {tuple(leaf.shape)}"
             )
+
+
+def refuse_vmap(leaves: Sequence[Any], call: str) -> None:
+    """NotImplementedError if ``leaves`` are being vmapped (functorch batched tensors): the
+    library's packing and collectives work on whole per-rank tensors, and a batched call would
+    fail deep inside (no batching rule for packing) or reduce the wrong thing."""
+    first = next((x for x in leaves if isinstance(x, torch.Tensor)), None)
+    if first is not None and torch._C._functorch.is_batchedtensor(first):
+        raise NotImplementedError(
+            f"{call} under torch.func.vmap is not supported: call it outside the vmap, on the "
+            "per-rank gradients (sum or average per-example gradients first; on a SimMesh the "
+            "mesh dims already stand for the ranks)"
+        )
 
 
 def structure_error(expected: optree.PyTreeSpec, tree: Any, name: str, what: str) -> ValueError:

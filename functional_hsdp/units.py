@@ -247,6 +247,7 @@ class Gathered:
         reduce-scatter overlaps the backward of the unit before it."""
         self._next = _prepare(self, shards)
 
+    @torch.compiler.disable  # each unit runs eagerly under torch.compile (a graph break)
     def __call__(self, shards: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(gather(shards, spec), *args, **kwargs)``, differentiable (see :func:`gathered`).
 
