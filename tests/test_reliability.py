@@ -501,3 +501,21 @@ def test_acc_leaf_whose_storage_was_replaced_is_read_by_value(mesh, spec, replac
     out = fh.reduce_grads(g, spec, last=False, acc=acc)
     ref = fh.reduce_grads(g, spec, last=False, acc=optree.tree_map(torch.clone, acc))
     assert all(map(torch.equal, optree.tree_leaves(out), optree.tree_leaves(ref)))
+
+
+def test_vmap_over_the_library_is_refused_up_front(mesh, spec):
+    g = torch.randn(7, 2, 2, 5, 3)
+    for fn in (
+        lambda x: fh.reduce_grads({"w": x}, spec, last=True)["w"],
+        lambda x: fh.shard({"w": x[0, 0]}, spec)["w"],
+    ):
+        with pytest.raises(NotImplementedError, match="under torch.func.vmap is not supported"):
+            torch.func.vmap(fn)(g)
+
+
+def test_a_per_example_gradient_tree_is_refused_naming_the_leaf(mesh, spec):
+    params = fh.shard({"b": torch.zeros(3), "w": torch.zeros(5, 3)}, spec)
+    assert params["w"].shape[:2] == (2, 2)
+    per_example = {"b": torch.ones(2, 2, 8, 3), "w": torch.ones(2, 2, 8, 5, 3)}
+    with pytest.raises(ValueError, match=re.escape("grads['b']: has shape (8, 3)")):
+        fh.reduce_grads(per_example, spec, last=True)
