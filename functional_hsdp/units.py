@@ -83,6 +83,9 @@ class _Thread(threading.local):
 
     def __init__(self) -> None:
         self.last: Any = None  # weak reference to the last unit called
+        # (call, its full weights): the last unit of a forward keeps them, since its backward
+        # comes next (FSDP2 does not reshard its root either); the next unit's forward drops them
+        self.kept: tuple | None = None
         self.prepared: dict[tuple[int, ...], tuple[_Call, list, list]] = {}
         self.callback = False
 
@@ -139,6 +142,7 @@ class _Unit(torch.autograd.Function):
             outs = _run(call, full, args)
         if not call.block.reshard_after_forward:
             call.full = full
+        _STATE.kept = (call, full)
         # an output that is an input (or a view of one) would alias it: give a copy
         return tuple(
             o.clone() if o._base is not None or any(o is t for t in ts) else o for o in outs
@@ -160,7 +164,13 @@ class _Unit(torch.autograd.Function):
         prev, call.prev = (call.prev() if call.prev is not None else None), None
         if prev is not None and prev.block.reshard_after_forward and not prev.ahead:
             prev.ahead["backward"] = _gather_start(prev, prev.pieces)  # backward prefetch
-        full = call.full if call.full is not None else _gathered(call, "backward", call.pieces)
+        kept, _STATE.kept = _STATE.kept, None
+        if call.full is not None:
+            full = call.full
+        elif kept is not None and kept[0] is call:  # the forward's last unit: still gathered
+            full = kept[1]
+        else:
+            full = _gathered(call, "backward", call.pieces)
         call.full = None
         args = ctx.saved_tensors
         floats = [x for x, d in zip(args, call.diff) if d]
@@ -218,7 +228,7 @@ def _end_of_backward_callback() -> None:
     _STATE.callback = True
 
     def done() -> None:
-        _STATE.callback, _STATE.last = False, None
+        _STATE.callback, _STATE.last, _STATE.kept = False, None, None
 
     torch.autograd.Variable._execution_engine.queue_callback(done)
 

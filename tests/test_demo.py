@@ -49,14 +49,15 @@ def expected_per_step(cfg: demo.Config) -> dict[tuple[str, str, str], int]:
         for a in SHARDED[s]:
             want |= {("gather", a, "all_gather"): B, ("reduce", a, "reduce_scatter"): M * B}
         want |= {("reduce", a, deferred_op): B for a in DEFERRED[s]}
-    else:  # every unit: gathered in forward, re-gathered and reduce-scattered in backward
+    else:  # every unit: gathered in forward, re-gathered (but the last one: its weights are
+        # still gathered when its backward comes) and reduce-scattered in backward
         for a in SHARDED[s]:
-            for key in (("forward", a, "all_gather"), ("backward", a, "all_gather")):
-                want[key] = M * B
+            want[("forward", a, "all_gather")] = M * B
+            want[("backward", a, "all_gather")] = M * (B - 1)
             want[("backward", a, "reduce_scatter")] = M * B
         want |= {("finish", a, deferred_op): B for a in DEFERRED[s]}
     size = {"dp_outer": cfg.outer, "dp_inner": cfg.inner}
-    return {k: n for k, n in want.items() if size[k[1]] > 1}
+    return {k: n for k, n in want.items() if size[k[1]] > 1 and n}
 
 
 def comm_table(text: str) -> dict[tuple[str, str, str], tuple[int, int]]:

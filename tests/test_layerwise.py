@@ -58,14 +58,15 @@ def _counts(events) -> dict:
 @pytest.mark.parametrize("reshard", [True, False])
 def test_collectives_per_step_are_fsdp2s(reshard):
     """Per step, as FSDP2 HSDP with the same units: an all-gather per unit call in forward and,
-    when resharding, again in backward; a reduce-scatter over dp_inner per unit call per
+    when resharding, again in backward (but for the forward's last call, whose weights its
+    backward, next, uses as they are); a reduce-scatter over dp_inner per unit call per
     microbatch; one dp_outer all-reduce per bucket, on the last microbatch only."""
     mesh, layers, m = _mesh(), 2, 3
     _, events = train(preset("hsdp", mesh), 1, m, "sink", reshard_after_forward=reshard)
     calls = layers + 2  # the blocks, and the tied embedding: used as input and as the head
     units = layers + 1  # one bucket each
     assert _counts(events) == {
-        ("all_gather", "dp_inner"): m * calls * (2 if reshard else 1),
+        ("all_gather", "dp_inner"): m * (2 * calls - 1 if reshard else calls),
         ("reduce_scatter", "dp_inner"): m * calls,
         ("all_reduce", "dp_outer"): units,
     }
