@@ -6,6 +6,7 @@ reduces the outer axis only on the last one.
 """
 
 from .cache import clear_caches
+from .checkpoint import empty_state_dict, load_state_dict, state_dict
 from .collectives import all_gather, pmean, psum, psum_scatter
 from .dtensor import to_dtensor
 from .errors import CollectiveError
@@ -53,12 +54,14 @@ __all__ = [
     "clip_by_global_norm",
     "comm_log",
     "ddp",
+    "empty_state_dict",
     "fsdp",
     "gather",
     "gathered",
     "global_norm",
     "hfsdp",
     "hsdp",
+    "load_state_dict",
     "microbatches",
     "per_rank",
     "pmean",
@@ -68,6 +71,7 @@ __all__ = [
     "sequence",
     "sgd",
     "shard",
+    "state_dict",
     "sync_params",
     "to_dtensor",
     "validation",

@@ -6,6 +6,10 @@ flattened leaf that no DTensor placement describes, so Flat trees export per buc
 bucket is a 1-D global tensor (``Shard(0)`` over its Flat axis) or, with several Flat axes,
 a tensor of shape ``(n_1, ..., n_k, chunk)`` in split order with ``Shard(j)`` on the j-th
 split axis: exactly the rank's contiguous chunk, padding at the tail included (zeros).
+
+Per-bucket DTensors are tied to the mesh and the bucket layout. For checkpoints that load on
+another mesh shape or world size, use :func:`~functional_hsdp.state_dict` (per leaf, full
+shapes; :mod:`functional_hsdp.checkpoint`).
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from .placement import Flat, Partial
 from .plan import Plan
 from .tree import flatten
 
-__all__ = ["to_dtensor"]
+__all__ = ["contiguous_stride", "to_dtensor"]
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (size-0 dims count as 1)."""
     stride, out = 1, []
     for n in reversed(shape):
         out.append(stride)
@@ -83,7 +88,7 @@ def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = 
                 placements,
                 run_check=False,
                 shape=torch.Size(slot.shape),
-                stride=_contiguous_stride(slot.shape),
+                stride=contiguous_stride(slot.shape),
             )
         )
     return optree.tree_unflatten(treedef, out)
@@ -122,7 +127,7 @@ def _buckets(plan: Plan, role: str, leaves: list, device_mesh: Any) -> list[DTen
                 placements,
                 run_check=False,
                 shape=torch.Size(shape),
-                stride=_contiguous_stride(shape),
+                stride=contiguous_stride(shape),
             )
         )
     return out

@@ -33,7 +33,7 @@ from .spec import Spec, resolve_specs
 from .tags import result_state, tag, untouched
 from .tree import check_bool, check_tensors, flatten, refuse_vmap, structure_error
 
-__all__ = ["finish", "move", "reduce", "shard", "start", "wait"]
+__all__ = ["finish", "move", "reduce", "remember_units", "shard", "start", "wait"]
 
 ACC_ROLES = {"input": "gradient", "gradient": "gradient"}
 
@@ -213,7 +213,7 @@ def shard(tree: Any, spec: Any, *, to: str, stacked: bool | None) -> Any:
         leaves = [x.expand(*batch, *x.shape) for x in leaves]
     plan = plan_for(leaves, treedef, paths, specs, units, (x.shape[nb:] for x in leaves))
     if not isinstance(spec, Spec):
-        _remember_units(tree, spec, plan)
+        remember_units(tree, spec, plan)
     source = functools.partial(plan.pack, leaves=leaves, role="full")
     out, _ = finish(plan, start(plan, source, [("full", to)]), to)
     tag(out, plan, to, "weights")
@@ -225,7 +225,7 @@ def plan_specs(spec: Any) -> list[Spec]:
     return optree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, Spec))
 
 
-def _remember_units(tree: Any, spec: Any, plan: Plan) -> None:
+def remember_units(tree: Any, spec: Any, plan: Plan) -> None:
     """Record each unit's own layout, so that a unit's local shards are recognized alone
     (by :func:`~functional_hsdp.gathered`) as well as within the whole tree."""
     spec_def = optree.tree_structure(spec, is_leaf=lambda x: isinstance(x, Spec))

@@ -278,7 +278,7 @@ class MainGrad:
     def state_dict(self) -> dict[str, Any]:
         """A copy of the buffers and state, valid mid-accumulation (resume loses nothing)."""
         return {
-            "layout": self._fingerprint(),
+            "layout": self.layout(),
             "state": self._state,
             "fresh": list(self._fresh),
             "empty": self._empty,
@@ -290,7 +290,7 @@ class MainGrad:
 
         Raises ValueError if it was saved from another spec, tree, mesh or dtype.
         """
-        mine = self._fingerprint()
+        mine = self.layout()
         theirs = state_dict.get("layout")
         if not isinstance(theirs, dict) or theirs.keys() != mine.keys():
             raise ValueError("load_state_dict: not a MainGrad state_dict")
@@ -387,7 +387,9 @@ class MainGrad:
         run(self.mesh, programs, source, depth=DEPTH, sink=done)
         self._state = "final"
 
-    def _fingerprint(self) -> dict[str, Any]:
+    def layout(self) -> dict[str, Any]:
+        """What this MainGrad's buffers depend on (mesh, tree, shapes, dtypes, specs, buffer
+        shapes), as plain data: a state dict made elsewhere loads only if it agrees."""
         plan = self.plan
         return {  # in the order a mismatch is reported: the most telling first
             "mesh": list(zip(self.mesh.axis_names, self.mesh.sizes)),

@@ -1,0 +1,630 @@
+"""Checkpoints for ``torch.distributed.checkpoint`` (DCP) that reshard across meshes.
+
+A Flat leaf's local piece is an arbitrary range of the flattened leaf (its part of the rank's
+bucket chunk), which no DTensor placement describes, and buckets depend on the mesh. So a
+checkpoint holds every leaf in a mesh-independent *per-leaf form*: a DTensor of the leaf's
+full shape, placed ``Shard(0)`` on each axis where the spec's optimizer placement is
+sharded (``torch.chunk`` semantics, uneven allowed; on several axes nested in mesh order,
+as DTensor does) and ``Replicate()`` on the others. ``Shard(d)`` specs keep their own dim (a
+rank's shard is already ``torch.chunk(x, n, d)[rank]``); 0-d and zero-size leaves are
+Replicate. DCP then reshards by itself: save on a 2x2 mesh, load on 1x4, 4x1 or another
+world size.
+
+Pieces <-> even chunks needs communication, done one bucket at a time so that memory stays
+within one bucket beyond the shards, never the whole model:
+
+* saving all-gathers one Flat bucket (its optimizer -> full program, through the scheduler),
+  copies out each leaf's dim-0 chunk and drops the bucket;
+* loading packs this rank's chunks of one bucket into equal blocks, all-gathers them over the
+  sharded axes and copies out this rank's Flat pieces. No arithmetic: bit-exact.
+
+Placeholders for loading are made from metadata only (full shapes and dtypes of a ``like``
+tree of meta or real tensors): each rank allocates only its chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from . import validate
+from .dtensor import contiguous_stride
+from .engine import remember_units
+from .layout import unpack_full
+from .lookup import find_layout
+from .maingrad import MainGrad
+from .optim import AdamWState, SGDState
+from .plan import Plan, Step, TreeMeta, get_plan
+from .schedule import run
+from .spec import Spec, resolve_specs
+from .tags import tag
+from .tree import flatten, paths_of
+
+__all__ = ["empty_state_dict", "load_state_dict", "state_dict"]
+
+#: Optimizer states saved field by field: trees like the params, host scalars, None.
+OPTIMIZER_STATES = (AdamWState, SGDState)
+ROLE = "optimizer"  # checkpoints hold (and loading returns) the optimizer placement
+
+
+# -- public ---------------------------------------------------------------------------------
+
+
+def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, Any]:
+    """This rank's part of a mesh-independent checkpoint, for ``dcp.save``.
+
+    Args:
+        tree: one of
+            * local shards laid out like the params (``shard``/``reduce_grads`` results,
+              optimizer moments, any elementwise function of those), at the optimizer
+              (or parameter) placement of ``spec``;
+            * an :class:`AdamWState` / :class:`SGDState`: its moment trees as above, its
+              ``count`` saved as a host int;
+            * a :class:`MainGrad` whose step is final (or zeroed); mid-accumulation it is
+              refused (a Partial state has no mesh-independent form).
+        spec: the :class:`Spec` or spec tree the shards were made with (optional for a
+            MainGrad, which knows its own).
+        like: a tree like ``tree`` of full-shape tensors, only if ``tree``'s layout was not
+            made in this process (as in :func:`gather`).
+
+    Returns:
+        For a tree: ``{key: DTensor}``, one DTensor of the leaf's full shape per leaf, keyed
+        by its path joined with ``"."`` (``"blocks.0.qkv"``). For an optimizer state:
+        ``{"count": int, "mu": {...}, "nu": {...}}``. For a MainGrad: ``{"state": str,
+        "grads": {...}}``. Nest them in one dict for ``dcp.save``. Collective: every rank
+        calls it (Flat trees all-gather one bucket at a time).
+
+    Example (every rank; tested in tests/test_checkpoint.py)::
+
+        import torch.distributed.checkpoint as dcp
+        dcp.save({"params": fh.state_dict(params, spec),
+                  "optim": fh.state_dict(opt_state, spec)}, checkpoint_id=path)
+    """
+    if isinstance(tree, MainGrad):
+        return _maingrad_state(tree, spec)
+    if isinstance(tree, OPTIMIZER_STATES):
+        return _by_field(tree, like, lambda sub, sub_like: _tree_state(sub, spec, sub_like))
+    return _tree_state(tree, spec, like)
+
+
+def empty_state_dict(like: Any, spec: Any = None) -> dict[str, Any]:
+    """Placeholders for ``dcp.load`` on this mesh: what :func:`state_dict` would return, with
+    this rank's chunk of every leaf allocated but not filled (no full tensor is made).
+
+    Args:
+        like: what to load, from metadata: a tree of tensors of the full shapes and dtypes
+            (meta tensors are enough: ``torch.empty_like(p, device="meta")``), an
+            optimizer state of such trees (``opt.init(like)``), or the :class:`MainGrad`
+            to load into.
+        spec: the :class:`Spec` or spec tree to load at (any mesh shape; optional for a
+            MainGrad).
+
+    Returns:
+        A dict of the form :func:`state_dict` returns; pass it to ``dcp.load``, then to
+        :func:`load_state_dict`. No communication.
+
+    Example (every rank, on any mesh)::
+
+        state = {"params": fh.empty_state_dict(like, spec)}
+        dcp.load(state, checkpoint_id=path)
+        params = fh.load_state_dict(state["params"], spec, like)
+    """
+    if isinstance(like, MainGrad):
+        _check_maingrad_spec(like, spec)
+        return {"state": "final", "grads": _placeholders(like.plan)}
+    if isinstance(like, OPTIMIZER_STATES):
+        return _by_field(like, None, lambda sub, _: _tree_placeholders(sub, spec))
+    return _tree_placeholders(like, spec)
+
+
+def load_state_dict(state: dict[str, Any], spec: Any, like: Any) -> Any:
+    """Local shards at ``spec``'s optimizer placement from a state ``dcp.load`` filled.
+
+    Args:
+        state: the dict :func:`empty_state_dict` made (or :func:`state_dict` returned on this
+            mesh), filled by ``dcp.load``.
+        spec: the Spec or spec tree it was made for.
+        like: the ``like`` it was made from.
+
+    Returns:
+        A tree of local shards like ``shard(full, spec)`` returns (usable by ``gather``,
+        ``reduce_grads``, the optimizers), an optimizer state of such trees, or, for a
+        :class:`MainGrad`, that MainGrad with the loaded final gradients (or zeroed).
+        Collective: Flat trees all-gather one bucket of chunks at a time. Keys, shapes and
+        dtypes are checked first; errors name the path.
+
+    Example: see :func:`empty_state_dict`.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"state: expected the dict empty_state_dict made; got {type(state)}")
+    if isinstance(like, MainGrad):
+        return _load_maingrad(state, spec, like)
+    if isinstance(like, OPTIMIZER_STATES):
+        return _load_fields(state, spec, like)
+    return _load_tree(state, spec, like, "state")
+
+
+# -- the per-leaf form ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Form:
+    """How one leaf sits in a checkpoint on this rank.
+
+    ``kind``: ``"whole"`` (Replicate: the local value is the leaf), ``"own"`` (a Shard(d)
+    spec's shard, as it is) or ``"rows"`` (Flat: an even chunk of dim 0, converted per
+    bucket). For ``"rows"``, ``chunks`` holds every group member's ``[lo, hi)`` row range,
+    row-major over the sharded axes in mesh order, and ``mine`` this rank's index in it.
+    """
+
+    kind: str
+    placements: tuple
+    shape: tuple[int, ...]  # this rank's local shape in the checkpoint
+    chunks: tuple[tuple[int, int], ...] = ()
+    mine: int = 0
+
+
+def even_chunks(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of every part when ``n`` rows are ``torch.chunk``-ed over each of
+    ``sizes`` in turn (nested, as DTensor places several ``Shard(0)``), row-major."""
+    parts = [(0, n)]
+    for size in sizes:
+        parts = [
+            (min(lo + k * c, hi), min(lo + (k + 1) * c, hi))
+            for lo, hi in parts
+            for c in (-(-(hi - lo) // size),)
+            for k in range(size)
+        ]
+    return parts
+
+
+def forms(plan: Plan, role: str = ROLE) -> list[Form]:
+    """Every leaf's :class:`Form` at ``role`` on this rank."""
+    mesh, out = plan.mesh, []
+    names = mesh.axis_names
+    for i, (shape, spec) in enumerate(zip(plan.shapes, plan.specs)):
+        axes = spec.sharded_axes(role)
+        if not axes or math.prod(shape) == 0 or not shape:
+            out.append(Form("whole", (Replicate(),) * len(names), tuple(shape)))
+        elif spec.shard is not None:
+            dim = spec.shard[1] % len(shape)
+            placed = tuple(Shard(dim) if a in axes else Replicate() for a in names)
+            out.append(Form("own", placed, plan.local_shapes[role][i]))
+        else:
+            ordered = [a for a in names if a in axes]
+            chunks = even_chunks(shape[0], [mesh.size(a) for a in ordered])
+            mine = 0
+            for a in ordered:
+                mine = mine * mesh.size(a) + mesh.coordinate(a)
+            lo, hi = chunks[mine]
+            placed = tuple(Shard(0) if a in axes else Replicate() for a in names)
+            out.append(Form("rows", placed, (hi - lo, *shape[1:]), tuple(chunks), mine))
+    return out
+
+
+def _device_mesh(plan_or_mesh: Any) -> Any:
+    mesh = getattr(plan_or_mesh, "mesh", plan_or_mesh)
+    device_mesh = getattr(mesh, "device_mesh", None)
+    if device_mesh is None:
+        raise TypeError(
+            f"checkpoints need a DistMesh (DTensors live on a real DeviceMesh); got {mesh!r}"
+        )
+    return device_mesh
+
+
+def _dtensor(plan: Plan, i: int, local: torch.Tensor, form: Form) -> DTensor:
+    shape = tuple(plan.shapes[i])
+    return DTensor.from_local(
+        local,
+        _device_mesh(plan),
+        form.placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=contiguous_stride(shape),
+    )
+
+
+def _keys(treedef: optree.PyTreeSpec, paths: Sequence[str]) -> list[str]:
+    """Each leaf's checkpoint key: its path joined with '.' (torch's FQN style)."""
+    keys = [".".join(map(str, p)) or "value" for p in treedef.paths()]
+    seen: dict[str, str] = {}
+    for key, path in zip(keys, paths):
+        if key in seen:
+            raise ValueError(
+                f"{path}: its checkpoint key {key!r} is also {seen[key]}'s (keys join the "
+                "path with '.'); rename one of them"
+            )
+        seen[key] = path
+    return keys
+
+
+def _flat_buckets(plan: Plan, role: str) -> list[int]:
+    """The buckets whose leaves need converting: Flat at ``role`` on some axis."""
+    return [
+        b
+        for b, bucket in enumerate(plan.buckets)
+        if bucket.shard is None and plan.placed[b][role].axes
+    ]
+
+
+def _piece_range(plan: Plan, b: int, role: str) -> tuple[int, int]:
+    """(start, length) of this rank's chunk of bucket ``b`` at ``role`` (as Plan._place)."""
+    mesh, placed = plan.mesh, plan.placed[b][role]
+    start, stride = 0, plan.buckets[b].padded
+    for a in placed.axes:
+        stride //= mesh.size(a)
+        start += mesh.coordinate(a) * stride
+    return start, stride
+
+
+# -- saving: local pieces -> even chunks ------------------------------------------------------
+
+
+def _tree_state(tree: Any, spec: Any, like: Any) -> dict[str, DTensor]:
+    leaves, treedef, paths = flatten(tree, "tree")
+    if not leaves:
+        return {}
+    with validate.agreement(spec, "state_dict") as agreed:
+        if spec is None:
+            raise TypeError("state_dict: spec is required (the Spec the tree was made with)")
+        roles, kinds = (ROLE, "parameter"), ("final", "weights")
+        plan, role = find_layout(leaves, treedef, paths, spec, like, roles, kinds, "tree")
+        _device_mesh(plan)
+        keys = _keys(treedef, paths)
+        agreed.check(plan, paths, options=(f"from {role}",))
+    return dict(zip(keys, to_checkpoint(plan, leaves, role)))
+
+
+def to_checkpoint(plan: Plan, leaves: list, role: str = ROLE) -> list[DTensor]:
+    """Local shards at ``role`` -> per-leaf DTensors (one Flat bucket gathered at a time)."""
+    shapes = forms(plan, role)
+    local = list(leaves)
+    for s in plan.empty:
+        i = s.index
+        local[i] = torch.empty(plan.shapes[i], dtype=plan.dtypes[i], device=plan.devices[i])
+    flat = _flat_buckets(plan, role)
+
+    def sink(j: int, full: torch.Tensor) -> None:
+        bucket = plan.buckets[flat[j]]
+        for s, x in zip(bucket.slots, unpack_full(bucket, full, ())):
+            form = shapes[s.index]
+            if form.kind == "rows":
+                lo, hi = form.chunks[form.mine]
+                x = x[lo:hi]
+            local[s.index] = x.clone()  # a copy: the bucket is dropped
+
+    programs = [plan.program(b, role, "full") for b in flat]
+    source = lambda j: plan.pack(flat[j], leaves, role)  # noqa: E731
+    run(plan.mesh, programs, source, depth=1, sink=sink)
+    return [_dtensor(plan, i, x, f) for i, (x, f) in enumerate(zip(local, shapes))]
+
+
+# -- loading: even chunks -> local pieces -----------------------------------------------------
+
+
+def _tree_placeholders(like: Any, spec: Any) -> dict[str, DTensor]:
+    return _placeholders(_like_plan(like, spec)[0]) if optree.tree_leaves(like) else {}
+
+
+def _placeholders(plan: Plan) -> dict[str, DTensor]:
+    keys = _keys(plan.treedef, _paths(plan))
+    out = {}
+    for i, (key, form) in enumerate(zip(keys, forms(plan))):
+        local = torch.empty(form.shape, dtype=plan.dtypes[i], device=plan.devices[i])
+        out[key] = _dtensor(plan, i, local, form)
+    return out
+
+
+def _paths(plan: Plan, name: str = "like") -> tuple[str, ...]:
+    return paths_of(plan.treedef, name)
+
+
+def _device(mesh: Any) -> torch.device:
+    """The device of the mesh's ranks (for leaves of a meta ``like``)."""
+    kind = _device_mesh(mesh).device_type
+    module = getattr(torch, kind, None)
+    if kind != "cpu" and module is not None and hasattr(module, "current_device"):
+        return torch.device(kind, module.current_device())
+    return torch.device(kind)
+
+
+def _like_plan(like: Any, spec: Any) -> tuple[Plan, tuple[str, ...]]:
+    """The plan of local shards of ``like``'s full shapes and dtypes under ``spec``."""
+    leaves, treedef, paths = flatten(like, "like")
+    if spec is None:
+        raise TypeError("spec is required (the Spec or spec tree to load at)")
+    specs, units = resolve_specs(spec, treedef, "like")
+    for leaf, path in zip(leaves, paths):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{path}: expected a tensor giving the full shape and dtype (a meta tensor is "
+                f"enough); got {type(leaf).__name__}"
+            )
+    device = _device(specs[0].mesh)
+    meta = TreeMeta(
+        treedef,
+        tuple(tuple(x.shape) for x in leaves),
+        tuple(x.dtype for x in leaves),
+        tuple(device if x.is_meta else x.device for x in leaves),
+        specs,
+        units,
+    )
+    return get_plan(meta, paths), paths
+
+
+def _loaded(state: dict, plan: Plan, shapes: list[Form], name: str) -> list[torch.Tensor]:
+    """Each leaf's loaded local tensor from ``state``, checked against ``plan``."""
+    paths = _paths(plan)
+    keys = _keys(plan.treedef, paths)
+    for key, path in zip(keys, paths):
+        if key not in state:
+            raise ValueError(f"{name}: has no entry {key!r} for {path}")
+    known = set(keys)
+    for key in state:
+        if key not in known:
+            raise ValueError(f"{name}[{key!r}]: is not a leaf of like")
+    out = []
+    for i, (key, path, form) in enumerate(zip(keys, paths, shapes)):
+        x, where = state[key], f"{name}[{key!r}]"
+        if not isinstance(x, DTensor):
+            raise TypeError(f"{where}: expected a DTensor; got {type(x).__name__}")
+        if tuple(x.shape) != tuple(plan.shapes[i]):
+            raise ValueError(
+                f"{where}: holds shape {tuple(x.shape)}, but {path} has shape "
+                f"{tuple(plan.shapes[i])}"
+            )
+        if x.dtype != plan.dtypes[i]:
+            raise TypeError(f"{where}: holds {x.dtype}, but {path} is {plan.dtypes[i]}")
+        _check_placed(x, plan, form, where)
+        out.append(_own_local(x))
+    return out
+
+
+def _check_placed(x: DTensor, plan: Plan, form: Form, where: str) -> None:
+    local = x.to_local()
+    if (
+        x.device_mesh != _device_mesh(plan)
+        or tuple(x.placements) != form.placements
+        or tuple(local.shape) != form.shape
+    ):
+        raise ValueError(
+            f"{where}: placed {list(x.placements)} with local shape {tuple(local.shape)} on "
+            f"{x.device_mesh}, but this spec and mesh want {list(form.placements)} with "
+            f"{form.shape}; make the state with empty_state_dict(like, spec)"
+        )
+
+
+def _own_local(x: DTensor) -> torch.Tensor:
+    """The DTensor's local tensor; the tensor it was made from when ``to_local`` gives a whole
+    view of it (so loaded leaves are plain tensors, not views of placeholders)."""
+    local = x.to_local()
+    base = local._base
+    if base is not None and base.shape == local.shape and base.stride() == local.stride():
+        return base
+    return local
+
+
+def _load_tree(state: dict, spec: Any, like: Any, name: str) -> Any:
+    leaves, treedef, _ = flatten(like, "like")
+    if not leaves:
+        return optree.tree_unflatten(treedef, [])
+    with validate.agreement(spec, "load_state_dict") as agreed:
+        plan, paths = _like_plan(like, spec)
+        shapes = forms(plan)
+        local = _loaded(state, plan, shapes, name)
+        agreed.check(plan, paths)
+    out = from_checkpoint(plan, local, shapes)
+    tag(out, plan, ROLE, "weights")
+    if not isinstance(spec, Spec):
+        remember_units(like, spec, plan)
+    return optree.tree_unflatten(treedef, out)
+
+
+def from_checkpoint(plan: Plan, local: list, shapes: list[Form]) -> list[torch.Tensor]:
+    """Per-leaf checkpoint chunks -> local shards at the optimizer placement (one Flat bucket
+    of chunks gathered at a time)."""
+    out = list(local)  # whole and own leaves are their shards already
+    for s in plan.empty:
+        i = s.index
+        shape = plan.local_shapes[ROLE][i]
+        out[i] = torch.zeros(shape, dtype=plan.dtypes[i], device=plan.devices[i])
+    flat = _flat_buckets(plan, ROLE)
+    programs = [_gather_program(plan, b, shapes) for b in flat]
+
+    def sink(j: int, gathered: torch.Tensor) -> None:
+        for i, piece in _pieces(plan, flat[j], gathered, local, shapes):
+            out[i] = piece
+
+    run(plan.mesh, programs, lambda j: _blocks(plan, flat[j], local, shapes), depth=1, sink=sink)
+    return out
+
+
+def _block_widths(plan: Plan, b: int, shapes: list[Form]) -> list[int]:
+    """Per slot of bucket ``b``: its width in a rank's block (the longest chunk; 0 for leaves
+    every rank holds whole)."""
+    widths = []
+    for s in plan.buckets[b].slots:
+        form = shapes[s.index]
+        rows = max((hi - lo for lo, hi in form.chunks), default=0)
+        widths.append(rows * math.prod(plan.shapes[s.index][1:]) if form.kind == "rows" else 0)
+    return widths
+
+
+def _gather_program(plan: Plan, b: int, shapes: list[Form]) -> tuple[Step, ...]:
+    """All-gathers over bucket ``b``'s sharded axes, innermost first: blocks come out
+    row-major in mesh order. None when no leaf is chunked (0-d leaves only)."""
+    if not any(_block_widths(plan, b, shapes)):
+        return ()
+    mesh, axes = plan.mesh, plan.placed[b][ROLE].axes
+    ordered = [a for a in mesh.axis_names if a in axes and mesh.size(a) > 1]
+    return tuple(Step("all_gather", a, None, mesh.size(a)) for a in reversed(ordered))
+
+
+def _blocks(plan: Plan, b: int, local: list, shapes: list[Form]) -> torch.Tensor:
+    """This rank's block of bucket ``b``: each chunked leaf's chunk, zero-padded to its
+    width."""
+    bucket, parts = plan.buckets[b], []
+    for s, width in zip(bucket.slots, _block_widths(plan, b, shapes)):
+        if width:
+            x = local[s.index].reshape(-1)
+            parts.append(torch.nn.functional.pad(x, (0, width - x.numel())))
+    if not parts:
+        return torch.empty(0, dtype=bucket.dtype, device=bucket.device)
+    return torch.cat(parts)
+
+
+def _pieces(plan: Plan, b: int, gathered: torch.Tensor, local: list, shapes: list[Form]):
+    """(leaf index, this rank's Flat piece) for the leaves of bucket ``b``, from the gathered
+    blocks (or the whole leaf)."""
+    bucket, widths = plan.buckets[b], _block_widths(plan, b, shapes)
+    start, length = _piece_range(plan, b, ROLE)
+    n_blocks = max((len(shapes[s.index].chunks) for s in bucket.slots), default=1)
+    blocks = gathered.view(n_blocks, -1) if gathered.numel() else gathered
+    offset = 0
+    for s, width in zip(bucket.slots, widths):
+        lo = min(max(start - s.offset, 0), s.numel)
+        hi = min(max(start + length - s.offset, 0), s.numel)
+        if width:
+            row = math.prod(plan.shapes[s.index][1:])
+            piece = _piece(blocks[:, offset : offset + width], row, shapes[s.index].chunks, lo, hi)
+        else:
+            piece = local[s.index].reshape(-1)[lo:hi].clone()
+        offset += width
+        yield s.index, piece
+
+
+def _piece(blocks: torch.Tensor, row: int, chunks: Sequence, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of a flattened leaf whose k-th row chunk is at the front of
+    ``blocks[k]`` (a new tensor)."""
+    parts = []
+    for k, (first, last) in enumerate(chunks):
+        a, z = max(first * row, lo), min(last * row, hi)
+        if a < z:
+            parts.append(blocks[k, a - first * row : z - first * row])
+    return torch.cat(parts) if parts else blocks.new_empty(0)
+
+
+# -- optimizer states -------------------------------------------------------------------------
+
+
+def _is_scalar(x: Any) -> bool:
+    return isinstance(x, (bool, int, float, str))
+
+
+def _by_field(state: Any, like: Any, convert: Callable[[Any, Any], Any]) -> dict[str, Any]:
+    """An optimizer state as a dict: host scalars as they are, trees converted, None left out."""
+    out: dict[str, Any] = {}
+    for name, value in zip(state._fields, state):
+        if value is None:
+            continue
+        out[name] = value if _is_scalar(value) else convert(value, _field(like, name))
+    return out
+
+
+def _field(like: Any, name: str) -> Any:
+    return None if like is None else getattr(like, name)
+
+
+def _load_fields(state: dict, spec: Any, like: Any) -> Any:
+    values = {}
+    for name, value in zip(like._fields, like):
+        if value is None:
+            values[name] = None
+            continue
+        if name not in state:
+            raise ValueError(f"state: has no entry {name!r} (for {type(like).__name__}.{name})")
+        if _is_scalar(value):
+            values[name] = state[name]
+        else:
+            values[name] = _load_tree(state[name], spec, value, f"state[{name!r}]")
+    return type(like)(**values)
+
+
+# -- MainGrad ---------------------------------------------------------------------------------
+
+
+def _check_maingrad_spec(mg: MainGrad, spec: Any) -> None:
+    if spec is None:
+        return
+    specs, _ = resolve_specs(spec, mg.plan.treedef, "MainGrad's like tree")
+    if specs != mg.plan.specs:
+        raise ValueError(
+            "spec: is not the spec this MainGrad was made with; pass that spec, or none"
+        )
+
+
+def _maingrad_state(mg: MainGrad, spec: Any) -> dict[str, Any]:
+    with validate.agreement(mg.mesh, "state_dict") as agreed:
+        _check_maingrad_spec(mg, spec)
+        _device_mesh(mg.mesh)
+        grads = mg.grads
+        if grads is not None and mg.state != "final":
+            raise ValueError(_MID_ACCUMULATION.format(axes=_deferred(mg.plan)))
+        paths = _paths(mg.plan, "grads")
+        agreed.check(mg.plan, paths, options=(f"MainGrad {mg.state}",))
+    if grads is None:  # zeroed: nothing to gather
+        holders = _placeholders(mg.plan)
+        return {"state": "empty", "grads": {k: _zero(v) for k, v in holders.items()}}
+    leaves = optree.tree_leaves(grads)
+    keys = _keys(mg.plan.treedef, paths)
+    return {"state": "final", "grads": dict(zip(keys, to_checkpoint(mg.plan, leaves)))}
+
+
+_MID_ACCUMULATION = (
+    "MainGrad is mid-accumulation: its buffers are at the gradient placement (Partial over "
+    "{axes}: each replica holds its own partial sum), which no mesh-independent checkpoint "
+    "can hold. Save after the step's last microbatch (accumulate(..., last=True) or "
+    "mg.finish()) or after mg.zero_grad(); to resume mid-accumulation on this same mesh, "
+    "save mg.state_dict() per rank (torch.save; bit-exact) and restore it with "
+    "mg.load_state_dict()"
+)
+
+
+def _deferred(plan: Plan) -> tuple[str, ...]:
+    axes = {a for spec in plan.specs for a in spec.deferred_axes}
+    return tuple(a for a in plan.mesh.axis_names if a in axes) or "no axis"
+
+
+def _zero(x: DTensor) -> DTensor:
+    x.to_local().zero_()
+    return x
+
+
+def _load_maingrad(state: dict, spec: Any, mg: MainGrad) -> MainGrad:
+    saved = state.get("state")
+    if saved not in ("final", "empty"):
+        raise ValueError(
+            f"state['state']: expected 'final' or 'empty' (a MainGrad saved by "
+            f"fh.state_dict); got {saved!r}"
+        )
+    if saved == "empty":
+        _check_maingrad_spec(mg, spec)
+        mg.zero_grad(set_to_none=True)
+        return mg
+    plan = mg.plan
+    with validate.agreement(mg.mesh, "load_state_dict") as agreed:
+        _check_maingrad_spec(mg, spec)
+        shapes = forms(plan)
+        local = _loaded(state.get("grads", {}), plan, shapes, "state['grads']")
+        agreed.check(plan, _paths(plan, "grads"), options=("MainGrad",))
+    pieces = from_checkpoint(plan, local, shapes)
+    for b, buf in enumerate(mg.buffers):
+        packed = plan.pack(b, pieces, ROLE)
+        buf[..., : packed.shape[-1]].copy_(packed)
+    n = len(plan.buckets)
+    mg.load_state_dict(
+        {
+            "layout": mg.layout(),
+            "state": "final",
+            "fresh": [False] * n,
+            "empty": False,
+            "buffers": mg.buffers,
+        }
+    )
+    return mg

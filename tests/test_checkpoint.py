@@ -1,0 +1,229 @@
+"""Checkpoints through torch.distributed.checkpoint, on 4 gloo ranks: save on a 2x2 mesh, load on
+2x2 (bit-exact), 1x4 and 4x1 (resharded), and training goes on as if never interrupted."""
+
+from __future__ import annotations
+
+import itertools
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from reference import AXES, STRATEGIES, mlp_loss, mlp_problem, preset
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Shard
+from torch.func import grad
+
+import functional_hsdp as fh
+from functional_hsdp.checkpoint import even_chunks
+from functional_hsdp.launch import device_mesh
+
+MESHES = ((2, 2), (1, 4), (4, 1))
+CAP = 40 * 4 / 2**20  # 40-element buckets: leaves straddle buckets and ranks' chunks
+M, BEFORE, AFTER = 2, 2, 3  # microbatches; steps before and after the checkpoint
+
+
+def _mesh(shape) -> fh.DistMesh:
+    return fh.DistMesh(device_mesh(shape, AXES))
+
+
+def _meta(tree):
+    return optree.tree_map(lambda x: torch.empty_like(x, device="meta"), tree)
+
+
+def _equal(a, b) -> bool:
+    """Same structure, and every leaf the same: tensors bit for bit (and dtype), others =="""
+    la, lb = optree.tree_leaves(a), optree.tree_leaves(b)
+    same = lambda x, y: (  # noqa: E731
+        x.dtype == y.dtype and torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    )
+    return len(la) == len(lb) and all(map(same, la, lb))
+
+
+def test_even_chunks_are_dtensor_shards():
+    for n, sizes in itertools.product([0, 1, 3, 7, 13], [(4,), (2, 2), (1, 4), (4, 1), (3, 2)]):
+        chunks = even_chunks(n, sizes)
+        for k, coord in enumerate(itertools.product(*map(range, sizes))):
+            shape, offset = _compute_local_shape_and_global_offset(
+                (n, 2), sizes, list(coord), [Shard(0)] * len(sizes)
+            )
+            lo, hi = chunks[k]
+            assert shape[0] == hi - lo and (hi == lo or offset[0] == lo), (n, sizes, coord)
+
+
+# -- every preset: resume AdamW training on the same and on reshaped meshes ---------------------
+
+
+def _train(params, state, spec, opt, steps: int):
+    model, _, x, y = mlp_problem(4, M)
+    loss, rank = mlp_loss(model), dist.get_rank()
+    for _ in range(steps):
+        full, acc = fh.gather(params, spec), None
+        for m, last in fh.microbatches(M):
+            g = optree.tree_map(lambda t: t / M, grad(loss)(full, x[rank, m], y[rank, m]))
+            acc = fh.reduce_grads(g, spec, last=last, acc=acc)
+        updates, state = opt.update(acc, state, params)
+        params = fh.apply_updates(params, updates)
+    return params, state
+
+
+def _resume(strategy: str, path: str):
+    spec, opt = preset(strategy, _mesh((2, 2)), bucket_cap_mb=CAP), fh.adamw(lr=0.05)
+    _, full0, _, _ = mlp_problem(4, M)
+    params = fh.shard(full0, spec)
+    params, state = _train(params, opt.init(params), spec, opt, BEFORE)
+    saved = {"params": fh.state_dict(params, spec), "optim": fh.state_dict(state, spec)}
+    as_full = {k: v.full_tensor() for k, v in saved["params"].items()}
+    dcp.save(saved, checkpoint_id=path)
+    ref = fh.gather(_train(params, state, spec, opt, AFTER)[0], spec)
+    like, out = _meta(full0), {}
+    for shape in MESHES:
+        spec2 = preset(strategy, _mesh(shape), bucket_cap_mb=CAP)
+        target = {
+            "params": fh.empty_state_dict(like, spec2),
+            "optim": fh.empty_state_dict(opt.init(like), spec2),
+        }
+        dcp.load(target, checkpoint_id=path)
+        p2 = fh.load_state_dict(target["params"], spec2, like)
+        s2 = fh.load_state_dict(target["optim"], spec2, opt.init(like))
+        exact = s2.count == state.count and (shape != (2, 2) or _equal((p2, s2), (params, state)))
+        out[shape] = (exact, fh.gather(_train(p2, s2, spec2, opt, AFTER)[0], spec2))
+    return as_full, fh.gather(params, spec), ref, out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_resume_on_same_and_reshaped_meshes_matches_uninterrupted_run(pool, strategy, tmp_path):
+    for as_full, full, ref, out in pool.run(_resume, strategy, str(tmp_path)):
+        assert _equal(as_full, full)  # the per-leaf DTensors are the full leaves
+        for shape, (exact, trained) in out.items():
+            assert exact, shape
+            for k in ref:
+                if shape == (2, 2):
+                    assert torch.equal(trained[k], ref[k]), k
+                torch.testing.assert_close(trained[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+# -- Shard(0) and Flat units, bf16, zero-size and 0-d leaves -------------------------------------
+
+
+def _units(mesh: fh.Mesh):
+    R, P, S = fh.Replicate(), fh.Partial("avg"), fh.Shard(0)
+    cap = 30 * 4 / 2**20
+    return {
+        "s": fh.Spec(mesh, [R, S], [P, S], [R, S], bucket_cap_mb=cap),
+        "f": fh.hfsdp(mesh, "dp_outer", "dp_inner", bucket_cap_mb=cap),
+    }
+
+
+def _units_tree():
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(s, generator=gen)  # noqa: E731
+    return {
+        "s": {"a": r(7, 3), "b": r(1, 6), "h": r(5, 2).bfloat16()},
+        "f": {"w": r(13, 11), "h": r(9).bfloat16(), "z": r(0, 4), "c": r(), "v": r(3)},
+    }
+
+
+def _round_trip_units(path: str):
+    full = _units_tree()
+    spec = _units(_mesh((2, 2)))
+    local = fh.shard(full, spec)
+    dcp.save({"params": fh.state_dict(local, spec)}, checkpoint_id=path)
+    out = {}
+    for shape in MESHES:
+        spec2 = _units(_mesh(shape))
+        state = {"params": fh.empty_state_dict(_meta(full), spec2)}
+        dcp.load(state, checkpoint_id=path)
+        loaded = fh.load_state_dict(state["params"], spec2, _meta(full))
+        same = shape != (2, 2) or _equal(loaded, local)
+        out[shape] = (same, fh.gather(loaded, spec2), _equal(loaded, fh.shard(full, spec2)))
+    return out
+
+
+def test_units_shard_dim_bf16_zero_size_and_scalar_leaves(pool, tmp_path):
+    full = _units_tree()
+    for out in pool.run(_round_trip_units, str(tmp_path)):
+        for shape, (same, gathered, as_sharded) in out.items():
+            assert same and as_sharded, shape  # bit-exact on every mesh: data only moves
+            assert _equal(gathered, full), shape
+
+
+# -- MainGrad: final state reshards; mid-accumulation is refused ---------------------------------
+
+
+def _maingrad(path: str):
+    model, full0, x, y = mlp_problem(4, M)
+    loss, rank = mlp_loss(model), dist.get_rank()
+    spec = preset("hsdp", _mesh((2, 2)), bucket_cap_mb=CAP)
+    mg = fh.MainGrad(spec, like=full0)
+    for m, last in fh.microbatches(M):
+        mg.accumulate(grad(loss)(full0, x[rank, m], y[rank, m]), last=last)
+    dcp.save({"mg": fh.state_dict(mg)}, checkpoint_id=path)
+    spec2 = preset("hfsdp", _mesh((4, 1)), bucket_cap_mb=CAP)
+    mg2 = fh.MainGrad(spec2, like=full0)
+    state = {"mg": fh.empty_state_dict(mg2, spec2)}
+    dcp.load(state, checkpoint_id=path)
+    fh.load_state_dict(state["mg"], spec2, mg2)
+    moved = mg2.state == "final" and _equal(fh.gather(mg2.grads, spec2), fh.gather(mg.grads, spec))
+    mg.zero_grad()
+    empty = fh.state_dict(mg)["state"] == "empty"
+    mg.accumulate(grad(loss)(full0, x[rank, 0], y[rank, 0]), last=False)
+    try:
+        fh.state_dict(mg)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return moved, empty, refused
+
+
+def test_maingrad_final_state_reshards_and_mid_accumulation_is_refused(pool, tmp_path):
+    for moved, empty, refused in pool.run(_maingrad, str(tmp_path)):
+        assert moved and empty
+        assert "mid-accumulation" in refused and "('dp_outer',)" in refused
+        assert "mg.finish()" in refused and "mg.state_dict()" in refused
+
+
+# -- errors name the path ----------------------------------------------------------------------
+
+
+def _error(fn, *args, **kw) -> str:
+    try:
+        fn(*args, **kw)
+    except (TypeError, ValueError, CheckpointException) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _errors(path: str):
+    spec = preset("hsdp", _mesh((2, 2)))
+    full = {"a": torch.randn(7, 3), "b": torch.randn(5)}
+    dcp.save({"p": fh.state_dict(fh.shard(full, spec), spec)}, checkpoint_id=path)
+    state = fh.empty_state_dict(_meta(full), spec)
+    wrong = dict(full, b=torch.randn(6))
+    missing = {"a": full["a"], "c": full["b"]}
+    on_disk = {"p": fh.empty_state_dict(_meta(wrong), spec)}
+    return {
+        "structure": _error(fh.load_state_dict, state, spec, missing),
+        "shape": _error(fh.load_state_dict, state, spec, wrong),
+        "leaf": _error(fh.empty_state_dict, {"a": 3}, spec),
+        "spec": _error(fh.load_state_dict, state, preset("fsdp", _mesh((2, 2))), full),
+        "disk": _error(dcp.load, on_disk, checkpoint_id=path),
+    }
+
+
+def test_errors_name_the_path(pool, tmp_path):
+    for errors in pool.run(_errors, str(tmp_path)):
+        assert "state: has no entry 'c' for like['c']" in errors["structure"]
+        assert "like['b']" in errors["shape"] and "(5,)" in errors["shape"]
+        assert "like['a']: expected a tensor" in errors["leaf"]
+        assert "empty_state_dict(like, spec)" in errors["spec"]
+        assert "Size mismatch" in errors["disk"] and "p.b" in errors["disk"]
+
+
+def test_a_simmesh_is_refused():
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+    with pytest.raises(TypeError, match="need a DistMesh"):
+        fh.state_dict(fh.shard({"w": torch.ones(4)}, spec), spec)
