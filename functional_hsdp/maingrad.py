@@ -181,6 +181,15 @@ class MainGrad:
             )
             agreed.check(plan, paths, last=last, options=options, nonfinite=nonfinite)
 
+        self._add(leaves, at)
+        if last:
+            self._finish()
+
+    def _add(self, leaves: list, at: str) -> None:
+        """Reduce ``leaves`` (at role ``at``) to the gradient placement into the buffers,
+        DEPTH buckets in flight; a bucket that holds nothing of this step is overwritten."""
+        plan = self.plan
+
         def done(b: int, chunk: torch.Tensor) -> None:
             if self._fresh[b]:
                 self._buffers[b].copy_(chunk)
@@ -189,18 +198,15 @@ class MainGrad:
             self._fresh[b] = False
 
         self._empty = False
-
         if at == "input":
             programs = [
                 expand(plan.program(b, "input", "gradient"), self.reduce_dtype)
                 for b in range(len(plan.buckets))
             ]
-            run(mesh, programs, lambda b: self._pack(b, leaves), depth=DEPTH, sink=done)
+            run(self.mesh, programs, lambda b: self._pack(b, leaves), depth=DEPTH, sink=done)
         else:  # already reduced: one bucket's chunk at a time, no communication
             for b in range(len(plan.buckets)):
                 done(b, plan.pack(b, leaves, "gradient"))
-        if last:
-            self._finish()
 
     def _check(self, leaves: list, paths: tuple[str, ...], at: str) -> None:
         """The per-leaf checks, once per distinct leaf metadata (not once per call)."""
