@@ -5,7 +5,19 @@ Each module has ``SIZES`` (``tiny`` for the smoke test, ``full`` for the figures
 section for ``bench/RESULTS.md``).
 """
 
-from . import compiled, fsdp, host, limit, memory, overhead, overlap, rsimpl, scaling, wire
+from . import (
+    compiled,
+    fsdp,
+    host,
+    layerwise,
+    limit,
+    memory,
+    overhead,
+    overlap,
+    rsimpl,
+    scaling,
+    wire,
+)
 
 BENCHMARKS = {
     "fsdp": fsdp,
@@ -18,4 +30,5 @@ BENCHMARKS = {
     "rsimpl": rsimpl,
     "memory": memory,
     "compiled": compiled,
+    "layerwise": layerwise,
 }

@@ -96,7 +96,7 @@ def report(res: dict, command: str, when: str) -> str:
         f"hsdp on the 2x2 mesh. Step: (B1)'s HSDP step ({cfg['L']} x Linear({cfg['D']}) + "
         f"tanh, M={cfg['M']} microbatches of {cfg['B']}: `gather`, `grad`, "
         "`MainGrad.accumulate`, SGD; 1 + M library calls, each with its exchange) with the "
-        "agreement on (the default) and `validation(\"off\")`. Tree: `reduce_grads(last=True)` "
+        'agreement on (the default) and `validation("off")`. Tree: `reduce_grads(last=True)` '
         f"on {cfg['leaves']} leaves of 20 fp32 elements; exchange alone: `validate.agree` with "
         f"the cached fingerprint. {C.timing_note(cfg, 'every operation')}\n"
     )

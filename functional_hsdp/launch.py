@@ -349,6 +349,29 @@ def run(
 # -- the pool ---------------------------------------------------------------------------------
 
 
+def _record_reply(
+    r: int,
+    reply: tuple[str, int, Any],
+    task_id: int,
+    results: dict[int, Any],
+    errors: dict[int, tuple[str, str, str]],
+) -> bool:
+    """File rank ``r``'s reply under ``results`` or ``errors``; False if it is not for
+    ``task_id`` (cannot happen: stale pools are restarted)."""
+    kind, tid, data = reply
+    if tid != task_id:
+        return False
+    if kind == "ok":
+        # A result that does not unpickle here is that rank's failure, not the pool's.
+        try:
+            results[r] = pickle.loads(data)
+        except Exception as exc:
+            errors[r] = _format_exc(exc)
+    else:
+        errors[r] = data
+    return True
+
+
 def _pool_worker_main(
     rank_: int,
     world_size_: int,
@@ -494,22 +517,28 @@ class GlooPool:
         port = self._store.port
         with _forkserver(self.preload):
             for r in range(self.world_size):
-                task_recv, task_send = self._ctx.Pipe(duplex=False)
-                result_recv, result_send = self._ctx.Pipe(duplex=False)
-                proc = self._ctx.Process(
-                    target=_pool_worker_main,
-                    args=(r, self.world_size, port, float(self.timeout), task_recv, result_send),
-                    name=f"gloo-pool-rank{r}",
-                    daemon=True,
-                )
-                proc.start()
-                # Close our copies of the child's ends so EOF is detectable.
-                task_recv.close()
-                result_send.close()
-                self._procs.append(proc)
-                self._task_conns.append(task_send)
-                self._result_conns.append(result_recv)
+                self._spawn_worker(r, port)
+        self._await_ready()
 
+    def _spawn_worker(self, r: int, port: int) -> None:
+        task_recv, task_send = self._ctx.Pipe(duplex=False)
+        result_recv, result_send = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(
+            target=_pool_worker_main,
+            args=(r, self.world_size, port, float(self.timeout), task_recv, result_send),
+            name=f"gloo-pool-rank{r}",
+            daemon=True,
+        )
+        proc.start()
+        # Close our copies of the child's ends so EOF is detectable.
+        task_recv.close()
+        result_send.close()
+        self._procs.append(proc)
+        self._task_conns.append(task_send)
+        self._result_conns.append(result_recv)
+
+    def _await_ready(self) -> None:
+        """Wait until every worker has joined the group; raise if one fails, dies or is late."""
         deadline = time.monotonic() + self.start_timeout
         ready: set[int] = set()
         errors: dict[int, tuple[str, str, str]] = {}
@@ -526,25 +555,30 @@ class GlooPool:
             done = ready | set(errors)
             if len(done) == self.world_size and not errors:
                 return
-            dead = self._dead(exclude=done)
-            missing = sorted(set(range(self.world_size)) - done - set(dead))
-            if dead or len(done) == self.world_size or (errors and time.monotonic() >= deadline):
-                raise WorkerError(
-                    _describe("starting the gloo pool failed", errors, dead, missing),
-                    errors=errors,
-                    exitcodes=dead,
-                    missing=missing,
-                )
-            if time.monotonic() >= deadline:
-                raise WorkerTimeout(
-                    _describe(
-                        f"starting the gloo pool timed out after {self.start_timeout}s",
-                        errors,
-                        {},
-                        missing,
-                    ),
-                    missing=missing,
-                )
+            self._raise_if_start_failed(done, errors, deadline)
+
+    def _raise_if_start_failed(
+        self, done: set[int], errors: dict[int, tuple[str, str, str]], deadline: float
+    ) -> None:
+        dead = self._dead(exclude=done)
+        missing = sorted(set(range(self.world_size)) - done - set(dead))
+        if dead or len(done) == self.world_size or (errors and time.monotonic() >= deadline):
+            raise WorkerError(
+                _describe("starting the gloo pool failed", errors, dead, missing),
+                errors=errors,
+                exitcodes=dead,
+                missing=missing,
+            )
+        if time.monotonic() >= deadline:
+            raise WorkerTimeout(
+                _describe(
+                    f"starting the gloo pool timed out after {self.start_timeout}s",
+                    errors,
+                    {},
+                    missing,
+                ),
+                missing=missing,
+            )
 
     def close(self) -> None:
         """Stop the workers; terminate/kill any that do not exit promptly."""
@@ -638,56 +672,77 @@ class GlooPool:
         while True:
             self._wait_any(deadline)
             for r, reply in self._drain(exclude=set(results) | set(errors)):
-                kind, tid, data = reply
-                if tid != task_id:  # cannot happen: stale pools are restarted
+                if not _record_reply(r, reply, task_id, results, errors):
                     continue
-                if kind == "ok":
-                    try:
-                        results[r] = pickle.loads(data)
-                    except Exception as exc:
-                        errors[r] = _format_exc(exc)
-                else:
-                    errors[r] = data
+                # Ranks still busy after another raised are usually blocked in a collective
+                # the failed rank never joined: wait error_grace for them, not the full timeout.
                 if errors and len(results) + len(errors) < self.world_size:
                     deadline = min(deadline, time.monotonic() + self.error_grace)
             done = set(results) | set(errors)
             if len(done) == self.world_size:
-                if errors:
-                    raise WorkerError(
-                        _describe(f"task {name} failed", errors, {}, []),
-                        errors=errors,
-                        results=results,
-                    )
-                return [results[r] for r in range(self.world_size)]
-            dead = self._dead(exclude=done)
-            if dead:
-                self._break()
-                missing = sorted(set(range(self.world_size)) - done - set(dead))
-                raise WorkerError(
-                    _describe(f"task {name}: worker died", errors, dead, missing),
-                    errors=errors,
-                    exitcodes=dead,
-                    missing=missing,
-                    results=results,
-                )
+                return self._all_answered(name, results, errors)
+            self._raise_if_died(name, done, results, errors)
             if time.monotonic() >= deadline:
-                self._break()
-                missing = sorted(set(range(self.world_size)) - done)
-                if errors:
-                    head = (
-                        f"task {name} failed; other ranks still busy "
-                        f"{self.error_grace}s later (stuck in a collective?)"
-                    )
-                    cls: type[WorkerError] = WorkerError
-                else:
-                    head = f"task {name} timed out after {timeout}s"
-                    cls = WorkerTimeout
-                raise cls(
-                    _describe(head, errors, {}, missing),
-                    errors=errors,
-                    missing=missing,
-                    results=results,
-                )
+                self._raise_overdue(name, timeout, done, results, errors)
+
+    def _all_answered(
+        self, name: str, results: dict[int, Any], errors: dict[int, tuple[str, str, str]]
+    ) -> list[Any]:
+        # Every rank answered, so the pool is still usable: raise without breaking it.
+        if errors:
+            raise WorkerError(
+                _describe(f"task {name} failed", errors, {}, []),
+                errors=errors,
+                results=results,
+            )
+        return [results[r] for r in range(self.world_size)]
+
+    def _raise_if_died(
+        self,
+        name: str,
+        done: set[int],
+        results: dict[int, Any],
+        errors: dict[int, tuple[str, str, str]],
+    ) -> None:
+        dead = self._dead(exclude=done)
+        if not dead:
+            return
+        self._break()
+        missing = sorted(set(range(self.world_size)) - done - set(dead))
+        raise WorkerError(
+            _describe(f"task {name}: worker died", errors, dead, missing),
+            errors=errors,
+            exitcodes=dead,
+            missing=missing,
+            results=results,
+        )
+
+    def _raise_overdue(
+        self,
+        name: str,
+        timeout: float,
+        done: set[int],
+        results: dict[int, Any],
+        errors: dict[int, tuple[str, str, str]],
+    ) -> None:
+        # Ranks that have not answered may be stuck mid-task: only a restart recovers them.
+        self._break()
+        missing = sorted(set(range(self.world_size)) - done)
+        if errors:
+            head = (
+                f"task {name} failed; other ranks still busy "
+                f"{self.error_grace}s later (stuck in a collective?)"
+            )
+            cls: type[WorkerError] = WorkerError
+        else:
+            head = f"task {name} timed out after {timeout}s"
+            cls = WorkerTimeout
+        raise cls(
+            _describe(head, errors, {}, missing),
+            errors=errors,
+            missing=missing,
+            results=results,
+        )
 
     # ---- helpers ---------------------------------------------------------
 
@@ -726,51 +781,67 @@ class GlooPool:
 def _measure(part: str) -> None:
     """Print the docstring's table rows for ``part`` ("run" or "pool"); call in a fresh
     process, so that the first start also starts the forkserver."""
+    rows = _measure_run() if part == "run" else _measure_pool()
+    for what, seconds in rows:
+        print(f"{what:<48} {seconds:8.4f} s", flush=True)
+
+
+def _timed(fn: Callable[[], Any], n: int = 1) -> float:
+    """The median of ``n`` calls' wall times, in seconds."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[n // 2]
+
+
+def _measure_run() -> list[tuple[str, float]]:
+    # Set up before the first run(), which would otherwise also pay for importing the launcher.
+    with _spawned_launch() as launch:
+        rows = [
+            ("run(rank), first call (starts the forkserver)", _timed(lambda: run(rank))),
+            ("run(rank), later calls (median of 5)", _timed(lambda: run(rank), 5)),
+            ("run(mesh task), later calls (median of 5)", _timed(lambda: run(_mesh_task), 5)),
+            ("elastic_launch, its default spawn start", _timed(launch)),
+        ]
+    return rows
+
+
+@contextlib.contextmanager
+def _spawned_launch() -> Iterator[Callable[[], Any]]:
+    """What ``run`` would cost without the forkserver: elastic_launch as torch configures it."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    def timed(fn: Callable[[], Any], n: int = 1) -> float:  # the median of n calls
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[n // 2]
+    with tempfile.TemporaryDirectory() as logs:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=4,
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            run_id=f"functional_hsdp_{uuid.uuid4().hex[:8]}",
+            max_restarts=0,
+            logs_specs=DefaultLogsSpecs(log_dir=logs),
+        )  # start_method "spawn": LaunchConfig's default
+        yield lambda: elastic_launch(config, _spawned)()
 
-    if part == "run":
-        rows = [
-            ("run(rank), first call (starts the forkserver)", timed(lambda: run(rank))),
-            ("run(rank), later calls (median of 5)", timed(lambda: run(rank), 5)),
-            ("run(mesh task), later calls (median of 5)", timed(lambda: run(_mesh_task), 5)),
-        ]
-        with tempfile.TemporaryDirectory() as logs:
-            config = LaunchConfig(
-                min_nodes=1,
-                max_nodes=1,
-                nproc_per_node=4,
-                rdzv_backend="c10d",
-                rdzv_endpoint="127.0.0.1:0",
-                run_id=f"functional_hsdp_{uuid.uuid4().hex[:8]}",
-                max_restarts=0,
-                logs_specs=DefaultLogsSpecs(log_dir=logs),
-            )  # start_method "spawn": LaunchConfig's default
-            seconds = timed(lambda: elastic_launch(config, _spawned)())
-        rows.append(("elastic_launch, its default spawn start", seconds))
-    else:
-        pool = GlooPool(4)
-        rows = [("GlooPool.start, first (starts the forkserver)", timed(pool.start))]
-        pool.close()
-        rows.append(("GlooPool.start, later (forkserver running)", timed(pool.start)))
-        rows.append(
-            ("pool.run(mesh task), first (builds the mesh)", timed(lambda: pool.run(_mesh_task)))
-        )
-        rows.append(("pool.run(rank) (median of 21)", timed(lambda: pool.run(rank), 21)))
-        rows.append(
-            ("pool.run(mesh task), later (median of 21)", timed(lambda: pool.run(_mesh_task), 21))
-        )
-        pool.close()
-    for what, seconds in rows:
-        print(f"{what:<48} {seconds:8.4f} s", flush=True)
+
+def _measure_pool() -> list[tuple[str, float]]:
+    pool = GlooPool(4)
+    rows = [("GlooPool.start, first (starts the forkserver)", _timed(pool.start))]
+    pool.close()
+    rows.append(("GlooPool.start, later (forkserver running)", _timed(pool.start)))
+    rows.append(
+        ("pool.run(mesh task), first (builds the mesh)", _timed(lambda: pool.run(_mesh_task)))
+    )
+    rows.append(("pool.run(rank) (median of 21)", _timed(lambda: pool.run(rank), 21)))
+    rows.append(
+        ("pool.run(mesh task), later (median of 21)", _timed(lambda: pool.run(_mesh_task), 21))
+    )
+    pool.close()
+    return rows
 
 
 def _mesh_task() -> float:

@@ -56,31 +56,20 @@ def plan_for(
     return get_plan(meta, paths)
 
 
-# (structure, spec, name) -> [(shapes, dtypes, devices, plan), ...] (newest first): the leaf
-# metadata of gradient trees that passed the leaf checks, so a later tree with the same
-# metadata passes them too. Shapes and dtypes are compared per leaf, the devices as a set and
-# the layouts only as "all strided" (a plan's leaves passed check_tensors): four C-level maps
-# over the leaves and tuple comparisons, no per-leaf tuple or hash.
+# (structure, spec, name) -> [(every leaf's (shape, dtype, device, layout), plan), ...], newest
+# first: gradient trees that passed the leaf checks, so a later tree whose leaves have the same
+# metadata passes them too. The metadata is read in one pass over the leaves and compared with
+# ``==`` (no per-leaf hash); one pass matters more than the tuples it makes: after the
+# ``gc.collect()`` of a training step the tensors are out of cache, and every further pass over
+# them (a Python loop cannot overlap its cache misses as torch.cat's C++ loop does) costs about
+# as much as the first.
 _CHECKED: Bounded = Bounded(256)
 _KNOWN_PER_KEY = 8
 _META = operator.attrgetter("shape", "dtype", "device", "layout")
-_SHAPE = operator.attrgetter("shape")
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
-_LAYOUT = operator.attrgetter("layout")
-_STRIDED = frozenset({torch.strided})
 
 
 def _spec_key(spec: Any) -> Any:
     return spec if isinstance(spec, Spec) else optree.tree_flatten(spec, is_leaf=_is_spec)
-
-
-def _leaf_metadata(leaves: list) -> tuple | None:
-    """(shapes, dtypes, set of devices) of tensor-like leaves, if every layout is strided."""
-    shapes = tuple(map(_SHAPE, leaves))
-    dtypes = tuple(map(_DTYPE, leaves))
-    devices = frozenset(map(_DEVICE, leaves))
-    return (shapes, dtypes, devices) if _STRIDED.issuperset(map(_LAYOUT, leaves)) else None
 
 
 def grads_plan(
@@ -90,13 +79,12 @@ def grads_plan(
     try:
         key = (treedef, _spec_key(spec), name)
         known = _CHECKED.get(key)
-        meta = _leaf_metadata(leaves)
+        meta = tuple(map(_META, leaves))
     except (AttributeError, TypeError):  # not tensors, or an unhashable spec: check below
         key = known = meta = None
-    if known is not None and meta is not None:
-        shapes, dtypes, devices = meta
-        for k_shapes, k_dtypes, k_devices, plan in known:
-            if k_dtypes == dtypes and k_devices == devices and k_shapes == shapes:
+    if known is not None:
+        for k_meta, plan in known:
+            if k_meta == meta:
                 return plan
     specs, units = resolve_specs(spec, treedef, name)
     mesh = specs[0].mesh
@@ -105,9 +93,9 @@ def grads_plan(
     shapes = tuple(tuple(x.shape[nb:]) for x in leaves)
     _refuse_per_example(shapes, layouts_for(treedef, specs, units), paths)
     plan = plan_for(leaves, treedef, paths, specs, units, shapes)
-    if key is not None and meta is not None:
-        entries = [m for m in (known or ()) if m[3] is not plan]
-        _CHECKED[key] = [(*meta, plan), *entries][:_KNOWN_PER_KEY]
+    if key is not None:
+        entries = [m for m in (known or ()) if m[1] is not plan]
+        _CHECKED[key] = [(meta, plan), *entries][:_KNOWN_PER_KEY]
     return plan
 
 

@@ -136,6 +136,9 @@ class Plan:
         self.shapes, self.dtypes, self.devices = meta.shapes, meta.dtypes, meta.devices
         self.specs = meta.specs
         self.mesh = meta.specs[0].mesh
+        names = {a for spec in set(meta.specs) for a in spec.dp_axes}
+        #: the data-parallel axes of the specs, in mesh order
+        self.dp_axes = tuple(a for a in self.mesh.axis_names if a in names)
         self.buckets, self.empty = build_buckets(
             paths, meta.shapes, meta.dtypes, meta.devices, meta.specs, meta.units, meta.kinds
         )

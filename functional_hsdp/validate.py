@@ -142,9 +142,13 @@ class Fingerprint:
 
     def row(self) -> list[int]:
         """Its part of the per-call row: the digests of the call (every header field but
-        the tree), of the whole, the leaf count and each header field."""
-        call = _digest("\x1e".join(self.header[:CALL_FIELDS]))
-        return [call, self.whole, len(self.leaves), *map(_digest, self.header)]
+        the tree), of the whole, the leaf count and each header field (hashed once)."""
+        row = self.__dict__.get("_row")
+        if row is None:
+            call = _digest("\x1e".join(self.header[:CALL_FIELDS]))
+            row = [call, self.whole, len(self.leaves), *map(_digest, self.header)]
+            object.__setattr__(self, "_row", row)
+        return row
 
     def leaf_digests(self, n: int) -> list[int]:
         """Per-leaf digests of what the user passed (path, shape, dtype, device, spec), then
@@ -226,8 +230,7 @@ _ERROR, _NONFINITE, _CALL, _WHOLE, _COUNT, _HEADER0 = range(6)
 
 
 def _dp_axes(plan: Any) -> tuple[str, ...]:
-    axes = {a for spec in set(plan.specs) for a in spec.dp_axes}
-    return tuple(a for a in plan.mesh.axis_names if a in axes)
+    return plan.dp_axes
 
 
 def mesh_of(spec: Any) -> Any:
@@ -268,6 +271,8 @@ class Agreement:
             return  # dynamo read the ContextVar below)
         if _MODE.get() == "off" and nonfinite is None:
             return
+        if all(n == 1 for n in self.mesh.sizes) and nonfinite is None:
+            return  # one rank: nobody to disagree with
         key = (self.call, last, options)
         done = _DONE.setdefault(plan, {})
         fp = done.get(key)

@@ -519,3 +519,29 @@ def test_a_per_example_gradient_tree_is_refused_naming_the_leaf(mesh, spec):
     per_example = {"b": torch.ones(2, 2, 8, 3), "w": torch.ones(2, 2, 8, 5, 3)}
     with pytest.raises(ValueError, match=re.escape("grads['b']: has shape (8, 3)")):
         fh.reduce_grads(per_example, spec, last=True)
+
+
+@pytest.mark.parametrize("replace", ["set_", "data"])
+@pytest.mark.parametrize(
+    "shape", [{"dp": 2}, {"dp_outer": 2, "dp_inner": 1}], ids=["ddp", "hsdp-inner-1"]
+)
+def test_a_replaced_storage_is_not_read_from_the_old_bucket_buffer(shape, replace):
+    """Where result leaves view their bucket buffer (ddp's gradient placement; a Flat axis of
+    size 1), an acc given back as returned is read from that buffer: in-place edits are seen,
+    and a leaf whose storage was replaced is read by value, not from the old buffer."""
+    mesh = fh.SimMesh(shape)
+    spec = fh.ddp(mesh) if len(shape) == 1 else fh.hsdp(mesh, "dp_outer", "dp_inner")
+    batch = tuple(shape.values())
+    g = {"a": torch.randn(*batch, 7, 3), "c": torch.randn(*batch, 5)}
+    for last in (False, True):
+        acc = fh.reduce_grads(g, spec, last=False)
+        assert all(x._base is not None for x in optree.tree_leaves(acc))  # bucket views
+        acc["c"].mul_(3)  # seen through the buffer
+        fresh = acc["a"].clone().fill_(5.0)
+        if replace == "set_":
+            acc["a"].set_(fresh)
+        else:
+            acc["a"].data = fresh
+        out = fh.reduce_grads(g, spec, last=last, acc=acc)
+        ref = fh.reduce_grads(g, spec, last=last, acc=optree.tree_map(torch.clone, acc))
+        assert all(map(torch.equal, optree.tree_leaves(out), optree.tree_leaves(ref)))

@@ -202,13 +202,20 @@ class SimDiagnostics:
         return "einops"
 
     def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        # plain permute/reshape/expand (einops parses its patterns on every call, and this
+        # runs once per library call)
         mesh = self._mesh
+        sizes, nd = mesh.sizes, mesh.ndim
         dims = sorted(mesh._dim(a) for a in axes)
-        all_, group = " ".join(mesh._names), " ".join(mesh._names[d] for d in dims)
-        rest = " ".join(n for d, n in enumerate(mesh._names) if d not in dims)
-        rows = einops.rearrange(t, f"{all_} l -> {rest} ({group}) l")
-        sizes = {mesh._names[d]: mesh.sizes[d] for d in dims}
-        return einops.repeat(rows, f"{rest} g l -> {all_} g l", **sizes)
+        rest = [d for d in range(nd) if d not in dims]
+        group = 1
+        for d in dims:
+            group *= sizes[d]
+        rows = t.permute(*rest, *dims, nd).reshape(*(sizes[d] for d in rest), group, t.shape[-1])
+        # every rank of a group sees the group's rows: broadcast over the group's dims
+        kept = [sizes[d] if d in rest else 1 for d in range(nd)]
+        out = rows.reshape(*kept, group, t.shape[-1]).expand(*sizes, group, t.shape[-1])
+        return out.contiguous()
 
     def members(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
         known = self._members.get(tuple(axes))
