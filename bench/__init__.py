@@ -6,6 +6,7 @@ section for ``bench/RESULTS.md``).
 """
 
 from . import (
+    agreement,
     compiled,
     fsdp,
     host,
@@ -31,4 +32,5 @@ BENCHMARKS = {
     "memory": memory,
     "compiled": compiled,
     "layerwise": layerwise,
+    "agreement": agreement,
 }

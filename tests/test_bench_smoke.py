@@ -17,6 +17,7 @@ from bench.__main__ import run_one
 # layerwise and memory last: they switch the shared workers' malloc to mmap-everything
 ORDER = [
     "wire",
+    "agreement",
     "limit",
     "overlap",
     "compiled",
