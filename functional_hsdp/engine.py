@@ -33,9 +33,10 @@ from .spec import Spec, resolve_specs
 from .tags import result_state, tag, untouched
 from .tree import check_bool, check_tensors, flatten, refuse_vmap, structure_error
 
-__all__ = ["finish", "move", "reduce", "remember_units", "shard", "start", "wait"]
+__all__ = ["AT", "finish", "move", "reduce", "remember_units", "shard", "start", "wait"]
 
-ACC_ROLES = {"input": "gradient", "gradient": "gradient"}
+#: where gradients may arrive: raw (Partial on every DP axis), or at the gradient placement
+AT = ("input", "gradient")
 
 
 # -- plan level: the pipeline ------------------------------------------------------------------
@@ -47,6 +48,8 @@ def start(
     legs: list,
     *,
     depth: int | None = None,
+    wire: torch.dtype | None = None,
+    sink: Any = None,
 ) -> list[Any]:
     """Issue every bucket's role changes ``legs``; returns per bucket its result, the last
     collective possibly in flight (:func:`finish` waits and unpacks).
@@ -57,14 +60,18 @@ def start(
         legs: ``(from role, to role)`` pairs and local functions ``(bucket, buf) -> buf``,
             in order.
         depth: the most buckets in flight (default: all).
+        wire: the dtype the buffers are reduced in (default: each bucket's own), which
+            decides the fp16 pre- and post-divides.
+        sink: as in :func:`~functional_hsdp.schedule.run`: each bucket's waited result, as
+            soon as it is done (then nothing is returned).
     """
     programs = []
     for b, bucket in enumerate(plan.buckets):
         items: list = []
         for leg in legs:
             items.extend(plan.program(b, *leg) if isinstance(leg, tuple) else (leg,))
-        programs.append(expand(items, bucket.dtype))
-    return run(plan.mesh, programs, source, depth=depth)
+        programs.append(expand(items, wire or bucket.dtype))
+    return run(plan.mesh, programs, source, depth=depth, sink=sink)
 
 
 def wait(plan: Plan, pending: list[Any]) -> list[torch.Tensor]:
@@ -120,7 +127,7 @@ def reduce(
     with validate.agreement(spec, call) as agreed:  # a local error: every rank raises
         check_bool("last", last, " (True on the final microbatch)")
         check_bool("check_finite", check_finite)
-        if at not in ACC_ROLES:
+        if at not in AT:
             raise ValueError(f"{call}: at must be 'input' or 'gradient'; got {at!r}")
         if not leaves:
             resolve_specs(spec, treedef, name)

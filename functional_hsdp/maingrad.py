@@ -20,10 +20,9 @@ from typing import Any, TypeVar
 import optree
 import torch
 
-from . import validate
+from . import engine, validate
 from .layout import pack_shard_full
 from .plan import Plan, TreeMeta, get_plan
-from .schedule import expand, run
 from .spec import resolve_specs
 from .tags import tag
 from .tree import check_bool, check_tensors, flatten, paths_of, refuse_vmap, structure_error
@@ -163,7 +162,7 @@ class MainGrad:
         with validate.agreement(mesh, "MainGrad.accumulate") as agreed:
             check_bool("last", last, " (True on the final microbatch)")
             check_bool("check_finite", check_finite)
-            if at not in ("input", "gradient"):
+            if at not in engine.AT:
                 raise ValueError(
                     f"MainGrad.accumulate: at must be 'input' or 'gradient'; got {at!r}"
                 )
@@ -199,11 +198,9 @@ class MainGrad:
 
         self._empty = False
         if at == "input":
-            programs = [
-                expand(plan.program(b, "input", "gradient"), self.reduce_dtype)
-                for b in range(len(plan.buckets))
-            ]
-            run(self.mesh, programs, lambda b: self._pack(b, leaves), depth=DEPTH, sink=done)
+            pack = lambda b: self._pack(b, leaves)  # noqa: E731
+            legs = [("input", "gradient")]
+            engine.start(plan, pack, legs, depth=DEPTH, wire=self.reduce_dtype, sink=done)
         else:  # already reduced: one bucket's chunk at a time, no communication
             for b in range(len(plan.buckets)):
                 done(b, plan.pack(b, leaves, "gradient"))
@@ -374,23 +371,20 @@ class MainGrad:
         """Reduce the deferred axes of each bucket in place, DEPTH buckets at a time: the
         extra memory stays within DEPTH buckets' reductions however many buckets there are."""
         self._zero_fresh()
-        plan = self.plan
-        programs = [
-            expand(plan.program(b, "gradient", "optimizer"), self.reduce_dtype)
-            for b in range(len(plan.buckets))
-        ]
+        plan, leg = self.plan, ("gradient", "optimizer")
 
         def source(b: int) -> torch.Tensor:
             # nothing deferred: the buffer is final as it is (no rounding to the wire dtype);
             # else the buffer itself when the wire dtype is its own
-            return self._buffers[b].to(self.reduce_dtype) if programs[b] else self._buffers[b]
+            buf = self._buffers[b]
+            return buf.to(self.reduce_dtype) if plan.program(b, *leg) else buf
 
         def done(b: int, result: torch.Tensor) -> None:
             buf = self._buffers[b]
             if result.data_ptr() != buf.data_ptr():  # else the result is in place already
                 buf[..., : result.shape[-1]].copy_(result)
 
-        run(self.mesh, programs, source, depth=DEPTH, sink=done)
+        engine.start(plan, source, [leg], depth=DEPTH, wire=self.reduce_dtype, sink=done)
         self._state = "final"
 
     def layout(self) -> dict[str, Any]:
