@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
+import faulthandler
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -248,6 +249,9 @@ def _join_group(timeout_s: float, **init: Any) -> None:
     """In a worker: join the gloo process group (``init``: init_process_group's rendezvous)."""
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # A worker killed by a signal (a crash in C++) prints every thread's Python stack to the
+    # shared stderr, so that a WorkerError "exit code -11" comes with where it happened.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s), **init)
     # A rank can leave init_process_group while a slower one is still connecting to it; if

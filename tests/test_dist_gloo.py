@@ -127,17 +127,19 @@ def test_dist_mesh_gives_sim_mesh_outputs_and_logs(pool, strategy, dtype):
 # -- comm_log against torch.profiler -------------------------------------------------------
 
 # The op a profiler records for each logged collective, by how the mesh carried it out: on
-# gloo both reductions are in-place c10d all-reduces (see DistMesh); functional otherwise.
+# gloo both reductions are in-place c10d all-reduces and all-gathers c10d
+# all_gather_into_tensor (see DistMesh); functional otherwise.
 _FUNCTIONAL = {
     "reduce_scatter": "_c10d_functional::reduce_scatter_tensor",
     "all_reduce": "_c10d_functional::all_reduce",
     "all_gather": "_c10d_functional::all_gather_into_tensor",
 }
-_INPLACE_ALL_REDUCE = "c10d::allreduce_"
+_C10D = {"c10d in-place": "c10d::allreduce_", "c10d all_gather": "c10d::_allgather_base_"}
 
 
 def _profiler_name(event: fh.Event) -> str:
-    return _INPLACE_ALL_REDUCE if event.impl.startswith("c10d in-place") else _FUNCTIONAL[event.op]
+    found = [name for impl, name in _C10D.items() if event.impl.startswith(impl)]
+    return found[0] if found else _FUNCTIONAL[event.op]
 
 
 def _profiled_step(strategy: str, microbatches: int, cap: float):
@@ -152,7 +154,7 @@ def _profiled_step(strategy: str, microbatches: int, cap: float):
         accumulate(local, spec)
         fh.gather(params, spec)
     expected = Counter(_profiler_name(e) for e in log.events)
-    names = {*_FUNCTIONAL.values(), _INPLACE_ALL_REDUCE}
+    names = {*_FUNCTIONAL.values(), *_C10D.values()}
     seen = Counter(e.name for e in prof.events() if e.name in names)
     return dict(expected), dict(seen), log.summary()
 
@@ -336,11 +338,17 @@ def _error_after_issue_on_rank(where: str):
         pass
     finally:
         plan_module.Plan.pack = original
-    dist.barrier()  # every rank issued the same collectives: they complete
-    for _ in range(100):  # the backend drops a finished collective's buffer on its own thread
+    # Every rank issued the same collectives, so they complete; a gloo barrier on a group
+    # first waits for the work in progress on it. The backend then drops a finished
+    # collective's buffer on its own thread: poll for that, up to a generous bound for a
+    # loaded machine (a buffer still held after it is a leak).
+    for axis in spec.mesh.axis_names:
+        dist.barrier(group=spec.mesh.group(axis))
+    deadline = time.monotonic() + 20
+    while True:
         gc.collect()
         leaked = [r() for r in issued if r() is not None]
-        if not leaked:
+        if not leaked or time.monotonic() > deadline:
             break
         time.sleep(0.02)
     # the process group still works, and a retry gives the right answer

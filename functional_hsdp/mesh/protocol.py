@@ -41,6 +41,8 @@ class Flight:
         work: the backend's handle (a c10d ``Work``), or None when ``buffer`` waits itself
             (a functional collective's result).
         chunk: whether the result is this rank's chunk of ``buffer`` along ``axis``.
+        source: the input of a collective that does not write in place, held until the
+            collective is waited (or abandoned), so that it outlives the backend's use of it.
     """
 
     op: str
@@ -48,6 +50,7 @@ class Flight:
     buffer: torch.Tensor
     work: Any = None
     chunk: bool = False
+    source: torch.Tensor | None = None
 
 
 @runtime_checkable
