@@ -44,7 +44,8 @@ assert _INPLACE <= _NATIVE_AVG, "the in-place path reduces with the backend's ow
 # then: 4 ranks of 3,000 rounds of 6 functional all-gathers each, waited after the round,
 # crashed (SIGSEGV, "malloc(): unaligned tcache chunk detected") in 6 of 8 runs; the same
 # rounds with c10d async all-gathers in none of 6 (a whole training step: every few hundred
-# steps, and never with the all-gathers waited at issue).
+# steps, and never with the all-gathers waited at issue). Traced by torch.compile, an
+# all-gather on these backends stays functional but is waited at issue.
 _C10D_GATHER = frozenset({"gloo"})
 
 
@@ -154,6 +155,8 @@ class DistMesh(MeshAxes):
             return flight if self.overlap else self.wait(flight)
         with self.guard("all_gather", axis):
             out = funcol.all_gather_single(buf, 0, (self.device_mesh, d))
+            if self._c10d_gather[d]:  # traced on gloo: waited at issue, never several in flight
+                out = funcol.wait_tensor(out)
         return self._flight(out, "all_gather", axis)
 
     def _issue_in_place(self, buf: torch.Tensor, axis: str, op: str, name: str) -> Flight:
