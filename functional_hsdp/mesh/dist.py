@@ -44,8 +44,9 @@ assert _INPLACE <= _NATIVE_AVG, "the in-place path reduces with the backend's ow
 # then: 4 ranks of 3,000 rounds of 6 functional all-gathers each, waited after the round,
 # crashed (SIGSEGV, "malloc(): unaligned tcache chunk detected") in 6 of 8 runs; the same
 # rounds with c10d async all-gathers in none of 6 (a whole training step: every few hundred
-# steps, and never with the all-gathers waited at issue). Traced by torch.compile, an
-# all-gather on these backends stays functional but is waited at issue.
+# steps, and never with the all-gathers waited at issue; `python -m bench.gloo_allgather`
+# reproduces it). Traced by torch.compile, an all-gather on these backends stays functional
+# but is waited at issue.
 _C10D_GATHER = frozenset({"gloo"})
 
 
@@ -151,8 +152,7 @@ class DistMesh(MeshAxes):
                 work = dist.all_gather_into_tensor(
                     out, buf.contiguous(), group=self.group(axis), async_op=True
                 )
-            flight = Flight("all_gather", axis, out, work, source=buf)
-            return flight if self.overlap else self.wait(flight)
+            return self._issued(Flight("all_gather", axis, out, work, source=buf))
         with self.guard("all_gather", axis):
             out = funcol.all_gather_single(buf, 0, (self.device_mesh, d))
             if self._c10d_gather[d]:  # traced on gloo: waited at issue, never several in flight
@@ -169,13 +169,15 @@ class DistMesh(MeshAxes):
                 group=self.group(axis),
                 async_op=True,
             )
-        flight = Flight(name, axis, buf, work, chunk=name == "reduce_scatter")
-        return flight if self.overlap else self.wait(flight)
+        return self._issued(Flight(name, axis, buf, work, chunk=name == "reduce_scatter"))
 
     def _flight(self, out: torch.Tensor, name: str, axis: str) -> torch.Tensor | Flight:
         if torch.compiler.is_compiling():  # traced: funcol's own tensors, waited by wait()
             return out
-        flight = Flight(name, axis, out)
+        return self._issued(Flight(name, axis, out))
+
+    def _issued(self, flight: Flight) -> torch.Tensor | Flight:
+        """A collective just issued: held in flight, or waited at once without overlap."""
         return flight if self.overlap else self.wait(flight)
 
     def wait(self, x: torch.Tensor | Flight) -> torch.Tensor:
