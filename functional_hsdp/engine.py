@@ -33,7 +33,17 @@ from .spec import Spec, resolve_specs
 from .tags import result_state, tag, untouched
 from .tree import check_bool, check_tensors, flatten, refuse_vmap, structure_error
 
-__all__ = ["AT", "finish", "move", "reduce", "remember_units", "shard", "start", "wait"]
+__all__ = [
+    "AT",
+    "finish",
+    "move",
+    "reduce",
+    "release",
+    "remember_units",
+    "shard",
+    "start",
+    "wait",
+]
 
 #: where gradients may arrive: raw (Partial on every DP axis), or at the gradient placement
 AT = ("input", "gradient")
@@ -50,6 +60,8 @@ def start(
     depth: int | None = None,
     wire: torch.dtype | None = None,
     sink: Any = None,
+    gate: Any = None,
+    buckets: Any = None,
 ) -> list[Any]:
     """Issue every bucket's role changes ``legs``; returns per bucket its result, the last
     collective possibly in flight (:func:`finish` waits and unpacks).
@@ -64,14 +76,36 @@ def start(
             decides the fp16 pre- and post-divides.
         sink: as in :func:`~functional_hsdp.schedule.run`: each bucket's waited result, as
             soon as it is done (then nothing is returned).
+        gate: as in :func:`~functional_hsdp.schedule.run`: the call's agreement, settled
+            just before the first collective.
+        buckets: the buckets to run (default: every one); the results are theirs, in order.
     """
+    if buckets is not None:  # the scheduler counts from 0: name the plan's buckets for it
+        chosen = list(buckets)
+        legs = [leg if isinstance(leg, tuple) else _renumbered(leg, chosen) for leg in legs]
+        source = _renumbered(source, chosen)
+        sink = None if sink is None else _renumbered(sink, chosen)
+    else:
+        chosen = list(range(len(plan.buckets)))
     programs = []
-    for b, bucket in enumerate(plan.buckets):
+    for b in chosen:
         items: list = []
         for leg in legs:
             items.extend(plan.program(b, *leg) if isinstance(leg, tuple) else (leg,))
-        programs.append(expand(items, wire or bucket.dtype))
-    return run(plan.mesh, programs, source, depth=depth, sink=sink)
+        programs.append(expand(items, wire or plan.buckets[b].dtype))
+    return run(plan.mesh, programs, source, depth=depth, sink=sink, gate=gate)
+
+
+def _renumbered(fn: Any, chosen: list[int]) -> Any:
+    """``fn(bucket, *rest)`` called with the scheduler's position ``k`` for ``chosen[k]``."""
+    return lambda k, *rest: fn(chosen[k], *rest)
+
+
+def release(plan: Plan, pending: list[Any]) -> None:
+    """Release bucket results that will never be read (``Mesh.abandon`` each): a collective
+    issued ahead and not used, say."""
+    for x in pending:
+        plan.mesh.abandon(x)
 
 
 def wait(plan: Plan, pending: list[Any]) -> list[torch.Tensor]:
@@ -145,9 +179,9 @@ def reduce(
             plan, leaves, "input" if at == "input" else "gradient", check_finite
         )
         options = (f"check_finite={check_finite}", f"at={at}")
-        agreed.check(plan, paths, last=last, options=options, nonfinite=nonfinite)
+        agreed.check(plan, paths, last=last, options=options, nonfinite=nonfinite, defer=True)
     out_role = "optimizer" if last else "gradient"
-    out, bufs = finish(plan, start(plan, source, legs), out_role)
+    out, bufs = finish(plan, start(plan, source, legs, gate=agreed.settle), out_role)
     tag(out, plan, out_role, "final" if last else "accumulating", None if last else bufs)
     return optree.tree_unflatten(treedef, out)
 
@@ -272,9 +306,9 @@ def move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: str
     with validate.agreement(spec, call) as agreed:
         kinds = ("final", "weights")
         plan, role = find_layout(leaves, treedef, paths, spec, like, roles, kinds, name)
-        agreed.check(plan, paths, options=(f"from {role}",))
+        agreed.check(plan, paths, options=(f"from {role}",), defer=True)
     pack = functools.partial(plan.pack, leaves=leaves, role=role)
-    out, _ = finish(plan, start(plan, pack, [(role, to)]), to)
+    out, _ = finish(plan, start(plan, pack, [(role, to)], gate=agreed.settle), to)
     if to != "full":
         tag(out, plan, to, "weights")
     return optree.tree_unflatten(treedef, out)

@@ -245,14 +245,19 @@ def device_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     return mesh
 
 
-def _join_group(timeout_s: float, **init: Any) -> None:
-    """In a worker: join the gloo process group (``init``: init_process_group's rendezvous)."""
+def _prepare_worker() -> None:
+    """In a worker, before its task: loopback for gloo, one thread, stacks on a crash."""
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # A worker killed by a signal (a crash in C++) prints every thread's Python stack to the
     # shared stderr, so that a WorkerError "exit code -11" comes with where it happened.
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
+
+
+def _join_group(timeout_s: float, **init: Any) -> None:
+    """In a worker: join the gloo process group (``init``: init_process_group's rendezvous)."""
+    _prepare_worker()
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s), **init)
     # A rank can leave init_process_group while a slower one is still connecting to it; if
     # the fast rank then ends (a short task, an early error) before the slow one is through,
@@ -283,19 +288,23 @@ def _forkserver(preload: tuple[str, ...]) -> Iterator[None]:
 # -- one-shot: elastic_launch -----------------------------------------------------------------
 
 
-def _one_shot_main(payload: bytes, timeout_s: float, error_dir: str) -> bytes:
+def _one_shot_main(payload: bytes, timeout_s: float, error_dir: str, join: bool) -> bytes:
     """A worker of :func:`run` (the elastic agent has set RANK, MASTER_ADDR, ...)."""
-    _join_group(timeout_s)
+    if join:
+        _join_group(timeout_s)
+    else:  # the task makes the group itself, as a torchrun script does
+        _prepare_worker()
     try:
         fn, args, kwargs = _load_task(payload)
         result = _dumps(fn(*args, **kwargs))
     except BaseException as exc:  # for the caller's WorkerError; the agent sees the failure
-        with open(os.path.join(error_dir, f"rank{dist.get_rank()}"), "wb") as f:
+        with open(os.path.join(error_dir, f"rank{os.environ['RANK']}"), "wb") as f:
             pickle.dump(_format_exc(exc), f)
         raise
-    dist.barrier()  # nobody closes its connections while another rank may still use them
     _MESHES.clear()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()  # nobody closes its connections while another rank may still use them
+        dist.destroy_process_group()
     return result
 
 
@@ -305,15 +314,19 @@ def run(
     world_size: int = 4,
     timeout: float = 300.0,
     preload: tuple[str, ...] = DEFAULT_PRELOAD,
+    join: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """Start ``world_size`` local gloo ranks with ``elastic_launch``, run ``fn(*args,
     **kwargs)`` once on each, and return the per-rank results.
 
-    ``timeout`` is the process group's collective timeout in seconds. Raises
-    :class:`WorkerError` (with the remote tracebacks) when a rank raises or dies; the agent
-    then stops the other ranks at once. (``world_size``, ``timeout`` and ``preload`` are this
-    function's: a task cannot take keyword arguments of those names through it.)
+    ``timeout`` is the process group's collective timeout in seconds. ``join=False`` starts
+    the workers as ``torchrun`` does, without a process group (the environment names the
+    rendezvous): the task makes it, with ``init_device_mesh`` say, and should destroy it.
+    Raises :class:`WorkerError` (with the remote tracebacks) when a rank raises or dies; the
+    agent then stops the other ranks at once. (``world_size``, ``timeout``, ``preload`` and
+    ``join`` are this function's: a task cannot take keyword arguments of those names
+    through it.)
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -334,7 +347,7 @@ def run(
             start_method="forkserver",
         )
         try:
-            results = elastic_launch(config, _one_shot_main)(payload, float(timeout), tmp)
+            results = elastic_launch(config, _one_shot_main)(payload, float(timeout), tmp, join)
         except ChildFailedError as exc:
             errors, dead = {}, {}
             for r, failure in exc.failures.items():

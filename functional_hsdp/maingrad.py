@@ -14,6 +14,7 @@ Mixed precision: gradients may arrive in bf16/fp16 and accumulate in the buffers
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -109,6 +110,11 @@ class MainGrad:
         self._fresh = [True] * len(self._buffers)
         self._empty = True  # grads are None: nothing was accumulated since zero_grad()
         self._checked: tuple | None = None  # metadata of the last gradient tree that passed
+        # The deferred reductions that gathered units start in backward (begin_microbatch):
+        self._last = False  # the next backward is the step's last
+        self._uses: dict[tuple[int, ...], int] = {}  # per unit: calls whose gradient is due
+        self._issued: set[int] = set()  # buckets whose deferred reduction was issued
+        self._inflight: deque[tuple[int, Any]] = deque()  # (bucket, its reduction in flight)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -127,6 +133,7 @@ class MainGrad:
         """Local gradient shards: views of the buffers, or None after ``zero_grad()``."""
         if self._empty:
             return None
+        self._land_all()
         self._zero_fresh()
         role = "optimizer" if self._state == "final" else "gradient"
         bufs = [buf[..., : p[role].length] for buf, p in zip(self._buffers, self.plan.placed)]
@@ -178,15 +185,17 @@ class MainGrad:
             nonfinite = (
                 validate.nonfinite_index(leaves, len(mesh.batch_shape)) if check_finite else None
             )
-            agreed.check(plan, paths, last=last, options=options, nonfinite=nonfinite)
+            agreed.check(plan, paths, last=last, options=options, nonfinite=nonfinite, defer=True)
 
-        self._add(leaves, at)
+        self._add(leaves, at, agreed.settle)
         if last:
             self._finish()
 
-    def _add(self, leaves: list, at: str) -> None:
+    def _add(self, leaves: list, at: str, gate: Any) -> None:
         """Reduce ``leaves`` (at role ``at``) to the gradient placement into the buffers,
-        DEPTH buckets in flight; a bucket that holds nothing of this step is overwritten."""
+        DEPTH buckets in flight; a bucket that holds nothing of this step is overwritten.
+        ``gate``: the call's agreement, settled before the first collective and before any
+        buffer changes."""
         plan = self.plan
 
         def done(b: int, chunk: torch.Tensor) -> None:
@@ -196,14 +205,17 @@ class MainGrad:
                 self._buffers[b].add_(chunk)
             self._fresh[b] = False
 
-        self._empty = False
         if at == "input":
             pack = lambda b: self._pack(b, leaves)  # noqa: E731
             legs = [("input", "gradient")]
-            engine.start(plan, pack, legs, depth=DEPTH, wire=self.reduce_dtype, sink=done)
+            engine.start(
+                plan, pack, legs, depth=DEPTH, wire=self.reduce_dtype, sink=done, gate=gate
+            )
         else:  # already reduced: one bucket's chunk at a time, no communication
+            gate()
             for b in range(len(plan.buckets)):
                 done(b, plan.pack(b, leaves, "gradient"))
+        self._empty = False  # reached only once every rank agreed
 
     def _check(self, leaves: list, paths: tuple[str, ...], at: str) -> None:
         """The per-leaf checks, once per distinct leaf metadata (not once per call)."""
@@ -226,18 +238,56 @@ class MainGrad:
                 )
         self._checked = metas
 
+    def begin_microbatch(self, *, last: bool) -> None:
+        """Declare the microbatch whose backward comes next, for :func:`gathered` units with
+        ``into=self`` (:func:`microbatches` with ``into=`` calls this for you).
+
+        With ``last=True``, each unit's deferred reduction (the ``dp_outer`` all-reduce of
+        HSDP) is issued during that backward, as soon as the unit's gradient of the step is
+        complete (the backward of every call of the unit since this declaration has added
+        its share), so that it overlaps the backward of the units before it, as FSDP2 does;
+        :meth:`finish` then waits for those and reduces any unit not reached. Without a
+        declaration, :meth:`finish` issues every deferred reduction itself. After a unit's
+        reduction was issued, another gradient for it in the same step is refused.
+
+        Args:
+            last: keyword-only: True before the step's final microbatch.
+        """
+        check_bool("last", last, " (True before the final microbatch)")
+        self._check_accumulating("begin_microbatch")
+        self._last, self._uses = last, {}
+
+    def unit_called(self, buckets: list[int], name: str) -> None:
+        """A gathered unit holding ``buckets`` was called (forward): one more gradient of it
+        is due in this backward."""
+        key = tuple(buckets)
+        if self._last and not self._issued.intersection(key):
+            self._uses[key] = self._uses.get(key, 0) + 1
+
+    def unit_done(self, buckets: list[int]) -> None:
+        """A call of the unit holding ``buckets`` added its gradient (backward): on the
+        declared last microbatch, its deferred reduction starts once none is due."""
+        key = tuple(buckets)
+        if key not in self._uses:
+            return
+        self._uses[key] -= 1
+        if not self._uses[key]:
+            del self._uses[key]
+            self._issue_deferred(buckets)
+
     @torch.compiler.disable
     def finish(self) -> None:
         """Reduce the deferred axes now (what ``accumulate(..., last=True)`` does after its
         add): for gradients that :func:`~functional_hsdp.gathered` units with ``into=self``
-        added during backward. Every rank must call it."""
+        added during backward. The reductions already issued in that backward (see
+        :meth:`begin_microbatch`) are only waited for. Every rank must call it."""
         with validate.agreement(self.mesh, "MainGrad.finish") as agreed:
             if self._state == "final":
                 raise ValueError("MainGrad.finish: the step is finished already; call zero_grad()")
             if self._empty:
                 raise ValueError("MainGrad.finish: no gradient was accumulated this step")
-            agreed.check(self.plan, paths_of(self.plan.treedef, "grads"))
-        self._finish()
+            agreed.check(self.plan, paths_of(self.plan.treedef, "grads"), defer=True)
+        self._finish(agreed.settle)
 
     def buckets_of(self, unit: int) -> list[int]:
         """The buckets of ``unit`` (a leaf of the spec prefix, numbered in prefix order)."""
@@ -248,6 +298,14 @@ class MainGrad:
         bucket that holds nothing of this step). Safe inside a backward under ``torch.func``:
         the add is a custom op that declares its mutation."""
         self._check_accumulating("gradients")
+        if self._issued.intersection(buckets):
+            raise ValueError(
+                f"gradients: MainGrad buckets {sorted(self._issued.intersection(buckets))} "
+                "were reduced over the deferred axes already in this step (their unit's "
+                "backward ran after begin_microbatch(last=True)); a unit's gradient cannot "
+                "arrive after that: declare last=True only before the step's final "
+                "microbatch, and call finish() and zero_grad() before the next step"
+            )
         for b, chunk in zip(buckets, chunks):
             _accumulate(self._buffers[b], chunk, self._fresh[b])
             self._fresh[b] = False
@@ -268,6 +326,9 @@ class MainGrad:
                 overwrites the buffers (kept, never reallocated). False: the buffers are
                 zeroed and :attr:`grads` are zeros.
         """
+        self._land_all()
+        self._last, self._uses = False, {}
+        self._issued.clear()
         if set_to_none:
             self._fresh = [True] * len(self._buffers)
             self._empty = True
@@ -280,6 +341,7 @@ class MainGrad:
 
     def state_dict(self) -> dict[str, Any]:
         """A copy of the buffers and state, valid mid-accumulation (resume loses nothing)."""
+        self._land_all()
         return {
             "layout": self.layout(),
             "state": self._state,
@@ -367,25 +429,69 @@ class MainGrad:
                 self._buffers[b].zero_()
                 self._fresh[b] = False
 
-    def _finish(self) -> None:
+    _DEFERRED = ("gradient", "optimizer")
+
+    def _deferred_source(self, b: int) -> torch.Tensor:
+        # nothing deferred: the buffer is final as it is (no rounding to the wire dtype); else
+        # the buffer itself when the wire dtype is its own
+        buf = self._buffers[b]
+        return buf.to(self.reduce_dtype) if self.plan.program(b, *self._DEFERRED) else buf
+
+    def _landed(self, b: int, result: torch.Tensor) -> None:
+        """Bucket ``b``'s deferred reduction finished with ``result``: into its buffer."""
+        buf = self._buffers[b]
+        if result.data_ptr() != buf.data_ptr():  # else the result is in place already
+            buf[..., : result.shape[-1]].copy_(result)
+
+    def _issue_deferred(self, buckets: list[int]) -> None:
+        """Issue the deferred reduction of ``buckets`` now (their gradient of the step is
+        complete); at most DEPTH stay in flight, so the memory bound of :meth:`_finish`
+        holds (a reduction that is not in place holds a bucket-sized result)."""
+        self._issued.update(buckets)
+        todo = [b for b in buckets if self.plan.program(b, *self._DEFERRED)]
+        if not todo:
+            return
+        pending = engine.start(
+            self.plan,
+            self._deferred_source,
+            [self._DEFERRED],
+            wire=self.reduce_dtype,
+            buckets=todo,
+        )
+        self._inflight.extend(zip(todo, pending))
+        while len(self._inflight) > DEPTH:
+            self._land_oldest()
+
+    def _land_oldest(self) -> None:
+        b, pending = self._inflight.popleft()
+        self._landed(b, self.mesh.wait(pending))
+
+    def _land_all(self) -> None:
+        while self._inflight:
+            self._land_oldest()
+
+    def _finish(self, gate: Any = None) -> None:
         """Reduce the deferred axes of each bucket in place, DEPTH buckets at a time: the
-        extra memory stays within DEPTH buckets' reductions however many buckets there are."""
+        extra memory stays within DEPTH buckets' reductions however many buckets there are.
+        Buckets whose reduction was issued in backward are only waited for. ``gate``: the
+        call's agreement, if not settled yet."""
+        if gate is not None:
+            gate()
+        self._land_all()
         self._zero_fresh()
-        plan, leg = self.plan, ("gradient", "optimizer")
-
-        def source(b: int) -> torch.Tensor:
-            # nothing deferred: the buffer is final as it is (no rounding to the wire dtype);
-            # else the buffer itself when the wire dtype is its own
-            buf = self._buffers[b]
-            return buf.to(self.reduce_dtype) if plan.program(b, *leg) else buf
-
-        def done(b: int, result: torch.Tensor) -> None:
-            buf = self._buffers[b]
-            if result.data_ptr() != buf.data_ptr():  # else the result is in place already
-                buf[..., : result.shape[-1]].copy_(result)
-
-        engine.start(plan, source, [leg], depth=DEPTH, wire=self.reduce_dtype, sink=done)
+        rest = [b for b in range(len(self._buffers)) if b not in self._issued]
+        engine.start(
+            self.plan,
+            self._deferred_source,
+            [self._DEFERRED],
+            depth=DEPTH,
+            wire=self.reduce_dtype,
+            sink=self._landed,
+            buckets=rest,
+        )
         self._state = "final"
+        self._last, self._uses = False, {}
+        self._issued.clear()
 
     def layout(self) -> dict[str, Any]:
         """What this MainGrad's buffers depend on (mesh, tree, shapes, dtypes, specs, buffer
@@ -420,12 +526,17 @@ def _(buf: torch.Tensor, chunk: torch.Tensor, overwrite: bool) -> None:
     return None
 
 
-def microbatches(items: int | Iterable[T]) -> Iterator[tuple[int | T, bool]]:
+def microbatches(
+    items: int | Iterable[T], into: MainGrad | None = None
+) -> Iterator[tuple[int | T, bool]]:
     """Yield ``(item, last)`` so a loop cannot forget the ``last`` flag.
 
     Args:
         items: a count M (yields ``(i, last)`` for i in range(M)) or any iterable of
             microbatches (yields ``(batch, last)``, looking one item ahead).
+        into: a :class:`MainGrad` that :func:`gathered` units add into: before each item,
+            ``into.begin_microbatch(last=last)``, so that the last microbatch's backward
+            issues each unit's deferred reduction as soon as the unit is done.
 
     Returns:
         An iterator of ``(item, last)`` pairs; ``last`` is True exactly once, at the end.
@@ -437,6 +548,8 @@ def microbatches(items: int | Iterable[T]) -> Iterator[tuple[int | T, bool]]:
         >>> list(fh.microbatches("ab"))
         [('a', False), ('b', True)]
     """
+    if into is not None and not isinstance(into, MainGrad):
+        raise TypeError(f"microbatches: into must be a MainGrad or None; got {type(into).__name__}")
     if isinstance(items, int):
         if items < 1:
             raise ValueError(f"microbatches: need at least one microbatch; got {items}")
@@ -447,6 +560,10 @@ def microbatches(items: int | Iterable[T]) -> Iterator[tuple[int | T, bool]]:
     except StopIteration:
         raise ValueError("microbatches: the iterable is empty") from None
     for upcoming in iterator:
+        if into is not None:
+            into.begin_microbatch(last=False)
         yield current, False
         current = upcoming
+    if into is not None:
+        into.begin_microbatch(last=True)
     yield current, True

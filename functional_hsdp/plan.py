@@ -246,7 +246,8 @@ class Plan:
             return pack(bucket, leaves, batch)
         values = bucket.take(leaves)
         if bucket.shard is None:
-            return self.mesh.geometry.join(list(values), placed.geometry)
+            geometry = self.mesh.geometry
+            return geometry.join(list(values), placed.geometry, bucket.dtype, bucket.device)
         nb, flat = len(batch), []
         for s, x, length in zip(bucket.slots, values, placed.geometry):
             x = self.mesh.geometry.narrow(x, nb + s.dim, length)  # ignore fill past the chunk

@@ -92,14 +92,17 @@ class _Bucket:
     pc: int = 0
 
 
-def _advance(mesh: Any, bucket: _Bucket) -> bool:
-    """Run local items up to and including the next collective; True when the program ended."""
+def _advance(mesh: Any, bucket: _Bucket, settle: Callable[[], None]) -> bool:
+    """Run local items up to and including the next collective (``settle()`` first); True
+    when the program ended."""
     program = bucket.program
     while bucket.pc < len(program):
         item = program[bucket.pc]
         bucket.pc += 1
         buf = mesh.wait(bucket.buf)
         if isinstance(item, Step):
+            if item.op != "slice":
+                settle()
             bucket.buf = issue(mesh, buf, item)
             if item.op != "slice":
                 return False
@@ -115,6 +118,7 @@ def run(
     *,
     depth: int | None = None,
     sink: Callable[[int, torch.Tensor], None] | None = None,
+    gate: Callable[[], None] | None = None,
 ) -> list[Any]:
     """Move bucket ``b``'s buffer ``source(b)`` through ``programs[b]``, every bucket.
 
@@ -126,6 +130,11 @@ def run(
         sink: if given, called with each bucket's waited result as soon as it is done (then
             nothing is returned); else the results are returned, the last collective of each
             possibly still in flight (``mesh.wait`` each before use).
+        gate: called once, just before the first collective is issued (after the first
+            bucket was packed), or at the end if none is: the call's cross-rank agreement
+            (:meth:`~functional_hsdp.validate.Agreement.settle`), whose exchange so overlaps
+            the packing. Also called if anything raises before it was, so that every rank
+            takes part in the exchange; an error it raises then is raised instead.
 
     Returns:
         Per bucket, its result (a tensor or a collective in flight), or Nones with ``sink``.
@@ -137,33 +146,43 @@ def run(
     depth = n if depth is None else depth
     out: list[Any] = [None] * n
     active: deque[_Bucket] = deque()
+    gates = [gate] if gate is not None else []
+
+    def settle() -> None:
+        if gates:
+            gates.pop()()
 
     def done(bucket: _Bucket) -> None:
         if sink is None:
             out[bucket.index] = bucket.buf
-        else:
-            sink(bucket.index, mesh.wait(bucket.buf))
+        else:  # the sink changes state that outlives the call: agree first
+            result = mesh.wait(bucket.buf)
+            settle()
+            sink(bucket.index, result)
 
     try:
         for b in range(n):
             while len(active) >= depth:  # finish the oldest to make room
                 oldest = active.popleft()
-                while not _advance(mesh, oldest):
+                while not _advance(mesh, oldest, settle):
                     pass
                 done(oldest)
             bucket = _Bucket(b, source(b), programs[b])
-            if _advance(mesh, bucket):
+            if _advance(mesh, bucket, settle):
                 done(bucket)
             else:
                 active.append(bucket)
         while active:  # every bucket started: step-major rounds
             for bucket in list(active):
-                if _advance(mesh, bucket):
+                if _advance(mesh, bucket, settle):
                     active.remove(bucket)
                     done(bucket)
-    except BaseException:
+        settle()
+    except BaseException as exc:
         for x in [*(bucket.buf for bucket in active), *out]:
             if x is not None:
                 mesh.abandon(x)
+        if gates and isinstance(exc, Exception):
+            settle()  # an agreement error here is every rank's: raise it instead
         raise
     return out

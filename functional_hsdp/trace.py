@@ -7,7 +7,7 @@ events for the same call.
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -79,14 +79,17 @@ class CommLog:
         )
 
 
-_ACTIVE: contextvars.ContextVar[tuple[CommLog, ...]] = contextvars.ContextVar(
-    "functional_hsdp_comm_logs", default=()
-)
+# The logs recording now. A plain module global, not a context variable: autograd runs
+# backward (and so a gathered unit's reduce-scatter) on threads of its own on CUDA, which see
+# no context variable of the thread that opened the log.
+_ACTIVE: tuple[CommLog, ...] = ()
+_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def comm_log() -> Iterator[CommLog]:
-    """Record every collective issued inside the ``with`` block (nesting allowed).
+    """Record every collective issued inside the ``with`` block (nesting allowed), on any
+    thread of the process (a backward on autograd's device threads too).
 
     Returns:
         A :class:`CommLog` whose ``events`` fill as collectives are issued.
@@ -99,12 +102,15 @@ def comm_log() -> Iterator[CommLog]:
         >>> [(e.op, e.axis, e.numel) for e in log.events]
         [('all_reduce', 'dp', 3)]
     """
+    global _ACTIVE
     log = CommLog()
-    token = _ACTIVE.set((*_ACTIVE.get(), log))
+    with _LOCK:
+        _ACTIVE = (*_ACTIVE, log)
     try:
         yield log
     finally:
-        _ACTIVE.reset(token)
+        with _LOCK:
+            _ACTIVE = tuple(x for x in _ACTIVE if x is not log)
 
 
 def record(event: Event) -> None:
@@ -112,5 +118,5 @@ def record(event: Event) -> None:
     not logged)."""
     if torch.compiler.is_compiling():
         return
-    for log in _ACTIVE.get():
+    for log in _ACTIVE:
         log.events.append(event)

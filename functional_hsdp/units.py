@@ -57,6 +57,24 @@ __all__ = ["Gathered", "gathered", "per_rank", "sequence"]
 
 
 @dataclass(eq=False)
+class _Chain:
+    """The unit calls of one forward pass, until its backward ends: what they share.
+
+    Every call record points to its chain, so that a backward run on another thread than its
+    forward (autograd runs CUDA backward on its device threads) finds what the forward left:
+    nothing a forward and its backward share is kept per thread.
+    """
+
+    last: Any = None  # weak reference to the last unit called (backward prefetch)
+    # (call, its full weights): the last unit of a forward keeps them, since its backward
+    # comes next (FSDP2 does not reshard its root either); the next unit's forward drops them
+    kept: tuple | None = None
+    ahead: list = field(default_factory=list)  # calls with an all-gather issued ahead
+    closing: bool = False  # an end-of-backward callback is queued
+    closed: bool = False  # a backward ended: the next forward starts a new chain
+
+
+@dataclass(eq=False)
 class _Call:
     """One call of a gathered unit: what forward and backward share."""
 
@@ -68,6 +86,7 @@ class _Call:
     args_def: Any
     tensors: list[int]  # positions in ``args`` of the tensor leaves, passed as inputs
     diff: list[bool]  # per tensor leaf: differentiated (floating) or a constant (ints)
+    chain: _Chain | None = None  # the forward pass this call is part of
     nxt: _Call | None = None  # the next unit to prefetch (its all-gather, its wait node)
     prev: Any = None  # weak reference to the unit called before this one (backward prefetch)
     pieces: tuple = ()  # the unit's shards as forward saw them (plain tensors)
@@ -78,19 +97,43 @@ class _Call:
     ahead: dict = field(default_factory=dict)  # "forward"/"backward": all-gather in flight
 
 
-class _Thread(threading.local):
-    """Per-thread state: the last unit called (for backward prefetch), wait nodes made ahead."""
+class _Forward(threading.local):
+    """What a thread's forward passes keep between unit calls, and only there (backward
+    never reads it): the chain they extend, and wait nodes made ahead by ``prefetch``."""
 
     def __init__(self) -> None:
-        self.last: Any = None  # weak reference to the last unit called
-        # (call, its full weights): the last unit of a forward keeps them, since its backward
-        # comes next (FSDP2 does not reshard its root either); the next unit's forward drops them
-        self.kept: tuple | None = None
+        self.chain: _Chain | None = None
         self.prepared: dict[tuple[int, ...], tuple[_Call, list, list]] = {}
-        self.callback = False
 
 
-_STATE = _Thread()
+_FORWARD = _Forward()
+
+#: Wait nodes made ahead (``prefetch``) and never called that a thread keeps, at most
+_PREPARED = 4
+
+
+def _chain() -> _Chain:
+    """The chain this thread's next unit call joins: a new one after a backward ended."""
+    chain = _FORWARD.chain
+    if chain is None or chain.closed:
+        chain = _FORWARD.chain = _Chain()
+    return chain
+
+
+def _issue_ahead(call: _Call, when: str, pieces: Sequence[torch.Tensor]) -> None:
+    """Issue ``call``'s all-gather ahead of its use (``when``: its forward or backward)."""
+    _release_ahead(call)
+    call.ahead[when] = _gather_start(call, pieces)
+    if call.chain is not None:
+        call.chain.ahead.append(weakref.ref(call))
+
+
+def _release_ahead(call: _Call) -> None:
+    """Release the all-gathers issued ahead for ``call`` and not used (every rank issued
+    them alike, so they complete; nothing of theirs stays in flight or held)."""
+    for pending in call.ahead.values():
+        engine.release(call.plan, pending)
+    call.ahead.clear()
 
 
 def _gather_start(call: _Call, pieces: Sequence[torch.Tensor]) -> list:
@@ -133,16 +176,24 @@ class _Unit(torch.autograd.Function):
         n = call.k + len(call.tensors)
         pieces, args, nxt = ts[: call.k], ts[call.k : n], ts[n:]
         call.pieces = pieces
+        chain = call.chain
+        chain.kept = None  # the unit before keeps its weights no longer
         full = _gathered(call, "forward", pieces)
         if call.nxt is not None:  # the next unit's all-gather overlaps this unit's compute
             call.nxt.pieces = nxt
-            call.nxt.ahead["forward"] = _gather_start(call.nxt, nxt)
-        call.prev, _STATE.last = _STATE.last, weakref.ref(call)
-        with torch.no_grad():
-            outs = _run(call, full, args)
+            call.nxt.chain = chain
+            _issue_ahead(call.nxt, "forward", nxt)
+        call.prev, chain.last = chain.last, weakref.ref(call)
+        try:
+            with torch.no_grad():
+                outs = _run(call, full, args)
+        except BaseException:
+            if call.nxt is not None:  # its call will not come (not from this forward)
+                _release_ahead(call.nxt)
+            raise
         if not call.block.reshard_after_forward:
             call.full = full
-        _STATE.kept = (call, full)
+        chain.kept = (call, full)
         # an output that is an input (or a view of one) would alias it: give a copy
         return tuple(
             o.clone() if o._base is not None or any(o is t for t in ts) else o for o in outs
@@ -160,11 +211,12 @@ class _Unit(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         call = ctx.call
-        _end_of_backward_callback()
+        chain = call.chain
+        _end_of_backward_callback(chain)
         prev, call.prev = (call.prev() if call.prev is not None else None), None
         if prev is not None and prev.block.reshard_after_forward and not prev.ahead:
-            prev.ahead["backward"] = _gather_start(prev, prev.pieces)  # backward prefetch
-        kept, _STATE.kept = _STATE.kept, None
+            _issue_ahead(prev, "backward", prev.pieces)  # backward prefetch
+        kept, chain.kept = chain.kept, None
         if call.full is not None:
             full = call.full
         elif kept is not None and kept[0] is call:  # the forward's last unit: still gathered
@@ -215,20 +267,29 @@ class _Wait(torch.autograd.Function):
         if pending is None:  # the unit's backward did not run: no gradient
             return (None, *(torch.zeros_like(g) for g in grads))
         if call.sink is not None:  # added into the MainGrad; the shards' gradient is zero
-            call.block.into.add_chunks(call.sink, engine.wait(call.plan, pending))
-            return (None, *(torch.zeros((), dtype=g.dtype).expand(g.shape) for g in grads))
+            mg = call.block.into
+            mg.add_chunks(call.sink, engine.wait(call.plan, pending))
+            mg.unit_done(call.sink)  # its deferred reduction may start now
+            zeros = lambda g: torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)  # noqa: E731
+            return (None, *map(zeros, grads))
         leaves, _ = engine.finish(call.plan, pending, "gradient")
         return (None, *leaves)
 
 
-def _end_of_backward_callback() -> None:
-    """At the end of this backward: forget the last unit and prefetches never used."""
-    if _STATE.callback:
+def _end_of_backward_callback(chain: _Chain) -> None:
+    """At the end of this backward: close ``chain`` (the next forward starts a new one),
+    drop what its last unit kept, and release prefetches never used."""
+    if chain.closing:
         return
-    _STATE.callback = True
+    chain.closing = True
 
     def done() -> None:
-        _STATE.callback, _STATE.last, _STATE.kept = False, None, None
+        chain.closing, chain.closed, chain.last, chain.kept = False, True, None, None
+        calls, chain.ahead = chain.ahead, []
+        for ref in calls:
+            call = ref()
+            if call is not None:
+                _release_ahead(call)
 
     torch.autograd.Variable._execution_engine.queue_callback(done)
 
@@ -272,6 +333,9 @@ class Gathered:
             ``fn``'s result (a pytree of tensors).
         """
         call, wrapped = self._prepared(shards)
+        call.chain = _chain()
+        if call.sink is not None:  # its backward's gradient is one more for the MainGrad
+            self.into.unit_called(call.sink, self.name)
         nxt, self._next = self._next, None
         arg_leaves, args_def = optree.tree_flatten((args, kwargs))
         tensors = [i for i, x in enumerate(arg_leaves) if isinstance(x, torch.Tensor)]
@@ -289,11 +353,13 @@ class Gathered:
     def _prepared(self, shards: Any) -> tuple[_Call, list]:
         """This call's record and its shards through their wait node (made ahead, or now)."""
         leaves = optree.tree_leaves(shards)
-        found = _STATE.prepared.pop(tuple(map(id, leaves)), None)
+        found = _FORWARD.prepared.pop(tuple(map(id, leaves)), None)
         if found is not None and found[0].block is self:
             return found[0], found[2]
+        if found is not None:  # made ahead for another block: not this call's
+            _release_ahead(found[0])
         call, wrapped = _prepare(self, shards)
-        del _STATE.prepared[tuple(map(id, leaves))]
+        del _FORWARD.prepared[tuple(map(id, leaves))]
         return call, wrapped
 
 
@@ -309,9 +375,13 @@ def _prepare(block: Gathered, shards: Any) -> tuple[_Call, list]:
     )
     call = _Call(block, plan, treedef, len(leaves), [], None, [], [])
     wrapped = list(_Wait.apply(call, *leaves))
-    while len(_STATE.prepared) >= 4:  # prepared but never called: forget the oldest
-        del _STATE.prepared[next(iter(_STATE.prepared))]
-    _STATE.prepared[tuple(map(id, leaves))] = (call, leaves, wrapped)
+    prepared = _FORWARD.prepared
+    key = tuple(map(id, leaves))
+    if key in prepared:  # made ahead again before being called: the older one is unused
+        _release_ahead(prepared.pop(key)[0])
+    while len(prepared) >= _PREPARED:  # prepared but never called: forget the oldest
+        _release_ahead(prepared.pop(next(iter(prepared)))[0])
+    prepared[key] = (call, leaves, wrapped)
     return call, wrapped
 
 

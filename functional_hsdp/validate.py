@@ -1,4 +1,4 @@
-"""Reliability: cross-rank validation, non-finite checks and clear collective errors.
+"""Reliability: the per-call cross-rank agreement, non-finite checks, clear collective errors.
 
 In data-parallel training the worst failures are silent wrong gradients and hangs, where one
 rank issues a collective that the others do not. This module turns both into clear errors.
@@ -6,53 +6,61 @@ rank issues a collective that the others do not. This module turns both into cle
 =====================================  ===================================================
 failure                                what happens
 =====================================  ===================================================
-ranks pass different trees, shapes,    the first call with a layout compares a fingerprint
-dtypes, specs or ``last``              across ranks (before any gradient collective) and
-                                       raises the same ``ValueError`` on every rank, naming
-                                       the first differing leaf path and the ranks
+ranks make different calls, or pass    every call's agreement compares the ranks' rows
+different trees, shapes, dtypes,       before any gradient collective; every rank raises
+specs, ``last`` or options             the same ``ValueError``, naming the first differing
+                                       field or leaf path and the ranks
+a rank's own checks fail (a wrong      it raises its error, and the others raise one that
+``acc``, a meta leaf, a bad flag)      names it, in the same exchange: nobody waits
 NaN/Inf in gradients                   ``check_finite=True``: every rank raises a
                                        ``ValueError`` naming the first such leaf and ranks
-a peer dies, hangs or issues another   the collective fails or times out (the process
-collective                             group's timeout) and raises :class:`CollectiveError`
-                                       naming the collective and mesh axis
+a peer dies, hangs or issues another   the collective fails or times out and raises
+collective                             :class:`CollectiveError` naming it and its mesh axis
 =====================================  ===================================================
 
-Fingerprint protocol
---------------------
-On the first call that uses a plan (tree structure, per-rank full shapes, dtypes, devices,
-specs) for an operation (``reduce_grads`` with a given ``last``, ``gather``, ``sync_params``,
-``MainGrad.accumulate``, ...), every rank describes the call: a header (operation, ``last``,
-options, mesh, tree structure) and one line per leaf (path, shape, dtype, device type, spec,
-bucket slot). Digests are 62-bit blake2b hashes, stable across processes (Python's ``hash`` is
-salted per process).
+The protocol, on every call
+---------------------------
+Every call that communicates (``reduce_grads``, ``gather``, ``sync_params``, the per-axis
+collectives, ``MainGrad.accumulate`` / ``finish``, the checkpoint functions) describes
+itself: a header (operation, ``last``, options, mesh, data-parallel axes, tree structure) and
+one line per leaf (path, shape, dtype, device type, spec, bucket slot), hashed into a row of
+int64 ``[error flag, first non-finite leaf, call digest, whole digest, leaf count, one digest
+per header field]``. Digests are 62-bit blake2b hashes, stable across processes (Python's
+``hash`` is salted per process); a plan's fingerprint is computed once and cached, so a
+call's row costs a list copy.
 
-1. One tiny all-gather (axis by axis) over the spec's data-parallel axes of an int64 row
-   ``[whole digest, leaf count, one digest per header field, first non-finite leaf]``. If the
-   whole digests agree (the normal case) the check is done and cached for that
-   ``(plan, operation, last, options)``: later calls exchange nothing. A first call is checked
-   even when it issues no collective itself (ddp before the last microbatch), so that ranks
-   disagreeing on ``last`` are caught; ``shard`` never communicates and is not checked.
-2. Only on a mismatch, so never in a healthy run: the first differing header field, or else
-   the first leaf whose per-leaf digests differ (one all-gather of per-leaf digests, padded to
-   the longest tree), is found; its text is all-gathered; every rank builds the same message
-   from the same gathered data and raises it.
+1. The row is exchanged in **one** all-gather over **every** axis of the mesh (not only the
+   spec's data-parallel axes: ranks naming different axes would otherwise wait in different
+   groups). It is host data, all-gathered over a CPU (gloo) group
+   (``Diagnostics.start_exchange``), so the agreement never touches device memory and never
+   makes the host wait for the device. It is *issued* when the call's local checks have
+   passed and *waited* just before the call's first gradient collective (``Agreement.settle``,
+   called by the scheduler), so packing the first bucket overlaps it. A call that issues no
+   collective (``ddp`` before the last microbatch) settles before it returns, and before it
+   changes any persistent state (``MainGrad``'s buffers).
+2. Every rank decides from the same table: the call digest must agree over the whole mesh,
+   the whole digest within each data-parallel group. Only on a mismatch, so never in a
+   healthy run, more exchanges follow, all ranks alike: the first differing header field, or
+   the first leaf whose per-leaf digests differ (padded to the longest tree), and its text,
+   from which every rank builds the same message and raises it.
+3. A rank whose local checks raise (``ValueError``/``TypeError``/``NotImplementedError``)
+   before its row is issued sends an error row instead; every rank sees it in the same
+   exchange, and the others raise the failing rank's error type and text, naming it.
 
-Every rank of a data-parallel group builds plans at the same calls, so the caches stay in step.
-The exchange is not a gradient collective: it is not logged by :func:`comm_log`, and it uses
-plain ``torch.distributed.all_gather`` (not the functional collectives) so that profiles of
-gradient communication stay exact. Under ``torch.compile`` tracing nothing is exchanged.
+The exchange is not a gradient collective: :func:`comm_log` does not record it, and it is a
+plain ``torch.distributed`` all-gather (not a functional collective), so profiles of the
+gradient communication stay exact. On a one-rank mesh nothing is exchanged.
+
+``check_finite=True`` is the one exception to "never touches device data": the non-finite
+scan reads every bucket (a host-device synchronization), and its result rides in the row.
 
 Limits
 ------
-* Checked once per layout and operation: a rank that later changes ``last`` (a different
-  microbatch count) while the layouts stay cached is not caught; use
-  ``with validation("always")`` to exchange on every call while debugging.
-* An error found on one rank only (a wrong ``acc``, a leaf on the meta device, an empty tree)
-  is raised on that rank at once; the other ranks then wait in their next collective and raise
-  :class:`CollectiveError` when the process group times out. ``init_device_mesh`` creates its
-  groups with the backend's default timeout (30 min for gloo, 10 min for NCCL), not the
-  timeout given to ``init_process_group``; set a shorter one on the mesh's groups if needed.
-* ``check_finite`` adds one tiny all-gather per call, and must be the same on every rank.
+* ``validation("off")`` exchanges nothing (the checks above are off); every rank must use
+  the same mode, or the ranks that exchange wait (bounded by the mesh's timeout).
+* Under ``torch.compile`` nothing is exchanged.
+* A failure after the agreement (out of memory while packing, a peer dying mid-collective)
+  raises :class:`CollectiveError` on the survivors within the timeout, not at once.
 """
 
 from __future__ import annotations
@@ -255,6 +263,7 @@ class Agreement:
 
     def __init__(self, mesh: Any, call: str):
         self.mesh, self.call, self.done = mesh, call, False
+        self._pending: tuple | None = None
 
     def check(
         self,
@@ -264,8 +273,13 @@ class Agreement:
         last: Any = None,
         options: tuple[str, ...] = (),
         nonfinite: torch.Tensor | None = None,
+        defer: bool = False,
     ) -> None:
-        """Agree on this call (``plan``: what it will do); raise on any difference."""
+        """Agree on this call (``plan``: what it will do); raise on any difference.
+
+        ``defer=True`` only issues the exchange: the caller must call :meth:`settle` before
+        its first collective and before it returns (the scheduler does, given this record
+        as its ``gate``)."""
         self.done = True
         if torch.compiler.is_compiling():  # nothing is exchanged while tracing (nor can
             return  # dynamo read the ContextVar below)
@@ -278,7 +292,22 @@ class Agreement:
         fp = done.get(key)
         if fp is None:
             fp = done[key] = fingerprint(plan, self.call, paths, last, options)
-        agree(self.mesh, _dp_axes(plan), fp, paths, nonfinite)
+        local = _row(fp, self.mesh.batch_shape)
+        if nonfinite is not None:
+            local[..., _NONFINITE] = nonfinite
+        waiter = self.mesh.diagnostics.start_exchange(local)
+        self._pending = (waiter, _dp_axes(plan), fp, paths, local)
+        if not defer:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for this call's exchange (if one is in flight) and decide: returns if every
+        rank agrees, else raises on every rank alike. Idempotent."""
+        if self._pending is None:
+            return
+        waiter, dp, fp, paths, local = self._pending
+        self._pending = None
+        _decide(self.mesh, dp, fp, paths, local, _table(self.mesh, waiter()))
 
     def fail(self, exc: BaseException) -> None:
         """This rank's local checks raised ``exc``: tell the others (who raise too)."""
@@ -322,7 +351,7 @@ def agree(
     local = _row(fp, mesh.batch_shape)
     if nonfinite is not None:
         local[..., _NONFINITE] = nonfinite
-    _decide(mesh, dp, fp, paths, local)
+    _decide(mesh, dp, fp, paths, local, _gather(mesh, mesh.axis_names, local))
 
 
 def _row(fp: Fingerprint, batch: tuple[int, ...]) -> torch.Tensor:
@@ -330,10 +359,12 @@ def _row(fp: Fingerprint, batch: tuple[int, ...]) -> torch.Tensor:
     return row.expand(*batch, row.numel()).clone()
 
 
-def _decide(mesh: Any, dp: tuple[str, ...], fp: Fingerprint, paths, local: torch.Tensor) -> None:
-    """The exchange over the whole mesh, and every decision made from it, alike on all ranks."""
+def _decide(
+    mesh: Any, dp: tuple[str, ...], fp: Fingerprint, paths, local: torch.Tensor, tables
+) -> None:
+    """Every decision made from the exchanged ``tables`` (B, G, L: G = every rank of the
+    mesh), alike on all ranks."""
     everyone = mesh.axis_names
-    tables = _gather(mesh, everyone, local)  # (B, G, L): G = every rank of the mesh
     if bool((tables[..., _ERROR] > 0).any()):
         _peer_errors(mesh, tables, None)
     names = mesh.diagnostics.members(everyone)
@@ -396,7 +427,11 @@ _TAIL = (
 
 
 def _gather(mesh: Any, axes: tuple[str, ...], local: torch.Tensor) -> torch.Tensor:
-    out = mesh.diagnostics.exchange(local, axes)
+    return _table(mesh, mesh.diagnostics.exchange(local, axes))
+
+
+def _table(mesh: Any, out: torch.Tensor) -> torch.Tensor:
+    """An exchange's result as (B, G, L): one table per simulated rank (B = 1 on a DistMesh)."""
     return out.reshape(-1, *out.shape[-2:])
 
 

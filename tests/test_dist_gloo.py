@@ -128,7 +128,7 @@ def test_dist_mesh_gives_sim_mesh_outputs_and_logs(pool, strategy, dtype):
 
 # The op a profiler records for each logged collective, by how the mesh carried it out: on
 # gloo both reductions are in-place c10d all-reduces and all-gathers c10d
-# all_gather_into_tensor (see DistMesh); functional otherwise.
+# all_gather_single (see DistMesh); functional otherwise.
 _FUNCTIONAL = {
     "reduce_scatter": "_c10d_functional::reduce_scatter_tensor",
     "all_reduce": "_c10d_functional::all_reduce",

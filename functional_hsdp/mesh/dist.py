@@ -10,7 +10,9 @@ library's own buffers (see ``_INPLACE``), all-gathers ``all_gather_into_tensor``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -21,33 +23,94 @@ import torch.distributed._functional_collectives as funcol
 from ..errors import collective_error
 from .protocol import Flight, MeshAxes
 
-__all__ = ["DistMesh"]
+__all__ = ["DistMesh", "backend_of"]
 
-# Backends whose all-reduce / reduce-scatter implement AVG themselves; any other backend gets
-# an exact emulation: SUM, then divide by the group size.
-_NATIVE_AVG = frozenset({"nccl", "gloo"})
 
-# How reductions run, per backend (measured: bench/RESULTS.md, "gloo reduce-scatter
-# implementations"). gloo has no native reduce-scatter: torch emulates one with an all-reduce
-# into a new buffer and a copy of the chunk. All-reducing the library's own packing buffer in
-# place and keeping the chunk moves the same bytes 1.6-2x faster at 10M-50M elements, with no
-# full-size temporary; so on gloo both reductions are in-place c10d all-reduces, issued
-# asynchronously, with the backend's own AVG (gloo's is SUM then divide: bitwise the same as
-# the emulation). Other backends (NCCL), and every backend under torch.compile, use the
-# functional collectives: a real reduce-scatter, asynchronous and traceable.
-_INPLACE = frozenset({"gloo"})
-assert _INPLACE <= _NATIVE_AVG, "the in-place path reduces with the backend's own AVG"
+@dataclass(frozen=True)
+class Carriage:
+    """How one backend's groups carry the library's collectives in eager code.
 
-# Backends whose eager all-gathers are c10d ``all_gather_into_tensor(async_op=True)``, the
-# output, input and Work held until waited, instead of the functional all_gather. On gloo
-# (torch 2.13, CPU) several functional all-gathers in flight at once corrupt the heap now and
-# then: 4 ranks of 3,000 rounds of 6 functional all-gathers each, waited after the round,
-# crashed (SIGSEGV, "malloc(): unaligned tcache chunk detected") in 6 of 8 runs; the same
-# rounds with c10d async all-gathers in none of 6 (a whole training step: every few hundred
-# steps, and never with the all-gathers waited at issue; `python -m bench.gloo_allgather`
-# reproduces it). Traced by torch.compile, an all-gather on these backends stays functional
-# but is waited at issue.
-_C10D_GATHER = frozenset({"gloo"})
+    Attributes:
+        native_avg: its all-reduce / reduce-scatter implement AVG; otherwise AVG is emulated
+            exactly (SUM, then a division by the group size).
+        in_place: reductions are asynchronous in-place c10d all-reduces of the library's own
+            buffers (a reduce-scatter keeps this rank's chunk) instead of functional
+            collectives.
+        c10d_gather: all-gathers are c10d ``all_gather_single(async_op=True)`` with the output,
+            input and Work held until waited, instead of the functional all-gather.
+    """
+
+    native_avg: bool
+    in_place: bool
+    c10d_gather: bool
+
+
+# Per backend, as ``dist.get_backend_config`` names it for the mesh's device type.
+#
+# gloo: it implements AVG (SUM then divide: bitwise the emulation). It has no native
+# reduce-scatter: torch emulates one with an all-reduce into a new buffer and a copy of the
+# chunk. All-reducing the library's own packing buffer in place and keeping the chunk moves
+# the same bytes 1.6-2x faster at 10M-50M elements, with no full-size temporary (bench
+# ``rsimpl``). And several functional all-gathers in flight at once corrupt the heap now and
+# then (torch 2.13, CPU): 4 ranks of 3,000 rounds of 6 functional all-gathers each, waited
+# after the round, crashed (SIGSEGV, "malloc(): unaligned tcache chunk detected") in 6 of 8
+# runs; the same rounds with c10d async all-gathers in none of 6 (``python -m
+# bench.gloo_allgather`` reproduces it). Traced by torch.compile, collectives on gloo stay
+# functional and an all-gather is waited at issue.
+#
+# nccl, and every backend under torch.compile: the functional collectives (a real
+# reduce-scatter, asynchronous and traceable). Any other backend: functional collectives with
+# AVG emulated.
+BACKENDS: dict[str, Carriage] = {
+    "gloo": Carriage(native_avg=True, in_place=True, c10d_gather=True),
+    "nccl": Carriage(native_avg=True, in_place=False, c10d_gather=False),
+}
+OTHER = Carriage(native_avg=False, in_place=False, c10d_gather=False)
+assert all(c.native_avg for c in BACKENDS.values() if c.in_place), (
+    "the in-place path reduces with the backend's own AVG"
+)
+
+# torch >= 2.13 names the single-tensor all-gather all_gather_single (all_gather_into_tensor,
+# its old name, warns that it is deprecated)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def backend_of(group: Any, device_type: str) -> str:
+    """The backend that carries ``device_type`` tensors on ``group``, however the group was
+    made: ``init_process_group("gloo")`` names one backend (``"gloo"``), while the default
+    group that ``init_device_mesh`` makes has a backend per device (``"cpu:gloo,cuda:nccl"``,
+    for which ``dist.get_backend`` says ``"undefined"``). ``"undefined"`` if none is found."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except (AttributeError, RuntimeError, ValueError):  # torch without per-device configs
+        return str(dist.get_backend(group)).lower()
+    for part in config.split(","):
+        device, sep, name = part.strip().partition(":")
+        if not sep:  # one backend for every device
+            return device.lower()
+        if device == device_type:
+            return name.lower()
+    return "undefined"
+
+
+def _release_functional(out: torch.Tensor) -> None:
+    try:  # torch keeps an unwaited functional result (and its Work) until it is waited
+        funcol.wait_tensor(out)
+    except Exception:  # noqa: BLE001 - released on an error path: the caller reports that
+        pass
+
+
+def _functional(flight: Flight) -> Flight:
+    """``flight`` (a functional collective's result) released when it is abandoned, or
+    dropped without a wait (a finalizer: no path leaves it in torch's registry)."""
+    flight.release = weakref.finalize(flight, _release_functional, flight.buffer)
+    flight.release.atexit = False
+    return flight
+
+
+def _carries_cpu(group: Any) -> bool:
+    """Whether ``group`` can all-gather CPU tensors (a gloo backend for the CPU)."""
+    return backend_of(group, "cpu") == "gloo"
 
 
 class DistMesh(MeshAxes):
@@ -91,10 +154,12 @@ class DistMesh(MeshAxes):
         self.device_mesh = device_mesh
         self.axis_names = tuple(names)
         self.sizes = tuple(int(n) for n in device_mesh.shape)
-        backends = [dist.get_backend(device_mesh.get_group(d)) for d in range(self.ndim)]
-        self._native_avg = tuple(b in _NATIVE_AVG for b in backends)
-        self._inplace = tuple(b in _INPLACE for b in backends)
-        self._c10d_gather = tuple(b in _C10D_GATHER for b in backends)
+        device_type = device_mesh.device_type
+        #: per axis: the backend of its group for the mesh's device type
+        self.backends = tuple(
+            backend_of(device_mesh.get_group(d), device_type) for d in range(self.ndim)
+        )
+        self._carriage = tuple(BACKENDS.get(b, OTHER) for b in self.backends)
         self._coords = tuple(int(device_mesh.get_local_rank(d)) for d in range(self.ndim))
         self.geometry = RankGeometry(self)
         self.diagnostics = DistDiagnostics(self)
@@ -110,15 +175,24 @@ class DistMesh(MeshAxes):
         """The process group of ``axis``."""
         return self.device_mesh.get_group(self._dim(axis))
 
-    def _in_place(self, axis: str) -> bool:
-        return self._inplace[self._dim(axis)] and not torch.compiler.is_compiling()
+    def carriage(self, axis: str) -> Carriage:
+        """How ``axis``'s backend carries collectives in eager code (see :data:`BACKENDS`)."""
+        return self._carriage[self._dim(axis)]
 
-    def _funcol(self, name: str, fn, axis: str, op: str) -> torch.Tensor:
-        """A functional reduction ``fn(op)``; AVG emulated where the backend lacks it."""
+    def _in_place(self, axis: str) -> bool:
+        return self.carriage(axis).in_place and not torch.compiler.is_compiling()
+
+    def _reduction(self, name: str, fn: Callable[[str], torch.Tensor], axis: str, op: str):
+        """A functional reduction ``fn(op)``. Where the backend lacks AVG it is emulated
+        exactly: SUM on the wire, and the division applied when the result is waited (eager:
+        the sum stays in flight) or at once (traced)."""
+        emulate = op == "avg" and not self.carriage(axis).native_avg
         with self.guard(name, axis):
-            if op == "avg" and not self._native_avg[self._dim(axis)]:
-                return fn("sum") / self.size(axis)
-            return fn(op)
+            out = fn("sum" if emulate else op)
+        n = self.size(axis) if emulate else None
+        if torch.compiler.is_compiling():  # traced: funcol's own tensors, waited by wait()
+            return out / n if n else out
+        return self._issued(_functional(Flight(name, axis, out, divide=n)))
 
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor | Flight:
         """All-reduce over ``axis`` (in place on gloo)."""
@@ -126,8 +200,7 @@ class DistMesh(MeshAxes):
             return self._issue_in_place(buf, axis, op, "all_reduce")
         group = (self.device_mesh, self._dim(axis))
         reduce = lambda o: funcol.all_reduce(buf, o, group)  # noqa: E731
-        out = self._funcol("all_reduce", reduce, axis, op)
-        return self._flight(out, "all_reduce", axis)
+        return self._reduction("all_reduce", reduce, axis, op)
 
     def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor | Flight:
         """Reduce-scatter over ``axis``. On gloo an in-place all-reduce of ``buf`` whose
@@ -137,27 +210,29 @@ class DistMesh(MeshAxes):
             return self._issue_in_place(buf, axis, op, "reduce_scatter")
         group = (self.device_mesh, self._dim(axis))
         reduce = lambda o: funcol.reduce_scatter_single(buf, o, 0, group)  # noqa: E731
-        out = self._funcol("reduce_scatter", reduce, axis, op)
-        return self._flight(out, "reduce_scatter", axis)
+        return self._reduction("reduce_scatter", reduce, axis, op)
 
     def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor | Flight:
         """All-gather over ``axis`` (functional collective; c10d on gloo, see
-        ``_C10D_GATHER``)."""
+        :data:`BACKENDS`)."""
         d = self._dim(axis)
-        if self._c10d_gather[d] and not torch.compiler.is_compiling():
+        gloo_like = self.carriage(axis).c10d_gather
+        if gloo_like and not torch.compiler.is_compiling():
             out = buf.new_empty(self.sizes[d] * buf.shape[0], *buf.shape[1:])
             if not out.numel():  # gloo divides by the size (SIGFPE); every rank skips alike
                 return out
             with self.guard("all_gather", axis):
-                work = dist.all_gather_into_tensor(
+                work = _all_gather_single(
                     out, buf.contiguous(), group=self.group(axis), async_op=True
                 )
             return self._issued(Flight("all_gather", axis, out, work, source=buf))
         with self.guard("all_gather", axis):
             out = funcol.all_gather_single(buf, 0, (self.device_mesh, d))
-            if self._c10d_gather[d]:  # traced on gloo: waited at issue, never several in flight
+            if gloo_like:  # traced on gloo: waited at issue, never several in flight
                 out = funcol.wait_tensor(out)
-        return self._flight(out, "all_gather", axis)
+        if torch.compiler.is_compiling():
+            return out
+        return self._issued(_functional(Flight("all_gather", axis, out)))
 
     def _issue_in_place(self, buf: torch.Tensor, axis: str, op: str, name: str) -> Flight:
         # ``buf`` is always one of the library's own buffers (a fresh packing buffer, a
@@ -170,11 +245,6 @@ class DistMesh(MeshAxes):
                 async_op=True,
             )
         return self._issued(Flight(name, axis, buf, work, chunk=name == "reduce_scatter"))
-
-    def _flight(self, out: torch.Tensor, name: str, axis: str) -> torch.Tensor | Flight:
-        if torch.compiler.is_compiling():  # traced: funcol's own tensors, waited by wait()
-            return out
-        return self._issued(Flight(name, axis, out))
 
     def _issued(self, flight: Flight) -> torch.Tensor | Flight:
         """A collective just issued: held in flight, or waited at once without overlap."""
@@ -191,16 +261,28 @@ class DistMesh(MeshAxes):
                 x.work.wait(self.timeout) if self.timeout is not None else x.work.wait()
                 buf = x.buffer
             else:
+                if x.release is not None:
+                    x.release.detach()
                 buf = funcol.wait_tensor(x.buffer)
+        x.source = None
+        if x.divide:  # AVG emulated: the sum arrived; the buffer is the collective's own
+            buf = buf.div_(x.divide)
         if x.chunk:
             n = self.size(x.axis)
             return buf.view(n, buf.shape[-1] // n)[self.coordinate(x.axis)]
         return buf
 
     def abandon(self, x: torch.Tensor | Flight) -> None:
-        """Drop our reference to a collective in flight; the backend still holds its buffer
-        until it completes. Its error, if any, is not reported: the caller is already raising
-        another."""
+        """Release a collective whose result will never be read. A c10d collective (gloo) is
+        dropped: the backend holds its buffers until it completes. A functional collective is
+        waited (on NCCL that only makes the current stream wait; the host goes on), since
+        torch keeps every unwaited functional result alive until the process exits. Its
+        error, if any, is not reported: the caller is raising another, or none is owed."""
+        if not isinstance(x, Flight):
+            return
+        if x.release is not None and x.release.alive:
+            x.release()
+        x.source = None
 
     # A failed or timed-out collective raises CollectiveError naming it (op, axis): at issue,
     # or (gloo, usually) at the wait.
@@ -269,9 +351,9 @@ class RankGeometry:
     def split(self, buf: torch.Tensor, pieces: tuple[int, ...]) -> list[torch.Tensor]:
         return list(torch.split(buf, pieces))[:-1]
 
-    def join(self, values: list[torch.Tensor], pieces: tuple[int, ...]) -> torch.Tensor:
-        dtype = values[0].dtype if values else torch.float32
-        device = values[0].device if values else None
+    def join(
+        self, values: list[torch.Tensor], pieces: tuple[int, ...], dtype: torch.dtype, device: Any
+    ) -> torch.Tensor:
         return torch.cat([*values, torch.zeros(pieces[-1], dtype=dtype, device=device)])
 
     def chunk_length(self, total: int, size: int, axis: str) -> int:
@@ -285,50 +367,81 @@ class RankGeometry:
 
 
 class DistDiagnostics:
-    """Descriptions and the validation exchange on a DistMesh."""
+    """Descriptions, and the cross-rank check's exchange, on a DistMesh.
+
+    The exchange runs on the host: its rows are CPU tensors, all-gathered over a gloo group
+    that spans the mesh, so it never touches device data and the host never waits for the
+    device. That group is the default group when the mesh is the whole world and the default
+    group has a gloo backend for CPU tensors (``init_process_group("gloo")``, or the
+    ``"cpu:gloo,cuda:nccl"`` group that ``init_device_mesh`` makes); otherwise a gloo group
+    made once, when the mesh is (a flattened view of the ``DeviceMesh`` with backend
+    ``"gloo"``, as torch's checkpointing keeps a gloo group for its metadata beside NCCL).
+    """
 
     def __init__(self, mesh: DistMesh):
         self._mesh = mesh
-        # global ranks in row-major mesh order, if the mesh is the whole world
-        ranks = mesh.device_mesh.mesh.flatten().tolist()
-        whole = sorted(ranks) == list(range(dist.get_world_size()))
-        self._world_order = ranks if whole else None
+        dm = mesh.device_mesh
+        ranks = dm.mesh.flatten().tolist()  # global ranks, in row-major mesh order
+        if sorted(ranks) == list(range(dist.get_world_size())) and _carries_cpu(dist.group.WORLD):
+            self.group = None  # the default group
+        else:
+            self.group = _host_group(dm, ranks)
+        # the group gathers in global-rank order; rows are handed out in mesh order
+        place = {r: k for k, r in enumerate(sorted(ranks))}
+        self._order = torch.tensor([place[r] for r in ranks])
+        self._size = len(ranks)
 
     def describe(self, op: str, axis: str, reduce: str | None) -> str:
-        mesh = self._mesh
-        d = mesh.axis_names.index(axis)
-        if mesh._inplace[d] and op != "all_gather":
+        carriage = self._mesh.carriage(axis)
+        if op == "all_gather":
+            return "c10d all_gather_single" if carriage.c10d_gather else "native"
+        if carriage.in_place:
             return "c10d in-place " + ("all_reduce+slice" if op == "reduce_scatter" else op)
-        if mesh._c10d_gather[d] and op == "all_gather":
-            return "c10d all_gather_into_tensor"
-        if reduce == "avg" and not mesh._native_avg[d]:
+        if reduce == "avg" and not carriage.native_avg:
             return "sum+div"
         return "native"
 
-    def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        # Plain c10d all-gathers (not functional collectives), so that profiles of the
-        # gradient collectives stay exact. Over every axis of a mesh that spans the world:
-        # one all-gather over the default group (the per-call agreement: one round trip).
-        mesh = self._mesh
-        out = t.to(torch.device(mesh.device_mesh.device_type))
-        if set(axes) == set(mesh.axis_names) and self._world_order is not None:
-            parts = self._gather(out, None, mesh.axis_names)
-            return torch.stack([parts[r] for r in self._world_order]).cpu()
-        for axis in sorted(axes, key=mesh.axis_names.index, reverse=True):  # inner first
-            out = torch.stack(self._gather(out, mesh.group(axis), axis))
-        return out.reshape(-1, t.shape[-1]).cpu()
+    def start_exchange(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        # The list form of the c10d all-gather (c10d::allgather_), which no gradient
+        # collective uses, so that profiles of the gradient collectives stay exact;
+        # asynchronous, so that the caller packs meanwhile.
+        mesh, axes = self._mesh, self._mesh.axis_names
+        row = t.reshape(-1).cpu().contiguous()  # host data already: no copy
+        parts = [torch.empty_like(row) for _ in range(self._size)]
+        with mesh.guard("exchange", axes):
+            work = dist.all_gather(parts, row, group=self.group, async_op=True)
 
-    def _gather(self, t: torch.Tensor, group: Any, axis: Any) -> list[torch.Tensor]:
+        def wait() -> torch.Tensor:
+            with mesh.guard("exchange", axes):
+                work.wait(mesh.timeout) if mesh.timeout is not None else work.wait()
+            return torch.stack(parts)[self._order]
+
+        return wait
+
+    def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        # One all-gather over the whole mesh, then this rank's group over ``axes``: every
+        # rank of the mesh takes part whatever ``axes`` are (all ranks take the same path).
         mesh = self._mesh
-        size = dist.get_world_size(group)
-        parts = [torch.empty_like(t) for _ in range(size)]
-        with mesh.guard("exchange", axis):
-            work = dist.all_gather(parts, t.contiguous(), group=group, async_op=True)
-            work.wait(mesh.timeout) if mesh.timeout is not None else work.wait()
-        return parts
+        table = self.start_exchange(t)().view(*mesh.sizes, -1)
+        index = tuple(
+            slice(None) if a in axes else c for a, c in zip(mesh.axis_names, mesh._coords)
+        )
+        return table[index].reshape(-1, table.shape[-1])
 
     def members(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
         mesh = self._mesh
         dims = {mesh.axis_names.index(a) for a in axes}
         index = tuple(slice(None) if d in dims else c for d, c in enumerate(mesh._coords))
         return [tuple(str(r) for r in mesh.device_mesh.mesh[index].flatten().tolist())]
+
+
+def _host_group(device_mesh: Any, ranks: list[int]) -> Any:
+    """A gloo group over the mesh's ranks, for a mesh that is not the whole world or whose
+    default group has no gloo backend (``init_process_group("nccl")``). Collective: every
+    rank of the world makes its DistMesh at the same point, as it makes its DeviceMesh."""
+    name = "fh_host_" + "_".join(device_mesh.mesh_dim_names)
+    try:  # every sibling sub-mesh's group at once, as DeviceMesh makes its dim groups
+        flat = device_mesh._flatten(name, backend_override="gloo")
+        return flat.get_group(0)
+    except (AttributeError, TypeError, NotImplementedError):  # a torch without it
+        return dist.new_group(sorted(ranks), backend="gloo", use_local_synchronization=True)

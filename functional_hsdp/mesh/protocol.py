@@ -5,7 +5,7 @@ is ten members: its axes (``axis_names``, ``sizes``, ``size``, ``batch_shape``),
 ``coordinate``, the three bucket collectives, ``wait`` and ``abandon``. Two companions live
 beside it: ``mesh.geometry`` (a :class:`Geometry`: where each rank's piece of a bucket lies,
 and slicing and joining pieces) and ``mesh.diagnostics`` (a :class:`Diagnostics`: how a
-collective was carried out, and the uncounted exchange the cross-rank checks use).
+collective was carried out, and the uncounted host-side exchange the cross-rank checks use).
 
 *Buckets.* A bucket is a tensor ``(*batch_shape, L)``: one flat buffer per rank.
 ``batch_shape`` is the mesh shape on a :class:`~functional_hsdp.SimMesh` (rank ``(o, i)``
@@ -19,6 +19,7 @@ explicit (no state hidden on tensors): whoever holds it either waits for it or a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,7 +27,7 @@ import torch
 
 __all__ = ["Coord", "Diagnostics", "Flight", "Geometry", "Mesh", "MeshAxes"]
 
-Coord = Any  # an int on a DistMesh; an int64 tensor of the mesh shape on a SimMesh
+Coord = Any  # an int on a DistMesh; an int64 numpy array of the mesh shape on a SimMesh
 
 
 @dataclass(eq=False)
@@ -43,6 +44,9 @@ class Flight:
         chunk: whether the result is this rank's chunk of ``buffer`` along ``axis``.
         source: the input of a collective that does not write in place, held until the
             collective is waited (or abandoned), so that it outlives the backend's use of it.
+        divide: for an AVG emulated as SUM, the group size the waited sum is divided by.
+        release: for a functional collective, what waits for it if it is abandoned or
+            dropped unwaited (a ``weakref.finalize``), so that torch's registry lets it go.
     """
 
     op: str
@@ -51,6 +55,8 @@ class Flight:
     work: Any = None
     chunk: bool = False
     source: torch.Tensor | None = None
+    divide: int | None = None
+    release: Any = None
 
 
 @runtime_checkable
@@ -76,7 +82,8 @@ class Mesh(Protocol):
         """Ranks along ``axis``; ValueError naming the mesh's axes if it has no such axis."""
 
     def coordinate(self, axis: str) -> Coord:
-        """This rank's index along ``axis`` (every rank's, as a tensor, on a SimMesh)."""
+        """This rank's index along ``axis`` (every rank's, as a numpy array of the mesh
+        shape, on a SimMesh). Host data: layout arithmetic never touches a device."""
 
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor | Flight:
         """Reduce ``buf`` over ``axis`` with ``op`` (``"avg"``/``"sum"``); every rank gets the
@@ -129,8 +136,11 @@ class Geometry(Protocol):
     def split(self, buf: torch.Tensor, pieces: Any) -> list[torch.Tensor]:
         """Every leaf's piece of a chunk ``buf``."""
 
-    def join(self, values: list[torch.Tensor], pieces: Any) -> torch.Tensor:
-        """The inverse of :meth:`split`: a new chunk (zero tail) holding ``values``."""
+    def join(
+        self, values: list[torch.Tensor], pieces: Any, dtype: torch.dtype, device: Any
+    ) -> torch.Tensor:
+        """The inverse of :meth:`split`: a new chunk (zero tail) holding ``values``, of
+        ``dtype`` on ``device`` (the bucket's: ``values`` may be empty)."""
 
     def chunk_length(self, total: int, size: int, axis: str) -> Coord:
         """This rank's ``torch.chunk`` length: chunks of ``size`` along ``axis`` of ``total``."""
@@ -149,9 +159,16 @@ class Diagnostics(Protocol):
     def describe(self, op: str, axis: str, reduce: str | None) -> str:
         """How ``op`` runs on ``axis`` (``"native"``, ``"sum+div"``, ``"einops"``, ...)."""
 
+    def start_exchange(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Issue the exchange of ``t`` (a CPU row ``(*batch, L)``) over every axis of the mesh
+        and return at once; calling the result waits for it and gives every rank's row,
+        ``(*batch, G, L)`` in row-major mesh order. Host data only: never a device tensor,
+        so the host never waits for the device. Not logged."""
+
     def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         """Every group member's row ``t`` ``(*batch, L)`` over ``axes``, as
-        ``(*batch, G, L)`` in row-major order of the group's coordinates. Not logged."""
+        ``(*batch, G, L)`` in row-major order of the group's coordinates (waited). Not
+        logged."""
 
     def members(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
         """For each local group over ``axes``, its members' names, in exchange order."""

@@ -8,9 +8,12 @@ alias across ranks: each rank's value is its own memory, as on a real mesh.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import einops
+import numpy as np
 import torch
 
 from .protocol import Flight, MeshAxes
@@ -47,7 +50,7 @@ class SimMesh(MeshAxes):
         self.sizes = tuple(shape.values())
         self.batch_shape = self.sizes
         self._names = [f"m{k}" for k in range(len(self.sizes))]
-        self._coords: dict[str, torch.Tensor] = {}
+        self._coords = {a: _coordinates(self.sizes, d) for d, a in enumerate(self.axis_names)}
         self.geometry = SimGeometry(self)
         self.diagnostics = SimDiagnostics(self)
 
@@ -57,14 +60,10 @@ class SimMesh(MeshAxes):
     def _pattern(self, dim: int, repl: str) -> str:
         return " ".join(repl if k == dim else n for k, n in enumerate(self._names))
 
-    def coordinate(self, axis: str) -> torch.Tensor:
-        """Every rank's index along ``axis``, as an int64 tensor of the mesh shape."""
-        if axis not in self._coords:
-            d = self._dim(axis)
-            view = [1] * self.ndim
-            view[d] = self.sizes[d]
-            self._coords[axis] = torch.arange(self.sizes[d]).reshape(view).expand(self.sizes)
-        return self._coords[axis]
+    def coordinate(self, axis: str) -> np.ndarray:
+        """Every rank's index along ``axis``: an int64 numpy array of the mesh shape (host
+        data: layout arithmetic never touches a device, or a tensor)."""
+        return self._coords[self.axis_names[self._dim(axis)]]
 
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         """Every rank gets the reduction over its group along ``axis``."""
@@ -100,12 +99,33 @@ class SimMesh(MeshAxes):
         """Nothing is ever in flight on a SimMesh."""
 
 
+def _coordinates(sizes: tuple[int, ...], d: int) -> np.ndarray:
+    view = [1] * len(sizes)
+    view[d] = sizes[d]
+    return np.broadcast_to(np.arange(sizes[d], dtype=np.int64).reshape(view), sizes)
+
+
+class _OnDevice:
+    """Host integers (a numpy array) and their tensor on each device they were used on,
+    copied there once (a plan's geometry is built once and used on every call)."""
+
+    def __init__(self, values: np.ndarray):
+        self.values = values
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        t = self._on.get(device)
+        if t is None:
+            t = self._on[device] = torch.from_numpy(np.ascontiguousarray(self.values)).to(device)
+        return t
+
+
 @dataclass(frozen=True)
 class _Pieces:
     """Ragged pieces of a chunk, for every rank at once."""
 
-    index: torch.Tensor  # (*batch, total) positions in the chunk; `length` marks fill
-    valid: torch.Tensor  # (*batch, total) bool
+    index: _OnDevice  # (*batch, total) positions in the chunk; `length` marks fill
+    valid: _OnDevice  # (*batch, total) bool
     widths: tuple[int, ...]  # each piece's stacked width (the longest rank's length)
     length: int
     # No rank has fill (every piece is as wide on every rank, as when the chunk is the whole
@@ -115,79 +135,88 @@ class _Pieces:
 
 
 class SimGeometry:
-    """Geometry on a SimMesh: coordinates are tensors of the mesh shape; pieces are stacked
-    and zero-filled to the longest rank's length, so they are gathered copies, except where
-    no rank needs fill (``_Pieces.views``, the plan's per-bucket answer): then they are views
-    of each rank's own row of the chunk, so results still never alias across ranks."""
+    """Geometry on a SimMesh: coordinates are numpy arrays of the mesh shape; pieces are
+    stacked and zero-filled to the longest rank's length, so they are gathered copies, except
+    where no rank needs fill (``_Pieces.views``, the plan's per-bucket answer): then they are
+    views of each rank's own row of the chunk, so results still never alias across ranks.
+
+    Layout arithmetic runs on the host (numpy) when a plan is built; the index tensors a call
+    uses are made once per device, on the device of the buffers they index.
+    """
 
     views = False  # in general; a plan reads each bucket's answer from its pieces
 
     def __init__(self, mesh: SimMesh):
         self._mesh = mesh
+        self._chunk_index = {a: _OnDevice(c[..., None, None]) for a, c in mesh._coords.items()}
 
     def chunk(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
         mesh = self._mesh
         d, all_ = mesh._dim(axis), " ".join(mesh._names)
         split = einops.rearrange(buf, f"{all_} (n c) -> {all_} n c", n=mesh.sizes[d])
-        index = mesh.coordinate(axis)[..., None, None]
+        index = self._chunk_index[mesh.axis_names[d]].on(buf.device)
         return torch.take_along_dim(split, index, dim=mesh.ndim).squeeze(mesh.ndim)
 
-    def pieces(self, start: torch.Tensor, ranges: list[tuple[int, int]], length: int) -> _Pieces:
+    def pieces(self, start: np.ndarray, ranges: list[tuple[int, int]], length: int) -> _Pieces:
         batch = self._mesh.batch_shape
-        start = torch.as_tensor(start).broadcast_to(batch)[..., None]
-        offsets = torch.tensor([o for o, _ in ranges], dtype=torch.int64)
-        ends = offsets + torch.tensor([n for _, n in ranges], dtype=torch.int64)
-        lo = (offsets - start).clamp(0, length)  # (*batch, K)
-        hi = torch.maximum((ends - start).clamp(0, length), lo)
-        widths = (hi - lo).reshape(-1, len(ranges)).amax(0) if ranges else torch.zeros(0)
-        owner = torch.repeat_interleave(torch.arange(len(ranges)), widths)
-        first = torch.cumsum(widths, 0) - widths
-        within = torch.arange(int(widths.sum())) - first[owner]
+        start = np.broadcast_to(np.asarray(start, dtype=np.int64), batch)[..., None]
+        offsets = np.array([o for o, _ in ranges], dtype=np.int64)
+        ends = offsets + np.array([n for _, n in ranges], dtype=np.int64)
+        lo = np.clip(offsets - start, 0, length)  # (*batch, K)
+        hi = np.maximum(np.clip(ends - start, 0, length), lo)
+        widths = (hi - lo).reshape(-1, len(ranges)).max(0) if ranges else np.zeros(0, np.int64)
+        owner = np.repeat(np.arange(len(ranges)), widths)
+        first = np.cumsum(widths) - widths
+        within = np.arange(int(widths.sum())) - first[owner]
         index = lo[..., owner] + within
         valid = index < hi[..., owner]
-        index = torch.where(valid, index, length)
-        return _Pieces(index, valid, tuple(widths.tolist()), length, bool(valid.all()))
+        index = np.where(valid, index, length)
+        views = bool(valid.all())
+        return _Pieces(_OnDevice(index), _OnDevice(valid), tuple(widths.tolist()), length, views)
 
     def piece_shapes(self, pieces: _Pieces) -> list[tuple[int, ...]]:
         return [(*self._mesh.batch_shape, w) for w in pieces.widths]
 
     def split(self, buf: torch.Tensor, pieces: _Pieces) -> list[torch.Tensor]:
         if pieces.views:  # no fill anywhere: each rank's pieces tile its row from 0
-            total = pieces.index.shape[-1]
+            total = sum(pieces.widths)
             if total != buf.shape[-1]:
                 buf = buf.narrow(-1, 0, total)
             return list(buf.split_with_sizes(pieces.widths, -1))
         # one gather for the whole chunk: index `length` (a rank's fill) reads the zero pad
-        gathered = torch.take_along_dim(torch.nn.functional.pad(buf, (0, 1)), pieces.index, -1)
+        index = pieces.index.on(buf.device)
+        gathered = torch.take_along_dim(torch.nn.functional.pad(buf, (0, 1)), index, -1)
         return list(torch.split(gathered, pieces.widths, dim=-1))
 
-    def join(self, values: list[torch.Tensor], pieces: _Pieces) -> torch.Tensor:
+    def join(
+        self, values: list[torch.Tensor], pieces: _Pieces, dtype: torch.dtype, device: Any
+    ) -> torch.Tensor:
         batch = self._mesh.batch_shape
-        dtype = values[0].dtype if values else torch.float32
-        device = values[0].device if values else None
         if pieces.views:  # no fill to drop: concatenate, and zero the chunk's tail
-            tail = pieces.length - pieces.index.shape[-1]
+            tail = pieces.length - sum(pieces.widths)
             if tail or not values:
                 values = [*values, torch.zeros((*batch, tail), dtype=dtype, device=device)]
             return torch.cat(values, dim=-1)
         out = torch.zeros((*batch, pieces.length + 1), dtype=dtype, device=device)
         if values:
-            source = torch.where(pieces.valid, torch.cat(values, dim=-1), 0)
-            out.scatter_(-1, pieces.index, source)  # fill lands on the dropped last column
+            index = pieces.index.on(out.device)
+            valid = pieces.valid.on(out.device)
+            source = torch.where(valid, torch.cat(values, dim=-1), 0).to(dtype)
+            out.scatter_(-1, index, source)  # fill lands on the dropped last column
         return out[..., : pieces.length]
 
-    def chunk_length(self, total: int, size: int, axis: str) -> torch.Tensor:
-        return (total - self._mesh.coordinate(axis) * size).clamp(0, size)
+    def chunk_length(self, total: int, size: int, axis: str) -> _OnDevice:
+        return _OnDevice(np.clip(total - self._mesh.coordinate(axis) * size, 0, size))
 
-    def narrow(self, x: torch.Tensor, dim: int, length: torch.Tensor) -> torch.Tensor:
+    def narrow(self, x: torch.Tensor, dim: int, length: _OnDevice) -> torch.Tensor:
         batch = self._mesh.batch_shape
         view = [1] * x.dim()
         view[dim] = x.shape[dim]
         index = torch.arange(x.shape[dim], device=x.device).view(view)
-        lengths = length.reshape(*batch, *[1] * (x.dim() - len(batch)))
-        return torch.where(index < lengths.to(x.device), x, 0)
+        lengths = length.on(x.device).reshape(*batch, *[1] * (x.dim() - len(batch)))
+        return torch.where(index < lengths, x, 0)
 
-    def narrow_shape(self, shape: tuple[int, ...], dim: int, length: torch.Tensor) -> tuple:
+    def narrow_shape(self, shape: tuple[int, ...], dim: int, length: _OnDevice) -> tuple:
         return (*self._mesh.batch_shape, *shape)
 
 
@@ -200,6 +229,10 @@ class SimDiagnostics:
 
     def describe(self, op: str, axis: str, reduce: str | None) -> str:
         return "einops"
+
+    def start_exchange(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        out = self.exchange(t, self._mesh.axis_names)  # in one process: done at once
+        return lambda: out
 
     def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         # plain permute/reshape/expand (einops parses its patterns on every call, and this
