@@ -191,7 +191,7 @@ _FLATTEN = getattr(getattr(torch._C, "_nn", None), "flatten_dense_tensors", None
 
 def unpack_full(bucket: Bucket, buf: torch.Tensor, batch: tuple[int, ...]) -> list[torch.Tensor]:
     """Views of each leaf, full shape, in a packed ``(*batch, padded)`` buffer."""
-    pieces = torch.split(buf[..., : bucket.numel], bucket.sizes, dim=-1)
+    pieces = torch.split(buf.narrow(-1, 0, bucket.numel), bucket.sizes, dim=-1)
     if bucket.flat_shapes:  # every leaf is 1-D: the pieces are the leaves
         return list(pieces)
     # Splitting the contiguous last dim into the leaf's dims is always a view.
@@ -250,7 +250,7 @@ def unpack_shard_full(
         sizes = {f"a{k}": s.shape[k] for k in range(s.dim)}
         sizes.update({f"b{k}": s.shape[s.dim + 1 + k] for k in range(len(s.shape) - s.dim - 1)})
         x = einops.rearrange(
-            blocks[..., s.offset : s.offset + s.chunk_numel],
+            blocks.narrow(-1, s.offset, s.chunk_numel),
             f"{names} n ({pre} c {post}) -> {names} {pre} (n c) {post}",
             c=s.size,
             **sizes,

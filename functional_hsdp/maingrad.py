@@ -273,7 +273,10 @@ class MainGrad:
         self._uses[key] -= 1
         if not self._uses[key]:
             del self._uses[key]
-            self._issue_deferred(buckets)
+            # In a backward under torch.func: the buffers are plain tensors of the library's,
+            # reduced and written as such, not as values of the transform being run
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                self._issue_deferred(buckets)
 
     @torch.compiler.disable
     def finish(self) -> None:
@@ -413,13 +416,14 @@ class MainGrad:
         if bucket.shard is not None:  # rank-major: each leaf's chunks go to every block
             return pack_shard_full(bucket, leaves, batch).to(self.reduce_dtype)
         scratch = self._scratch[(bucket.device, b % DEPTH)]
-        out = scratch[: math.prod(batch) * bucket.padded].view(*batch, bucket.padded)
+        out = scratch.narrow(0, 0, math.prod(batch) * bucket.padded).view(*batch, bucket.padded)
         if not batch:  # one C++ call copies (and casts) every leaf
-            torch.cat([x.reshape(-1) for x in bucket.take(leaves)], out=out[: bucket.numel])
+            parts = [x.reshape(-1) for x in bucket.take(leaves)]
+            torch.cat(parts, out=out.narrow(0, 0, bucket.numel))
         else:
             for s, x in zip(bucket.slots, bucket.take(leaves)):
-                out[..., s.offset : s.offset + s.numel].copy_(x.reshape(*batch, -1))
-        out[..., bucket.numel :].zero_()
+                out.narrow(-1, s.offset, s.numel).copy_(x.reshape(*batch, -1))
+        out.narrow(-1, bucket.numel, bucket.padded - bucket.numel).zero_()
         return out
 
     def _zero_fresh(self) -> None:
@@ -441,7 +445,7 @@ class MainGrad:
         """Bucket ``b``'s deferred reduction finished with ``result``: into its buffer."""
         buf = self._buffers[b]
         if result.data_ptr() != buf.data_ptr():  # else the result is in place already
-            buf[..., : result.shape[-1]].copy_(result)
+            buf.narrow(-1, 0, result.shape[-1]).copy_(result)
 
     def _issue_deferred(self, buckets: list[int]) -> None:
         """Issue the deferred reduction of ``buckets`` now (their gradient of the step is
@@ -514,7 +518,7 @@ def _accumulate(buf: torch.Tensor, chunk: torch.Tensor, overwrite: bool) -> None
     """``buf[..., :n] += chunk`` (or ``=`` when ``overwrite``), n the chunk's length. A custom op
     declaring its mutation: inside a backward under ``torch.func.grad`` an ``add_`` into a
     tensor made outside the transform is refused ("mutating a captured Tensor")."""
-    part = buf[..., : chunk.shape[-1]]
+    part = buf.narrow(-1, 0, chunk.shape[-1])
     if overwrite:
         part.copy_(chunk)
     else:

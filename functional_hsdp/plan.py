@@ -271,9 +271,7 @@ class Plan:
             else:
                 nb = len(batch)
                 for s, length in zip(bucket.slots, placed.geometry):
-                    chunk = buf[..., s.offset : s.offset + s.chunk_numel].view(
-                        *batch, *s.chunk_shape
-                    )
+                    chunk = buf.narrow(-1, s.offset, s.chunk_numel).view(*batch, *s.chunk_shape)
                     values.append(geometry.narrow(chunk, nb + s.dim, length))
         for s in self.empty:
             shape = self.local_shapes[role][s.index]

@@ -269,7 +269,7 @@ class DistMesh(MeshAxes):
             buf = buf.div_(x.divide)
         if x.chunk:
             n = self.size(x.axis)
-            return buf.view(n, buf.shape[-1] // n)[self.coordinate(x.axis)]
+            return buf.view(n, buf.shape[-1] // n).select(0, self.coordinate(x.axis))
         return buf
 
     def abandon(self, x: torch.Tensor | Flight) -> None:
@@ -335,7 +335,7 @@ class RankGeometry:
     def chunk(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
         # A copy, so that a rank's shards do not keep the whole buffer alive.
         n = self._mesh.size(axis)
-        return buf.view(n, buf.shape[-1] // n)[self._mesh.coordinate(axis)].clone()
+        return buf.view(n, buf.shape[-1] // n).select(0, self._mesh.coordinate(axis)).clone()
 
     def pieces(self, start: int, ranges: list[tuple[int, int]], length: int) -> tuple[int, ...]:
         # Consecutive leaves' pieces tile the chunk from 0 (pieces outside it are empty).

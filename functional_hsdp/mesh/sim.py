@@ -203,7 +203,7 @@ class SimGeometry:
             valid = pieces.valid.on(out.device)
             source = torch.where(valid, torch.cat(values, dim=-1), 0).to(dtype)
             out.scatter_(-1, index, source)  # fill lands on the dropped last column
-        return out[..., : pieces.length]
+        return out.narrow(-1, 0, pieces.length)
 
     def chunk_length(self, total: int, size: int, axis: str) -> _OnDevice:
         return _OnDevice(np.clip(total - self._mesh.coordinate(axis) * size, 0, size))

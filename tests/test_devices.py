@@ -1,0 +1,204 @@
+"""Every tensor the library makes takes its device from its inputs, and a healthy call reads no
+device data on the host: the hot paths run on tensors of a device that is not the CPU.
+
+How, on a CPU-only machine: ``torch._subclasses.FakeTensorMode`` makes tensors that carry a
+device and a shape but no data. Inside it every op checks devices exactly as on real
+hardware (a CPU tensor mixed with a device tensor raises), and any read of data on the host
+(``.item()``, ``bool(t)``, ``.tolist()``: what a host-device synchronization is made of)
+raises ``DataDependentOutputException``. So a call that passes here makes every tensor on its
+inputs' device and never waits for the device's data.
+
+The device is ``"lazy"``, not ``"cuda"``: on torch's CPU wheel, fake ``"cuda"`` tensors fail
+inside torch's own Python bindings of ``copy_``, indexing and ``.to(device)`` (they enter a
+CUDA device guard, which the CPU build lacks), whatever the library does; ``"lazy"`` has a
+guard and is otherwise an ordinary non-CPU device here. Where CUDA is present, the same tests
+also run on real ``"cuda"`` tensors (values included).
+
+What this cannot cover: the cross-rank agreement on a SimMesh (its rows are compared in
+process, so it runs with ``validation("off")`` here; on a DistMesh its rows are CPU data by
+construction, tested in ``test_field_gloo.py``), collectives on a real device (a one-rank
+DistMesh issues none), streams, and the speed of anything (``python -m bench gpu``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import optree
+import pytest
+import torch
+from reference import STRATEGIES, preset
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import functional_hsdp as fh
+
+SHAPES = {"w": (8, 5), "b": (7,), "n": {"v": (3, 2)}}
+
+
+def _cases():
+    yield pytest.param("fake", id="fake-lazy")
+    if torch.cuda.is_available():
+        yield pytest.param("cuda", id="cuda")
+
+
+@pytest.fixture(params=list(_cases()))
+def on_device(request):
+    """``(device, context)``: tensors made inside ``context`` on ``device`` are what the
+    library gets; ``context`` is a FakeTensorMode (no data) or nothing (real CUDA)."""
+    fh.clear_caches()  # no plan built under fake tensors outlives the test
+    with warnings.catch_warnings():
+        # the library's checks that a buffer is untouched read data_ptr: fake tensors warn
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        if request.param == "fake":
+            with FakeTensorMode(), fh.validation("off"):
+                yield torch.device("lazy")
+        else:
+            yield torch.device("cuda")
+    fh.clear_caches()
+
+
+def _tree(batch, device, dtype=torch.float32):
+    return optree.tree_map(
+        lambda s: torch.randn(*batch, *s, device=device, dtype=dtype),
+        SHAPES,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def _on(tree, device) -> bool:
+    return all(x.device.type == device.type for x in optree.tree_leaves(tree))
+
+
+def _sim():
+    return fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_whole_tree_loop_stays_on_the_device(on_device, strategy):
+    device, spec = on_device, preset(strategy, _sim())
+    batch = spec.mesh.batch_shape
+    params = fh.shard(_tree((), device), spec)
+    full = fh.gather(fh.sync_params(params, spec), spec)
+    acc = None
+    for m in range(3):
+        acc = fh.reduce_grads(_tree(batch, device), spec, last=m == 2, acc=acc)
+    grads, _ = fh.clip_by_global_norm(acc, spec, max_norm=1.0)
+    opt = fh.adamw(lr=1e-3)
+    updates, _ = opt.update(grads, opt.init(params), params)
+    params = fh.apply_updates(params, updates)
+    assert _on(params, device) and _on(full, device) and _on(grads, device)
+    assert [x.shape for x in optree.tree_leaves(full)] == [
+        (*batch, *x.shape) for x in optree.tree_leaves(_tree((), device))
+    ]
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+@pytest.mark.parametrize("at", ["input", "gradient"])
+def test_maingrad_stays_on_the_device(on_device, strategy, at):
+    device, spec = on_device, preset(strategy, _sim())
+    batch = spec.mesh.batch_shape
+    like = _tree((), device)
+    mg = fh.MainGrad(spec, like=like, reduce_dtype=torch.bfloat16)
+    for _ in range(2):
+        for m, last in fh.microbatches(2):
+            g = _tree(batch, device, torch.bfloat16)
+            if at == "gradient":
+                g = fh.reduce_grads(g, spec, last=False)  # local shards at the gradient role
+            mg.accumulate(g, last=last, at=at)
+        assert _on(mg.grads, device) and all(b.device.type == device.type for b in mg.buffers)
+        mg.zero_grad(set_to_none=m % 2 == 0)
+
+
+def test_per_axis_collectives_and_shard_dim_specs_stay_on_the_device(on_device):
+    device, mesh = on_device, _sim()
+    g = _tree(mesh.batch_shape, device)
+    pieces = fh.psum_scatter(g, "dp_inner", mesh)
+    out = [fh.psum(g, "dp_outer", mesh), fh.pmean(g, "dp_inner", mesh), pieces]
+    out.append(fh.all_gather(pieces, "dp_inner", mesh))
+    spec = fh.Spec(mesh, [fh.Replicate(), fh.Shard(0)], [fh.Partial(), fh.Shard(0)],
+                   [fh.Replicate(), fh.Shard(0)])  # fmt: skip
+    out.append(fh.gather(fh.reduce_grads(g, spec, last=True), spec))
+    assert all(_on(t, device) for t in out)
+
+
+def _layerwise_step(mesh, spec, device, into, deferred: bool):
+    """Two steps of a two-block model with gathered units (pure, or into a MainGrad)."""
+    tree_spec = [spec, spec]
+    full = [{"w": torch.randn(4, 4, device=device)} for _ in range(2)]
+    shards = fh.shard(full, tree_spec)
+    mg = fh.MainGrad(tree_spec, like=full) if into else None
+    blk = fh.gathered(fh.per_rank(lambda p, x: torch.tanh(x @ p["w"]), mesh), spec, into=mg)
+    x = torch.randn(*mesh.batch_shape, 3, 4, device=device)
+    loss = lambda s: fh.sequence(blk, s, x).square().sum()  # noqa: E731
+    for _ in range(2):
+        acc = None
+        for _m, last in fh.microbatches(2, into=mg if deferred else None):
+            g = torch.func.grad(loss)(shards)
+            if mg is None:
+                acc = fh.reduce_grads(g, tree_spec, last=last, acc=acc, at="gradient")
+        if mg is not None:
+            mg.finish()
+            acc = mg.grads
+        assert _on(acc, device)
+        for p, d in zip(optree.tree_leaves(shards), optree.tree_leaves(acc)):
+            p.sub_(0.1 * d)
+        if mg is not None:
+            mg.zero_grad()
+    return shards
+
+
+@pytest.mark.parametrize(
+    "into, deferred",
+    [(False, False), (True, False), (True, True)],
+    ids=["pure", "into", "deferred"],
+)
+def test_gathered_units_stay_on_the_device(on_device, into, deferred):
+    """Layer-wise units under torch.func.grad: forward all-gathers, backward reduce-scatters
+    and (into=) the MainGrad's adds and zero gradients, all on the inputs' device."""
+    mesh = _sim()
+    shards = _layerwise_step(mesh, preset("hsdp", mesh), on_device, into, deferred)
+    assert _on(shards, on_device)
+
+
+def test_device_tensors_mixed_with_cpu_ones_are_caught_here():
+    """The check is real: a CPU tensor meeting a device one raises, and so does reading
+    device data on the host."""
+    with FakeTensorMode():
+        x = torch.ones(2, 3, device="lazy")
+        with pytest.raises(RuntimeError):
+            x + torch.ones(2, 3)
+        with pytest.raises(Exception, match="aten._local_scalar_dense"):
+            bool(x.sum() > 0)
+
+
+def _one_rank(task, *args):
+    return fh.launch.run(task, *args, world_size=1, timeout=60.0)
+
+
+def _one_rank_device_task():
+    """On a one-rank DistMesh (no collective, no exchange: what ``bench gpu`` runs on NCCL):
+    every library path on device tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_outer", "dp_inner"))
+    mesh = fh.DistMesh(dm)
+    device = torch.device("lazy")
+    out = []
+    with FakeTensorMode(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        for strategy in STRATEGIES:
+            spec = preset(strategy, mesh)
+            params = fh.shard(_tree((), device), spec)
+            acc = None
+            for m in range(2):
+                acc = fh.reduce_grads(_tree((), device), spec, last=m == 1, acc=acc)
+            out.append(_on(fh.gather(params, spec), device) and _on(acc, device))
+        for into, deferred in [(False, False), (True, False), (True, True)]:
+            shards = _layerwise_step(mesh, preset("hsdp", mesh), device, into, deferred)
+            out.append(_on(shards, device))
+    return out
+
+
+def test_one_rank_distmesh_paths_stay_on_the_device():
+    (results,) = _one_rank(_one_rank_device_task)
+    assert results == [True] * 7
