@@ -99,14 +99,14 @@ def test_maingrad_stays_on_the_device(on_device, strategy, at):
     batch = spec.mesh.batch_shape
     like = _tree((), device)
     mg = fh.MainGrad(spec, like=like, reduce_dtype=torch.bfloat16)
-    for _ in range(2):
-        for m, last in fh.microbatches(2):
+    for step in range(2):
+        for _, last in fh.microbatches(2):
             g = _tree(batch, device, torch.bfloat16)
             if at == "gradient":
                 g = fh.reduce_grads(g, spec, last=False)  # local shards at the gradient role
             mg.accumulate(g, last=last, at=at)
         assert _on(mg.grads, device) and all(b.device.type == device.type for b in mg.buffers)
-        mg.zero_grad(set_to_none=m % 2 == 0)
+        mg.zero_grad(set_to_none=step == 0)  # both of torch.optim's modes
 
 
 def test_per_axis_collectives_and_shard_dim_specs_stay_on_the_device(on_device):
