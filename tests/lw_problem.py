@@ -120,8 +120,12 @@ def train(
     """Train layer-wise; returns (full params gathered at the end, comm_log events).
 
     ``mode``: ``"pure"`` (``reduce_grads(..., at="gradient")`` returning new trees),
-    ``"maingrad"`` (``MainGrad.accumulate(..., at="gradient")``) or ``"sink"``
-    (``gathered(..., into=mg)``, in-place updates)."""
+    ``"maingrad"`` (``MainGrad.accumulate(..., at="gradient")``), ``"sink"``
+    (``gathered(..., into=mg)``, in-place updates; ``finish()`` issues the deferred
+    reductions) or ``"deferred"`` (as ``"sink"``, the microbatches declared to the MainGrad:
+    the last backward issues each unit's deferred reduction)."""
+    deferred = mode == "deferred"
+    mode = "sink" if deferred else mode
     mesh = spec.mesh
     tree_spec = {"embed": spec, "blocks": [spec] * layers}
     full = init(layers)
@@ -150,8 +154,10 @@ def train(
             if mode == "sink" and spec.optimizer == spec.parameter:
                 shards = main  # updated in place below: the shards fh.shard made
             acc = None
-            for m, (ids, targets) in enumerate(mesh_batches(mesh, microbatches, step)):
-                last = m == microbatches - 1
+            declared = mg if deferred else None
+            for (ids, targets), last in fh.microbatches(
+                mesh_batches(mesh, microbatches, step), into=declared
+            ):
                 g = grad(loss_fn)(shards, ids, targets)
                 if mode == "pure":
                     g = optree.tree_map(lambda t: t / microbatches, g)

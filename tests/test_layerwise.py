@@ -26,7 +26,7 @@ def _mesh() -> fh.SimMesh:
     return fh.SimMesh(dict(zip(AXES, (2, 2))))
 
 
-@pytest.mark.parametrize("mode", ["pure", "maingrad", "sink"])
+@pytest.mark.parametrize("mode", ["pure", "maingrad", "sink", "deferred"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_three_steps_match_dense_sgd(strategy, mode, dense):
     mesh = _mesh()
@@ -34,14 +34,14 @@ def test_three_steps_match_dense_sgd(strategy, mode, dense):
     assert max_rel_error(got, dense[3], mesh.batch_shape) <= 1e-5
 
 
-@pytest.mark.parametrize("mode", ["pure", "maingrad", "sink"])
+@pytest.mark.parametrize("mode", ["pure", "maingrad", "sink", "deferred"])
 def test_one_microbatch_matches_dense_sgd(mode, dense):
     mesh = _mesh()
     got, _ = train(preset("hsdp", mesh), STEPS, 1, mode)
     assert max_rel_error(got, dense[1], mesh.batch_shape) <= 1e-5
 
 
-@pytest.mark.parametrize("mode", ["maingrad", "sink"])
+@pytest.mark.parametrize("mode", ["maingrad", "sink", "deferred"])
 def test_zero_grad_without_set_to_none_gives_the_same_training(mode, dense):
     mesh = _mesh()
     got, _ = train(preset("hsdp", mesh), STEPS, 3, mode, set_to_none=False)
@@ -72,6 +72,50 @@ def test_collectives_per_step_are_fsdp2s(reshard):
     }
     outer = [i for i, e in enumerate(events) if e.axis == "dp_outer"]
     assert outer == list(range(len(events) - units, len(events)))  # after the last backward
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+def test_declared_last_microbatch_issues_each_units_deferred_reduction_in_its_backward(strategy):
+    """With the microbatches declared to the MainGrad, the last backward issues each unit's
+    dp_outer reduction as soon as that unit's gradient is complete, while the backward of the
+    units before it still runs; finish() issues nothing. The same collectives, the same
+    bits."""
+    mesh, layers, m = _mesh(), 2, 3
+    spec = preset(strategy, mesh)
+    got, events = train(spec, 2, m, "deferred")
+    want, ref_events = train(spec, 2, m, "sink")
+    assert all(map(torch.equal, optree.tree_leaves(got), optree.tree_leaves(want)))
+    assert sorted(map(str, events)) == sorted(map(str, ref_events))
+    step = events[len(events) // 2 :]  # the second step
+    outer = [i for i, e in enumerate(step) if e.axis == "dp_outer" and e.op != "all_gather"]
+    inner_rs = [i for i, e in enumerate(step) if e.op == "reduce_scatter" and e.axis == "dp_inner"]
+    units = layers + 1
+    assert len(outer) == units
+    # the backward of the last microbatch: head (embed unit), block 1, block 0, embedding;
+    # block 1's and block 0's reductions start before the embedding's reduce-scatter
+    assert outer[0] < inner_rs[-1] and outer[1] < inner_rs[-1]
+    # the tied embedding unit is reduced once, after both of its gradients arrived
+    assert outer[-1] > inner_rs[-1]
+
+
+def test_a_gradient_after_its_units_deferred_reduction_is_refused():
+    mesh = _mesh()
+    spec = preset("hsdp", mesh)
+    full, shards, _, x = _unit_problem(spec)
+    mg = fh.MainGrad(spec, like=full)
+    blk = fh.gathered(fh.per_rank(lambda p, x: x @ p["w"] + p["b"], mesh), spec, into=mg)
+    f = lambda s: blk(s, x).square().sum()  # noqa: E731
+    mg.begin_microbatch(last=True)
+    grad(f)(shards)  # the unit's reduction over dp_outer starts in this backward
+    with pytest.raises(ValueError, match="reduced over the deferred axes already"):
+        grad(f)(shards)
+    mg.finish()
+    with pytest.raises(ValueError, match="call zero_grad"):
+        mg.begin_microbatch(last=False)
+    with pytest.raises(TypeError, match="last must be a bool"):
+        fh.MainGrad(spec, like=full).begin_microbatch(last=1)
+    with pytest.raises(TypeError, match="into must be a MainGrad"):
+        list(fh.microbatches(2, into=object()))
 
 
 def test_keeping_gathered_weights_gives_the_same_training(dense):
