@@ -51,12 +51,14 @@ def _step(backward_thread: bool, into: bool):
         leaves = [optree.tree_map(lambda t: t.requires_grad_(), s) for s in shards]
     with fh.comm_log() as log:
         loss = fh.sequence(block, leaves, x).square().sum()
+        roots = [loss]
+        del loss
         if backward_thread:
             errors: list = []
 
             def run():
                 try:
-                    loss.backward()
+                    roots.pop().backward()
                 except BaseException as e:  # noqa: BLE001 - reported below
                     errors.append(e)
 
@@ -65,10 +67,9 @@ def _step(backward_thread: bool, into: bool):
             t.join(60)
             assert not errors, errors
         else:
-            loss.backward()
+            roots.pop().backward()
         if into:
             mg.finish()
-    del loss
     grads = mg.grads if into else [optree.tree_map(lambda t: t.grad, s) for s in leaves]
     gc.collect()
     held = [r for r in seen if r() is not None]
