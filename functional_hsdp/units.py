@@ -70,6 +70,7 @@ class _Chain:
     # comes next (FSDP2 does not reshard its root either); the next unit's forward drops them
     kept: tuple | None = None
     ahead: list = field(default_factory=list)  # calls with an all-gather issued ahead
+    reducing: list = field(default_factory=list)  # calls whose reduce-scatter was issued
     closing: bool = False  # an end-of-backward callback is queued
     closed: bool = False  # a backward ended: the next forward starts a new chain
 
@@ -226,19 +227,33 @@ class _Unit(torch.autograd.Function):
         call.full = None
         args = ctx.saved_tensors
         floats = [x for x, d in zip(args, call.diff) if d]
+        # the shards' gradient is wanted (a grad with respect to the inputs only is not)
+        wanted = any(ctx.needs_input_grad[1 : 1 + call.k])
 
         def f(weights: list, *floating: torch.Tensor) -> tuple[torch.Tensor, ...]:
             it = iter(floating)
             return _run(call, weights, [next(it) if d else x for x, d in zip(args, call.diff)])
 
-        _, vjp = torch.func.vjp(f, full, *floats)
-        weight_grads, *float_grads = vjp(tuple(grads))
+        if wanted:
+            _, vjp = torch.func.vjp(f, full, *floats)
+            weight_grads, *float_grads = vjp(tuple(grads))
+        else:
+            _, vjp = torch.func.vjp(lambda *floating: f(full, *floating), *floats)
+            float_grads = list(vjp(tuple(grads)))
         del full, vjp
         it = iter(float_grads)
         arg_grads = [next(it) if d else None for d in call.diff]
+        if not wanted:
+            return (
+                None,
+                *(None for _ in call.pieces),
+                *arg_grads,
+                *(None for _ in range(ctx.n_extra)),
+            )
         plan = call.plan
         pack = lambda b: plan.pack(b, weight_grads, "input")  # noqa: E731
         call.pending = engine.start(plan, pack, [("input", "gradient")])
+        chain.reducing.append(weakref.ref(call))  # released at the end if never waited
         # the shards' gradient is handed on by the wait node, once the reduce-scatter is done
         dummies = [
             torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape) for p in call.pieces
@@ -290,6 +305,13 @@ def _end_of_backward_callback(chain: _Chain) -> None:
             call = ref()
             if call is not None:
                 _release_ahead(call)
+        # a reduce-scatter whose wait node did not run (autograd.grad asked for other inputs)
+        reducing, chain.reducing = chain.reducing, []
+        for ref in reducing:
+            call = ref()
+            if call is not None and call.pending is not None:
+                pending, call.pending = call.pending, None
+                engine.release(call.plan, pending)
 
     torch.autograd.Variable._execution_engine.queue_callback(done)
 

@@ -155,3 +155,19 @@ def test_a_call_that_fails_while_packing_still_takes_part_in_its_exchange(monkey
     with pytest.raises(MemoryError):
         fh.reduce_grads({"w": torch.ones(2, 2, 5)}, spec, last=True)
     assert waited == [True]
+
+
+def test_a_gradient_for_the_inputs_only_reduces_nothing():
+    """Shards that need no gradient (frozen weights, a gradient for the inputs alone): the
+    unit's backward computes the inputs' gradient, the same as with the weights', and issues
+    no reduce-scatter."""
+    shards, block, x, _, _ = _model(into=False)
+    x = x.clone().requires_grad_()
+    trainable = [optree.tree_map(lambda t: t.clone().requires_grad_(), s) for s in shards]
+    frozen = [optree.tree_map(torch.clone, s) for s in shards]
+    want = torch.autograd.grad(fh.sequence(block, trainable, x).square().sum(), [x])[0]
+    with fh.comm_log() as log:
+        got = torch.autograd.grad(fh.sequence(block, frozen, x).square().sum(), [x])[0]
+    torch.testing.assert_close(got, want)
+    ops = [e.op for e in log.events]
+    assert "all_gather" in ops and "reduce_scatter" not in ops, ops
