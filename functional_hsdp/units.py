@@ -35,6 +35,7 @@ rule), and differentiating twice (``grad`` of ``grad``): the backward is not dif
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -238,7 +239,7 @@ class _Unit(torch.autograd.Function):
             _, vjp = torch.func.vjp(f, full, *floats)
             weight_grads, *float_grads = vjp(tuple(grads))
         else:
-            _, vjp = torch.func.vjp(lambda *floating: f(full, *floating), *floats)
+            _, vjp = torch.func.vjp(functools.partial(f, full), *floats)
             float_grads = list(vjp(tuple(grads)))
         del full, vjp
         it = iter(float_grads)
