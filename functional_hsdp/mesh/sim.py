@@ -116,7 +116,7 @@ class _OnDevice:
     def on(self, device: torch.device) -> torch.Tensor:
         t = self._on.get(device)
         if t is None:
-            t = self._on[device] = torch.from_numpy(np.ascontiguousarray(self.values)).to(device)
+            t = self._on[device] = torch.from_numpy(np.array(self.values, copy=True)).to(device)
         return t
 
 
