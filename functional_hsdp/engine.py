@@ -113,11 +113,14 @@ def wait(plan: Plan, pending: list[Any]) -> list[torch.Tensor]:
     return [_owned(plan.mesh.wait(x)) for x in pending]
 
 
-def finish(plan: Plan, pending: list[Any], role: str) -> tuple[list[torch.Tensor], list]:
+def finish(
+    plan: Plan, pending: list[Any], role: str, dtype: torch.dtype | None = None
+) -> tuple[list[torch.Tensor], list]:
     """Wait for ``pending`` bucket results and unpack them at ``role``: (leaves in tree
-    order, the bucket buffers they were unpacked from)."""
+    order, the bucket buffers they were unpacked from). ``dtype``: the buffers' dtype, if
+    they were packed in another than the plan's."""
     bufs = wait(plan, pending)
-    return plan.unpack(bufs, role), bufs
+    return plan.unpack(bufs, role, dtype), bufs
 
 
 def _borrowed(x: torch.Tensor) -> bool:

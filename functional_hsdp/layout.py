@@ -159,18 +159,33 @@ def build_buckets(
 
 
 @torch.no_grad()
-def pack_full(bucket: Bucket, leaves: list[torch.Tensor], batch: tuple[int, ...]) -> torch.Tensor:
-    """Concatenate full-shape leaves (and the tail padding) into one new ``(*batch, padded)``.
+def pack_full(
+    bucket: Bucket,
+    leaves: list[torch.Tensor],
+    batch: tuple[int, ...],
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Concatenate full-shape leaves (and the tail padding) into one new ``(*batch, padded)``
+    buffer of ``dtype`` (default: the bucket's).
 
     One copy of every leaf, into a new buffer (the collectives may reduce it in place). Without
     batch dims (a real rank) two or more leaves are flattened and concatenated in one C++ call
     (torch's own ``flatten_dense_tensors``, as DDP's bucketing uses), which spares a
     Python-level reshape per leaf; it returns a view of a single leaf, so one leaf, or batch
     dims, take one ``torch.cat`` of flattened views. (``einops.pack`` does the same but parses
-    its pattern per leaf, which dominates the host time of trees of many small leaves.) No
-    graph is kept.
+    its pattern per leaf, which dominates the host time of trees of many small leaves.) Leaves
+    of another dtype than ``dtype`` (bf16 gradients reduced in fp32, say) are cast by the same
+    one ``torch.cat`` into the buffer. No graph is kept.
     """
     parts = list(bucket.take(leaves))
+    dtype = dtype or bucket.dtype
+    if any(x.dtype != dtype for x in parts):
+        out = torch.empty((*batch, bucket.padded), dtype=dtype, device=bucket.device)
+        torch.cat(
+            [x.reshape(*batch, -1) for x in parts], dim=-1, out=out.narrow(-1, 0, bucket.numel)
+        )
+        out.narrow(-1, bucket.numel, bucket.padded - bucket.numel).zero_()
+        return out
     if bucket.padded > bucket.numel:
         parts.append(
             torch.zeros(
@@ -219,14 +234,18 @@ def _dims(ndim: int, dim: int) -> tuple[str, str]:
 
 
 def pack_shard_full(
-    bucket: Bucket, leaves: list[torch.Tensor], batch: tuple[int, ...]
+    bucket: Bucket,
+    leaves: list[torch.Tensor],
+    batch: tuple[int, ...],
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Full-shape leaves -> a new rank-major ``(*batch, padded)`` Shard(d) bucket."""
+    """Full-shape leaves -> a new rank-major ``(*batch, padded)`` Shard(d) bucket of ``dtype``
+    (default: the bucket's)."""
     nb, n = len(batch), bucket.ranks
     names = " ".join(f"m{k}" for k in range(nb))
     parts = []
     for s in bucket.slots:
-        x = leaves[s.index].detach()
+        x = leaves[s.index].detach().to(dtype or bucket.dtype)
         pad = n * s.size - s.shape[s.dim]
         if pad:
             x = torch.nn.functional.pad(x, (0, 0) * (len(s.shape) - s.dim - 1) + (0, pad))

@@ -238,16 +238,23 @@ class Plan:
         return steps
 
     @torch.no_grad()
-    def pack(self, b: int, leaves: list[torch.Tensor], role: str) -> torch.Tensor:
-        """A new buffer holding bucket ``b``'s leaves (local values at ``role``)."""
+    def pack(
+        self, b: int, leaves: list[torch.Tensor], role: str, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """A new buffer holding bucket ``b``'s leaves (local values at ``role``), in
+        ``dtype`` (default: the bucket's): mixed precision casts while packing."""
         batch, bucket, placed = self.mesh.batch_shape, self.buckets[b], self.placed[b][role]
+        dtype = dtype or bucket.dtype
         if not placed.axes:
-            pack = pack_shard_full if bucket.shard else pack_full
-            return pack(bucket, leaves, batch)
+            if bucket.shard:
+                return pack_shard_full(bucket, leaves, batch, dtype)
+            return pack_full(bucket, leaves, batch, dtype)
         values = bucket.take(leaves)
+        if dtype != bucket.dtype:  # a shard-sized cast, then one packing copy
+            values = tuple(x.to(dtype) for x in values)
         if bucket.shard is None:
             geometry = self.mesh.geometry
-            return geometry.join(list(values), placed.geometry, bucket.dtype, bucket.device)
+            return geometry.join(list(values), placed.geometry, dtype, bucket.device)
         nb, flat = len(batch), []
         for s, x, length in zip(bucket.slots, values, placed.geometry):
             x = self.mesh.geometry.narrow(x, nb + s.dim, length)  # ignore fill past the chunk
@@ -257,9 +264,12 @@ class Plan:
             flat.append(x.reshape(*batch, -1))
         return torch.cat(flat, dim=-1)
 
-    def unpack(self, bufs: list[torch.Tensor], role: str) -> list[torch.Tensor]:
+    def unpack(
+        self, bufs: list[torch.Tensor], role: str, dtype: torch.dtype | None = None
+    ) -> list[torch.Tensor]:
         """Each leaf's local value at ``role``, in tree order: views of ``bufs`` where
-        :attr:`Placed.views` says so, else new tensors."""
+        :attr:`Placed.views` says so, else new tensors. ``dtype``: the buffers' dtype when
+        they were packed in another than the plan's (zero-size leaves are made in it)."""
         batch, geometry, values = self.mesh.batch_shape, self.mesh.geometry, []
         for b, (bucket, buf) in enumerate(zip(self.buckets, bufs)):
             placed = self.placed[b][role]
@@ -276,7 +286,9 @@ class Plan:
         for s in self.empty:
             shape = self.local_shapes[role][s.index]
             values.append(
-                torch.zeros(shape, dtype=self.dtypes[s.index], device=self.devices[s.index])
+                torch.zeros(
+                    shape, dtype=dtype or self.dtypes[s.index], device=self.devices[s.index]
+                )
             )
         if torch.compiler.is_compiling():  # dynamo cannot trace itemgetter
             return [values[k] for k in self._position]

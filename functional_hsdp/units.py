@@ -10,24 +10,40 @@ the picture: the transpose of an all-gather is a reduce-scatter.
 How (one ``torch.autograd.Function`` per unit call, functorch style: ``setup_context``, and a
 backward that is ``once_differentiable``, so its collectives see plain tensors):
 
-- **forward** all-gathers the unit (parameter placement -> Replicate) through the engine,
-  waits, and runs ``fn`` without recording a graph. With ``reshard_after_forward=True`` the
-  gathered weights are dropped (only the shards and the arguments are saved); ``False`` keeps
-  them for backward.
-- **backward** re-gathers the unit (unless kept), recomputes ``fn`` under ``torch.func.vjp``
-  (per-unit activation recomputation: measured cheaper in time and memory than keeping the
-  unit's graph with freed weight storage), and issues the reduce-scatter of the weight
-  gradient asynchronously.
+- **forward** all-gathers the unit (parameter placement -> Replicate) through the engine (in
+  ``mp_policy.param_dtype`` when one is given: the shards are cast before the all-gather, so
+  the wire and the compute are in it), waits, and runs ``fn``:
+
+  - ``recompute=False`` (the default, FSDP2 without activation checkpointing): ``fn`` runs
+    under ``torch.func.vjp`` on the Function's plain tensors and the closure, which holds
+    the unit's activations, is kept on the call record until backward. The gathered
+    weights' storage is released (``untyped_storage().resize_(0)``) once the next unit
+    starts, while the graph keeps its tensors; backward re-gathers into that same storage
+    (the copy runs with functorch disabled and the version counter preserved, since the
+    graph saved those tensors) and runs no second forward.
+  - ``recompute=True`` (per-unit activation checkpointing): ``fn`` runs without recording a
+    graph; only the shards and the arguments are saved, and backward re-gathers the unit and
+    recomputes ``fn`` under ``torch.func.vjp``: less memory, one more forward per unit.
+
+  ``reshard_after_forward=False`` keeps the gathered weights from forward to backward instead
+  (no re-gather). The forward's last unit keeps them either way: its backward comes next.
+- **backward** issues the reduce-scatter of the weight gradient asynchronously, in
+  ``mp_policy.reduce_dtype`` (default: the compute dtype).
 - A second Function, an identity on the unit's shards applied just before the unit, is the one
   consumer of that pending gradient: its backward waits for the reduce-scatter and hands on a
   finished tensor. So nothing (a tied weight's sum, a cast's backward, a second ``.backward()``)
   can read a gradient still in flight, whatever order the autograd engine picks.
 
+Only floating arguments that require a gradient (tracked by autograd or by the ``torch.func``
+transform being run) are differentiated: rotary tables, masks and other constants are not.
+
 Overlap comes from the engine's order: it runs the most recently created ready node first, so
 when a unit's wait node was created one call early (by :meth:`Gathered.prefetch`, or
 :func:`sequence`), unit ``i``'s reduce-scatter runs during unit ``i-1``'s backward; and the
 all-gather of the next unit (forward) or of the previous unit (backward) is issued before this
-unit's compute.
+unit's compute. A prefetch declared on one block is used by whichever block runs those shards
+next (an embedding block prefetching the first layer, the last layer the head), as long as it
+gathers them the same way (spec, ``into``, ``param_dtype``); else it is released unused.
 
 Not supported (refused): ``vmap`` over a gathered call (torch raises: the Function has no vmap
 rule), and differentiating twice (``grad`` of ``grad``): the backward is not differentiable.
@@ -97,6 +113,11 @@ class _Call:
     pending: list | None = None  # the gradient's reduce-scatter in flight
     sink: list[int] | None = None  # into=MainGrad: its buckets of this unit
     ahead: dict = field(default_factory=dict)  # "forward"/"backward": all-gather in flight
+    wanted: bool = True  # the shards are tracked: their gradient is asked for
+    graph: bool = False  # recompute=False and a gradient is asked for: keep forward's graph
+    vjp: Any = None  # recompute=False: forward's torch.func.vjp closure, until backward
+    weights: list | None = None  # recompute=False: the gathered weights that graph holds
+    freed: tuple | None = None  # their storages released after forward: (storages, leaves)
 
 
 class _Forward(threading.local):
@@ -139,8 +160,8 @@ def _release_ahead(call: _Call) -> None:
 
 
 def _gather_start(call: _Call, pieces: Sequence[torch.Tensor]) -> list:
-    plan = call.plan
-    pack = lambda b: plan.pack(b, list(pieces), "parameter")  # noqa: E731
+    plan, dtype = call.plan, call.block.param_dtype
+    pack = lambda b: plan.pack(b, list(pieces), "parameter", dtype)  # noqa: E731
     return engine.start(plan, pack, [("parameter", "full")])
 
 
@@ -149,29 +170,104 @@ def _gathered(call: _Call, when: str, pieces: Sequence[torch.Tensor]) -> list[to
     pending = call.ahead.pop(when, None)
     if pending is None:
         pending = _gather_start(call, pieces)
-    full, _ = engine.finish(call.plan, pending, "full")
+    full, _ = engine.finish(call.plan, pending, "full", call.block.param_dtype)
     return full
 
 
 def _run(call: _Call, full: list, args: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """``fn`` on full weights and the tensor argument leaves, its outputs flattened."""
+    """``fn`` on full weights and the tensor argument leaves, its outputs flattened (the
+    mixed-precision casts of inputs and outputs included, so that a vjp runs through them)."""
+    block = call.block
     leaves = list(call.args)
+    cast = block.param_dtype if block.cast_inputs else None
     for i, x in zip(call.tensors, args):
-        leaves[i] = x
+        leaves[i] = x.to(cast) if cast is not None and x.is_floating_point() else x
     fn_args, fn_kwargs = optree.tree_unflatten(call.args_def, leaves)
-    out = call.block.fn(optree.tree_unflatten(call.treedef, full), *fn_args, **fn_kwargs)
+    out = block.fn(optree.tree_unflatten(call.treedef, full), *fn_args, **fn_kwargs)
     outs, call.out_def = optree.tree_flatten(out)
     for x in outs:
         if not isinstance(x, torch.Tensor):
             raise TypeError(
-                f"gathered: {call.block.name} must return a pytree of tensors; got a "
+                f"gathered: {block.name} must return a pytree of tensors; got a "
                 f"{type(x).__name__} leaf"
             )
+    if block.output_dtype is not None:
+        outs = [x.to(block.output_dtype) if x.is_floating_point() else x for x in outs]
     return tuple(outs)
 
 
+def _vjp(call: _Call, full: list, args: Sequence[torch.Tensor]) -> tuple[tuple, Callable]:
+    """``fn``'s outputs and its ``torch.func.vjp`` closure, with respect to the weights (if
+    their gradient is asked for) and the differentiated arguments, in that order."""
+
+    def f(weights: list, *floating: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        it = iter(floating)
+        return _run(call, weights, [next(it) if d else x for x, d in zip(args, call.diff)])
+
+    floats = [x for x, d in zip(args, call.diff) if d]
+    if call.wanted:
+        return torch.func.vjp(f, full, *floats)
+    return torch.func.vjp(functools.partial(f, full), *floats)
+
+
+def _free(call: _Call) -> None:
+    """recompute=False: release the storage of the gathered weights that forward's graph
+    holds (the tensors stay, with no memory), once the unit is not the forward's last one;
+    backward re-gathers into it (:func:`_regrow`). Storage shared with an input is kept."""
+    if call.vjp is None or call.freed is not None or not call.block.reshard_after_forward:
+        return
+    inputs = {p.untyped_storage().data_ptr() for p in call.pieces}
+    storages: dict[int, Any] = {}
+    leaves = []
+    for i, w in enumerate(call.weights):
+        storage = w.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in inputs or not storage.nbytes():
+            continue
+        storages.setdefault(ptr, (storage, storage.nbytes()))
+        leaves.append(i)
+    with torch._C._DisableFuncTorch(), torch.no_grad():
+        for storage, _ in storages.values():
+            storage.resize_(0)
+    call.freed = (list(storages.values()), leaves)
+
+
+def _regrow(call: _Call) -> None:
+    """Re-gather the weights :func:`_free` released into their own storage, so that the
+    graph forward kept reads them. The graph saved these tensors, so the copy keeps their
+    version counter; it runs with functorch off (the tensors are the library's own, not
+    values of the transform being run)."""
+    pending = call.ahead.pop("backward", None)
+    if pending is None:
+        pending = _gather_start(call, call.pieces)
+    new, _ = engine.finish(call.plan, pending, "full", call.block.param_dtype)
+    (storages, leaves), call.freed = call.freed, None
+    with torch._C._DisableFuncTorch(), torch.no_grad():
+        for storage, nbytes in storages:
+            storage.resize_(nbytes)
+        for i in leaves:
+            old = call.weights[i]
+            with torch.autograd._unsafe_preserve_version_counter(old):
+                old.copy_(new[i])
+
+
+def _regathers(call: _Call) -> bool:
+    """Whether ``call``'s backward needs its weights all-gathered again."""
+    if call.vjp is not None:
+        return call.freed is not None
+    return call.block.reshard_after_forward
+
+
+def _is_weight(x: torch.Tensor, full: list) -> bool:
+    """Whether ``x`` is one of the gathered weights, returned as it is (an identity unit)."""
+    return any(
+        x.data_ptr() == w.data_ptr() and x.shape == w.shape and x.stride() == w.stride()
+        for w in full
+    )
+
+
 class _Unit(torch.autograd.Function):
-    """fn(gather(shards), *args): gather in forward, recompute + reduce-scatter in backward."""
+    """fn(gather(shards), *args): gather in forward, (recompute +) reduce-scatter in backward."""
 
     @staticmethod
     def forward(call: _Call, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -179,7 +275,9 @@ class _Unit(torch.autograd.Function):
         pieces, args, nxt = ts[: call.k], ts[call.k : n], ts[n:]
         call.pieces = pieces
         chain = call.chain
-        chain.kept = None  # the unit before keeps its weights no longer
+        kept, chain.kept = chain.kept, None  # the unit before keeps its weights no longer
+        if kept is not None:
+            _free(kept[0])
         full = _gathered(call, "forward", pieces)
         if call.nxt is not None:  # the next unit's all-gather overlaps this unit's compute
             call.nxt.pieces = nxt
@@ -187,8 +285,12 @@ class _Unit(torch.autograd.Function):
             _issue_ahead(call.nxt, "forward", nxt)
         call.prev, chain.last = chain.last, weakref.ref(call)
         try:
-            with torch.no_grad():
-                outs = _run(call, full, args)
+            if call.graph:  # the unit's graph is built now and kept until backward
+                outs, call.vjp = _vjp(call, full, args)
+                call.weights = full
+            else:
+                with torch.no_grad():
+                    outs = _run(call, full, args)
         except BaseException:
             if call.nxt is not None:  # its call will not come (not from this forward)
                 _release_ahead(call.nxt)
@@ -196,9 +298,15 @@ class _Unit(torch.autograd.Function):
         if not call.block.reshard_after_forward:
             call.full = full
         chain.kept = (call, full)
-        # an output that is an input (or a view of one) would alias it: give a copy
+        # an output that is an input (or a view of one) would alias it: give a copy; the
+        # gathered weights returned as they are (an identity unit) are the call's own
         return tuple(
-            o.clone() if o._base is not None or any(o is t for t in ts) else o for o in outs
+            o
+            if _is_weight(o, full)
+            else o.clone()
+            if o._base is not None or any(o is t for t in ts)
+            else o
+            for o in outs
         )
 
     @staticmethod
@@ -206,7 +314,8 @@ class _Unit(torch.autograd.Function):
         call = inputs[0]
         ctx.call = call
         n = 1 + call.k + len(call.tensors)
-        ctx.save_for_backward(*inputs[1 + call.k : n])  # the arguments; shards are on call
+        if call.vjp is None:  # recompute: the arguments (the shards are on call)
+            ctx.save_for_backward(*inputs[1 + call.k : n])
         ctx.n_extra = len(inputs) - n  # the next unit's shards ride along, not differentiated
 
     @staticmethod
@@ -216,33 +325,31 @@ class _Unit(torch.autograd.Function):
         chain = call.chain
         _end_of_backward_callback(chain)
         prev, call.prev = (call.prev() if call.prev is not None else None), None
-        if prev is not None and prev.block.reshard_after_forward and not prev.ahead:
+        if prev is not None and _regathers(prev) and not prev.ahead:
             _issue_ahead(prev, "backward", prev.pieces)  # backward prefetch
         kept, chain.kept = chain.kept, None
-        if call.full is not None:
-            full = call.full
-        elif kept is not None and kept[0] is call:  # the forward's last unit: still gathered
-            full = kept[1]
-        else:
-            full = _gathered(call, "backward", call.pieces)
-        call.full = None
-        args = ctx.saved_tensors
-        floats = [x for x, d in zip(args, call.diff) if d]
         # the shards' gradient is wanted (a grad with respect to the inputs only is not)
         wanted = any(ctx.needs_input_grad[1 : 1 + call.k])
-
-        def f(weights: list, *floating: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            it = iter(floating)
-            return _run(call, weights, [next(it) if d else x for x, d in zip(args, call.diff)])
-
-        if wanted:
-            _, vjp = torch.func.vjp(f, full, *floats)
-            weight_grads, *float_grads = vjp(tuple(grads))
+        if call.vjp is not None:  # forward's graph: the weights back into it, no recompute
+            if call.freed is not None:
+                _regrow(call)
+            vjp, call.vjp = call.vjp, None
+            has_weights = call.wanted
         else:
-            _, vjp = torch.func.vjp(functools.partial(f, full), *floats)
-            float_grads = list(vjp(tuple(grads)))
-        del full, vjp
-        it = iter(float_grads)
+            if call.full is not None:
+                full = call.full
+            elif kept is not None and kept[0] is call:  # the forward's last unit: gathered
+                full = kept[1]
+            else:
+                full = _gathered(call, "backward", call.pieces)
+            call.wanted = has_weights = wanted
+            _, vjp = _vjp(call, full, ctx.saved_tensors)
+            del full
+        call.full = call.weights = None
+        results = list(vjp(tuple(grads)))
+        del vjp
+        weight_grads = results.pop(0) if has_weights else None
+        it = iter(results)
         arg_grads = [next(it) if d else None for d in call.diff]
         if not wanted:
             return (
@@ -251,9 +358,9 @@ class _Unit(torch.autograd.Function):
                 *arg_grads,
                 *(None for _ in range(ctx.n_extra)),
             )
-        plan = call.plan
-        pack = lambda b: plan.pack(b, weight_grads, "input")  # noqa: E731
-        call.pending = engine.start(plan, pack, [("input", "gradient")])
+        plan, dtype = call.plan, call.block.reduce_dtype
+        pack = lambda b: plan.pack(b, weight_grads, "input", dtype)  # noqa: E731
+        call.pending = engine.start(plan, pack, [("input", "gradient")], wire=dtype)
         chain.reducing.append(weakref.ref(call))  # released at the end if never waited
         # the shards' gradient is handed on by the wait node, once the reduce-scatter is done
         dummies = [
@@ -288,7 +395,7 @@ class _Wait(torch.autograd.Function):
             mg.unit_done(call.sink)  # its deferred reduction may start now
             zeros = lambda g: torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)  # noqa: E731
             return (None, *map(zeros, grads))
-        leaves, _ = engine.finish(call.plan, pending, "gradient")
+        leaves, _ = engine.finish(call.plan, pending, "gradient", call.block.reduce_dtype)
         return (None, *leaves)
 
 
@@ -324,12 +431,29 @@ class Gathered:
     reduce-scatters its gradient inside backward.
     """
 
-    def __init__(self, fn: Callable, spec: Spec, reshard_after_forward: bool, into: Any):
+    def __init__(
+        self,
+        fn: Callable,
+        spec: Spec,
+        reshard_after_forward: bool,
+        into: Any,
+        recompute: bool = False,
+        mp_policy: Any = None,
+        name: str | None = None,
+    ):
         self.fn = fn
         self.spec = spec
         self.reshard_after_forward = reshard_after_forward
         self.into = into
-        self.name = getattr(fn, "__name__", repr(fn))
+        self.recompute = recompute
+        self.mp_policy = mp_policy
+        #: the all-gather and compute dtype (None: the shards' own)
+        self.param_dtype = getattr(mp_policy, "param_dtype", None)
+        #: the gradient's reduction dtype (None: the compute dtype), FSDP2's default
+        self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or self.param_dtype
+        self.output_dtype = getattr(mp_policy, "output_dtype", None)
+        self.cast_inputs = self.param_dtype is not None and mp_policy.cast_forward_inputs
+        self.name = name or getattr(fn, "__name__", repr(fn))
         self._next: tuple | None = None
 
     def __repr__(self) -> str:
@@ -365,6 +489,10 @@ class Gathered:
         call.args = [None if i in tensors else x for i, x in enumerate(arg_leaves)]
         call.args_def, call.tensors = args_def, tensors
         call.diff = [_differentiable(arg_leaves[i]) for i in tensors]
+        call.wanted = any(w.requires_grad for w in wrapped)
+        call.graph = (
+            not self.recompute and torch.is_grad_enabled() and (call.wanted or any(call.diff))
+        )
         extra = []
         if nxt is not None:  # the next unit's shards ride along so forward can gather them
             call.nxt, extra = nxt
@@ -377,13 +505,24 @@ class Gathered:
         """This call's record and its shards through their wait node (made ahead, or now)."""
         leaves = optree.tree_leaves(shards)
         found = _FORWARD.prepared.pop(tuple(map(id, leaves)), None)
-        if found is not None and found[0].block is self:
+        if found is not None and _adopts(self, found[0].block):
+            found[0].block = self  # prefetched by another block, gathered as this one would
             return found[0], found[2]
-        if found is not None:  # made ahead for another block: not this call's
+        if found is not None:  # made ahead for a block that gathers otherwise
             _release_ahead(found[0])
         call, wrapped = _prepare(self, shards)
         del _FORWARD.prepared[tuple(map(id, leaves))]
         return call, wrapped
+
+
+def _adopts(block: Gathered, other: Gathered) -> bool:
+    """Whether ``block`` can use a call record ``other`` made ahead (its all-gather, its wait
+    node and the MainGrad buckets it adds into are the same)."""
+    return other is block or (
+        other.spec == block.spec
+        and other.into is block.into
+        and other.param_dtype == block.param_dtype
+    )
 
 
 def _prepare(block: Gathered, shards: Any) -> tuple[_Call, list]:
@@ -459,7 +598,32 @@ def _check_transforms(x: Any, name: str) -> None:
 
 
 def _differentiable(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+    """A floating argument that is tracked (by autograd or the transform being run): its
+    gradient may be asked for. Constants (rotary tables, masks) are not differentiated."""
+    return (
+        isinstance(x, torch.Tensor)
+        and (x.is_floating_point() or x.is_complex())
+        and x.requires_grad
+    )
+
+
+def _check_mp_policy(mp_policy: Any, name: str) -> None:
+    if mp_policy is None:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"gathered({name}): mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy "
+            f"or None; got {type(mp_policy).__name__}"
+        )
+    for field_name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        d = getattr(mp_policy, field_name)
+        if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
+            raise TypeError(
+                f"gathered({name}): mp_policy.{field_name} must be a floating torch.dtype or "
+                f"None; got {d!r}"
+            )
 
 
 def _check_spec(spec: Any, name: str) -> None:
@@ -476,7 +640,13 @@ def _check_spec(spec: Any, name: str) -> None:
 
 
 def gathered(
-    fn: Callable, spec: Spec, *, reshard_after_forward: bool = True, into: MainGrad | None = None
+    fn: Callable,
+    spec: Spec,
+    *,
+    reshard_after_forward: bool = True,
+    into: MainGrad | None = None,
+    recompute: bool = False,
+    mp_policy: Any = None,
 ) -> Gathered:
     """Make ``fn`` of a unit's full weights callable on the unit's local shards.
 
@@ -503,6 +673,17 @@ def gathered(
             after the step's last microbatch call ``into.finish()``. The shards must be the
             tensors ``fh.shard`` made (updated in place by the optimizer), so that their
             unit is known.
+        recompute: False (default, FSDP2 without activation checkpointing): forward keeps
+            the unit's activations (its graph) until backward and frees only the gathered
+            weights; backward re-gathers them (unless kept) and runs no second forward.
+            True: per-unit activation checkpointing: forward keeps only its inputs, backward
+            re-gathers and recomputes the unit (less memory, one more forward per unit).
+        mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy``, with FSDP2's meaning:
+            ``param_dtype`` casts the shards before the all-gather (the wire and ``fn`` run in
+            it); ``reduce_dtype`` (default: ``param_dtype``) is the dtype of the gradient's
+            reduce-scatter, and of what ``into`` adds or ``grad`` returns;
+            ``output_dtype`` casts floating outputs; ``cast_forward_inputs`` casts floating
+            arguments to ``param_dtype``. The shards keep their dtype (the master weights).
 
     Returns:
         A :class:`Gathered` block: ``block(shards, *args, **kwargs)``; ``block.prefetch(next)``
@@ -528,7 +709,10 @@ def gathered(
     _check_spec(spec, getattr(fn, "__name__", "fn"))
     if into is not None and not isinstance(into, MainGrad):
         raise TypeError(f"gathered: into must be a MainGrad or None; got {type(into).__name__}")
-    return Gathered(fn, spec, reshard_after_forward, into)
+    if not isinstance(recompute, bool):
+        raise TypeError(f"gathered: recompute must be a bool; got {recompute!r}")
+    _check_mp_policy(mp_policy, getattr(fn, "__name__", "fn"))
+    return Gathered(fn, spec, reshard_after_forward, into, recompute, mp_policy)
 
 
 def sequence(block: Gathered, units: Sequence[Any], x: Any, *args: Any) -> Any:

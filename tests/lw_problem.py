@@ -116,6 +116,8 @@ def train(
     reshard_after_forward: bool = True,
     set_to_none: bool = True,
     prefetch: bool = True,
+    recompute: bool = False,
+    mp_policy=None,
 ) -> tuple[dict, list]:
     """Train layer-wise; returns (full params gathered at the end, comm_log events).
 
@@ -132,7 +134,12 @@ def train(
     main = fh.shard(full, tree_spec)  # optimizer placement
     mg = fh.MainGrad(tree_spec, like=full) if mode != "pure" else None
     into = mg if mode == "sink" else None
-    kw = {"reshard_after_forward": reshard_after_forward, "into": into}
+    kw = {
+        "reshard_after_forward": reshard_after_forward,
+        "into": into,
+        "recompute": recompute,
+        "mp_policy": mp_policy,
+    }
     emb = fh.gathered(fh.per_rank(embed, mesh), spec, **kw)
     out = fh.gathered(fh.per_rank(head, mesh), spec, **kw)
     blk = fh.gathered(fh.per_rank(block, mesh), spec, **kw)

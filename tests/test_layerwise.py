@@ -256,3 +256,34 @@ def test_refuses_non_tensor_outputs_and_unknown_shards_for_into():
         grad(lambda s: blk(s, x).sum())(copies)
     with pytest.raises(TypeError, match="into must be a MainGrad"):
         fh.gathered(lambda p: p, spec, into=object())
+
+
+# -- recompute, resharding ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("recompute", "reshard", "mode"),
+    [
+        (False, True, "deferred"),
+        (False, False, "pure"),
+        (True, True, "sink"),
+        (True, False, "pure"),
+    ],
+)
+def test_recompute_and_resharding_choices_match_dense_sgd(recompute, reshard, mode, dense):
+    mesh = _mesh()
+    got, _ = train(
+        preset("hsdp", mesh), STEPS, 3, mode, recompute=recompute, reshard_after_forward=reshard
+    )
+    assert max_rel_error(got, dense[3], mesh.batch_shape) <= 1e-5
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_recompute_issues_the_same_collectives(reshard):
+    runs = [
+        train(preset("hsdp", _mesh()), 1, 2, "deferred", recompute=r, reshard_after_forward=reshard)
+        for r in (False, True)
+    ]
+    assert [[(e.op, e.axis, e.numel) for e in events] for _, events in runs] == [
+        [(e.op, e.axis, e.numel) for e in runs[0][1]]
+    ] * 2
