@@ -12,6 +12,7 @@ from .dtensor import to_dtensor
 from .errors import CollectiveError
 from .maingrad import MainGrad, microbatches
 from .mesh import DistMesh, Mesh, SimMesh
+from .module import functional_call, shard_module
 from .optim import (
     AdamWState,
     GradientTransformation,
@@ -56,6 +57,7 @@ __all__ = [
     "ddp",
     "empty_state_dict",
     "fsdp",
+    "functional_call",
     "gather",
     "gathered",
     "global_norm",
@@ -71,6 +73,7 @@ __all__ = [
     "sequence",
     "sgd",
     "shard",
+    "shard_module",
     "state_dict",
     "sync_params",
     "to_dtensor",

@@ -25,7 +25,7 @@ from . import engine, validate
 from .layout import pack_shard_full
 from .plan import Plan, TreeMeta, get_plan
 from .spec import resolve_specs
-from .tags import tag
+from .tags import result_state, tag
 from .tree import check_bool, check_tensors, flatten, paths_of, refuse_vmap, structure_error
 
 __all__ = ["DEPTH", "MainGrad", "microbatches"]
@@ -42,7 +42,8 @@ class MainGrad:
     Args:
         spec: a :class:`Spec` or a pytree prefix of Specs.
         like: a tree with the structure, shapes and dtypes of one rank's full gradients
-            (e.g. the full parameters; on a SimMesh without the mesh dims). Its dtypes decide
+            (e.g. the full parameters; on a SimMesh without the mesh dims), or the local
+            shards ``fh.shard`` (or ``fh.shard_module``) made of them. Its dtypes decide
             which leaves share a bucket, so the layout matches ``shard(like, spec)``.
         dtype: the buffers' dtype (default float32): gradients of any floating dtype
             accumulate in it.
@@ -86,11 +87,20 @@ class MainGrad:
         if not leaves:
             raise ValueError("MainGrad: like has no tensor leaves")
         self.mesh = mesh = specs[0].mesh
-        check_tensors(leaves, paths, mesh, floating=True, batched=False)
+        made = result_state(leaves)  # like = shards: their full shapes are their plan's
+        if made is not None and (made.kind, made.plan.treedef, made.plan.specs) == (
+            "weights",
+            treedef,
+            specs,
+        ):
+            shapes = made.plan.shapes
+        else:
+            check_tensors(leaves, paths, mesh, floating=True, batched=False)
+            shapes = tuple(tuple(x.shape) for x in leaves)
         self.dtype, self.reduce_dtype = dtype, reduce_dtype or dtype
         meta = TreeMeta(
             treedef,
-            tuple(tuple(x.shape) for x in leaves),
+            shapes,
             (dtype,) * len(leaves),
             tuple(x.device for x in leaves),
             specs,
