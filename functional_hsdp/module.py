@@ -36,7 +36,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from .maingrad import MainGrad
 from .reduce import shard
 from .spec import Spec
-from .units import Gathered, _check_mp_policy
+from .units import Gathered, check_mp_policy, start_forward
 
 __all__ = ["functional_call", "shard_module"]
 
@@ -119,7 +119,7 @@ def shard_module(
         raise TypeError(f"shard_module: model must be an nn.Module; got {type(model).__name__}")
     if model in _SHARDED:
         raise ValueError("shard_module: this model's parameters are sharded already")
-    _check_mp_policy(mp_policy, "shard_module")
+    check_mp_policy(mp_policy, "shard_module")
     spec_of = spec if callable(spec) and not isinstance(spec, Spec) else (lambda _m: spec)
     names = {}
     for name, m in model.named_modules(remove_duplicate=False):
@@ -299,6 +299,7 @@ def functional_call(
     kwargs = {} if kwargs is None else kwargs
     blocks = _blocks(sharded, into, recompute, reshard_after_forward)
     order, ran = sharded.order, []
+    start_forward()  # the model's forward begins: its units are one chain
     sharded.active += 1
     try:
         root = sharded.root

@@ -294,6 +294,7 @@ class _Unit(torch.autograd.Function):
         except BaseException:
             if call.nxt is not None:  # its call will not come (not from this forward)
                 _release_ahead(call.nxt)
+            _abandon(chain)
             raise
         if not call.block.reshard_after_forward:
             call.full = full
@@ -397,6 +398,33 @@ class _Wait(torch.autograd.Function):
             return (None, *map(zeros, grads))
         leaves, _ = engine.finish(call.plan, pending, "gradient", call.block.reduce_dtype)
         return (None, *leaves)
+
+
+def _abandon(chain: _Chain) -> None:
+    """A forward that will have no backward (it raised): close ``chain`` now, so that the next
+    forward starts a new one, and release what it held (the last unit's weights, the
+    all-gathers issued ahead)."""
+    kept, chain.kept, chain.last, chain.closed = chain.kept, None, None, True
+    if kept is not None:
+        _free(kept[0])
+    calls, chain.ahead = chain.ahead, []
+    for ref in calls:
+        call = ref()
+        if call is not None:
+            _release_ahead(call)
+
+
+def start_forward() -> None:
+    """Begin a new forward pass on this thread: the unit calls from here on are one chain
+    (what a model-level call, ``functional_call``, knows and a unit alone does not). A
+    previous chain whose backward has not started is left to it, its last unit no longer
+    kept."""
+    chain = _FORWARD.chain
+    if chain is not None and not chain.closed and not chain.closing:
+        kept, chain.kept = chain.kept, None
+        if kept is not None:
+            _free(kept[0])
+    _FORWARD.chain = _Chain()
 
 
 def _end_of_backward_callback(chain: _Chain) -> None:
@@ -607,7 +635,7 @@ def _differentiable(x: Any) -> bool:
     )
 
 
-def _check_mp_policy(mp_policy: Any, name: str) -> None:
+def check_mp_policy(mp_policy: Any, name: str) -> None:
     if mp_policy is None:
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -711,7 +739,7 @@ def gathered(
         raise TypeError(f"gathered: into must be a MainGrad or None; got {type(into).__name__}")
     if not isinstance(recompute, bool):
         raise TypeError(f"gathered: recompute must be a bool; got {recompute!r}")
-    _check_mp_policy(mp_policy, getattr(fn, "__name__", "fn"))
+    check_mp_policy(mp_policy, getattr(fn, "__name__", "fn"))
     return Gathered(fn, spec, reshard_after_forward, into, recompute, mp_policy)
 
 
