@@ -91,3 +91,111 @@ def test_llama_bf16_policy_is_fsdp2s(pool, fsdp2):
         ("all_reduce", torch.float32),
     }
     assert dtypes == bf16[2]  # what FSDP2's c10d calls carried
+
+
+# -- a plain nested module with weights tied across units ----------------------------------------
+
+WIDTH, VOCAB = 8, 11
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.GELU(), torch.nn.Linear(2 * WIDTH, WIDTH)
+        )
+
+    def forward(self, x, scale):
+        return x + scale * self.mlp(self.norm(x))
+
+
+class _Net(torch.nn.Module):
+    """An embedding tied to the head (both root), three blocks (units), the first block's
+    first Linear shared with the third's (so owned by the root, borrowed by both)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList([_Block() for _ in range(3)])
+        self.blocks[2].mlp[0] = self.blocks[0].mlp[0]
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = b(h, self.scale)
+        return self.head(h)
+
+
+def _net_batches(step, rank):
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return [torch.randint(VOCAB, (3, 6), generator=gen) for _ in range(M)]
+
+
+def _net_loss(logits, ids):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()) / M
+
+
+def _nested_task(recompute):
+    import optree
+    import torch.distributed as dist
+    from reference import AXES
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import functional_hsdp as fh
+
+    ref, net = _Net(), _Net()
+    dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=AXES)
+    spec = fh.hsdp(fh.DistMesh(dm), *AXES)
+    shards, tree_spec = fh.shard_module(net, spec, units=list(net.blocks))
+    mg = fh.MainGrad(tree_spec, like=shards)
+    loss_fn = lambda s, ids: _net_loss(  # noqa: E731
+        fh.functional_call(net, s, ids, into=mg, recompute=recompute), ids
+    )
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    with fh.comm_log() as log:
+        for step in range(STEPS):
+            for ids, _ in fh.microbatches(_net_batches(step, dist.get_rank()), into=mg):
+                torch.func.grad(loss_fn)(shards, ids)
+            mg.finish()
+            for p, g in zip(optree.tree_leaves(shards), optree.tree_leaves(mg.grads)):
+                p.sub_(0.5 * g)
+            mg.zero_grad()
+            for r in range(dist.get_world_size()):  # dense: the mean over ranks
+                for ids in _net_batches(step, r):
+                    (_net_loss(ref(ids), ids) / dist.get_world_size()).backward()
+            opt.step()
+            opt.zero_grad()
+    full = fh.gather(shards, tree_spec)
+    errors = {}
+    for name, p in ref.named_parameters():
+        unit = next((k for k in full if k and name.startswith(k + ".")), "")
+        mine = full[""][name] if name in full[""] else full[unit][name[len(unit) + 1 :]]
+        errors[name] = ((mine - p).abs().max() / p.abs().max()).item()
+    outside = None
+    try:
+        net(torch.zeros(1, 1, dtype=torch.long))
+    except RuntimeError as e:
+        outside = str(e)
+    first_step = [(e.op, e.axis) for e in log.events][: len(log.events) // STEPS]
+    return errors, sorted(shards), sorted(shards[""]), first_step, outside
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_nested_module_with_tied_weights_trains_as_dense_sgd(pool, recompute):
+    for errors, units, root, events, outside in pool.run(_nested_task, recompute):
+        assert max(errors.values()) <= 1e-5, errors
+        assert units == ["", "blocks.0", "blocks.1", "blocks.2"]
+        # the tied embedding/head and the Linear shared by two blocks belong to the root
+        assert root == ["blocks.0.mlp.0.bias", "blocks.0.mlp.0.weight", "embed.weight"]
+        # per microbatch: the root and each block reduce-scattered once (the tied and shared
+        # weights too, their uses summed first); all-gathers: the root once, each block in
+        # forward and in backward but the last one's
+        rs = [e for e in events if e[0] == "reduce_scatter"]
+        ag = [e for e in events if e[0] == "all_gather"]
+        assert len(rs) == M * 4 and len(ag) == M * (1 + 3 + 2)
+        assert outside is not None and "fh.functional_call" in outside

@@ -1,0 +1,59 @@
+"""fh.shard_module / fh.functional_call: what is refused before anything is sharded (no
+process group needed). Training through them is tested on gloo ranks
+(tests/test_module_gloo.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functional_hsdp as fh
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+
+def _spec():
+    return fh.hsdp(fh.SimMesh({"dp_outer": 2, "dp_inner": 2}), "dp_outer", "dp_inner")
+
+
+def test_units_must_be_distinct_submodules_not_nested():
+    net = Net()
+    with pytest.raises(ValueError, match="not a submodule"):
+        fh.shard_module(net, _spec(), units=[torch.nn.Linear(4, 4)])
+    with pytest.raises(NotImplementedError, match="'blocks.0' is inside unit 'blocks'"):
+        fh.shard_module(net, _spec(), units=[net.blocks, net.blocks[0]])
+    with pytest.raises(ValueError, match="given twice"):
+        fh.shard_module(net, _spec(), units=[net.blocks[0], net.blocks[0]])
+    with pytest.raises(TypeError, match=r"units\[0\] must be an nn.Module"):
+        fh.shard_module(net, _spec(), units=["blocks.0"])
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        fh.shard_module({"w": torch.ones(2)}, _spec(), units=[])
+
+
+def test_meta_parameters_and_a_simmesh_spec_are_refused():
+    with torch.device("meta"):
+        net = Net()
+    with pytest.raises(ValueError, match="'embed.weight' is on the meta device"):
+        fh.shard_module(net, _spec(), units=list(net.blocks))
+    net = Net()
+    with pytest.raises(NotImplementedError, match="must be on a DistMesh"):
+        fh.shard_module(net, _spec(), units=list(net.blocks))
+    with pytest.raises(TypeError, match="must be a Spec"):
+        fh.shard_module(Net(), lambda m: "hsdp", units=[])
+    assert all(not p.is_meta for p in net.parameters())  # nothing was touched
+
+
+def test_functional_call_needs_a_sharded_model():
+    with pytest.raises(TypeError, match="sharded by fh.shard_module"):
+        fh.functional_call(Net(), {}, (torch.zeros(2, dtype=torch.long),))
