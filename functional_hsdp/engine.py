@@ -295,9 +295,18 @@ def _replicated(x: torch.Tensor, batch: tuple[int, ...]) -> bool:
 
 
 @torch.compiler.disable  # under torch.compile: run eagerly, a clean graph break
-def move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: str, call: str) -> Any:
+def move(
+    tree: Any,
+    spec: Any,
+    to: str,
+    source: str | None,
+    like: Any,
+    name: str,
+    call: str,
+    dtype: torch.dtype | None = None,
+) -> Any:
     """Local shards (at ``source``, or found) -> role ``to`` (all-gathers); ``call`` names the
-    public function in the cross-rank check."""
+    public function in the cross-rank check; ``dtype``: cast to it before the all-gathers."""
     if source not in (None, "optimizer", "parameter"):
         raise ValueError(f"source must be 'optimizer' or 'parameter'; got {source!r}")
     leaves, treedef, paths = flatten(tree, name)
@@ -309,9 +318,9 @@ def move(tree: Any, spec: Any, to: str, source: str | None, like: Any, name: str
     with validate.agreement(spec, call) as agreed:
         kinds = ("final", "weights")
         plan, role = find_layout(leaves, treedef, paths, spec, like, roles, kinds, name)
-        agreed.check(plan, paths, options=(f"from {role}",), defer=True)
-    pack = functools.partial(plan.pack, leaves=leaves, role=role)
-    out, _ = finish(plan, start(plan, pack, [(role, to)], gate=agreed.settle), to)
+        agreed.check(plan, paths, options=(f"from {role}", f"dtype={dtype}"), defer=True)
+    pack = functools.partial(plan.pack, leaves=leaves, role=role, dtype=dtype)
+    out, _ = finish(plan, start(plan, pack, [(role, to)], gate=agreed.settle), to, dtype)
     if to != "full":
         tag(out, plan, to, "weights")
     return optree.tree_unflatten(treedef, out)

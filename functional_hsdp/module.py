@@ -34,9 +34,10 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .maingrad import MainGrad
+from .precision import check_mp_policy
 from .reduce import shard
 from .spec import Spec
-from .units import Gathered, check_mp_policy, start_forward
+from .units import Gathered, start_forward
 
 __all__ = ["functional_call", "shard_module"]
 

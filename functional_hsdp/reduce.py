@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import engine
+from .precision import check_mp_policy
 
 __all__ = ["gather", "reduce_grads", "shard", "sync_params"]
 
@@ -89,7 +90,9 @@ def shard(tree: Any, spec: Any, *, to: str = "optimizer", stacked: bool | None =
     return engine.shard(tree, spec, to=to, stacked=stacked)
 
 
-def gather(tree: Any, spec: Any, *, like: Any = None, source: str | None = None) -> Any:
+def gather(
+    tree: Any, spec: Any, *, like: Any = None, source: str | None = None, mp_policy: Any = None
+) -> Any:
     """Local shards -> full values on every rank (all-gathers, reverse split order).
 
     Args:
@@ -101,6 +104,9 @@ def gather(tree: Any, spec: Any, *, like: Any = None, source: str | None = None)
             tree whose layout this process has not seen in shard/reduce_grads.
         source: ``"optimizer"`` or ``"parameter"``; by default taken from the leaves' state,
             else found from the local shapes (optimizer first).
+        mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy``: its ``param_dtype``
+            (if set) is the dtype the shards are cast to before the all-gather, and of the
+            result (bf16 on the wire for bf16 compute, as FSDP2).
 
     Returns:
         A new tree of full tensors (on a SimMesh with the mesh shape in front).
@@ -112,7 +118,9 @@ def gather(tree: Any, spec: Any, *, like: Any = None, source: str | None = None)
         >>> fh.gather(fh.shard({"w": torch.arange(5.0)}, spec), spec)["w"][1]
         tensor([0., 1., 2., 3., 4.])
     """
-    return engine.move(tree, spec, "full", source, like, "tree", "gather")
+    check_mp_policy(mp_policy, "gather")
+    dtype = getattr(mp_policy, "param_dtype", None)
+    return engine.move(tree, spec, "full", source, like, "tree", "gather", dtype)
 
 
 def sync_params(tree: Any, spec: Any, *, like: Any = None) -> Any:

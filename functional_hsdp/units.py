@@ -66,6 +66,7 @@ from . import engine
 from .lookup import find_layout
 from .maingrad import MainGrad
 from .plan import Plan
+from .precision import Precision, check_mp_policy
 from .spec import Spec
 from .tags import state_of
 from .tree import flatten
@@ -475,12 +476,9 @@ class Gathered:
         self.into = into
         self.recompute = recompute
         self.mp_policy = mp_policy
-        #: the all-gather and compute dtype (None: the shards' own)
-        self.param_dtype = getattr(mp_policy, "param_dtype", None)
-        #: the gradient's reduction dtype (None: the compute dtype), FSDP2's default
-        self.reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or self.param_dtype
-        self.output_dtype = getattr(mp_policy, "output_dtype", None)
-        self.cast_inputs = self.param_dtype is not None and mp_policy.cast_forward_inputs
+        precision = Precision.of(mp_policy)  # see functional_hsdp.precision
+        self.param_dtype, self.reduce_dtype = precision.param_dtype, precision.reduce_dtype
+        self.output_dtype, self.cast_inputs = precision.output_dtype, precision.cast_inputs
         self.name = name or getattr(fn, "__name__", repr(fn))
         self._next: tuple | None = None
 
@@ -635,25 +633,6 @@ def _differentiable(x: Any) -> bool:
     )
 
 
-def check_mp_policy(mp_policy: Any, name: str) -> None:
-    if mp_policy is None:
-        return
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"gathered({name}): mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy "
-            f"or None; got {type(mp_policy).__name__}"
-        )
-    for field_name in ("param_dtype", "reduce_dtype", "output_dtype"):
-        d = getattr(mp_policy, field_name)
-        if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
-            raise TypeError(
-                f"gathered({name}): mp_policy.{field_name} must be a floating torch.dtype or "
-                f"None; got {d!r}"
-            )
-
-
 def _check_spec(spec: Any, name: str) -> None:
     if not isinstance(spec, Spec):
         raise TypeError(
@@ -739,7 +718,7 @@ def gathered(
         raise TypeError(f"gathered: into must be a MainGrad or None; got {type(into).__name__}")
     if not isinstance(recompute, bool):
         raise TypeError(f"gathered: recompute must be a bool; got {recompute!r}")
-    check_mp_policy(mp_policy, getattr(fn, "__name__", "fn"))
+    check_mp_policy(mp_policy, f"gathered({getattr(fn, '__name__', 'fn')})")
     return Gathered(fn, spec, reshard_after_forward, into, recompute, mp_policy)
 
 

@@ -276,3 +276,16 @@ def test_a_prefetch_declared_on_another_block_is_used_not_repeated():
     # block 0's all-gather in flight, the last block with the head's
     assert marks == [("embed", 2), ("block", 3), ("block", 4), ("head", 4)]
     assert plain_marks == [("embed", 1), ("block", 3), ("block", 3), ("head", 4)]
+
+
+def test_gather_in_param_dtype():
+    mesh = _mesh()
+    spec = preset("hsdp", mesh)
+    shards = fh.shard({"w": torch.linspace(-1, 1, 10)}, spec)
+    with fh.comm_log() as log:
+        full = fh.gather(shards, spec, mp_policy=BF16)
+    assert full["w"].dtype == torch.bfloat16 and shards["w"].dtype == torch.float32
+    assert torch.equal(full["w"][0, 0], torch.linspace(-1, 1, 10).bfloat16())
+    assert [(e.op, e.dtype) for e in log.events] == [("all_gather", torch.bfloat16)]
+    with pytest.raises(TypeError, match=r"gather: mp_policy must be"):
+        fh.gather(shards, spec, mp_policy=torch.bfloat16)
