@@ -13,6 +13,7 @@ from . import (
     layerwise,
     limit,
     memory,
+    module,
     overhead,
     overlap,
     rsimpl,
@@ -32,5 +33,6 @@ BENCHMARKS = {
     "memory": memory,
     "compiled": compiled,
     "layerwise": layerwise,
+    "module": module,
     "agreement": agreement,
 }

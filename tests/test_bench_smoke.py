@@ -14,7 +14,7 @@ import pytest
 from bench import BENCHMARKS, common
 from bench.__main__ import run_one
 
-# layerwise and memory last: they switch the shared workers' malloc to mmap-everything
+# module, layerwise and memory last: they switch the shared workers' malloc to mmap-everything
 ORDER = [
     "wire",
     "agreement",
@@ -26,6 +26,7 @@ ORDER = [
     "host",
     "scaling",
     "fsdp",
+    "module",
     "layerwise",
     "memory",
 ]
@@ -76,6 +77,10 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
         for mode in ("sim", "gloo"):
             assert res[mode]["maingrad"]["persistent"] > 0
             assert all(r["reset_ok"] for r in res[mode].values())
+    if name == "module":  # each fh variant trains as its FSDP2 counterpart
+        for key, ratio in res["ratio"].items():
+            assert ratio["loss"] < (2e-2 if key.endswith("bf16") else 1e-4), (key, ratio)
+        assert res["reduce_dtypes_bf16"] == ["float32"]
     if name in ("limit", "overhead", "rsimpl"):
         assert "nan" not in md and not any(
             isinstance(v, float) and math.isnan(v) for v in res.get("median", {}).values()
