@@ -126,6 +126,14 @@ def _loss(kind: str, forward, batch) -> torch.Tensor:
     return F.mse_loss(forward((x,), {}).float(), y)
 
 
+def _checkpointing(model: torch.nn.Module) -> None:
+    """Hugging Face's own activation checkpointing of every decoder layer (its newer name
+    where this transformers has it)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    enable = enable or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
+
+
 def _policy(bf16: bool):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -142,7 +150,7 @@ class _FSDP2:
         self.kind, self.M = kind, cfg["M"]
         model = _model(kind, cfg)
         if ac and kind == "llama":
-            model.gradient_checkpointing_enable({"use_reentrant": False})
+            _checkpointing(model)
         elif ac:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 checkpoint_wrapper,

@@ -71,7 +71,8 @@ def fsdp2_train(
 
     m = model(tied)
     if checkpoint:
-        m.gradient_checkpointing_enable({"use_reentrant": False})
+        enable = getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)
+        enable({"use_reentrant": False})
     m.train()
     dm = init_device_mesh("cpu", GLOO_SHAPE, mesh_dim_names=AXES)
     mp = mp or MixedPrecisionPolicy()
