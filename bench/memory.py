@@ -117,7 +117,7 @@ def measure(mode: str, path: str, n: int, M: int, cap: float) -> dict:
     out["pack"] = big * item * ranks
     out["chunk"] = big // n_inner * item * ranks
     out["depth"] = DEPTH
-    out["scratch"] = sum(x.numel() * x.element_size() for x in layout._scratch.values())
+    out["scratch"] = sum(x.numel() * x.element_size() for x in (layout._scratch or {}).values())
     # components: what one bucket collective needs beyond its input, through the mesh the
     # library uses (reduce-scatter of the largest packed bucket; all-reduce of its chunk)
     buf = torch.ones((*batch, big), dtype=layout.reduce_dtype)

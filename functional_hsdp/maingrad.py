@@ -51,8 +51,9 @@ class MainGrad:
             pre- and post-divided (about sqrt(n) each) so large worlds do not overflow.
 
     ``accumulate`` pipelines the buckets two deep: it packs bucket b+1 (into one of two
-    persistent packing buffers, each the size of the largest bucket, allocated here and
-    reused) while bucket b's collectives run, then adds b's result into its buffer. So beyond
+    persistent packing buffers, each the size of the largest bucket, allocated by the first
+    ``accumulate`` of raw gradients and reused) while bucket b's collectives run, then adds
+    b's result into its buffer. So beyond
     the buffers a call needs at most two buckets' reduced chunks in flight, however large
     the model. On the last microbatch the deferred axes are reduced in place, also two
     buckets at a time; for a smaller optimizer placement (hfsdp) the result is written to
@@ -114,7 +115,9 @@ class MainGrad:
             )
             for bucket, placed in zip(self.plan.buckets, self.plan.placed)
         ]
-        self._scratch = self._packing_buffers()
+        # made on the first accumulate of raw gradients: units adding into the MainGrad in
+        # backward (gathered(into=...)) pack their own buffers and never need them
+        self._scratch: dict | None = None
         self._state = "accumulating"
         # per bucket: holds nothing of this step yet (the next write overwrites instead of adding)
         self._fresh = [True] * len(self._buffers)
@@ -425,6 +428,8 @@ class MainGrad:
         bucket, batch = self.plan.buckets[b], self.mesh.batch_shape
         if bucket.shard is not None:  # rank-major: each leaf's chunks go to every block
             return pack_shard_full(bucket, leaves, batch).to(self.reduce_dtype)
+        if self._scratch is None:
+            self._scratch = self._packing_buffers()
         scratch = self._scratch[(bucket.device, b % DEPTH)]
         out = scratch.narrow(0, 0, math.prod(batch) * bucket.padded).view(*batch, bucket.padded)
         if not batch:  # one C++ call copies (and casts) every leaf

@@ -332,6 +332,12 @@ class _Unit(torch.autograd.Function):
         kept, chain.kept = chain.kept, None
         # the shards' gradient is wanted (a grad with respect to the inputs only is not)
         wanted = any(ctx.needs_input_grad[1 : 1 + call.k])
+        if call.graph and call.vjp is None:  # released by an earlier backward
+            raise RuntimeError(
+                f"gathered({call.block.name}): a second backward through the same forward "
+                "(retain_graph=True) needs recompute=True: with recompute=False the unit's "
+                "graph is released by the first backward, as its activations are"
+            )
         if call.vjp is not None:  # forward's graph: the weights back into it, no recompute
             if call.freed is not None:
                 _regrow(call)

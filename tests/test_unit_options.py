@@ -289,3 +289,21 @@ def test_gather_in_param_dtype():
     assert [(e.op, e.dtype) for e in log.events] == [("all_gather", torch.bfloat16)]
     with pytest.raises(TypeError, match=r"gather: mp_policy must be"):
         fh.gather(shards, spec, mp_policy=torch.bfloat16)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_second_backward_of_the_same_forward(recompute):
+    """retain_graph=True: with recompute the second backward gives the same gradient; without
+    it the unit's graph is gone, and that is a clear error (never a silent zero)."""
+    _, _, _, shards, blk, x, _, _ = _linear_problem(recompute)
+    leaves = optree.tree_map(lambda t: t.clone().requires_grad_(), shards)
+    loss = fh.sequence(blk, leaves, x).square().sum()
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in optree.tree_leaves(leaves)]
+    if recompute:
+        loss.backward()
+        for a, t in zip(first, optree.tree_leaves(leaves)):
+            assert torch.allclose(t.grad, 2 * a)
+    else:
+        with pytest.raises(RuntimeError, match="second backward .* needs recompute=True"):
+            loss.backward()
