@@ -1,4 +1,4 @@
-"""(B11) Existing modules: ``fh.shard_module`` + ``fh.functional_call`` versus FSDP2, step time,
+"""(B13) Existing modules: ``fh.shard_module`` + ``fh.functional_call`` versus FSDP2, step time,
 peak step memory and bytes on the wire, for a Hugging Face Llama and an MLP.
 
 4 gloo processes, 2x2 mesh (dp_outer, dp_inner). Two models, each an ``nn.Module`` whose own
@@ -407,7 +407,7 @@ def report(res: dict, command: str, when: str) -> str:
     cfg = res["cfg"]
     lines = [
         C.section_header(
-            "(B11) Existing modules: fh.shard_module + fh.functional_call versus FSDP2 "
+            "(B13) Existing modules: fh.shard_module + fh.functional_call versus FSDP2 "
             "(4 gloo processes, 2x2 mesh)",
             command,
             when,
