@@ -119,6 +119,7 @@ class _Call:
     vjp: Any = None  # recompute=False: forward's torch.func.vjp closure, until backward
     weights: list | None = None  # recompute=False: the gathered weights that graph holds
     freed: tuple | None = None  # their storages released after forward: (storages, leaves)
+    kept_storages: frozenset = frozenset()  # of outputs that are gathered weights: never freed
 
 
 class _Forward(threading.local):
@@ -217,7 +218,7 @@ def _free(call: _Call) -> None:
     backward re-gathers into it (:func:`_regrow`). Storage shared with an input is kept."""
     if call.vjp is None or call.freed is not None or not call.block.reshard_after_forward:
         return
-    inputs = {p.untyped_storage().data_ptr() for p in call.pieces}
+    inputs = {p.untyped_storage().data_ptr() for p in call.pieces} | call.kept_storages
     storages: dict[int, Any] = {}
     leaves = []
     for i, w in enumerate(call.weights):
@@ -301,10 +302,13 @@ class _Unit(torch.autograd.Function):
             call.full = full
         chain.kept = (call, full)
         # an output that is an input (or a view of one) would alias it: give a copy; the
-        # gathered weights returned as they are (an identity unit) are the call's own
+        # gathered weights returned as they are (an identity unit) are the call's own, and
+        # their memory is then never released
+        weights = [o for o in outs if _is_weight(o, full)]
+        call.kept_storages = frozenset(o.untyped_storage().data_ptr() for o in weights)
         return tuple(
             o
-            if _is_weight(o, full)
+            if any(o is w for w in weights)
             else o.clone()
             if o._base is not None or any(o is t for t in ts)
             else o

@@ -307,3 +307,26 @@ def test_a_second_backward_of_the_same_forward(recompute):
     else:
         with pytest.raises(RuntimeError, match="second backward .* needs recompute=True"):
             loss.backward()
+
+
+def test_a_gathered_weight_returned_as_an_output_keeps_its_memory():
+    """A unit that returns one of its full weights (an identity unit, or the weight beside a
+    result): that output is the weight itself, and is never released with the unit's other
+    gathered weights."""
+    mesh = _mesh()
+    spec = preset("hsdp", mesh)
+    full = [{"w": torch.randn(4, 4, generator=torch.Generator().manual_seed(5))}] * 2
+    shards = fh.shard(full, [spec] * 2)
+    blk = fh.gathered(fh.per_rank(lambda p, x: (torch.tanh(x @ p["w"]), p["w"]), mesh), spec)
+    x = torch.randn(2, 2, 3, 4)
+    kept = []
+
+    def loss(s):
+        h, w0 = blk(s[0], x)
+        h, _ = blk(s[1], h)  # the first unit's other weights may be released now
+        kept.append(w0)
+        return (h.square().sum() + w0.sum()), w0
+
+    g, w0 = grad(loss, has_aux=True)(shards)
+    assert torch.equal(w0, full[0]["w"].expand(2, 2, 4, 4))
+    assert torch.equal(kept[0], w0)
