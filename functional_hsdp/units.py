@@ -51,16 +51,18 @@ rule), and differentiating twice (``grad`` of ``grad``): the backward is not dif
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import optree
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import get_device_states, set_device_states
 
 from . import engine
 from .lookup import find_layout
@@ -116,10 +118,12 @@ class _Call:
     ahead: dict = field(default_factory=dict)  # "forward"/"backward": all-gather in flight
     wanted: bool = True  # the shards are tracked: their gradient is asked for
     graph: bool = False  # recompute=False and a gradient is asked for: keep forward's graph
+    replay: bool = False  # recompute=True and a gradient is asked for: fn runs again
     vjp: Any = None  # recompute=False: forward's torch.func.vjp closure, until backward
     weights: list | None = None  # recompute=False: the gathered weights that graph holds
     freed: tuple | None = None  # their storages released after forward: (storages, leaves)
     kept_storages: frozenset = frozenset()  # of outputs that are gathered weights: never freed
+    rng: tuple | None = None  # recompute: the RNG states forward ran with (dropout alike)
 
 
 class _Forward(threading.local):
@@ -253,6 +257,30 @@ def _regrow(call: _Call) -> None:
                 old.copy_(new[i])
 
 
+def _rng_states(full: list, args: Sequence[Any]) -> tuple:
+    """The CPU and device RNG states now (what torch.utils.checkpoint saves), so that a
+    recomputed unit draws the same random numbers (dropout) as its forward did."""
+    tensors = [*full, *args]
+    devices, states = get_device_states(*tensors)
+    device = next((t.device.type for t in tensors if t.device.type not in ("cpu", "meta")), None)
+    return torch.get_rng_state(), devices, states, device
+
+
+@contextlib.contextmanager
+def _replaying(rng: tuple | None) -> Iterator[None]:
+    """Run the block with the RNG states ``rng`` (the caller's states restored after it)."""
+    if rng is None:
+        yield
+        return
+    cpu, devices, states, device = rng
+    kwargs = {"device_type": device} if device is not None else {}
+    with torch.random.fork_rng(devices=devices, **kwargs):
+        torch.set_rng_state(cpu)
+        if devices:
+            set_device_states(devices, states, **kwargs)
+        yield
+
+
 def _regathers(call: _Call) -> bool:
     """Whether ``call``'s backward needs its weights all-gathered again."""
     if call.vjp is not None:
@@ -291,6 +319,8 @@ class _Unit(torch.autograd.Function):
                 outs, call.vjp = _vjp(call, full, args)
                 call.weights = full
             else:
+                if call.replay:  # backward runs fn again: with the same random numbers
+                    call.rng = _rng_states(full, args)
                 with torch.no_grad():
                     outs = _run(call, full, args)
         except BaseException:
@@ -355,7 +385,8 @@ class _Unit(torch.autograd.Function):
             else:
                 full = _gathered(call, "backward", call.pieces)
             call.wanted = has_weights = wanted
-            _, vjp = _vjp(call, full, ctx.saved_tensors)
+            with _replaying(call.rng):
+                _, vjp = _vjp(call, full, ctx.saved_tensors)
             del full
         call.full = call.weights = None
         results = list(vjp(tuple(grads)))
@@ -526,9 +557,8 @@ class Gathered:
         call.args_def, call.tensors = args_def, tensors
         call.diff = [_differentiable(arg_leaves[i]) for i in tensors]
         call.wanted = any(w.requires_grad for w in wrapped)
-        call.graph = (
-            not self.recompute and torch.is_grad_enabled() and (call.wanted or any(call.diff))
-        )
+        needed = torch.is_grad_enabled() and (call.wanted or any(call.diff))
+        call.graph, call.replay = needed and not self.recompute, needed and self.recompute
         extra = []
         if nxt is not None:  # the next unit's shards ride along so forward can gather them
             call.nxt, extra = nxt

@@ -330,3 +330,26 @@ def test_a_gathered_weight_returned_as_an_output_keeps_its_memory():
     g, w0 = grad(loss, has_aux=True)(shards)
     assert torch.equal(w0, full[0]["w"].expand(2, 2, 4, 4))
     assert torch.equal(kept[0], w0)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_dropout_in_a_unit_draws_the_same_numbers_when_recomputed(recompute):
+    """A unit with dropout: the gradient is that of the forward that ran (recompute replays
+    its random numbers, as torch.utils.checkpoint does)."""
+    mesh = _mesh()
+    spec = preset("hsdp", mesh)
+    full = {"w": torch.randn(4, 4, generator=torch.Generator().manual_seed(6))}
+    shards = fh.shard(full, spec)
+    # written for every rank at once (batched matmul over the mesh dims), not under vmap
+    fn = lambda p, x: torch.nn.functional.dropout(x @ p["w"], 0.5, training=True)  # noqa: E731
+    blk = fh.gathered(fn, spec, recompute=recompute)
+    x = torch.randn(2, 2, 3, 4)
+    torch.manual_seed(7)
+    g_x, out = grad(lambda x: (lambda y: (y.square().sum(), y))(blk(shards, x)), has_aux=True)(x)
+    stacked = {"w": full["w"].expand(2, 2, 4, 4)}
+    torch.manual_seed(7)
+    g_want, want = grad(lambda x: (lambda y: (y.square().sum(), y))(fn(stacked, x)), has_aux=True)(
+        x
+    )
+    assert (out == 0).any() and torch.equal(out, want)  # the same mask
+    assert torch.allclose(g_x, g_want)
