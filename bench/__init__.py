@@ -8,7 +8,9 @@ section for ``bench/RESULTS.md``).
 from . import (
     agreement,
     compiled,
+    deferred,
     fsdp,
+    gpu,
     host,
     layerwise,
     limit,
@@ -33,4 +35,6 @@ BENCHMARKS = {
     "compiled": compiled,
     "layerwise": layerwise,
     "agreement": agreement,
+    "gpu": gpu,
+    "deferred": deferred,
 }
