@@ -97,6 +97,8 @@ def run(size: str = "full", pool=None) -> dict:
     res["times"], res["median"] = C.slowest_rank_medians(per_rank)
     m = res["median"]
     res["step_cost"] = (m["step_on"] - m["step_off"]) / m["step_off"]
+    # the spread: each repetition's on / off (the two ran back to back)
+    res["step_ratios"] = [a / b for a, b in zip(res["times"]["step_on"], res["times"]["step_off"])]
     res["tree_cost_ms"] = 1e3 * (m["tree_on"] - m["tree_off"])
     # the floor: 1 + M exchanges per step, none overlapped
     res["floor"] = (1 + res["cfg"]["M"]) * m["bare"] / m["step_off"]
@@ -133,7 +135,10 @@ def report(res: dict, command: str, when: str) -> str:
     return (
         f"{head}\n{desc}\n{t}\n\nGoal (the agreement <= 2 % of an HSDP step): **{verdict}** "
         f"({100 * res['step_cost']:+.1f} %; a negative figure is noise: the two are within "
-        "the run's spread). The floor where nothing overlaps the exchange: 1 + M = "
+        "the run's spread). The spread: per repetition, step on / off = "
+        f"{min(res['step_ratios']):.2f} to {max(res['step_ratios']):.2f} (median "
+        f"{C.median(res['step_ratios']):.2f}). The floor where nothing overlaps the exchange: "
+        "1 + M = "
         f"{1 + cfg['M']} bare host all-gathers of the row per step, "
         f"{1 + cfg['M']} x {ms(m['bare'])} ms = {100 * res['floor']:.1f} % of the step with the "
         "agreement off.\n"

@@ -57,7 +57,7 @@ SIZES = {
     },
     "full": {
         "cuda": {"D": 4096, "L": 8, "B": 2048, "M": 4, "warmup": 3, "reps": 15},
-        "cpu": {"D": 1024, "L": 8, "B": 64, "M": 4, "warmup": 2, "reps": 7},
+        "cpu": {"D": 1024, "L": 8, "B": 64, "M": 4, "warmup": 2, "reps": 11},
     },
 }
 VARIANTS = ("plain", "fsdp2", "whole_tree", "maingrad", "lw_sink", "lw_pure")
@@ -401,8 +401,11 @@ def run(size: str = "full", pool=None) -> dict:
     res: dict = {"size": size, "cfg": cfg, "device": device.type}
     res["device_name"] = torch.cuda.get_device_name(device) if cuda else C.machine()
     t0 = time.perf_counter()
+    phases = res["phase_s"] = {}
     with _one_rank(device) as dm:
+        phases["set-up"] = time.perf_counter() - t0
         res["correct"] = _correctness(cfg, device, dm)
+        phases["correctness"] = time.perf_counter() - t0 - sum(phases.values())
         pb = _Problem(cfg, device, cfg["M"])
         runners = {v: _build(v, pb, dm) for v in VARIANTS}
         res["numel"] = sum(p.numel() for p in pb.base.parameters())
@@ -417,12 +420,15 @@ def run(size: str = "full", pool=None) -> dict:
                     step_t[v].append(dt)
                     enq_t[v].append(enq)
         res["times"], res["enqueue"], res["losses"] = step_t, enq_t, losses
+        phases["time"] = time.perf_counter() - t0 - sum(phases.values())
         if cuda:
             res["syncs"] = {v: _syncs(runners[v], pb.data(0)) for v in VARIANTS}
+            phases["syncs"] = time.perf_counter() - t0 - sum(phases.values())
         del runners, pb
         gc.collect()
         if cuda:
             res["memory"] = {v: _memory(cfg, device, dm, v) for v in VARIANTS}
+            phases["memory"] = time.perf_counter() - t0 - sum(phases.values())
     res["wall_s"] = time.perf_counter() - t0
     res["median"] = {v: C.median(t) for v, t in res["times"].items()}
     res["median_enqueue"] = {v: C.median(t) for v, t in res["enqueue"].items()}
@@ -543,5 +549,10 @@ def report(res: dict, command: str, when: str) -> str:
             "(`torch.cuda.set_sync_debug_mode`) are CUDA only: n/a here. Run `python -m bench "
             'gpu` on a GPU for them (bench/README.md, "On a GPU").'
         )
+    lines.append(
+        "- Time per phase (s): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in res["phase_s"].items())
+        + " (the process group and the model's weights are made inside)."
+    )
     lines.append("")
     return "\n".join(lines)
