@@ -57,7 +57,7 @@ SIZES = {
     },
     "full": {
         "cuda": {"D": 4096, "L": 8, "B": 2048, "M": 4, "warmup": 3, "reps": 15},
-        "cpu": {"D": 1024, "L": 8, "B": 64, "M": 4, "warmup": 2, "reps": 11},
+        "cpu": {"D": 1024, "L": 8, "B": 128, "M": 4, "warmup": 2, "reps": 11},
     },
 }
 VARIANTS = ("plain", "fsdp2", "whole_tree", "maingrad", "lw_sink", "lw_pure")
@@ -392,14 +392,9 @@ def _memory(cfg: dict, device, dm, name: str) -> dict:
     return {"held": held, "peak": peak}
 
 
-def run(size: str = "full", pool=None) -> dict:
-    """On this process's device (CUDA if present, else the CPU); ``pool`` is not used (one
-    rank, in this process)."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    cfg = SIZES[size][device.type]
-    res: dict = {"size": size, "cfg": cfg, "device": device.type}
-    res["device_name"] = torch.cuda.get_device_name(device) if cuda else C.machine()
+def _measure(res: dict, cfg: dict, device: torch.device) -> None:
+    """The four phases, into ``res``."""
+    cuda = device.type == "cuda"
     t0 = time.perf_counter()
     phases = res["phase_s"] = {}
     with _one_rank(device) as dm:
@@ -430,6 +425,24 @@ def run(size: str = "full", pool=None) -> dict:
             res["memory"] = {v: _memory(cfg, device, dm, v) for v in VARIANTS}
             phases["memory"] = time.perf_counter() - t0 - sum(phases.values())
     res["wall_s"] = time.perf_counter() - t0
+
+
+def run(size: str = "full", pool=None) -> dict:
+    """On this process's device (CUDA if present, else the CPU); ``pool`` is not used (one
+    rank, in this process)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    cfg = SIZES[size][device.type]
+    res: dict = {"size": size, "cfg": cfg, "device": device.type}
+    res["device_name"] = torch.cuda.get_device_name(device) if cuda else C.machine()
+    threads = torch.get_num_threads()
+    if not cuda:  # one thread, as each gloo benchmark worker: steady on a busy machine
+        torch.set_num_threads(1)
+    res["threads"] = torch.get_num_threads()
+    try:
+        _measure(res, cfg, device)
+    finally:
+        torch.set_num_threads(threads)
     res["median"] = {v: C.median(t) for v, t in res["times"].items()}
     res["median_enqueue"] = {v: C.median(t) for v, t in res["enqueue"].items()}
     ref = res["losses"]["plain"]
@@ -457,7 +470,14 @@ def report(res: dict, command: str, when: str) -> str:
     desc = (
         f"Device: {where}. One process, a one-rank process group "
         f"({'NCCL' if cuda else 'gloo'}) and a (1, 1) DeviceMesh (dp_outer, dp_inner): every "
-        "path runs on the device's tensors and no collective is issued. Model: "
+        "path runs on the device's tensors and no collective is issued"
+        + (
+            ""
+            if cuda
+            else f"; {res['threads']} CPU thread (`torch.set_num_threads`), as each gloo "
+            "benchmark worker"
+        )
+        + ". Model: "
         f"{cfg['L']} x (Linear({cfg['D']}, {cfg['D']}) + Tanh), {res['numel']:,} parameters, "
         f"fp32 ({C.mib(4 * res['numel'])} MiB); M = {cfg['M']} microbatches of {cfg['B']} x "
         f"{cfg['D']}; MSE loss / M; SGD lr {LR}; the same initial weights and data in every "
