@@ -23,7 +23,7 @@ from . import common as C
 
 SIZES = {
     "tiny": {"D": 32, "L": 4, "B": 4, "M": 2, "leaves": 200, "warmup": 1, "reps": 2},
-    "full": {"D": 1024, "L": 8, "B": 32, "M": 4, "leaves": 10_000, "warmup": 2, "reps": 9},
+    "full": {"D": 1024, "L": 8, "B": 32, "M": 4, "leaves": 10_000, "warmup": 2, "reps": 21},
 }
 
 
