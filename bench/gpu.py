@@ -370,14 +370,14 @@ def _syncs(runner, data) -> tuple[int, list[str]]:
     return len(hits), [f"{k} ({n}x)" for k, n in where.most_common(4)]
 
 
-def _memory(cfg: dict, device, dm, name: str) -> dict:
-    """One variant alone: allocated before it was built (idle), one warm-up step, then one
-    step's peak (``max_memory_allocated``, reset before it), in bytes above idle."""
+def _memory(pb: _Problem, device, dm, name: str) -> dict:
+    """One variant alone: allocated before it was built (idle: the problem's initial weights
+    and data included), one warm-up step, then one step's peak (``max_memory_allocated``,
+    reset before it), in bytes above idle."""
     gc.collect()
     torch.cuda.empty_cache()
     _sync(device)
     idle = torch.cuda.memory_allocated(device)
-    pb = _Problem(cfg, device, cfg["M"])
     runner = _build(name, pb, dm)
     runner.step(*pb.data(0))
     data = pb.data(1)
@@ -388,7 +388,7 @@ def _memory(cfg: dict, device, dm, name: str) -> dict:
     runner.step(*data)
     _sync(device)
     peak = torch.cuda.max_memory_allocated(device) - idle
-    del runner, pb, data
+    del runner, data
     return {"held": held, "peak": peak}
 
 
@@ -419,10 +419,10 @@ def _measure(res: dict, cfg: dict, device: torch.device) -> None:
         if cuda:
             res["syncs"] = {v: _syncs(runners[v], pb.data(0)) for v in VARIANTS}
             phases["syncs"] = time.perf_counter() - t0 - sum(phases.values())
-        del runners, pb
+        del runners
         gc.collect()
         if cuda:
-            res["memory"] = {v: _memory(cfg, device, dm, v) for v in VARIANTS}
+            res["memory"] = {v: _memory(pb, device, dm, v) for v in VARIANTS}
             phases["memory"] = time.perf_counter() - t0 - sum(phases.values())
     res["wall_s"] = time.perf_counter() - t0
 
@@ -561,7 +561,8 @@ def report(res: dict, command: str, when: str) -> str:
         lines.append(
             "- *Peak above idle*: `torch.cuda.max_memory_allocated` of one step (reset before "
             "it, after a warm-up step), minus the allocated memory before the variant was "
-            "built, each variant alone; *held*: allocated between steps, above idle."
+            "built (the initial weights and the data it is built from and trains on), each "
+            "variant alone; *held*: allocated between steps, above idle."
         )
     else:
         lines.append(
