@@ -72,6 +72,9 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
     if name == "gpu":  # one rank in this process: the library's paths against dense
         assert res["correct_ok"], res["correct"]
         assert all(x < 1e-4 for x in res["loss_maxrel"].values()), res["losses"]
+    if name == "deferred":  # declared or not, the same step; finish() timed in each
+        assert res["loss_maxrel"] < 1e-6, res["losses"]
+        assert all(len(t) == res["cfg"]["reps"] for t in res["finish"].values()), res["finish"]
     if name == "wire":
         for p in res["presets"].values():
             assert p["wire"] >= p["theory"] * (1 - 1e-9)
