@@ -8,7 +8,9 @@ section for ``bench/RESULTS.md``).
 from . import (
     agreement,
     compiled,
+    deferred,
     fsdp,
+    gpu,
     host,
     layerwise,
     limit,
@@ -35,4 +37,6 @@ BENCHMARKS = {
     "layerwise": layerwise,
     "module": module,
     "agreement": agreement,
+    "gpu": gpu,
+    "deferred": deferred,
 }

@@ -44,10 +44,12 @@ def run_one(
         res = mod.run(size, pool=pool)
     wall = time.perf_counter() - t0
     md = mod.report(res, command, when)
+    n = getattr(mod, "PROCESSES", common.WORLD)  # busy processes of its own
     md += (
         f"\nRun time {wall:.0f} s; 1-minute load average {load0} at the start, {_loadavg()} at "
-        "the end (this benchmark's own busy workers count: 4 busy processes make about 4; "
-        "anything above that is other work on the machine, which adds noise).\n"
+        f"the end (this benchmark's own busy processes count: {n} busy "
+        f"process{'es make' if n > 1 else ' makes'} about {n}; anything above that is other "
+        "work on the machine, which adds noise).\n"
     )
     if size != "full":
         md = md.replace("## ", f"## [size={size}, not a measurement to quote] ", 1)

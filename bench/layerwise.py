@@ -9,8 +9,10 @@ forward + backward + gradient sync + SGD. Variants:
   ``reshard_after_forward=True``, ``set_requires_all_reduce(last)``, ``torch.optim.SGD``,
   ``zero_grad(set_to_none=True)``. The baseline.
 - ``lw_sink``: one unit per Linear, ``fh.gathered(layer, spec, into=mg)`` with
-  ``mg = fh.MainGrad(tree_spec, like=full)``, ``fh.sequence`` (prefetch), ``mg.finish()``
-  after the last microbatch, in-place SGD on the shards, ``mg.zero_grad()``.
+  ``mg = fh.MainGrad(tree_spec, like=full)``, ``fh.sequence`` (prefetch), the microbatches
+  declared (``fh.microbatches(M, into=mg)``: the last one's backward issues each unit's
+  dp_outer all-reduce), ``mg.finish()`` after the last microbatch, in-place SGD on the
+  shards, ``mg.zero_grad()``. The README's layer-wise loop.
 - ``lw_maingrad``: the same units without ``into``: ``torch.func.grad`` returns the
   gradient-placement shards, ``mg.accumulate(g, last=last, at="gradient")``.
 - ``lw_pure``: ``acc = fh.reduce_grads(g, tree_spec, last=last, acc=acc, at="gradient")``,
@@ -18,6 +20,9 @@ forward + backward + gradient sync + SGD. Variants:
 - ``lw_sink_raf0``: ``lw_sink`` with ``reshard_after_forward=False``.
 - ``lw_sink_sync``: ``lw_sink`` without prefetch (a plain loop over the units) on
   ``fh.DistMesh(dm, overlap=False)``: no overlap at all.
+- ``lw_sink_undeclared`` (not in ``VARIANTS``; ``bench deferred`` times it): ``lw_sink``
+  with the microbatches not declared (``fh.microbatches(M)``), so ``mg.finish()`` issues
+  every dp_outer all-reduce after the whole backward.
 - ``whole_tree``: the README quickstart loop: ``full = fh.gather(params, spec)``, the whole
   model's gradient (``grad_and_value`` of ``functional_call``), ``fh.reduce_grads(g, spec,
   last=last, acc=acc)``, SGD into new trees.
@@ -88,11 +93,12 @@ LR = 0.05
 
 _LABEL = {
     "fsdp2": "FSDP2 fully_shard HSDP (baseline)",
-    "lw_sink": "fh layer-wise, gathered(into=MainGrad)",
+    "lw_sink": "fh layer-wise, gathered(into=MainGrad), microbatches(into=mg)",
     "lw_maingrad": "fh layer-wise, grads returned, MainGrad.accumulate(at='gradient')",
     "lw_pure": "fh layer-wise, pure: reduce_grads(at='gradient'), new trees",
     "lw_sink_raf0": "lw_sink, reshard_after_forward=False",
     "lw_sink_sync": "lw_sink, no prefetch, DistMesh(overlap=False)",
+    "lw_sink_undeclared": "lw_sink, microbatches not declared: finish() issues the all-reduces",
     "whole_tree": "fh whole tree (README quickstart loop)",
     "ddp_nosync": "torch DDP + no_sync (full replicas)",
     "compute": "no communication (plain nn.Module step)",
@@ -168,7 +174,7 @@ class _LayerWise:
     """``mode``: "sink" (gathered into=MainGrad), "maingrad" (MainGrad.accumulate at the
     gradient placement) or "pure" (reduce_grads at the gradient placement, new trees)."""
 
-    def __init__(self, cfg, base, dm, mode, raf=True, overlap=True):
+    def __init__(self, cfg, base, dm, mode, raf=True, overlap=True, declare=True):
         import functional_hsdp as fh
 
         self.fh, self.mode, self.M = fh, mode, cfg["M"]
@@ -177,6 +183,8 @@ class _LayerWise:
         self.tree_spec = [spec] * len(full)
         self.params = fh.shard(full, self.tree_spec)
         self.mg = fh.MainGrad(self.tree_spec, like=full) if mode != "pure" else None
+        # sink: the MainGrad learns which microbatch is last (deferred reductions in backward)
+        self.declared = self.mg if mode == "sink" and declare else None
         del full
         into = self.mg if mode == "sink" else None
         block = fh.gathered(_layer, spec, reshard_after_forward=raf, into=into)
@@ -195,7 +203,7 @@ class _LayerWise:
 
     def step(self, xs, ys) -> float:
         fh, mg, total, acc = self.fh, self.mg, 0.0, None
-        for m, last in fh.microbatches(self.M):
+        for m, last in fh.microbatches(self.M, into=self.declared):
             g, loss = self.grad(self.params, xs[m], ys[m])
             total += float(loss)
             if self.mode == "maingrad":
@@ -296,6 +304,8 @@ def _build(name: str, cfg: dict, base, dm):
         return _LayerWise(cfg, base, dm, "sink", raf=False)
     if name == "lw_sink_sync":
         return _LayerWise(cfg, base, dm, "sink", overlap=False)
+    if name == "lw_sink_undeclared":
+        return _LayerWise(cfg, base, dm, "sink", declare=False)
     if name == "whole_tree":
         return _WholeTree(cfg, base, dm)
     if name == "ddp_nosync":
@@ -366,11 +376,12 @@ def _warm_group(dm) -> None:
 # -- tasks (on every rank) ----------------------------------------------------------------------
 
 
-def time_task(cfg: dict, variants=VARIANTS) -> dict:
-    """All variants in this group, steps interleaved; glibc's default malloc."""
+def time_task(cfg: dict, variants=VARIANTS, build=None) -> dict:
+    """All variants in this group, steps interleaved; glibc's default malloc. ``build``:
+    what makes a variant's runner (default :func:`_build`)."""
     dm = C.device_mesh((2, 2))
     base = _base(cfg)
-    runners = {v: _build(v, cfg, base, dm) for v in variants}
+    runners = {v: (build or _build)(v, cfg, base, dm) for v in variants}
     del base
     gc.collect()
     losses = {v: [] for v in variants}

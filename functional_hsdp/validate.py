@@ -49,14 +49,16 @@ call's row costs a list copy.
 
 The exchange is not a gradient collective: :func:`comm_log` does not record it, and it is a
 plain ``torch.distributed`` all-gather (not a functional collective), so profiles of the
-gradient communication stay exact. On a one-rank mesh nothing is exchanged.
+gradient communication stay exact. On a one-rank mesh nothing is exchanged (unless
+``check_finite=True``).
 
 ``check_finite=True`` is the one exception to "never touches device data": the non-finite
 scan reads every bucket (a host-device synchronization), and its result rides in the row.
 
 Limits
 ------
-* ``validation("off")`` exchanges nothing (the checks above are off); every rank must use
+* ``validation("off")`` exchanges nothing (the checks above are off), except for a call with
+  ``check_finite=True``, whose row still carries its non-finite flags; every rank must use
   the same mode, or the ranks that exchange wait (bounded by the mesh's timeout).
 * Under ``torch.compile`` nothing is exchanged.
 * A failure after the agreement (out of memory while packing, a peer dying mid-collective)

@@ -18,6 +18,7 @@ from bench.__main__ import run_one
 ORDER = [
     "wire",
     "agreement",
+    "gpu",
     "limit",
     "overlap",
     "compiled",
@@ -26,6 +27,7 @@ ORDER = [
     "host",
     "scaling",
     "fsdp",
+    "deferred",
     "module",
     "layerwise",
     "memory",
@@ -68,6 +70,12 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
             "dp_inner/reduce_scatter": res["cfg"]["M"],
             "dp_outer/all_reduce": 1,
         }
+    if name == "gpu":  # one rank in this process: the library's paths against dense
+        assert res["correct_ok"], res["correct"]
+        assert all(x < 1e-4 for x in res["loss_maxrel"].values()), res["losses"]
+    if name == "deferred":  # declared or not, the same step; finish() timed in each
+        assert res["loss_maxrel"] < 1e-6, res["losses"]
+        assert all(len(t) == res["cfg"]["reps"] for t in res["finish"].values()), res["finish"]
     if name == "wire":
         for p in res["presets"].values():
             assert p["wire"] >= p["theory"] * (1 - 1e-9)
