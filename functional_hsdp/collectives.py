@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import optree
+import torch
+
 from . import engine
 from .cache import lru
 from .mesh import Mesh
 from .placement import Flat, Replicate
 from .spec import Spec
+from .tree import tracked
 
 __all__ = ["psum", "pmean", "psum_scatter", "all_gather"]
 
@@ -55,7 +59,8 @@ def psum(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> An
         tensor([[3.],
                 [3.]])
     """
-    return _reduce(tree, _axis_spec(mesh, axis, "replicate", "sum", bucket_cap_mb), "psum")
+    spec = _axis_spec(mesh, axis, "replicate", "sum", bucket_cap_mb)
+    return _differentiable_reduce(tree, spec, "psum")
 
 
 def pmean(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> Any:
@@ -73,7 +78,8 @@ def pmean(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> A
         tensor([[1.5000],
                 [1.5000]])
     """
-    return _reduce(tree, _axis_spec(mesh, axis, "replicate", "avg", bucket_cap_mb), "pmean")
+    spec = _axis_spec(mesh, axis, "replicate", "avg", bucket_cap_mb)
+    return _differentiable_reduce(tree, spec, "pmean")
 
 
 def psum_scatter(
@@ -131,3 +137,35 @@ def all_gather(
 
 def _reduce(tree: Any, spec: Spec, call: str) -> Any:
     return engine.reduce(tree, spec, last=True, acc=None, name="tree", call=call)
+
+
+def _differentiable_reduce(tree: Any, spec: Spec, call: str) -> Any:
+    """psum and pmean: differentiable when a leaf is tracked (by autograd or a torch.func
+    transform). Both are their own adjoint in the library's convention (a per-rank value
+    stands for the mean over ranks; see :mod:`functional_hsdp.autodiff`), so backward and
+    jvp are the same reduction of the cotangent or tangent."""
+    leaves, treedef = optree.tree_flatten(tree)
+    if not any(tracked(x) for x in leaves):
+        return _reduce(tree, spec, call)
+    out = _SelfAdjoint.apply(spec, call, treedef, *leaves)
+    return optree.tree_unflatten(treedef, list(out))
+
+
+class _SelfAdjoint(torch.autograd.Function):
+    @staticmethod
+    def forward(spec: Spec, call: str, treedef: Any, *leaves: torch.Tensor) -> tuple:
+        tree = optree.tree_unflatten(treedef, list(leaves))
+        return tuple(optree.tree_leaves(_reduce(tree, spec, call)))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.spec, ctx.call, ctx.treedef = inputs[:3]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        grads = [g.contiguous() for g in grads]
+        return (None, None, None, *_SelfAdjoint.apply(ctx.spec, ctx.call, ctx.treedef, *grads))
+
+    @staticmethod
+    def jvp(ctx: Any, _spec: Any, _call: Any, _treedef: Any, *tangents: torch.Tensor) -> tuple:
+        return _SelfAdjoint.apply(ctx.spec, ctx.call, ctx.treedef, *tangents)

@@ -31,7 +31,14 @@ from .plan import Plan, remember_layout
 from .schedule import expand, run
 from .spec import Spec, resolve_specs
 from .tags import result_state, tag, untouched
-from .tree import check_bool, check_tensors, flatten, refuse_vmap, structure_error
+from .tree import (
+    check_bool,
+    check_tensors,
+    flatten,
+    refuse_tracked,
+    refuse_vmap,
+    structure_error,
+)
 
 __all__ = [
     "AT",
@@ -162,6 +169,7 @@ def reduce(
     leaves, treedef, paths = flatten(grads, name)
     refuse_vmap(leaves, call)
     with validate.agreement(spec, call) as agreed:  # a local error: every rank raises
+        refuse_tracked(leaves, paths, call)
         check_bool("last", last, " (True on the final microbatch)")
         check_bool("check_finite", check_finite)
         if at not in AT:
@@ -316,6 +324,7 @@ def move(
         return optree.tree_unflatten(treedef, [])
     roles = (source,) if source else ("optimizer", "parameter")
     with validate.agreement(spec, call) as agreed:
+        refuse_tracked(leaves, paths, call)
         kinds = ("final", "weights")
         plan, role = find_layout(leaves, treedef, paths, spec, like, roles, kinds, name)
         agreed.check(plan, paths, options=(f"from {role}", f"dtype={dtype}"), defer=True)

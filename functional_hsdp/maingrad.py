@@ -26,7 +26,15 @@ from .layout import pack_shard_full
 from .plan import Plan, TreeMeta, get_plan
 from .spec import resolve_specs
 from .tags import result_state, tag
-from .tree import check_bool, check_tensors, flatten, paths_of, refuse_vmap, structure_error
+from .tree import (
+    check_bool,
+    check_tensors,
+    flatten,
+    paths_of,
+    refuse_tracked,
+    refuse_vmap,
+    structure_error,
+)
 
 __all__ = ["DEPTH", "MainGrad", "microbatches"]
 
@@ -180,6 +188,7 @@ class MainGrad:
         leaves, treedef, paths = flatten(grads, "grads")
         refuse_vmap(leaves, "MainGrad.accumulate")
         with validate.agreement(mesh, "MainGrad.accumulate") as agreed:
+            refuse_tracked(leaves, paths, "MainGrad.accumulate")
             check_bool("last", last, " (True on the final microbatch)")
             check_bool("check_finite", check_finite)
             if at not in engine.AT:

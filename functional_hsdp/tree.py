@@ -109,6 +109,27 @@ def check_tensors(
             )
 
 
+def tracked(x: Any) -> bool:
+    """Whether ``x`` is a tensor whose gradient may be asked for: it requires grad under
+    autograd or a ``torch.func`` transform, with grad mode on."""
+    return isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()
+
+
+def refuse_tracked(leaves: Sequence[Any], paths: Sequence[str], call: str) -> None:
+    """TypeError naming the first leaf that a ``torch.func`` gradient transform tracks:
+    ``call`` is not differentiable, and under the transform its result would silently carry
+    no gradient back (a zero gradient). Under plain autograd its results are detached values,
+    as a ``torch.no_grad`` block's are."""
+    for x, path in zip(leaves, paths):
+        if tracked(x) and torch._C._functorch.is_gradtrackingtensor(x):
+            raise TypeError(
+                f"{path}: requires a gradient, but {call} is not differentiable (its result "
+                "would carry none back): gather weights inside the loss with fh.gathered "
+                "units or fh.functional_call, reduce across ranks with fh.psum / fh.pmean "
+                "(differentiable), or pass detached tensors"
+            )
+
+
 def refuse_vmap(leaves: Sequence[Any], call: str) -> None:
     """NotImplementedError if ``leaves`` are being vmapped (functorch batched tensors): the
     library's packing and collectives work on whole per-rank tensors, and a batched call would

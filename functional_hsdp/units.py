@@ -65,6 +65,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from . import engine
+from .autodiff import Move, move
 from .lookup import find_layout
 from .maingrad import MainGrad
 from .plan import Plan
@@ -530,7 +531,8 @@ class Gathered:
         """Declare ``shards`` the unit that runs after the next call: that call issues its
         all-gather before computing (forward) and makes its wait node first, so that its
         reduce-scatter overlaps the backward of the unit before it."""
-        self._next = _prepare(self, shards)
+        if not _composed():  # the composable path gathers each unit when it is called
+            self._next = _prepare(self, shards)
 
     @torch.compiler.disable  # each unit runs eagerly under torch.compile (a graph break)
     def __call__(self, shards: Any, *args: Any, **kwargs: Any) -> Any:
@@ -546,6 +548,8 @@ class Gathered:
         Returns:
             ``fn``'s result (a pytree of tensors).
         """
+        if _composed():
+            return self._composable(shards, args, kwargs)
         call, wrapped = self._prepared(shards)
         call.chain = _chain()
         if call.sink is not None:  # its backward's gradient is one more for the MainGrad
@@ -566,6 +570,39 @@ class Gathered:
         # only floating ones get gradients
         outs = _Unit.apply(call, *wrapped, *(arg_leaves[i] for i in tensors), *extra)
         return optree.tree_unflatten(call.out_def, list(outs[: call.out_def.num_leaves]))
+
+    def _composable(self, shards: Any, args: tuple, kwargs: dict) -> Any:
+        """``fn`` on the unit all-gathered by a differentiable move (its backward a
+        differentiable reduce-scatter, its jvp the all-gather of the tangent, its vmap one
+        collective for the batch). The gathered weights stay in the graph: no resharding,
+        no recompute, no prefetch."""
+        nxt, self._next = self._next, None
+        if nxt is not None:
+            _release_ahead(nxt[0])
+        if self.into is not None:
+            raise NotImplementedError(
+                f"gathered({self.name}, into=...): under vmap, jvp or a second derivative "
+                "the unit's gradients are returned, not added into a MainGrad (per-sample "
+                "or higher-order gradients have no MainGrad buffer): leave into=None and "
+                "reduce them with fh.reduce_grads(..., at='gradient')"
+            )
+        leaves, treedef, paths = flatten(shards, "shards")
+        if not leaves:
+            raise ValueError(f"gathered: {self.name}'s shards are an empty tree")
+        plan, _ = find_layout(
+            leaves, treedef, paths, self.spec, None, ("parameter",), ("final", "weights"), "shards"
+        )
+        how = Move(plan, "parameter", "full", self.param_dtype, self.reduce_dtype)
+        full = optree.tree_unflatten(treedef, move(how, leaves))
+        cast = self.param_dtype if self.cast_inputs else None
+        if cast is not None:
+            args, kwargs = optree.tree_map(
+                lambda x: x.to(cast) if _floating(x) else x, (args, kwargs)
+            )
+        out = self.fn(full, *args, **kwargs)
+        if self.output_dtype is not None:
+            out = optree.tree_map(lambda x: x.to(self.output_dtype) if _floating(x) else x, out)
+        return out
 
     def _prepared(self, shards: Any) -> tuple[_Call, list]:
         """This call's record and its shards through their wait node (made ahead, or now)."""
@@ -597,7 +634,6 @@ def _prepare(block: Gathered, shards: Any) -> tuple[_Call, list]:
     leaves, treedef, paths = flatten(shards, "shards")
     if not leaves:
         raise ValueError(f"gathered: {block.name}'s shards are an empty tree")
-    _check_transforms(leaves[0], block.name)
     plan, _ = find_layout(
         leaves, treedef, paths, block.spec, None, ("parameter",), ("final", "weights"), "shards"
     )
@@ -639,28 +675,25 @@ def _sink_buckets(call: _Call, pieces: Sequence[torch.Tensor]) -> list[int]:
     return buckets
 
 
-def _check_transforms(x: Any, name: str) -> None:
-    """Refuse what the gathered rule cannot honour: differentiating twice (its backward is not
-    differentiable, so a second-order gradient would silently be zero) and vmap."""
-    if not isinstance(x, torch.Tensor):
-        return  # find_layout names the leaf
-    functorch = torch._C._functorch
+def _composed() -> bool:
+    """Whether this call runs under a transform the first-order path cannot honour: vmap,
+    forward mode (jvp, or a ``torch.autograd.forward_ad`` dual level), or a second level of
+    reverse mode (``grad`` of ``grad``, ``vjp`` of ``grad``). Its units then take the
+    composable path (:func:`functional_hsdp.autodiff.move`)."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
     grads = 0
-    while True:
-        if functorch.is_batchedtensor(x):
-            raise NotImplementedError(
-                f"gathered({name}): vmap over a gathered call is not supported (on a SimMesh "
-                "the mesh dims reach fn whole: vmap inside it, e.g. with fh.per_rank)"
-            )
-        if not functorch.is_gradtrackingtensor(x):
-            break
-        grads += 1
-        x = functorch.get_unwrapped(x)
-    if grads > 1:
-        raise NotImplementedError(
-            f"gathered({name}): differentiating twice (grad of grad) is not supported: the "
-            "unit's backward recomputes it and is not itself differentiable"
-        )
+    for interpreter in retrieve_all_functorch_interpreters():
+        kind = interpreter.key()
+        if kind in (TransformType.Vmap, TransformType.Jvp):
+            return True
+        grads += kind == TransformType.Grad
+    return grads > 1 or torch.autograd.forward_ad._current_level >= 0
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
 def _differentiable(x: Any) -> bool:

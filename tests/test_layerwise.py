@@ -226,14 +226,14 @@ def test_a_weight_used_by_two_units_gets_both_gradients():
     assert max_rel_error(_finish(twice, spec), _finish(once, spec)) <= 1e-6
 
 
-def test_refuses_grad_of_grad_vmap_and_a_spec_tree():
+def test_refuses_into_under_transforms_and_a_spec_tree():
     spec = preset("hsdp", _mesh())
-    _, shards, blk, x = _unit_problem(spec)
-    f = lambda s: blk(s, x).sum()  # noqa: E731
-    with pytest.raises(NotImplementedError, match="differentiating twice"):
+    full, shards, _, x = _unit_problem(spec)
+    mg = fh.MainGrad(spec, like=full)
+    into = fh.gathered(fh.per_rank(lambda p, x: x @ p["w"] + p["b"], spec.mesh), spec, into=mg)
+    f = lambda s: into(s, x).sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match="not added into a MainGrad"):
         grad(lambda s: grad(f)(s)["w"].sum())(shards)
-    with pytest.raises(NotImplementedError, match="vmap"):
-        torch.func.vmap(lambda s: blk(s, x[0, 0]))(shards)
     with pytest.raises(TypeError, match="one Spec"):
         fh.gathered(lambda p: p, {"a": spec})
     lopsided = fh.Spec(

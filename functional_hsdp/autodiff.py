@@ -1,0 +1,174 @@
+"""Collectives as differentiable functions: every ``torch.func`` transform through them.
+
+JAX's rules, in the library's data-parallel convention. A value that differs per rank (a
+rank's gradient, its full weights' cotangent) stands for the *mean* over ranks, the way a
+rank's loss stands for the mean loss: that is why ``grad`` through an all-gather gives the
+reduce-scatter with AVG (the gradient of the mean loss), as the layer-wise units always have.
+In that convention the moves come in adjoint pairs (transposes of each other for the inner
+product that averages per-rank values and sums sharded ones):
+
+====================================  ==================================================
+move (forward)                        its adjoint (backward)
+====================================  ==================================================
+parameter -> full (all-gather)        input -> gradient (reduce-scatter, AVG)
+input -> gradient (reduce-scatter)    parameter -> full (all-gather)
+====================================  ==================================================
+
+A move is linear, so its forward-mode rule (``jvp``) is the same move applied to the
+tangent, and its backward is itself a move (differentiable again: ``grad`` of ``grad``,
+Hessian-vector products by ``jvp(grad(f))`` or ``vjp(grad(f))``). Under ``vmap`` a batch
+dim rides inside the buffer: one collective per bucket for the whole batch, each rank's
+chunk laid out rank-major around it (``b (n c) -> (n b c)``), so a batch of B per-sample
+gradients is one reduce-scatter of B times the bytes, not B collectives.
+
+These moves keep the gathered weights in the graph (no resharding, no recompute): they are
+what a gathered unit runs under the transforms its first-order path cannot honour (see
+:mod:`functional_hsdp.units`), where first-order training keeps its own, leaner path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import einops
+import torch
+
+from . import engine
+from .plan import Plan
+from .schedule import expand, issue
+
+__all__ = ["Move", "move"]
+
+#: each move's adjoint, in the mean convention (see the module docstring)
+ADJOINT = {
+    ("parameter", "full"): ("input", "gradient"),
+    ("input", "gradient"): ("parameter", "full"),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Move:
+    """Leaves of ``plan`` at role ``frm`` to role ``to``, packed in ``dtype`` (None: the
+    plan's), and the dtype of the adjoint's (``grad_dtype``: the reduce dtype of a unit)."""
+
+    plan: Plan
+    frm: str
+    to: str
+    dtype: torch.dtype | None = None
+    grad_dtype: torch.dtype | None = None
+
+    @property
+    def adjoint(self) -> Move:
+        frm, to = ADJOINT[(self.frm, self.to)]
+        return Move(self.plan, frm, to, self.grad_dtype, self.dtype)
+
+    def run(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The move on plain tensors (one collective per bucket per axis, through the
+        engine)."""
+        plan, dtype = self.plan, self.dtype
+        pack = lambda b: plan.pack(b, leaves, self.frm, dtype)  # noqa: E731
+        pending = engine.start(plan, pack, [(self.frm, self.to)], wire=dtype)
+        out, _ = engine.finish(plan, pending, self.to, dtype)
+        return out
+
+    def run_batched(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The move on leaves with a batch dim in front (vmap): per bucket one buffer
+        ``(B, *mesh, length)`` and one collective per step for the whole batch."""
+        plan, dtype, batch = self.plan, self.dtype, leaves[0].shape[0]
+        mesh = plan.mesh
+        bufs = []
+        for b, bucket in enumerate(plan.buckets):
+            packed = torch.stack([plan.pack(b, list(xs), self.frm, dtype) for xs in zip(*leaves)])
+            program = expand(plan.program(b, self.frm, self.to), dtype or bucket.dtype)
+            for item in program:
+                packed = _batched_step(mesh, packed, item, b) if _is_step(item) else item(b, packed)
+            bufs.append(packed)
+        per_sample = [plan.unpack([buf[k] for buf in bufs], self.to, dtype) for k in range(batch)]
+        return [torch.stack(xs) for xs in zip(*per_sample)]
+
+
+def _is_step(item: Any) -> bool:
+    return hasattr(item, "op") and hasattr(item, "axis")
+
+
+def _batched_step(mesh: Any, buf: torch.Tensor, step: Any, bucket: int) -> torch.Tensor:
+    """One collective step on ``(B, *mesh, length)``: each rank's chunk made contiguous for
+    the whole batch (rank-major) around a reduce-scatter or all-gather."""
+    names = " ".join(f"m{k}" for k in range(len(mesh.batch_shape)))
+    if step.op == "slice":
+        raise NotImplementedError("a local slice under vmap is not a move of this module")
+    n = step.size
+    if step.op == "reduce_scatter":
+        flat = einops.rearrange(buf, f"b {names} (n c) -> {names} (n b c)", n=n)
+        out = mesh.wait(issue(mesh, flat.contiguous(), step))
+        return einops.rearrange(out, f"{names} (b c) -> b {names} c", b=buf.shape[0])
+    if step.op == "all_gather":
+        flat = einops.rearrange(buf, f"b {names} c -> {names} (b c)")
+        out = mesh.wait(issue(mesh, flat.contiguous(), step))
+        return einops.rearrange(out, f"{names} (n b c) -> b {names} (n c)", n=n, b=buf.shape[0])
+    flat = einops.rearrange(buf, f"b {names} l -> {names} (b l)")  # all-reduce: elementwise
+    out = mesh.wait(issue(mesh, flat.contiguous(), step))
+    return einops.rearrange(out, f"{names} (b l) -> b {names} l", b=buf.shape[0])
+
+
+class _Moved(torch.autograd.Function):
+    """``Move.run`` as a differentiable function: backward is the adjoint move, jvp the move
+    of the tangent, vmap the batched move."""
+
+    @staticmethod
+    def forward(how: Move, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(how.run(list(leaves)))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.how = inputs[0]
+        ctx.inputs = [(x.shape, x.dtype, x.device) for x in inputs[1:]]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        how = ctx.how.adjoint
+        out = _Moved.apply(how, *_dense(grads, _shapes(how.plan, how.frm, grads)))
+        return (None, *(g.to(dtype) for g, (_, dtype, _) in zip(out, ctx.inputs)))
+
+    @staticmethod
+    def jvp(ctx: Any, _how: Any, *tangents: torch.Tensor) -> tuple:
+        return _Moved.apply(ctx.how, *_dense(tangents, ctx.inputs))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, how: Move, *leaves: torch.Tensor) -> tuple:
+        dims = in_dims[1:]
+        if all(d is None for d in dims):
+            return _Moved.apply(how, *leaves), (None,) * len(how.plan.shapes)
+        size = info.batch_size
+        batched = [
+            x.unsqueeze(0).expand(size, *x.shape) if d is None else x.movedim(d, 0)
+            for x, d in zip(leaves, dims)
+        ]
+        return tuple(how.run_batched(batched)), (0,) * len(batched)
+
+
+def _dense(xs: tuple, like: list) -> list[torch.Tensor]:
+    """Cotangents or tangents as plain strided tensors: autograd may hand on expanded zeros,
+    and None for an input or output with none (then zeros of ``like``'s (shape, dtype,
+    device))."""
+    return [
+        torch.zeros(shape, dtype=dtype, device=device) if x is None else x.contiguous()
+        for x, (shape, dtype, device) in zip(xs, like)
+    ]
+
+
+def _shapes(plan: Plan, role: str, xs: tuple) -> list:
+    """(local shape, dtype, device) of each leaf at ``role``, for cotangents that are None."""
+    first = next((x for x in xs if x is not None), None)
+    dtype = first.dtype if first is not None else None
+    return [
+        (shape, dtype or plan.dtypes[i], plan.devices[i])
+        for i, shape in enumerate(plan.local_shapes[role])
+    ]
+
+
+def move(how: Move, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``how`` applied to ``leaves`` (in the plan's leaf order), differentiable under every
+    ``torch.func`` transform and plain autograd."""
+    return list(_Moved.apply(how, *leaves))

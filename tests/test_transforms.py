@@ -1,0 +1,144 @@
+"""Every torch.func transform through layer-wise units on a SimMesh, for every preset:
+per-sample gradients (vmap of grad), jvp, Hessian-vector products (forward-over-reverse and
+reverse-over-reverse) and a MAML step (grad of grad), each against dense torch.func on the
+mean over ranks (tests/transform_problem.py); and what they issue (comm_log)."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from reference import AXES, STRATEGIES, preset
+from transform_problem import (
+    D,
+    Problem,
+    T,
+    dense_hvp,
+    dense_jvp,
+    dense_maml,
+    dense_per_sample,
+    ranks,
+    rel,
+)
+
+import functional_hsdp as fh
+
+B = 3
+BATCH = (2, 2)
+
+
+def _problem(strategy: str) -> Problem:
+    return Problem(preset(strategy, fh.SimMesh(dict(zip(AXES, BATCH)))))
+
+
+def _data(seed: int, *lead: int) -> torch.Tensor:
+    return torch.randn(*lead, *BATCH, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _every_rank(full: list) -> list:
+    """A finished (full, mesh dims in front) tree -> rank (0, 0)'s copy, after checking that
+    every rank holds the same."""
+    for t in optree.tree_leaves(full):
+        assert torch.equal(t, t[:1, :1].expand_as(t))
+    return optree.tree_map(lambda t: t[0, 0], full)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_per_sample_gradients_are_the_dense_ones_with_one_collective_per_unit(strategy):
+    pb = _problem(strategy)
+    xs = _data(0, B)
+    with fh.comm_log() as log:
+        g = pb.per_sample(xs)
+    with fh.comm_log() as one:
+        pb.per_sample(xs[:1])
+    want = dense_per_sample(pb.full, xs.reshape(B, -1, T, D))
+    for b in range(B):
+        got = _every_rank(pb.finish(optree.tree_map(lambda t, b=b: t[b], g)))
+        assert rel(got, want[b]) <= 1e-5
+    # the batch's collectives are one sample's, each carrying B times the elements
+    assert [(e.op, e.axis) for e in log.events] == [(e.op, e.axis) for e in one.events]
+    assert [e.numel for e in log.events] == [
+        e.numel * (B if e.op == "reduce_scatter" else 1) for e in one.events
+    ]
+    # and equal, bit for bit, to one first-order gradient per sample
+    loop = [torch.func.grad(pb.loss)(pb.params, x) for x in xs]
+    stacked = optree.tree_map(lambda *t: torch.stack(t), *loop)
+    assert all(map(torch.equal, optree.tree_leaves(g), optree.tree_leaves(stacked)))
+
+
+def test_per_sample_gradients_in_chunks():
+    pb = _problem("hsdp")
+    xs = _data(1, 5)
+    whole = pb.per_sample(xs)
+    with fh.comm_log() as log:
+        chunked = pb.per_sample(xs, chunk_size=2)
+    assert all(map(torch.equal, optree.tree_leaves(whole), optree.tree_leaves(chunked)))
+    scatters = [e.numel for e in log.events if e.op == "reduce_scatter"]
+    assert len(scatters) == 3 * len(pb.full)  # ceil(5 / 2) chunks per unit
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_jvp_is_the_dense_jvp(strategy):
+    pb = _problem(strategy)
+    x = _data(2)
+    tangent, full_tangent = pb.consistent(3)
+    out, t_out = pb.jvp(x, tangent)
+    assert torch.allclose(out, pb.out(pb.params, x))
+    want = torch.stack([dense_jvp(pb.full, xr, full_tangent) for xr in ranks(x, BATCH)])
+    assert rel(t_out.reshape(want.shape), want) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("mode", ["forward_reverse", "reverse_reverse"])
+def test_hessian_vector_products_are_the_dense_ones(strategy, mode):
+    pb = _problem(strategy)
+    x = _data(4)
+    v, full_v = pb.consistent(5)
+    hvp = getattr(pb, f"hvp_{mode}")(x, v)
+    want = dense_hvp(pb.full, ranks(x, BATCH), full_v)
+    assert rel(_every_rank(pb.finish(hvp)), want) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_maml_step_is_the_dense_one(strategy):
+    """grad of (the loss after one inner SGD step on the mean gradient): the inner gradient's
+    deferred axes reduced by the differentiable fh.pmean."""
+    pb = _problem(strategy)
+    x_in, x_out = _data(6), _data(7)
+    got = _every_rank(pb.finish(pb.maml(x_in, x_out)))
+    want = dense_maml(pb.full, ranks(x_in, BATCH), ranks(x_out, BATCH))
+    assert rel(got, want) <= 1e-5
+
+
+def test_first_order_training_keeps_its_own_path():
+    """Under grad alone the unit reshards and re-gathers in backward (its FSDP memory); the
+    composable path, under the other transforms, gathers once and keeps the weights."""
+    pb = _problem("hsdp")
+    x = _data(8)
+    with fh.comm_log() as first:
+        torch.func.grad(pb.loss)(pb.params, x)
+    with fh.comm_log() as composed:
+        pb.per_sample(x[None])
+    gathers = lambda log: sum(e.op == "all_gather" for e in log.events)  # noqa: E731
+    assert gathers(first) == 2 * len(pb.full) - 1  # re-gathered in backward, but the last
+    assert gathers(composed) == len(pb.full)
+
+
+def test_psum_and_pmean_are_differentiable_and_the_others_refuse_a_tracked_tree():
+    mesh = fh.SimMesh({"dp": 2})
+    x = torch.tensor([[1.0], [2.0]])
+    # every rank's loss is (its mean)^2: d/dx_r = 2 * mean; psum: 2 * (sum) * 2 ranks
+    assert torch.equal(torch.func.grad(lambda x: fh.pmean(x, "dp", mesh).square().sum())(x),
+                       torch.full((2, 1), 3.0))  # fmt: skip
+    assert torch.equal(torch.func.grad(lambda x: fh.psum(x, "dp", mesh).square().sum())(x),
+                       torch.full((2, 1), 12.0))  # fmt: skip
+    _, tangent = torch.func.jvp(lambda x: fh.pmean(x, "dp", mesh), (x,), (torch.ones(2, 1),))
+    assert torch.equal(tangent, torch.ones(2, 1))
+    spec = fh.fsdp(mesh)
+    with pytest.raises(TypeError, match="reduce_grads is not differentiable"):
+        torch.func.grad(lambda g: fh.reduce_grads({"w": g}, spec, last=True)["w"].sum())(
+            torch.ones(2, 4)
+        )
+    with pytest.raises(TypeError, match="gather is not differentiable"):
+        shards = fh.shard({"w": torch.ones(4)}, spec)
+        torch.func.grad(lambda s: fh.gather(s, spec)["w"].sum())(shards)
