@@ -1,4 +1,5 @@
-"""Communication is checked by counting collectives in comm_log."""
+"""Communication is checked by counting collectives in comm_log, and overlap by the order in
+which the mesh's collectives are issued and waited (a spy on the mesh protocol)."""
 
 from __future__ import annotations
 
