@@ -2,7 +2,8 @@
 
 The reference parity test (as in Megatron-LM PR 5743): a small MLP trained 5 steps with SGD
 through torch.func matches a single-rank baseline; DistMesh gives SimMesh's outputs and logs;
-comm_log's counts agree with torch.profiler's c10d events. (Bad input on every rank:
+comm_log's counts agree with torch.profiler's c10d events; overlap on and off, by the order of
+issues and waits; no collective on a size-1 axis. (Bad input on every rank:
 tests/test_reliability_gloo.py.)
 """
 
