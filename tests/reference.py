@@ -299,10 +299,10 @@ def packs(at: str) -> Iterator[list[int]]:
     packed: list[int] = []
     original = plan_module.Plan.pack
 
-    def pack(self, b, leaves, role):
+    def pack(self, b, leaves, role, *args, **kwargs):
         if role == at:
             packed.append(b)
-        return original(self, b, leaves, role)
+        return original(self, b, leaves, role, *args, **kwargs)
 
     plan_module.Plan.pack = pack
     try:

@@ -136,18 +136,41 @@ def test_prefetching_changes_nothing_but_the_order(dense):
 # -- prefetching: the exact order of collectives and computations ------------------------------
 
 
-def _unit_order(run) -> list[str]:
+class _Marked(torch.autograd.Function):
+    """Identity on a unit's output whose backward records ``label``: the unit's backward
+    starts (its output's gradient has arrived)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, label, record):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.label, ctx.record = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.record(ctx.label)
+        return g, None, None
+
+
+def _unit_order(run, recompute: bool) -> list[str]:
     """One forward and backward through three fsdp units of different sizes on a 2-rank
     SimMesh, as one list in time order: each collective from comm_log (``"all_gather k"``,
     ``"reduce_scatter k"``: k is the unit, read off the event's size), each computation of a
-    unit, recorded by the unit's fn (``"forward k"``, ``"backward k"``: its recompute), and each
-    first wait for a unit's reduce-scatter (a spy on the mesh's wait)."""
+    unit, recorded by the unit's fn (``"forward k"``, ``"recompute k"`` for its second run) and
+    by an identity on its output (``"backward k"``), and each first wait for a unit's
+    reduce-scatter (a spy on the mesh's wait)."""
     mesh = fh.SimMesh({"dp": 2})
     spec = fh.fsdp(mesh)
     units = fh.shard(
         [{"w": torch.full((2 * (k + 1),), 0.1 * (k + 1))} for k in range(3)], [spec] * 3
     )
     marks: list[tuple[int, str]] = []  # (comm_log events so far, what happened)
+    record = lambda label: marks.append((len(log.events), label))  # noqa: E731
+    runs: dict[int, int] = {}
     scattered: list[tuple[torch.Tensor, int]] = []  # (reduce-scatter result, its unit)
     reduce_scatter, wait = mesh.reduce_scatter, mesh.wait
 
@@ -159,17 +182,18 @@ def _unit_order(run) -> list[str]:
     def spy_wait(x):
         for k, (out, unit) in enumerate(scattered):
             if out is x:
-                marks.append((len(log.events), f"wait reduce_scatter {unit}"))
+                record(f"wait reduce_scatter {unit}")
                 del scattered[k]  # its first wait only
                 break
         return wait(x)
 
-    def fn(p, x):  # unit k holds 2(k+1) weights; forward runs without grad, the recompute with
-        phase = "backward" if torch.is_grad_enabled() else "forward"
-        marks.append((len(log.events), f"{phase} {p['w'].shape[-1] // 2 - 1}"))
-        return torch.tanh(x * p["w"].sum())
+    def fn(p, x):  # unit k holds 2(k+1) weights
+        k = p["w"].shape[-1] // 2 - 1
+        runs[k] = runs.get(k, 0) + 1
+        record(f"{'forward' if runs[k] == 1 else 'recompute'} {k}")
+        return _Marked.apply(torch.tanh(x * p["w"].sum()), f"backward {k}", record)
 
-    block = fh.gathered(fh.per_rank(fn, mesh), spec)
+    block = fh.gathered(fh.per_rank(fn, mesh), spec, recompute=recompute)
     mesh.reduce_scatter, mesh.wait = spy_reduce_scatter, spy_wait
     with fh.comm_log() as log:
         torch.func.grad(lambda s: run(block, s, torch.ones(2, 3)).sum())(units)
@@ -217,19 +241,31 @@ ONE_BY_ONE = [
 ]  # fmt: skip
 
 
+def _recomputed(order: list[str]) -> list[str]:
+    """``order`` with recompute=True: each unit's fn runs again just before its backward."""
+    out = []
+    for x in order:
+        if x.startswith("backward"):
+            out.append(x.replace("backward", "recompute"))
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep-graph", "recompute"])
 @pytest.mark.parametrize("run", [_in_sequence, _declared], ids=["sequence", "block.prefetch"])
-def test_the_next_units_all_gather_is_issued_before_this_unit_computes(run):
-    """README: sequence issues the next unit's all-gather before the current unit computes, and
-    each reduce-scatter runs during the next unit's backward (issued before unit i-1's
-    backward computes, waited after it); ``block.prefetch`` declares the same by hand. The
-    exact order in time, not a sorted list."""
-    order = _unit_order(run)
-    assert [x for x in order if not x.startswith("wait")] == PREFETCHED
+def test_the_next_units_all_gather_is_issued_before_this_unit_computes(run, recompute):
+    """README: sequence issues the next unit's all-gather before the current unit computes, the
+    previous unit's re-gather before the current unit's backward, and each reduce-scatter runs
+    during the next unit's backward (issued before unit i-1's backward, waited after it);
+    ``block.prefetch`` declares the same by hand. The exact order in time, not a sorted list."""
+    want = _recomputed if recompute else list
+    order = _unit_order(run, recompute)
+    assert [x for x in order if not x.startswith("wait")] == want(PREFETCHED)
     for k in (1, 2):
         issued, waited = order.index(f"reduce_scatter {k}"), order.index(f"wait reduce_scatter {k}")
         assert issued < order.index(f"backward {k - 1}") < waited, order
-    one_by_one = [x for x in _unit_order(_one_by_one) if not x.startswith("wait")]
-    assert one_by_one == ONE_BY_ONE  # the order prefetching changes
+    one_by_one = [x for x in _unit_order(_one_by_one, recompute) if not x.startswith("wait")]
+    assert one_by_one == want(ONE_BY_ONE)  # the order prefetching changes
 
 
 def test_bf16_weights_accumulate_in_fp32_main_grads():
