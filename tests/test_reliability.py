@@ -55,6 +55,7 @@ from reference import (
     accumulate,
     dense_reduce,
     max_error,
+    packs,
     preset,
     random_tree,
 )
@@ -549,6 +550,22 @@ def test_a_per_example_gradient_tree_is_refused_naming_the_leaf(mesh, spec):
     per_example = {"b": torch.ones(2, 2, 8, 3), "w": torch.ones(2, 2, 8, 5, 3)}
     with pytest.raises(ValueError, match=re.escape("grads['b']: has shape (8, 3)")):
         fh.reduce_grads(per_example, spec, last=True)
+
+
+def test_an_acc_is_read_from_its_buffers_whatever_id_a_dead_result_had(mesh, spec):
+    """A result given back as acc is read from its bucket buffers even when its first leaf
+    has the id of a leaf of a result that died (tags are swept lazily): with that dead
+    entry consulted first, 12 in 100 such accs were packed again."""
+    ddp = fh.ddp(fh.SimMesh({"dp": 4}))
+    packed = []
+    for i in range(60):
+        fh.reduce_grads(random_tree((2, 2), seed=i), spec, last=False)  # pieces: tagged by id
+        g = random_tree((4,), seed=i)
+        acc = fh.reduce_grads(g, ddp, last=False)
+        with packs("gradient") as again:
+            fh.reduce_grads(g, ddp, last=True, acc=acc)
+        packed += again
+    assert packed == []
 
 
 @pytest.mark.parametrize("replace", ["set_", "data"])
