@@ -3,6 +3,8 @@ gradient placement, checked against dense single-process SGD (tests/lw_problem.p
 
 from __future__ import annotations
 
+import threading
+
 import optree
 import pytest
 import torch
@@ -195,8 +197,22 @@ def _unit_order(run, recompute: bool) -> list[str]:
 
     block = fh.gathered(fh.per_rank(fn, mesh), spec, recompute=recompute)
     mesh.reduce_scatter, mesh.wait = spy_reduce_scatter, spy_wait
+    raised: list[BaseException] = []
+
+    def forward_and_backward() -> None:
+        try:
+            torch.func.grad(lambda s: run(block, s, torch.ones(2, 3)).sum())(units)
+        except BaseException as e:  # re-raised below
+            raised.append(e)
+
+    # on a thread of its own: the units' forward state is per thread, and this is the order
+    # of one forward pass from its start, whatever earlier tests left on the main thread
+    thread = threading.Thread(target=forward_and_backward)
     with fh.comm_log() as log:
-        torch.func.grad(lambda s: run(block, s, torch.ones(2, 3)).sum())(units)
+        thread.start()
+        thread.join()
+    if raised:
+        raise raised[0]
     out, m = [], 0
     for i, e in enumerate(log.events):
         while m < len(marks) and marks[m][0] <= i:
