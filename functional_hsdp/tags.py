@@ -211,7 +211,8 @@ def result_state(leaves: list) -> State | None:
         return None
     first = leaves[0]
     found = _LEAVES.get(id(first))
-    if found is not None and found[1] == 0:
+    # an entry of a dead leaf whose id this one reuses (swept lazily) must not hide the views
+    if found is not None and found[1] == 0 and found[0].refs[0]() is first:
         candidates = [found[0]]
     else:
         base = getattr(first, "_base", None) if isinstance(first, torch.Tensor) else None

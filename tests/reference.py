@@ -5,11 +5,15 @@ import modules by name; ``conftest.py`` holds the fixtures, and is not imported)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import optree
 import torch
 from torch.func import functional_call
 
 import functional_hsdp as fh
+from functional_hsdp import plan as plan_module
 
 AXES = ("dp_outer", "dp_inner")
 SHAPES = {"a": (7, 3), "n": [(5,), {"s": (1,)}], "z": (13, 11)}
@@ -110,6 +114,31 @@ def mlp_step(step_grad, full, x, y, spec, each=None):
     return acc, loss_sum
 
 
+def every_call(spec: fh.Spec, seed: int = 0) -> None:
+    """Every public function that communicates, once, on ``spec``'s mesh (a SimMesh, or this
+    rank's DistMesh): shard, sync_params, gather, reduce_grads over microbatches, MainGrad,
+    the per-axis collectives on every axis, and a gathered unit through forward and backward
+    (its gradient finished by ``reduce_grads(at="gradient")``)."""
+    mesh = spec.mesh
+    batch = mesh.batch_shape
+    micro = [random_tree(batch, seed=seed + m) for m in range(2)]
+    params = fh.shard(random_tree((), seed=seed), spec)
+    fh.gather(fh.sync_params(params, spec), spec)
+    grads = accumulate(micro, spec)
+    fh.gather(optree.tree_map(lambda p, g: p - 0.1 * g, params, grads), spec)
+    mg = fh.MainGrad(spec, like=random_tree((), seed=seed))
+    for g, last in fh.microbatches(micro):
+        mg.accumulate(g, last=last)
+    for axis in mesh.axis_names:
+        fh.pmean(fh.psum(micro[0], axis, mesh), axis, mesh)
+        fh.all_gather(fh.psum_scatter(micro[0], axis, mesh), axis, mesh)
+    unit = fh.sync_params(fh.shard({"w": torch.linspace(-1, 1, 12).reshape(4, 3)}, spec), spec)
+    block = fh.gathered(fh.per_rank(lambda p, x: torch.tanh(x @ p["w"]), mesh), spec)
+    x = torch.randn(*batch, 2, 4, generator=torch.Generator().manual_seed(seed))
+    g = torch.func.grad(lambda s: block(s, x).square().sum())(unit)
+    fh.gather(fh.reduce_grads(g, spec, last=True, at="gradient"), spec)
+
+
 # -- in a gloo worker: helpers for the tasks that tests run on conftest.py's ``pool`` ---------
 
 
@@ -138,11 +167,16 @@ def this_rank(tree):
     return optree.tree_map(lambda x: x[o, i], tree)
 
 
-def check_acc_reuse(strategy: str, spec, batch: tuple[int, ...], rank: int = 0) -> bool:
+def check_acc_reuse(
+    strategy: str, spec, batch: tuple[int, ...], rank: int = 0
+) -> tuple[list[int], list[int]]:
     """``reduce_grads`` given back its own previous result reads the result's buffers rather
     than packing the leaves again; check that this agrees bit for bit with the same values
     passed as fresh tensors, sees in-place edits of the acc leaves, never mutates its
-    inputs, and notices leaves put back in other positions (ddp: same local shapes)."""
+    inputs, and notices leaves put back in other positions (ddp: same local shapes).
+
+    Returns the buckets packed at the gradient role (the acc packed from its leaves) in the
+    calls given the acc as returned, and in the calls given fresh copies of it."""
     shapes = {"a": (7, 3), "b": (7, 3), "c": (5,)}
     g1 = random_tree(batch, shapes=shapes, seed=1 + 10 * rank)  # ranks hold different values
     g2 = random_tree(batch, shapes=shapes, seed=2 + 10 * rank)
@@ -153,17 +187,125 @@ def check_acc_reuse(strategy: str, spec, batch: tuple[int, ...], rank: int = 0) 
     def same(x, y):
         return all(map(torch.equal, optree.tree_leaves(x), optree.tree_leaves(y)))
 
+    as_returned: list[int] = []
+    fresh: list[int] = []
     for last in (False, True):
         acc = fh.reduce_grads(g1, spec, last=False)
         before = clone((g1, g2, acc))
-        fast = fh.reduce_grads(g2, spec, last=last, acc=acc)
-        assert same(fast, fh.reduce_grads(g2, spec, last=last, acc=clone(acc)))
+        with packs("gradient") as packed:
+            fast = fh.reduce_grads(g2, spec, last=last, acc=acc)
+        as_returned += packed
+        with packs("gradient") as packed:
+            assert same(fast, fh.reduce_grads(g2, spec, last=last, acc=clone(acc)))
+        fresh += packed
         assert same((g1, g2, acc), before), "an input was mutated"
         acc["a"].mul_(3)  # the caller edits the running sum in place
-        fast = fh.reduce_grads(g2, spec, last=last, acc=acc)
+        with packs("gradient") as packed:
+            fast = fh.reduce_grads(g2, spec, last=last, acc=acc)
+        as_returned += packed
         assert same(fast, fh.reduce_grads(g2, spec, last=last, acc=clone(acc)))
         if strategy == "ddp":
             swapped = {"a": acc["b"], "b": acc["a"], "c": acc["c"]}
             fast = fh.reduce_grads(g2, spec, last=last, acc=swapped)
             assert same(fast, fh.reduce_grads(g2, spec, last=last, acc=clone(swapped)))
-    return True
+    return as_returned, fresh
+
+
+# -- spies on public seams: the mesh's collectives and waits, plan building, packing ----------
+
+
+@contextlib.contextmanager
+def issue_and_wait_order(mesh: fh.Mesh) -> Iterator[list[str]]:
+    """Record, in order, every collective issued on ``mesh`` and the first wait for each.
+
+    The mesh's collectives and ``wait`` (its protocol, :class:`functional_hsdp.Mesh`) are
+    wrapped on the instance. Collectives are numbered in issue order; the list yielded is
+    filled on exit with ``"issue <op> <axis> #k"`` and ``"wait #k"`` entries. A wait made
+    inside the collective's own issue (``DistMesh(overlap=False)``) is recorded right after
+    its issue; a later wait for the same result (a finished tensor passes through ``wait``)
+    is not recorded again.
+    """
+    events: list[tuple] = []
+    results: list = []
+    issuing: list[int] = []
+    waited: set[int] = set()
+
+    def collective(op: str):
+        original = getattr(mesh, op)
+
+        def issue(buf, axis, *rest):
+            k = len(results)
+            results.append(None)
+            events.append(("issue", op, axis, k))
+            issuing.append(k)
+            try:
+                out = original(buf, axis, *rest)
+            finally:
+                issuing.pop()
+            results[k] = out
+            return out
+
+        return issue
+
+    original_wait = mesh.wait
+
+    def wait(x):
+        if issuing:  # waited by the collective itself: nothing stays in flight
+            k = issuing[-1]
+        else:
+            k = next((k for k, r in enumerate(results) if r is x), None)
+        if k is not None and k not in waited:
+            waited.add(k)
+            events.append(("wait", k))
+        return original_wait(x)
+
+    names = ("all_reduce", "reduce_scatter", "all_gather", "wait")
+    for op in names[:3]:
+        setattr(mesh, op, collective(op))
+    mesh.wait = wait
+    out: list[str] = []
+    try:
+        yield out
+    finally:
+        for name in names:
+            delattr(mesh, name)  # the class's own methods again
+        out.extend(
+            f"issue {e[1]} {e[2]} #{e[3]}" if e[0] == "issue" else f"wait #{e[1]}" for e in events
+        )
+
+
+@contextlib.contextmanager
+def plans_built() -> Iterator[list]:
+    """Count the plans built inside the block (``Plan`` constructed: the plan cache missed).
+    Yields a list that gets each new plan."""
+    built: list = []
+    original = plan_module.Plan.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    plan_module.Plan.__init__ = init
+    try:
+        yield built
+    finally:
+        plan_module.Plan.__init__ = original
+
+
+@contextlib.contextmanager
+def packs(at: str) -> Iterator[list[int]]:
+    """The buckets packed at role ``at`` inside the block (``Plan.pack`` calls, in order): an
+    acc re-packed from its leaves shows as packs at the ``"gradient"`` role."""
+    packed: list[int] = []
+    original = plan_module.Plan.pack
+
+    def pack(self, b, leaves, role, *args, **kwargs):
+        if role == at:
+            packed.append(b)
+        return original(self, b, leaves, role, *args, **kwargs)
+
+    plan_module.Plan.pack = pack
+    try:
+        yield packed
+    finally:
+        plan_module.Plan.pack = original

@@ -1,5 +1,6 @@
 """Checkpoints through torch.distributed.checkpoint, on 4 gloo ranks: save on a 2x2 mesh, load on
-2x2 (bit-exact), 1x4 and 4x1 (resharded), and training goes on as if never interrupted."""
+2x2 (bit-exact), 1x4 and 4x1 (resharded), and training goes on as if never interrupted; and
+across world sizes, 4 ranks to 2 and 2 to 4 (a second, 2-rank pool)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch.func import grad
 
 import functional_hsdp as fh
 from functional_hsdp.checkpoint import even_chunks
-from functional_hsdp.launch import device_mesh
+from functional_hsdp.launch import DEFAULT_PRELOAD, GlooPool, device_mesh
 
 MESHES = ((2, 2), (1, 4), (4, 1))
 CAP = 40 * 4 / 2**20  # 40-element buckets: leaves straddle buckets and ranks' chunks
@@ -103,6 +104,70 @@ def test_resume_on_same_and_reshaped_meshes_matches_uninterrupted_run(pool, stra
                 if shape == (2, 2):
                     assert torch.equal(trained[k], ref[k]), k
                 torch.testing.assert_close(trained[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+# -- another world size: 4 ranks -> 2, and 2 -> 4 ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    """2 gloo ranks, beside conftest.py's 4: a checkpoint saved by one world loads on the other."""
+    with GlooPool(2, preload=(*DEFAULT_PRELOAD, "pytest")) as p:
+        yield p
+
+
+WORLD_STRATEGIES = ("hsdp", "hfsdp")
+
+
+def _full(params, state, spec) -> dict:
+    """What a checkpoint must reproduce, as full tensors: weights, AdamW moments, count."""
+    moments = {k: fh.gather(getattr(state, k), spec) for k in ("mu", "nu")}
+    return {"params": fh.gather(params, spec), **moments, "count": state.count}
+
+
+def _save_on(shape, path: str) -> dict:
+    out, opt = {}, fh.adamw(lr=0.05)
+    for strategy in WORLD_STRATEGIES:
+        spec = preset(strategy, _mesh(shape), bucket_cap_mb=CAP)
+        _, full0, _, _ = mlp_problem(4, M)
+        params = fh.shard(full0, spec)
+        params, state = _train(params, opt.init(params), spec, opt, 1)  # moments, count 1
+        saved = {"params": fh.state_dict(params, spec), "optim": fh.state_dict(state, spec)}
+        dcp.save(saved, checkpoint_id=f"{path}/{strategy}")
+        out[strategy] = _full(params, state, spec)
+    return out
+
+
+def _load_on(shapes, path: str) -> dict:
+    out, opt = {}, fh.adamw(lr=0.05)
+    like = _meta(mlp_problem(4, M)[1])
+    for shape, strategy in itertools.product(shapes, WORLD_STRATEGIES):
+        spec = preset(strategy, _mesh(shape), bucket_cap_mb=CAP)
+        state = {
+            "params": fh.empty_state_dict(like, spec),
+            "optim": fh.empty_state_dict(opt.init(like), spec),
+        }
+        dcp.load(state, checkpoint_id=f"{path}/{strategy}")
+        params = fh.load_state_dict(state["params"], spec, like)
+        moments = fh.load_state_dict(state["optim"], spec, opt.init(like))
+        out[(shape, strategy)] = _full(params, moments, spec)
+    return out
+
+
+@pytest.mark.parametrize("direction", ["4-to-2", "2-to-4"])
+def test_a_checkpoint_loads_on_another_world_size(pool, pool2, direction, tmp_path):
+    """Saved by 4 ranks (2x2) and loaded by 2 (1x2, 2x1), and the other way (1x2 -> 2x2, 4x1):
+    the weights, AdamW moments and count, bit for bit (loading only moves data)."""
+    if direction == "4-to-2":
+        saver, saved_on, loader, shapes = pool, (2, 2), pool2, [(1, 2), (2, 1)]
+    else:
+        saver, saved_on, loader, shapes = pool2, (1, 2), pool, [(2, 2), (4, 1)]
+    saved = saver.run(_save_on, saved_on, str(tmp_path))
+    for rank_saved in saved[1:]:  # every rank holds the same full values
+        assert all(_equal(rank_saved[k], saved[0][k]) for k in WORLD_STRATEGIES)
+    for loaded in loader.run(_load_on, shapes, str(tmp_path)):
+        for (shape, strategy), full in loaded.items():
+            assert _equal(full, saved[0][strategy]), (shape, strategy)
 
 
 # -- Shard(0) and Flat units, bf16, zero-size and 0-d leaves -------------------------------------

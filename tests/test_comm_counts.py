@@ -1,11 +1,12 @@
-"""Communication is checked by counting collectives in comm_log."""
+"""Communication is checked by counting collectives in comm_log, and overlap by the order in
+which the mesh's collectives are issued and waited (a spy on the mesh protocol)."""
 
 from __future__ import annotations
 
 import optree
 import pytest
 import torch
-from reference import random_tree
+from reference import AXES, STRATEGIES, every_call, issue_and_wait_order, preset, random_tree
 
 import functional_hsdp as fh
 
@@ -145,6 +146,18 @@ def test_shard_is_communication_free_and_gather_undoes_splits_in_reverse_order()
     ]
 
 
+@pytest.mark.parametrize("shape", [(1, 4), (4, 1)], ids=["outer-1", "inner-1"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_collective_on_a_size_1_axis(strategy, shape):
+    """A size-1 axis moves nothing: no public call issues a collective over it (the other
+    axis still communicates). DistMesh on gloo: tests/test_dist_gloo.py."""
+    mesh = fh.SimMesh(dict(zip(AXES, shape)))
+    with fh.comm_log() as log:
+        every_call(preset(strategy, mesh, bucket_cap_mb=CAP_40))
+    wide = AXES[shape.index(4)]
+    assert log.events and {e.axis for e in log.events} == {wide}
+
+
 def test_event_bytes_and_summary():
     mesh = fh.SimMesh({"dp": 2})
     with fh.comm_log() as log:
@@ -152,3 +165,41 @@ def test_event_bytes_and_summary():
     assert log.events[0].nbytes == 40
     assert log.summary() == {("dp", "all_reduce"): (1, 40)}
     assert log.nbytes(axis="dp") == 40
+
+
+# -- overlap: the order of issues and waits ----------------------------------------------------
+
+RS, AR = "issue reduce_scatter dp_inner", "issue all_reduce dp_outer"
+# three buckets, each reduce-scattered over dp_inner then all-reduced over dp_outer: every
+# bucket's first collective is issued before any is waited (step-major), and each bucket's
+# all-reduce as soon as its reduce-scatter is waited, while the later buckets' are in flight
+STEP_MAJOR = [
+    f"{RS} #0", f"{RS} #1", f"{RS} #2",
+    "wait #0", f"{AR} #3", "wait #1", f"{AR} #4", "wait #2", f"{AR} #5",
+    "wait #3", "wait #4", "wait #5",
+]  # fmt: skip
+# MainGrad keeps two buckets in flight: bucket 2 is issued once bucket 0 is waited
+TWO_DEEP = [f"{RS} #0", f"{RS} #1", "wait #0", f"{RS} #2", "wait #1", "wait #2"]
+TWO_DEEP_OUTER = [f"{AR} #3", f"{AR} #4", "wait #3", f"{AR} #5", "wait #4", "wait #5"]
+
+
+def test_every_bucket_is_issued_before_any_is_waited():
+    """Overlap (README "Overlap"): reduce_grads issues bucket b+1's collective before it waits
+    for bucket b's, and MainGrad.accumulate runs two buckets deep. Recorded by wrapping the
+    mesh's collectives and wait (the mesh protocol); DistMesh on gloo: tests/test_dist_gloo.py."""
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner", bucket_cap_mb=CAP_40)
+    g = {k: torch.randn(2, 2, 40) for k in "abc"}  # a bucket each
+    with issue_and_wait_order(mesh) as order:
+        acc = fh.reduce_grads(g, spec, last=False)
+    assert order == [f"{RS} #0", f"{RS} #1", f"{RS} #2", "wait #0", "wait #1", "wait #2"]
+    with issue_and_wait_order(mesh) as order:
+        fh.reduce_grads(g, spec, last=True, acc=acc)
+    assert order == STEP_MAJOR
+    mg = fh.MainGrad(spec, like={k: torch.zeros(40) for k in "abc"})
+    with issue_and_wait_order(mesh) as order:
+        mg.accumulate(g, last=False)
+    assert order == TWO_DEEP
+    with issue_and_wait_order(mesh) as order:
+        mg.accumulate(g, last=True)
+    assert order == TWO_DEEP + TWO_DEEP_OUTER

@@ -3,7 +3,9 @@
 On 4 real gloo processes (2x2 DistMesh: the traced program uses the functional collectives)
 and on a SimMesh. Both ``last`` values; ``acc`` None, an eager result, a compiled result; a
 spec tree; a second tree shape (a guarded recompile). ``fullgraph=True`` fails on any graph
-break, and a counting backend checks how many graphs were compiled.
+break, and a counting backend checks how many graphs were compiled. And what the README says a
+compiled call does not do: tag its results, log collectives, run the cross-rank agreement, or
+trace ``check_finite=True``.
 """
 
 from __future__ import annotations
@@ -110,6 +112,51 @@ def test_a_compiled_call_first_needs_no_eager_call_before_it(strategy):
     f = torch.compile(lambda g: fh.reduce_grads(g, spec, last=True), fullgraph=True)
     got = f(g)
     assert _same(got, fh.reduce_grads(g, spec, last=True))
+
+
+def test_compiled_results_are_untagged_unlogged_and_not_agreed_on():
+    """README "torch.compile": a compiled call records nothing in comm_log and runs no
+    cross-rank agreement; its results carry no state tag, so an acc from one is checked by
+    structure, dtype and shape only (an eager final result given as acc is refused by its tag,
+    a compiled one is read by value); check_finite=True cannot be traced."""
+    mesh = fh.SimMesh(dict(zip(AXES, (2, 2))))
+    spec = fh.ddp(mesh)  # final and accumulating results have the same local shapes
+    exchanges = []
+    start_exchange = mesh.diagnostics.start_exchange
+
+    def spy(row):  # the agreement's one exchange per call (the mesh's Diagnostics protocol)
+        exchanges.append(row)
+        return start_exchange(row)
+
+    mesh.diagnostics.start_exchange = spy
+    torch._dynamo.reset()
+    g = random_tree((2, 2), shapes=SHAPES, seed=0)
+    final = torch.compile(
+        lambda g: fh.reduce_grads(g, spec, last=True), fullgraph=True, backend="aot_eager"
+    )
+    with fh.comm_log() as eager_log:
+        eager = fh.reduce_grads(g, spec, last=True)
+    assert eager_log.events and len(exchanges) == 1  # eager: both, so the spies see them
+    with fh.comm_log() as log:
+        compiled = [final(g), final(g)]  # traced, then the compiled graph
+    assert log.events == [] and len(exchanges) == 1
+    assert all(_same(eager, c) for c in compiled)
+    with pytest.raises(ValueError, match=r"acc\['n'\]\[0\]: is a finalized result"):
+        fh.reduce_grads(g, spec, last=False, acc=eager)
+    fresh = fh.reduce_grads(g, spec, last=False, acc=optree.tree_map(torch.clone, eager))
+    assert _same(fh.reduce_grads(g, spec, last=False, acc=compiled[0]), fresh)
+    with pytest.raises(TypeError, match="expected dtype torch.float32"):
+        fh.reduce_grads(g, spec, last=False, acc=optree.tree_map(torch.Tensor.double, compiled[0]))
+    cut = optree.tree_map(lambda t: t[..., :1], compiled[0])
+    with pytest.raises(ValueError, match="expected local shape"):
+        fh.reduce_grads(g, spec, last=False, acc=cut)
+    checked = torch.compile(
+        lambda g: fh.reduce_grads(g, spec, last=True, check_finite=True),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException, match="data-dependent"):
+        checked(g)
 
 
 # -- a whole training step under torch.compile ----------------------------------------------

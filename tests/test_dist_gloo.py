@@ -2,7 +2,8 @@
 
 The reference parity test (as in Megatron-LM PR 5743): a small MLP trained 5 steps with SGD
 through torch.func matches a single-rank baseline; DistMesh gives SimMesh's outputs and logs;
-comm_log's counts agree with torch.profiler's c10d events. (Bad input on every rank:
+comm_log's counts agree with torch.profiler's c10d events; overlap on and off, by the order of
+issues and waits; no collective on a size-1 axis. (Bad input on every rank:
 tests/test_reliability_gloo.py.)
 """
 
@@ -24,6 +25,8 @@ from reference import (
     dense_reduce,
     dist_mesh,
     dist_preset,
+    every_call,
+    issue_and_wait_order,
     mlp_loss,
     mlp_problem,
     mlp_step,
@@ -40,6 +43,7 @@ from functional_hsdp.launch import device_mesh
 
 LR = 0.2
 WORLD = GLOO_SHAPE[0] * GLOO_SHAPE[1]
+CAP_40 = 40 * 4 / 2**20  # bucket cap of 40 elements: several buckets
 
 
 def _train_dist(strategy: str, steps: int, microbatches: int):
@@ -264,7 +268,10 @@ def _acc_reuse_on_rank(strategy: str, cap: float):
 @pytest.mark.parametrize("cap", [25.0, 1e-5], ids=["one-bucket", "a-bucket-per-leaf"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_acc_given_back_as_returned_matches_a_fresh_copy(pool, strategy, cap):
-    assert pool.run(_acc_reuse_on_rank, strategy, cap) == [True] * 4
+    """... and is read from its bucket buffers: no bucket of it is packed again (on a real rank
+    every result leaf views its bucket), while a copy of it is."""
+    for as_returned, fresh in pool.run(_acc_reuse_on_rank, strategy, cap):
+        assert as_returned == [] and fresh, (as_returned, fresh)
 
 
 def _overlap_off_on_rank(strategy: str):
@@ -299,6 +306,53 @@ def _overlap_off_on_rank(strategy: str):
 def test_overlap_off_gives_the_same_bits_and_collectives(pool, strategy):
     for same, fp16_close, same_log, axes in pool.run(_overlap_off_on_rank, strategy):
         assert same and fp16_close and same_log and axes == 2
+
+
+def _issue_and_wait_order_on_rank(overlap: bool):
+    mesh = fh.DistMesh(device_mesh(GLOO_SHAPE, AXES), overlap=overlap)
+    spec = fh.hsdp(mesh, *AXES, bucket_cap_mb=CAP_40)
+    g = {k: torch.randn(40) for k in "abc"}  # a bucket each
+    acc = fh.reduce_grads(g, spec, last=False)
+    with issue_and_wait_order(mesh) as order:
+        fh.reduce_grads(g, spec, last=True, acc=acc)
+    return order
+
+
+RS, AR = "issue reduce_scatter dp_inner", "issue all_reduce dp_outer"
+
+
+def test_overlap_issues_every_bucket_before_waiting_and_overlap_off_waits_each(pool):
+    """With overlap (the default) bucket b+1's reduce-scatter is issued before bucket b's is
+    waited, and each bucket's dp_outer all-reduce while later buckets' reduce-scatters are in
+    flight; DistMesh(overlap=False) waits for each collective as it issues it. Recorded by
+    wrapping the mesh's collectives and wait (tests/test_comm_counts.py: the same on a
+    SimMesh)."""
+    step_major = [
+        f"{RS} #0", f"{RS} #1", f"{RS} #2",
+        "wait #0", f"{AR} #3", "wait #1", f"{AR} #4", "wait #2", f"{AR} #5",
+        "wait #3", "wait #4", "wait #5",
+    ]  # fmt: skip
+    one_at_a_time = [
+        f"{RS} #0", "wait #0", f"{RS} #1", "wait #1", f"{RS} #2", "wait #2",
+        f"{AR} #3", "wait #3", f"{AR} #4", "wait #4", f"{AR} #5", "wait #5",
+    ]  # fmt: skip
+    assert pool.run(_issue_and_wait_order_on_rank, True) == [step_major] * WORLD
+    assert pool.run(_issue_and_wait_order_on_rank, False) == [one_at_a_time] * WORLD
+
+
+def _events_on_rank(shape: tuple[int, int], strategy: str):
+    mesh = fh.DistMesh(device_mesh(shape, AXES))
+    with fh.comm_log() as log:
+        every_call(preset(strategy, mesh, bucket_cap_mb=CAP_40), seed=dist.get_rank())
+    return sorted({e.axis for e in log.events})
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (4, 1)], ids=["outer-1", "inner-1"])
+def test_no_collective_on_a_size_1_axis(pool, shape):
+    """A size-1 axis of a DistMesh moves nothing (tests/test_comm_counts.py: SimMesh)."""
+    wide = AXES[shape.index(4)]
+    for strategy in STRATEGIES:
+        assert pool.run(_events_on_rank, shape, strategy) == [[wide]] * WORLD, strategy
 
 
 def _error_after_issue_on_rank(where: str):

@@ -19,6 +19,14 @@ import torch.distributed._functional_collectives as funcol
 from functional_hsdp import launch
 from functional_hsdp.launch import GlooPool, WorkerError, WorkerTimeout, device_mesh
 
+# A pool that gives up on a task (its timeout of 1 s, or error_grace of 3 s after a rank
+# raised) returns well before the 60 s it would otherwise wait. Measured (2-core machine,
+# 5 runs each): 1.02-1.06 s and 3.02-3.05 s at load average 3; 1.33-3.0 s and 3.5-4.4 s with 8
+# busy processes beside it (load average 18). The bound is ten times the worst overshoot
+# measured, and half the 60 s: it holds under load and still fails if the pool waits the task
+# out.
+GIVES_UP_WITHIN = 30.0
+
 
 @pytest.fixture(scope="module")
 def pool():
@@ -216,7 +224,7 @@ def test_timeout_raises_and_pool_recovers(pool):
     with pytest.raises(TimeoutError) as info:
         pool.run(_task_sleep, 60.0, timeout=1.0)
     elapsed = time.monotonic() - t0
-    assert elapsed < 1.0 + 5.0, elapsed
+    assert 1.0 <= elapsed < GIVES_UP_WITHIN, elapsed  # the timeout, not the task's 60 s
     assert isinstance(info.value, WorkerTimeout)
     assert isinstance(info.value, WorkerError)
     assert info.value.missing == [0, 1, 2, 3]
@@ -232,7 +240,7 @@ def test_error_while_others_block_in_collective(pool):
     with pytest.raises(WorkerError) as info:
         pool.run(_task_raise_then_others_block, timeout=60)
     elapsed = time.monotonic() - t0
-    assert elapsed < 3.0 + 5.0, elapsed
+    assert 3.0 <= elapsed < GIVES_UP_WITHIN, elapsed  # error_grace, not the 60 s timeout
     err = info.value
     assert not isinstance(err, TimeoutError)
     assert set(err.errors) == {0}

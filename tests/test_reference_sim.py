@@ -17,6 +17,8 @@ from reference import (
     check_acc_reuse,
     dense_reduce,
     max_error,
+    packs,
+    plans_built,
     preset,
     random_tree,
 )
@@ -24,6 +26,7 @@ from reference import (
 import functional_hsdp as fh
 
 MESHES = [(1, 4), (2, 2), (4, 1), (2, 3)]
+CAP_40 = 40 * 4 / 2**20  # bucket cap of 40 elements: several buckets
 TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 
 
@@ -81,7 +84,31 @@ def test_inputs_are_never_mutated():
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_acc_given_back_as_returned_matches_a_fresh_copy(strategy):
     mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
-    assert check_acc_reuse(strategy, preset(strategy, mesh), (2, 2))
+    as_returned, fresh = check_acc_reuse(strategy, preset(strategy, mesh), (2, 2))
+    assert fresh  # a copy is packed from its leaves
+    if strategy == "ddp":  # leaves that view their bucket buffer: read from it, not re-packed
+        assert as_returned == []  # (SimMesh's ragged Flat pieces are copies: packed)
+
+
+@pytest.mark.parametrize(
+    "shape", [{"dp": 4}, {"dp_outer": 2, "dp_inner": 1}], ids=["ddp", "hsdp-inner-1"]
+)
+def test_an_acc_given_back_as_returned_is_not_packed_again(shape):
+    """Where result leaves view their bucket buffer, the next call reads the buffer: no bucket
+    of the acc is packed from its leaves (a copy of the same acc is)."""
+    mesh = fh.SimMesh(shape)
+    spec = fh.ddp(mesh) if len(shape) == 1 else fh.hsdp(mesh, *AXES, bucket_cap_mb=CAP_40)
+    batch = tuple(shape.values())
+    micro = [random_tree(batch, seed=m) for m in range(3)]
+    acc = fh.reduce_grads(micro[0], spec, last=False)
+    with packs("gradient") as as_returned:
+        acc = fh.reduce_grads(micro[1], spec, last=False, acc=acc)
+        out = fh.reduce_grads(micro[2], spec, last=True, acc=acc)
+    assert as_returned == []
+    with packs("gradient") as fresh:
+        again = fh.reduce_grads(micro[2], spec, last=True, acc=optree.tree_map(torch.clone, acc))
+    assert fresh  # the spy sees packing: a copy is packed from its leaves
+    assert all(map(torch.equal, optree.tree_leaves(out), optree.tree_leaves(again)))
 
 
 def test_result_is_a_tree_of_plain_tensors_with_the_same_structure():
@@ -178,14 +205,30 @@ def test_per_axis_collectives_match_dense_math():
         torch.testing.assert_close(back[k], s[k])
 
 
-def test_plan_is_cached_per_tree_structure_and_spec():
-    from functional_hsdp import plan as plan_module
-
+def test_a_second_identical_call_builds_no_plan():
+    """The plan (buckets, steps, geometry) is built once per tree structure, shapes and spec:
+    a repeated call of every public function only packs, communicates and unpacks."""
     mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
-    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
-    g = random_tree((2, 2))
-    fh.reduce_grads(g, spec, last=True)
-    n = len(plan_module._PLANS)
-    for _ in range(3):
-        fh.reduce_grads(random_tree((2, 2)), spec, last=True)
-    assert len(plan_module._PLANS) == n
+    spec = fh.hfsdp(mesh, "dp_outer", "dp_inner", bucket_cap_mb=CAP_40)
+    fh.clear_caches()  # the first calls below build what they need
+
+    def step(seed: int) -> None:
+        micro = [random_tree((2, 2), seed=seed + m) for m in range(2)]
+        params = fh.shard(random_tree((), seed=seed), spec)
+        fh.gather(fh.sync_params(params, spec), spec)
+        grads = accumulate(micro, spec)
+        fh.gather(optree.tree_map(lambda p, g: p - 0.1 * g, params, grads), spec)
+        mg = fh.MainGrad(spec, like=random_tree(()))
+        for g, last in fh.microbatches(micro):
+            mg.accumulate(g, last=last)
+        fh.psum(micro[0], "dp_inner", mesh)
+
+    with plans_built() as first:
+        step(0)
+    assert first  # the spy sees plans being built
+    with plans_built() as again:
+        step(10)  # the same structure, shapes and spec; other values
+    assert again == []
+    with plans_built() as other:  # a new shape is a new plan
+        fh.reduce_grads(random_tree((2, 2), shapes={"w": (3, 2)}), spec, last=True)
+    assert len(other) == 1
