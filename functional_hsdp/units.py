@@ -93,6 +93,7 @@ class _Chain:
     ahead: list = field(default_factory=list)  # calls with an all-gather issued ahead
     reducing: list = field(default_factory=list)  # calls whose reduce-scatter was issued
     closing: bool = False  # an end-of-backward callback is queued
+    task: int = -1  # the backward (autograd graph task) it is queued on
     closed: bool = False  # a backward ended: the next forward starts a new chain
 
 
@@ -145,6 +146,8 @@ _PREPARED = 4
 def _chain() -> _Chain:
     """The chain this thread's next unit call joins: a new one after a backward ended."""
     chain = _FORWARD.chain
+    if chain is not None and chain.closing and torch._C._current_graph_task_id() != chain.task:
+        _abandon(chain)  # its backward raised: the end-of-backward callback never ran
     if chain is None or chain.closed:
         chain = _FORWARD.chain = _Chain()
     return chain
@@ -444,10 +447,17 @@ class _Wait(torch.autograd.Function):
 
 
 def _abandon(chain: _Chain) -> None:
-    """A forward that will have no backward (it raised): close ``chain`` now, so that the next
-    forward starts a new one, and release what it held (the last unit's weights, the
-    all-gathers issued ahead)."""
+    """A forward or backward that raised: close ``chain`` now, so that the next forward
+    starts a new one, and release what it held (the last unit's weights, the all-gathers
+    issued ahead, the reduce-scatters in flight)."""
     kept, chain.kept, chain.last, chain.closed = chain.kept, None, None, True
+    chain.closing = False
+    reducing, chain.reducing = chain.reducing, []
+    for ref in reducing:
+        call = ref()
+        if call is not None and call.pending is not None:
+            pending, call.pending = call.pending, None
+            engine.release(call.plan, pending)
     if kept is not None:
         _free(kept[0])
     calls, chain.ahead = chain.ahead, []
@@ -475,7 +485,7 @@ def _end_of_backward_callback(chain: _Chain) -> None:
     drop what its last unit kept, and release prefetches never used."""
     if chain.closing:
         return
-    chain.closing = True
+    chain.closing, chain.task = True, torch._C._current_graph_task_id()
 
     def done() -> None:
         chain.closing, chain.closed, chain.last, chain.kept = False, True, None, None

@@ -459,3 +459,32 @@ def test_recompute_issues_the_same_collectives(reshard):
     assert [[(e.op, e.axis, e.numel) for e in events] for _, events in runs] == [
         [(e.op, e.axis, e.numel) for e in runs[0][1]]
     ] * 2
+
+
+def test_a_backward_that_raises_leaves_nothing_to_the_next_forward(monkeypatch):
+    """After a backward that raised (its end-of-backward callback never runs), the next
+    forward on the thread starts anew: at the end of its backward, an all-gather it issued
+    ahead for a unit that never ran is released, as on a fresh thread."""
+    mesh = _mesh()
+    spec = preset("hsdp", mesh)
+    full, shards, _, x = _unit_problem(spec)
+    mg = fh.MainGrad(spec, like=full)
+    blk = fh.gathered(fh.per_rank(lambda p, x: x @ p["w"] + p["b"], mesh), spec, into=mg)
+    f = lambda s: blk(s, x).square().sum()  # noqa: E731
+    mg.begin_microbatch(last=True)
+    grad(f)(shards)
+    with pytest.raises(ValueError, match="reduced over the deferred axes"):
+        grad(f)(shards)
+    mg.finish()
+    released = []
+    abandon = type(mesh).abandon
+    monkeypatch.setattr(type(mesh), "abandon", lambda m, x: released.append(x) or abandon(m, x))
+    plain = fh.gathered(fh.per_rank(lambda p, x: torch.tanh(x @ p["w"]), mesh), spec)
+    layers = fh.shard([{"w": torch.eye(4) / 2}] * 3, [spec] * 3)
+
+    def loss(s):
+        plain.prefetch(s[2])  # declared, then never called
+        return plain(s[1], plain(s[0], x)).sum()
+
+    grad(loss)(layers)
+    assert len(released) == 1
