@@ -265,8 +265,10 @@ def _rng_states(full: list, args: Sequence[Any]) -> tuple:
     """The CPU and device RNG states now (what torch.utils.checkpoint saves), so that a
     recomputed unit draws the same random numbers (dropout) as its forward did."""
     tensors = [*full, *args]
-    devices, states = get_device_states(*tensors)
-    device = next((t.device.type for t in tensors if t.device.type not in ("cpu", "meta")), None)
+    # one tensor per device: torch reads a device's generator once per tensor it is given
+    ones = {t.device: t for t in tensors if t.device.type not in ("cpu", "meta")}
+    devices, states = get_device_states(*ones.values())
+    device = next((d.type for d in ones), None)
     return torch.get_rng_state(), devices, states, device
 
 
