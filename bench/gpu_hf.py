@@ -309,7 +309,14 @@ def report_lines(hf: dict, cuda: bool) -> list[str]:
         f"{fl / 1e12:.3g} TFLOP ({flr / 1e12:.3g} with the recomputed forward); *model "
         "TFLOP/s* divides the former by the step time, for every variant. "
         f"{cfg['warmup']} warm-up and {cfg['reps']} timed steps per variant, interleaved, "
-        "timed as above; median.\n"
+        "timed as above; median"
+        + (
+            "; syncs, *peak above idle* and *held* as above (idle: with the initial model "
+            "and the data)"
+            if cuda
+            else ""
+        )
+        + ".\n"
     )
     lines.append(
         "\n".join(f"- `{v}`: {LABEL[v]}." for v in VARIANTS)
