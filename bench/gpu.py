@@ -28,6 +28,12 @@ reads device data on the host); *syncs* (one step of each under
 ``torch.cuda.set_sync_debug_mode("warn")``, its warnings counted); *memory* (each variant
 alone: ``torch.cuda.max_memory_allocated`` of one step, reset before it, minus the allocated
 memory before the variant was built). Syncs and memory are CUDA only.
+
+Then the same four phases for the path users run with a model they did not write: a Hugging
+Face ``LlamaForCausalLM`` through ``fh.shard_module`` + ``fh.functional_call(..., into=mg)``
+(with and without ``recompute``) against FSDP2 ``fully_shard`` per decoder layer and the model
+alone, all with bf16 mixed precision (:mod:`bench.gpu_hf`; its correctness reference is
+FSDP2-bf16). Skipped, with a note, where ``transformers`` cannot be imported.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from . import common as C
+from . import gpu_hf
 
 # Per device: CUDA sizes a model worth timing on an H200 (8 x 4096^2 fp32: 537 MB of weights);
 # the CPU's fit a 2-core machine in a couple of minutes.
@@ -257,7 +264,9 @@ class _LayerWise:
         return self.fh.gather(self.params, self.tree_spec)
 
 
-def _build(name: str, pb: _Problem, dm):
+def _build(name: str, pb, dm):
+    if name.startswith("hf_"):
+        return gpu_hf.build(name, pb, dm)
     if name == "plain":
         return _Plain(pb, dm)
     if name == "fsdp2":
@@ -394,7 +403,6 @@ def _memory(pb: _Problem, device, dm, name: str) -> dict:
 
 def _measure(res: dict, cfg: dict, device: torch.device) -> None:
     """The four phases, into ``res``."""
-    cuda = device.type == "cuda"
     t0 = time.perf_counter()
     phases = res["phase_s"] = {}
     with _one_rank(device) as dm:
@@ -402,29 +410,56 @@ def _measure(res: dict, cfg: dict, device: torch.device) -> None:
         res["correct"] = _correctness(cfg, device, dm)
         phases["correctness"] = time.perf_counter() - t0 - sum(phases.values())
         pb = _Problem(cfg, device, cfg["M"])
-        runners = {v: _build(v, pb, dm) for v in VARIANTS}
         res["numel"] = sum(p.numel() for p in pb.base.parameters())
-        step_t = {v: [] for v in VARIANTS}
-        enq_t = {v: [] for v in VARIANTS}
-        losses: dict[str, list] = {v: [] for v in VARIANTS}
-        for rep in range(cfg["warmup"] + cfg["reps"]):
-            for v in VARIANTS:
-                dt, enq, loss = _timed_step(runners[v], pb.data(rep), device)
-                losses[v].append(float(loss))  # after the timed region (synchronized)
-                if rep >= cfg["warmup"]:
-                    step_t[v].append(dt)
-                    enq_t[v].append(enq)
-        res["times"], res["enqueue"], res["losses"] = step_t, enq_t, losses
-        phases["time"] = time.perf_counter() - t0 - sum(phases.values())
-        if cuda:
-            res["syncs"] = {v: _syncs(runners[v], pb.data(0)) for v in VARIANTS}
-            phases["syncs"] = time.perf_counter() - t0 - sum(phases.values())
-        del runners
+        _phases(res, pb, cfg, device, dm, VARIANTS, phases, t0)
+        del pb
         gc.collect()
-        if cuda:
-            res["memory"] = {v: _memory(pb, device, dm, v) for v in VARIANTS}
-            phases["memory"] = time.perf_counter() - t0 - sum(phases.values())
+        if res["hf"].get("skipped") is None:
+            _hf_phases(res["hf"], device, dm)
     res["wall_s"] = time.perf_counter() - t0
+
+
+def _phases(res: dict, pb, cfg: dict, device, dm, variants, phases: dict, t0: float) -> None:
+    """Time (every variant built, steps interleaved), syncs and memory (CUDA only), into
+    ``res``; each phase's seconds into ``phases``."""
+    cuda = device.type == "cuda"
+    runners = {v: _build(v, pb, dm) for v in variants}
+    step_t = {v: [] for v in variants}
+    enq_t = {v: [] for v in variants}
+    losses: dict[str, list] = {v: [] for v in variants}
+    for rep in range(cfg["warmup"] + cfg["reps"]):
+        for v in variants:
+            dt, enq, loss = _timed_step(runners[v], pb.data(rep), device)
+            losses[v].append(float(loss))  # after the timed region (synchronized)
+            if rep >= cfg["warmup"]:
+                step_t[v].append(dt)
+                enq_t[v].append(enq)
+    res["times"], res["enqueue"], res["losses"] = step_t, enq_t, losses
+    phases["time"] = time.perf_counter() - t0 - sum(phases.values())
+    if cuda:
+        res["syncs"] = {v: _syncs(runners[v], pb.data(0)) for v in variants}
+        phases["syncs"] = time.perf_counter() - t0 - sum(phases.values())
+    del runners
+    gc.collect()
+    if cuda:
+        res["memory"] = {v: _memory(pb, device, dm, v) for v in variants}
+        phases["memory"] = time.perf_counter() - t0 - sum(phases.values())
+
+
+def _hf_phases(hf: dict, device, dm) -> None:
+    """The Llama's four phases (bench/gpu_hf.py), into ``hf``."""
+    t0 = time.perf_counter()
+    phases = hf["phase_s"] = {}
+    cfg = hf["cfg"]
+    pb = gpu_hf.Problem(cfg, device)
+    hf["numel"] = pb.numel
+    phases["set-up"] = time.perf_counter() - t0
+    hf["correct"] = gpu_hf.correctness(pb, dm)
+    phases["correctness"] = time.perf_counter() - t0 - sum(phases.values())
+    _phases(hf, pb, cfg, device, dm, gpu_hf.VARIANTS, phases, t0)
+    del pb
+    gc.collect()
+    hf["wall_s"] = time.perf_counter() - t0
 
 
 def run(size: str = "full", pool=None) -> dict:
@@ -434,6 +469,8 @@ def run(size: str = "full", pool=None) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     cfg = SIZES[size][device.type]
     res: dict = {"size": size, "cfg": cfg, "device": device.type}
+    skipped = gpu_hf.available()
+    res["hf"] = {"cfg": gpu_hf.SIZES[size][device.type], "skipped": skipped}
     res["device_name"] = torch.cuda.get_device_name(device) if cuda else C.machine()
     threads = torch.get_num_threads()
     if not cuda:  # one thread, as each gloo benchmark worker: steady on a busy machine
@@ -455,6 +492,15 @@ def run(size: str = "full", pool=None) -> dict:
         for case in res["correct"].values()
         for c in case.values()
     )
+    hf = res["hf"]
+    if hf.get("skipped") is None:
+        hf["median"] = {v: C.median(t) for v, t in hf["times"].items()}
+        hf["median_enqueue"] = {v: C.median(t) for v, t in hf["enqueue"].items()}
+        ref = hf["losses"][gpu_hf.REFERENCE]
+        hf["loss_maxrel"] = {
+            v: max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(hf["losses"][v], ref))
+            for v in gpu_hf.VARIANTS
+        }
     return res
 
 
@@ -462,7 +508,8 @@ def report(res: dict, command: str, when: str) -> str:
     cfg, cuda = res["cfg"], res["device"] == "cuda"
     where = f"CUDA: {res['device_name']}" if cuda else "CPU only (no CUDA device)"
     head = C.section_header(
-        f"(B11) One device, world size 1: the library's paths versus torch.func and FSDP2 "
+        f"(B11) One device, world size 1: the library's paths versus torch.func and FSDP2, "
+        f"and a Hugging Face Llama "
         f"({'CUDA' if cuda else 'CPU run, not a GPU measurement'})",
         command,
         when,
@@ -575,5 +622,6 @@ def report(res: dict, command: str, when: str) -> str:
         + ", ".join(f"{k} {v:.0f}" for k, v in res["phase_s"].items())
         + " (the process group and the model's weights are made inside)."
     )
+    lines += gpu_hf.report_lines(res["hf"], cuda)
     lines.append("")
     return "\n".join(lines)

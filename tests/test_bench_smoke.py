@@ -6,12 +6,13 @@ code working. One pool of 4 gloo processes is shared by all benchmarks here.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
 import pytest
 
-from bench import BENCHMARKS, common
+from bench import BENCHMARKS, common, gpu_hf
 from bench.__main__ import run_one
 
 # module, layerwise and memory last: they switch the shared workers' malloc to mmap-everything
@@ -73,6 +74,16 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
     if name == "gpu":  # one rank in this process: the library's paths against dense
         assert res["correct_ok"], res["correct"]
         assert all(x < 1e-4 for x in res["loss_maxrel"].values()), res["losses"]
+        # the Llama through shard_module + functional_call trains as FSDP2-bf16 does
+        hf = res["hf"]
+        if importlib.util.find_spec("transformers") is not None:
+            assert hf["skipped"] is None, hf["skipped"]
+            assert hf["correct"]["ok"], hf["correct"]
+            for v, x in hf["loss_maxrel"].items():
+                bf16 = gpu_hf.PLAIN_TOLERANCE if v == "hf_plain_bf16" else gpu_hf.TOLERANCE
+                assert x <= bf16, (v, hf["losses"])
+            assert all(len(t) == hf["cfg"]["reps"] for t in hf["times"].values())
+            assert "### A Hugging Face Llama" in md and "Skipped" not in md
     if name == "deferred":  # declared or not, the same step; finish() timed in each
         assert res["loss_maxrel"] < 1e-6, res["losses"]
         assert all(len(t) == res["cfg"]["reps"] for t in res["finish"].values()), res["finish"]
@@ -93,6 +104,18 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
         assert "nan" not in md and not any(
             isinstance(v, float) and math.isnan(v) for v in res.get("median", {}).values()
         )
+
+
+def test_gpu_without_transformers_skips_the_llama_with_a_note(monkeypatch):
+    """Where transformers cannot be imported, bench gpu runs its MLP and says why the Llama
+    part did not run (it does not fail)."""
+    why = "ModuleNotFoundError: No module named 'transformers'"
+    monkeypatch.setattr(gpu_hf, "available", lambda: why)
+    res = BENCHMARKS["gpu"].run("tiny")
+    assert res["hf"]["skipped"] == why and "times" not in res["hf"]
+    assert res["correct_ok"], res["correct"]
+    md = BENCHMARKS["gpu"].report(res, "python -m bench gpu --size tiny", "today")
+    assert f"Skipped: `transformers` could not be imported ({why})" in md
 
 
 def test_write_section_replaces_in_place_and_keeps_other_text(tmp_path):
