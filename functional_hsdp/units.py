@@ -45,8 +45,10 @@ unit's compute. A prefetch declared on one block is used by whichever block runs
 next (an embedding block prefetching the first layer, the last layer the head), as long as it
 gathers them the same way (spec, ``into``, ``param_dtype``); else it is released unused.
 
-Not supported (refused): ``vmap`` over a gathered call (torch raises: the Function has no vmap
-rule), and differentiating twice (``grad`` of ``grad``): the backward is not differentiable.
+That is the first-order path (``grad``, ``vjp``, ``grad_and_value``, plain autograd). Under
+``vmap``, forward mode or a second derivative, a unit takes the composable path instead
+(:meth:`Gathered._composable`: the differentiable moves of :mod:`functional_hsdp.autodiff`),
+which keeps the gathered weights in the graph and adds into no ``MainGrad``.
 """
 
 from __future__ import annotations
