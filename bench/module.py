@@ -14,7 +14,9 @@ in every variant. Variants (each per model):
   ``gradient_checkpointing_enable`` for the Llama, torch's ``checkpoint_wrapper`` per block
   for the MLP).
 - ``fsdp2_bf16``: ``fsdp2`` with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
-- ``fh``: ``fh.shard_module(model, spec, units=...)``, ``fh.MainGrad(tree_spec, like=shards)``,
+- ``fh``: ``fh.shard_module(model, spec, units=...)``,
+  ``fh.MainGrad(tree_spec, like=shards, persistent=False)`` (its memory released by
+  ``zero_grad`` and taken bucket by bucket as gradients land, as FSDP2's sharded gradients),
   ``fh.functional_call(model, shards, ..., into=mg)`` under ``torch.func.grad_and_value``, the
   microbatches declared (``fh.microbatches(..., into=mg)``), ``mg.finish()``, SGD in place
   on the shards (``torch._foreach_add_``), ``mg.zero_grad()``. ``recompute=False``.
@@ -191,7 +193,8 @@ class _Fh:
             model, spec, units=_units(kind, model), mp_policy=_policy(bf16)
         )
         self.leaves = optree.tree_leaves(self.shards)
-        self.mg = mg = fh.MainGrad(tree_spec, like=self.shards)
+        # its memory given back by zero_grad, as FSDP2's sharded gradients are
+        self.mg = mg = fh.MainGrad(tree_spec, like=self.shards, persistent=False)
         M = self.M
 
         def loss_fn(s, batch):

@@ -57,6 +57,11 @@ class MainGrad:
             accumulate in it.
         reduce_dtype: the dtype on the wire (default: ``dtype``). For float16 the sum is
             pre- and post-divided (about sqrt(n) each) so large worlds do not overflow.
+        persistent: True (default): the buffers are allocated once and kept (Megatron's
+            ``main_grad``; the views from :attr:`grads` stay put across steps). False:
+            ``zero_grad()`` (``set_to_none=True``) releases their memory and each bucket
+            takes it again when the step's first gradient lands in it, so between steps
+            and early in backward the MainGrad holds nothing (FSDP2's gradient memory).
 
     ``accumulate`` pipelines the buckets two deep: it packs bucket b+1 (into one of two
     persistent packing buffers, each the size of the largest bucket, allocated by the first
@@ -87,7 +92,10 @@ class MainGrad:
         like: Any,
         dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype | None = None,
+        *,
+        persistent: bool = True,
     ):
+        check_bool("persistent", persistent)
         for name, d in (("dtype", dtype), ("reduce_dtype", reduce_dtype or dtype)):
             if not isinstance(d, torch.dtype) or not d.is_floating_point:
                 raise TypeError(f"MainGrad: {name} must be a floating torch.dtype; got {d!r}")
@@ -117,12 +125,17 @@ class MainGrad:
             kinds=tuple(x.dtype for x in leaves),
         )
         self.plan: Plan = get_plan(meta, paths)
+        self.persistent = persistent
         self._buffers = [
             torch.zeros(
                 (*mesh.batch_shape, placed["gradient"].length), dtype=dtype, device=bucket.device
             )
             for bucket, placed in zip(self.plan.buckets, self.plan.placed)
         ]
+        self._nbytes = [buf.untyped_storage().nbytes() for buf in self._buffers]
+        self._alive = [True] * len(self._buffers)  # a bucket's memory is held
+        if not persistent:
+            self._release()
         # made on the first accumulate of raw gradients: units adding into the MainGrad in
         # backward (gathered(into=...)) pack their own buffers and never need them
         self._scratch: dict | None = None
@@ -146,7 +159,9 @@ class MainGrad:
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        """The persistent flat buffers, one per bucket (``(*batch, length)``)."""
+        """The flat buffers, one per bucket (``(*batch, length)``). With
+        ``persistent=False`` a bucket released by ``zero_grad()`` holds no memory (its tensor
+        has an empty storage) until the step writes it."""
         return list(self._buffers)
 
     @property
@@ -222,6 +237,7 @@ class MainGrad:
 
         def done(b: int, chunk: torch.Tensor) -> None:
             if self._fresh[b]:
+                self._hold(b)
                 self._buffers[b].copy_(chunk)
             else:
                 self._buffers[b].add_(chunk)
@@ -332,6 +348,7 @@ class MainGrad:
                 "microbatch, and call finish() and zero_grad() before the next step"
             )
         for b, chunk in zip(buckets, chunks):
+            self._hold(b)
             _accumulate(self._buffers[b], chunk, self._fresh[b])
             self._fresh[b] = False
         self._empty = False
@@ -348,8 +365,9 @@ class MainGrad:
 
         Args:
             set_to_none: True: :attr:`grads` is None until the next ``accumulate``, which
-                overwrites the buffers (kept, never reallocated). False: the buffers are
-                zeroed and :attr:`grads` are zeros.
+                overwrites the buffers (kept, never reallocated; with ``persistent=False``
+                their memory is released now and taken again when the step writes each
+                bucket). False: the buffers are zeroed and :attr:`grads` are zeros.
         """
         self._land_all()
         self._last, self._uses = False, {}
@@ -357,8 +375,11 @@ class MainGrad:
         if set_to_none:
             self._fresh = [True] * len(self._buffers)
             self._empty = True
+            if not self.persistent:
+                self._release()
         else:
-            for buf in self._buffers:
+            for b, buf in enumerate(self._buffers):
+                self._hold(b)
                 buf.zero_()
             self._fresh = [False] * len(self._buffers)
             self._empty = False
@@ -372,7 +393,10 @@ class MainGrad:
             "state": self._state,
             "fresh": list(self._fresh),
             "empty": self._empty,
-            "buffers": [buf.detach().clone() for buf in self._buffers],
+            "buffers": [
+                buf.detach().clone() if alive else torch.zeros_like(buf)
+                for buf, alive in zip(self._buffers, self._alive)
+            ],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -397,7 +421,8 @@ class MainGrad:
                     f"state_dict['buffers'][{b}]: has shape {tuple(saved.shape)} {saved.dtype}; "
                     f"expected {tuple(buf.shape)} {buf.dtype}"
                 )
-        for buf, saved in zip(self._buffers, buffers):
+        for b, (buf, saved) in enumerate(zip(self._buffers, buffers)):
+            self._hold(b)
             buf.copy_(saved)
         if state_dict["state"] not in ("accumulating", "final"):
             raise ValueError(f"load_state_dict: unknown state {state_dict['state']!r}")
@@ -454,8 +479,23 @@ class MainGrad:
         """Buckets no gradient reached this step (a unit never used) hold zeros."""
         for b, fresh in enumerate(self._fresh):
             if fresh:
+                self._hold(b)
                 self._buffers[b].zero_()
                 self._fresh[b] = False
+
+    def _hold(self, b: int) -> None:
+        """Bucket ``b``'s memory, taken again if released (its content is then written
+        whole: a released bucket is always fresh)."""
+        if not self._alive[b]:
+            self._buffers[b].untyped_storage().resize_(self._nbytes[b])
+            self._alive[b] = True
+
+    def _release(self) -> None:
+        """persistent=False: every bucket's memory given back (FSDP2 frees its sharded
+        gradients likewise when the optimizer zeroes them)."""
+        for b, buf in enumerate(self._buffers):
+            buf.untyped_storage().resize_(0)
+            self._alive[b] = False
 
     _DEFERRED = ("gradient", "optimizer")
 

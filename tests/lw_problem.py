@@ -118,6 +118,7 @@ def train(
     prefetch: bool = True,
     recompute: bool = False,
     mp_policy=None,
+    persistent: bool = True,
 ) -> tuple[dict, list]:
     """Train layer-wise; returns (full params gathered at the end, comm_log events).
 
@@ -132,7 +133,7 @@ def train(
     tree_spec = {"embed": spec, "blocks": [spec] * layers}
     full = init(layers)
     main = fh.shard(full, tree_spec)  # optimizer placement
-    mg = fh.MainGrad(tree_spec, like=full) if mode != "pure" else None
+    mg = fh.MainGrad(tree_spec, like=full, persistent=persistent) if mode != "pure" else None
     into = mg if mode == "sink" else None
     kw = {
         "reshard_after_forward": reshard_after_forward,

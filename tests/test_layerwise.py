@@ -8,7 +8,7 @@ import threading
 import optree
 import pytest
 import torch
-from lw_problem import dense_train, max_rel_error, train
+from lw_problem import B, T, V, block, dense_train, init, max_rel_error, train
 from reference import AXES, STRATEGIES, preset
 from torch.func import grad
 
@@ -488,3 +488,43 @@ def test_a_backward_that_raises_leaves_nothing_to_the_next_forward(monkeypatch):
 
     grad(loss)(layers)
     assert len(released) == 1
+
+
+@pytest.mark.parametrize("mode", ["sink", "deferred", "maingrad"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_non_persistent_main_grad_trains_the_same(mode, set_to_none):
+    mesh = _mesh()
+    a, ea = train(preset("hsdp", mesh), 2, 3, mode, set_to_none=set_to_none, persistent=False)
+    b, eb = train(preset("hsdp", mesh), 2, 3, mode, set_to_none=set_to_none)
+    assert all(map(torch.equal, optree.tree_leaves(a), optree.tree_leaves(b)))
+    assert [(e.op, e.numel) for e in ea] == [(e.op, e.numel) for e in eb]
+
+
+def test_a_non_persistent_main_grad_holds_memory_only_for_what_landed():
+    mesh = _mesh()
+    spec = preset("hsdp", mesh)
+    full = init(2)
+    tree_spec = {"embed": spec, "blocks": [spec] * 2}
+    shards = fh.shard(full, tree_spec)
+    mg = fh.MainGrad(tree_spec, like=full, persistent=False)
+    held = lambda: [b.untyped_storage().nbytes() > 0 for b in mg.buffers]  # noqa: E731
+    assert held() == [False] * 3
+    blk = fh.gathered(fh.per_rank(block, mesh), spec, into=mg)
+    h = torch.randn(2, 2, B, T, 8)
+    seen = []
+
+    def loss(s):
+        out = blk(s["blocks"][1], blk(s["blocks"][0], h))
+        return out.square().sum()
+
+    grad(loss)(shards)  # the blocks' buckets landed, not the embedding's
+    seen = held()
+    mg.finish()
+    assert seen.count(True) == 2 and held() == [True] * 3  # finish zero-fills the rest
+    assert torch.equal(fh.gather(mg.grads, tree_spec)["embed"]["tok"], torch.zeros(2, 2, V, 8))
+    mg.zero_grad()
+    assert held() == [False] * 3 and mg.grads is None
+    state = mg.state_dict()  # released buckets save as zeros, nothing taken again
+    assert held() == [False] * 3 and all(not b.any() for b in state["buffers"])
+    with pytest.raises(TypeError, match="persistent must be a bool"):
+        fh.MainGrad(tree_spec, like=full, persistent="no")
