@@ -5,6 +5,7 @@ HSDP with deferred DP-outer reduction (Megatron-LM PR 5743) for ``torch.func`` t
 reduces the outer axis only on the last one.
 """
 
+from .autodiff import per_example_grad_norms
 from .cache import clear_caches
 from .checkpoint import empty_state_dict, load_state_dict, state_dict
 from .collectives import all_gather, pmean, psum, psum_scatter
@@ -65,6 +66,7 @@ __all__ = [
     "hsdp",
     "load_state_dict",
     "microbatches",
+    "per_example_grad_norms",
     "per_rank",
     "pmean",
     "psum",

@@ -28,17 +28,20 @@ what a gathered unit runs under the transforms its first-order path cannot honou
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import einops
+import optree
 import torch
 
 from . import engine
 from .plan import Plan
 from .schedule import expand, issue
 
-__all__ = ["Move", "move"]
+__all__ = ["Move", "move", "per_example_grad_norms"]
 
 #: each move's adjoint, in the mean convention (see the module docstring)
 ADJOINT = {
@@ -145,6 +148,14 @@ class _Moved(torch.autograd.Function):
             x.unsqueeze(0).expand(size, *x.shape) if d is None else x.movedim(d, 0)
             for x, d in zip(leaves, dims)
         ]
+        norms = _NORMS.get()
+        if norms is not None and how.frm == "input":  # per-example norms, nothing reduced
+            norms.add(batched, len(how.plan.mesh.batch_shape))
+            zeros = [
+                torch.zeros(size, *shape, dtype=batched[0].dtype, device=batched[0].device)
+                for shape in how.plan.local_shapes[how.to]
+            ]
+            return tuple(zeros), (0,) * len(zeros)
         return tuple(how.run_batched(batched)), (0,) * len(batched)
 
 
@@ -166,6 +177,79 @@ def _shapes(plan: Plan, role: str, xs: tuple) -> list:
         (shape, dtype or plan.dtypes[i], plan.devices[i])
         for i, shape in enumerate(plan.local_shapes[role])
     ]
+
+
+class _SquaredNorms:
+    """Per-example squared gradient norms, summed over the units a backward reaches."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+
+    def add(self, batched: list[torch.Tensor], mesh_dims: int) -> None:
+        # each leaf (B, *mesh, *shape): this rank's examples' full gradients, before any
+        # reduction across ranks mixes them
+        part = sum(x.float().square().flatten(1 + mesh_dims).sum(-1) for x in batched if x.numel())
+        self.total = part if self.total is None else self.total + part
+
+
+_NORMS: contextvars.ContextVar[_SquaredNorms | None] = contextvars.ContextVar(
+    "fh_per_example_norms", default=None
+)
+
+
+def per_example_grad_norms(
+    loss_fn: Callable, shards: Any, examples: Any, *args: Any, chunk_size: int | None = None
+) -> torch.Tensor:
+    """The gradient norm of each of this rank's examples, over every gathered unit (and
+    ``fh.functional_call`` unit) the loss reaches: the first pass of DP-SGD's per-example
+    clipping (Opacus's ghost clipping in two passes).
+
+    ``loss_fn(shards, example, *args)`` is one example's loss (``examples`` carries the
+    examples along dim 0, a pytree of tensors). It runs under ``vmap(grad(...))``, and each
+    unit's backward takes the squared norm of every example's full gradient *before* the
+    reduce-scatter that would mix ranks' examples, and reduce-scatters nothing. The second
+    pass is an ordinary first-order ``grad`` of ``sum_b min(1, C / norm_b) * loss_b`` on the
+    batch, at FSDP memory: its gradient is the mean over ranks of the sums of clipped
+    per-example gradients.
+
+    Memory: the composable path's (each unit's gathered weights held through the pass, and
+    one unit's per-example full gradients at a time: ``chunk_size`` examples of it).
+
+    Args:
+        loss_fn: one example's scalar loss.
+        shards: the units' shards at the parameter placement.
+        examples: this rank's examples, a pytree of tensors batched along dim 0 (on a
+            SimMesh with the mesh dims after it).
+        *args: more arguments of ``loss_fn``, not batched.
+        chunk_size: examples per pass (default: all at once).
+
+    Returns:
+        A float32 tensor of the norms, ``(B,)`` (on a SimMesh ``(B, *mesh)``: every rank's).
+    """
+    leaves = optree.tree_leaves(examples)
+    if not leaves:
+        raise ValueError("per_example_grad_norms: examples has no tensor leaves")
+    size = leaves[0].shape[0]
+    step = chunk_size or size
+    out = []
+    for start in range(0, size, step):
+        chunk = optree.tree_map(lambda x, start=start: x[start : start + step], examples)
+        norms = _SquaredNorms()
+        token = _NORMS.set(norms)
+        try:
+            per = torch.func.vmap(
+                torch.func.grad(loss_fn), in_dims=(None, 0, *([None] * len(args)))
+            )
+            per(shards, chunk, *args)
+        finally:
+            _NORMS.reset(token)
+        if norms.total is None:
+            raise ValueError(
+                "per_example_grad_norms: the loss reached no gathered unit (the norms are "
+                "taken in the units' backward)"
+            )
+        out.append(norms.total)
+    return torch.cat(out).sqrt()
 
 
 def move(how: Move, leaves: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -142,3 +142,43 @@ def test_psum_and_pmean_are_differentiable_and_the_others_refuse_a_tracked_tree(
     with pytest.raises(TypeError, match="gather is not differentiable"):
         shards = fh.shard({"w": torch.ones(4)}, spec)
         torch.func.grad(lambda s: fh.gather(s, spec)["w"].sum())(shards)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_dp_sgd_per_example_norms_and_clipped_sum_are_the_dense_ones(strategy):
+    """DP-SGD's two passes: each rank's per-example gradient norms (before any reduction
+    across ranks), then a first-order gradient of the clip-weighted loss: the mean over ranks
+    of the sums of clipped per-example gradients, as dense per-example clipping gives."""
+    from transform_problem import dense_loss
+
+    pb = _problem(strategy)
+    examples = _data(9, B)[..., :1, :]  # B examples of one row on each rank
+    with fh.comm_log() as log:
+        norms = fh.per_example_grad_norms(pb.loss, pb.params, examples, chunk_size=2)
+    assert not [e for e in log.events if e.op == "reduce_scatter"]  # nothing mixed, or sent
+    per_rank = examples.reshape(B, -1, D)  # [example, rank]
+    dense = [[torch.func.grad(dense_loss)(pb.full, x) for x in row] for row in per_rank]
+    want_norms = torch.tensor(
+        [
+            [torch.cat([t.flatten() for t in optree.tree_leaves(g)]).norm() for g in row]
+            for row in dense
+        ]
+    )
+    assert torch.allclose(norms.reshape(B, -1), want_norms, rtol=1e-5)
+
+    clip = 0.5 * want_norms.median()
+    scale = (clip / norms).clamp(max=1.0)  # (B, *mesh)
+    batch = examples.squeeze(-2).movedim(0, -2)  # (*mesh, B, D): each rank's batch
+
+    def weighted(s):
+        per_example = pb.out(s, batch).square().sum(-1)  # (*mesh, B)
+        return (per_example * scale.movedim(0, -1)).sum()
+
+    got = _every_rank(pb.finish(torch.func.grad(weighted)(pb.params)))
+    clipped = [
+        optree.tree_map(lambda t, c=c: t * c, g)
+        for row, crow in zip(dense, (clip / want_norms).clamp(max=1.0))
+        for g, c in zip(row, crow)
+    ]
+    want = optree.tree_map(lambda *t: sum(t) / per_rank.shape[1], *clipped)
+    assert rel(got, want) <= 1e-5
