@@ -9,6 +9,7 @@ from . import (
     agreement,
     compiled,
     deferred,
+    dpsgd,
     fsdp,
     gpu,
     host,
@@ -39,4 +40,5 @@ BENCHMARKS = {
     "agreement": agreement,
     "gpu": gpu,
     "deferred": deferred,
+    "dpsgd": dpsgd,
 }

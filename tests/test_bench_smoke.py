@@ -30,6 +30,7 @@ ORDER = [
     "fsdp",
     "deferred",
     "module",
+    "dpsgd",
     "layerwise",
     "memory",
 ]
@@ -96,6 +97,8 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
         for mode in ("sim", "gloo"):
             assert res[mode]["maingrad"]["persistent"] > 0
             assert all(r["reset_ok"] for r in res[mode].values())
+    if name == "dpsgd":  # DP-SGD both ways alike, and the plain steps alike
+        assert res["dpsgd_loss_maxrel"] < 1e-4 and res["plain_loss_maxrel"] < 1e-4, res["losses"]
     if name == "module":  # each fh variant trains as its FSDP2 counterpart
         for key, ratio in res["ratio"].items():
             assert ratio["loss"] < (2e-2 if key.endswith("bf16") else 1e-4), (key, ratio)
