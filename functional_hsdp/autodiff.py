@@ -60,6 +60,9 @@ class Move:
     to: str
     dtype: torch.dtype | None = None
     grad_dtype: torch.dtype | None = None
+    #: if given, the forward appends ``(plain inputs, plain outputs)`` to it (a unit that
+    #: releases its gathered weights between forward and backward needs them)
+    record: list | None = None
 
     @property
     def adjoint(self) -> Move:
@@ -121,7 +124,10 @@ class _Moved(torch.autograd.Function):
 
     @staticmethod
     def forward(how: Move, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(how.run(list(leaves)))
+        out = how.run(list(leaves))
+        if how.record is not None:
+            how.record.append((list(leaves), out))
+        return tuple(out)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

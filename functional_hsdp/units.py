@@ -58,7 +58,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import optree
@@ -137,6 +137,7 @@ class _Forward(threading.local):
     def __init__(self) -> None:
         self.chain: _Chain | None = None
         self.prepared: dict[tuple[int, ...], tuple[_Call, list, list]] = {}
+        self.resharded: _Resharded | None = None  # the composable path's last unit
 
 
 _FORWARD = _Forward()
@@ -606,7 +607,12 @@ class Gathered:
         plan, _ = find_layout(
             leaves, treedef, paths, self.spec, None, ("parameter",), ("final", "weights"), "shards"
         )
-        how = Move(plan, "parameter", "full", self.param_dtype, self.reduce_dtype)
+        record: list = []
+        how = Move(plan, "parameter", "full", self.param_dtype, self.reduce_dtype, record)
+        # the unit before gives its gathered weights' memory back now (per-sample gradients)
+        previous, _FORWARD.resharded = _FORWARD.resharded, None
+        if previous is not None:
+            previous.free()
         full = optree.tree_unflatten(treedef, move(how, leaves))
         cast = self.param_dtype if self.cast_inputs else None
         if cast is not None:
@@ -616,6 +622,10 @@ class Gathered:
         out = self.fn(full, *args, **kwargs)
         if self.output_dtype is not None:
             out = optree.tree_map(lambda x: x.to(self.output_dtype) if _floating(x) else x, out)
+        if self.reshard_after_forward and record and _per_sample_only():
+            resharded = _Resharded(replace(how, record=None), *record[0])
+            _FORWARD.resharded = resharded
+            out = optree.tree_map(lambda x: _Regrow.apply(resharded, x) if _floating(x) else x, out)
         return out
 
     def _prepared(self, shards: Any) -> tuple[_Call, list]:
@@ -687,6 +697,79 @@ def _sink_buckets(call: _Call, pieces: Sequence[torch.Tensor]) -> list[int]:
             "MainGrad's (another bucket_cap_mb or dtype split?)"
         )
     return buckets
+
+
+class _Resharded:
+    """A unit's gathered weights on the composable path, released between its forward and
+    its backward (as the first-order path does) when only vmap and one gradient level are
+    at work: per-sample gradients, DP-SGD's norms. The first gradient to reach the unit's
+    outputs (:class:`_Regrow`) gathers them again, into their own memory."""
+
+    def __init__(self, how: Move, inputs: list, outputs: list):
+        self.how, self.inputs, self.outputs = how, inputs, outputs
+        self.freed: list | None = None
+
+    def free(self) -> None:
+        if self.freed is not None:
+            return
+        kept = {x.untyped_storage().data_ptr() for x in self.inputs}
+        storages = {}
+        for w in self.outputs:
+            storage = w.untyped_storage()
+            if storage.data_ptr() not in kept and storage.nbytes():
+                storages.setdefault(storage.data_ptr(), (storage, storage.nbytes()))
+        with torch._C._DisableFuncTorch(), torch.no_grad():
+            for storage, _ in storages.values():
+                storage.resize_(0)
+        self.freed = list(storages.values())
+
+    def regrow(self) -> None:
+        if not self.freed:
+            self.freed = None
+            return
+        new = self.how.run(self.inputs)
+        with torch._C._DisableFuncTorch(), torch.no_grad():
+            for storage, nbytes in self.freed:
+                storage.resize_(nbytes)
+            for old, x in zip(self.outputs, new):
+                with torch.autograd._unsafe_preserve_version_counter(old):
+                    old.copy_(x)
+        self.freed = None
+
+
+class _Regrow(torch.autograd.Function):
+    """Identity on a unit's output; backward: the unit's released weights gathered again
+    before the unit's own backward reads them."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(resharded: _Resharded, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.resharded = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.resharded.freed is not None:
+            ctx.resharded.regrow()
+        return None, grad
+
+
+def _per_sample_only() -> bool:
+    """Whether only vmap and one level of reverse mode are at work (per-sample gradients):
+    then the composable path can release a unit's weights between forward and backward."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    kinds = [i.key() for i in retrieve_all_functorch_interpreters()]
+    return (
+        kinds.count(TransformType.Grad) == 1
+        and all(k in (TransformType.Grad, TransformType.Vmap) for k in kinds)
+        and torch.autograd.forward_ad._current_level < 0
+    )
 
 
 def _composed() -> bool:

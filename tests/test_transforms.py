@@ -111,17 +111,53 @@ def test_a_maml_step_is_the_dense_one(strategy):
 
 
 def test_first_order_training_keeps_its_own_path():
-    """Under grad alone the unit reshards and re-gathers in backward (its FSDP memory); the
-    composable path, under the other transforms, gathers once and keeps the weights."""
+    """Under grad alone the unit takes its first-order path; under vmap of grad (per-sample
+    gradients) the composable path releases the gathered weights between forward and
+    backward alike (every unit's but the last is gathered again); under a second derivative
+    it keeps them (no re-gather)."""
     pb = _problem("hsdp")
     x = _data(8)
+    gathers = lambda log: sum(e.op == "all_gather" for e in log.events)  # noqa: E731
     with fh.comm_log() as first:
         torch.func.grad(pb.loss)(pb.params, x)
-    with fh.comm_log() as composed:
+    with fh.comm_log() as per_sample:
         pb.per_sample(x[None])
-    gathers = lambda log: sum(e.op == "all_gather" for e in log.events)  # noqa: E731
-    assert gathers(first) == 2 * len(pb.full) - 1  # re-gathered in backward, but the last
-    assert gathers(composed) == len(pb.full)
+    v, _ = pb.consistent(1)
+    with fh.comm_log() as second:
+        pb.hvp_reverse_reverse(x, v)
+    assert gathers(first) == gathers(per_sample) == 2 * len(pb.full) - 1
+    # each unit gathered once in forward, and once as its reduce-scatter's transpose
+    assert gathers(second) == 2 * len(pb.full)
+
+
+def test_per_sample_gradients_hold_one_units_gathered_weights_at_a_time():
+    from transform_problem import layer
+
+    mesh = fh.SimMesh(dict(zip(AXES, BATCH)))
+    spec = preset("hsdp", mesh)
+    pb = Problem(spec)
+    sizes, seen = [], []
+
+    def watched(p, h):
+        w = p["w"]
+        while torch._C._functorch.is_functorch_wrapped_tensor(w):
+            w = torch._C._functorch.get_unwrapped(w)
+        seen.append(w)
+        return layer(p, h)
+
+    pb.block = fh.gathered(fh.per_rank(watched, mesh), spec)
+
+    def loss(s, x):
+        out = pb.loss(s, x)
+        sizes.append([w.untyped_storage().nbytes() for w in seen])
+        return out
+
+    xs = _data(10, B)
+    g = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(pb.params, xs)
+    assert sizes[0][0] == 0 and sizes[0][-1] > 0  # after forward: the first unit released
+    loop = [torch.func.grad(pb.loss)(pb.params, x) for x in xs]
+    stacked = optree.tree_map(lambda *t: torch.stack(t), *loop)
+    assert all(map(torch.equal, optree.tree_leaves(g), optree.tree_leaves(stacked)))
 
 
 def test_psum_and_pmean_are_differentiable_and_the_others_refuse_a_tracked_tree():
