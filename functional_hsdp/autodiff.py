@@ -157,10 +157,9 @@ class _Moved(torch.autograd.Function):
         norms = _NORMS.get()
         if norms is not None and how.frm == "input":  # per-example norms, nothing reduced
             norms.add(batched, len(how.plan.mesh.batch_shape))
-            zeros = [
-                torch.zeros(size, *shape, dtype=batched[0].dtype, device=batched[0].device)
-                for shape in how.plan.local_shapes[how.to]
-            ]
+            zero = torch.zeros((), dtype=batched[0].dtype, device=batched[0].device)
+            # the per-example gradients nobody reads: expanded zeros, no memory
+            zeros = [zero.expand(size, *shape) for shape in how.plan.local_shapes[how.to]]
             return tuple(zeros), (0,) * len(zeros)
         return tuple(how.run_batched(batched)), (0,) * len(batched)
 
@@ -194,7 +193,11 @@ class _SquaredNorms:
     def add(self, batched: list[torch.Tensor], mesh_dims: int) -> None:
         # each leaf (B, *mesh, *shape): this rank's examples' full gradients, before any
         # reduction across ranks mixes them
-        part = sum(x.float().square().flatten(1 + mesh_dims).sum(-1) for x in batched if x.numel())
+        part = sum(
+            torch.linalg.vector_norm(x.flatten(1 + mesh_dims), dim=-1, dtype=torch.float32) ** 2
+            for x in batched
+            if x.numel()
+        )
         self.total = part if self.total is None else self.total + part
 
 

@@ -137,7 +137,7 @@ class _Forward(threading.local):
     def __init__(self) -> None:
         self.chain: _Chain | None = None
         self.prepared: dict[tuple[int, ...], tuple[_Call, list, list]] = {}
-        self.resharded: _Resharded | None = None  # the composable path's last unit
+        self.resharded: Any = None  # weak reference to the composable path's last unit
 
 
 _FORWARD = _Forward()
@@ -589,8 +589,9 @@ class Gathered:
     def _composable(self, shards: Any, args: tuple, kwargs: dict) -> Any:
         """``fn`` on the unit all-gathered by a differentiable move (its backward a
         differentiable reduce-scatter, its jvp the all-gather of the tangent, its vmap one
-        collective for the batch). The gathered weights stay in the graph: no resharding,
-        no recompute, no prefetch."""
+        collective for the batch). No recompute, no prefetch; under vmap of one gradient
+        level the gathered weights are released between forward and backward
+        (:class:`_Resharded`), else they stay in the graph."""
         nxt, self._next = self._next, None
         if nxt is not None:
             _release_ahead(nxt[0])
@@ -611,6 +612,7 @@ class Gathered:
         how = Move(plan, "parameter", "full", self.param_dtype, self.reduce_dtype, record)
         # the unit before gives its gathered weights' memory back now (per-sample gradients)
         previous, _FORWARD.resharded = _FORWARD.resharded, None
+        previous = previous() if previous is not None else None
         if previous is not None:
             previous.free()
         full = optree.tree_unflatten(treedef, move(how, leaves))
@@ -624,7 +626,7 @@ class Gathered:
             out = optree.tree_map(lambda x: x.to(self.output_dtype) if _floating(x) else x, out)
         if self.reshard_after_forward and record and _per_sample_only():
             resharded = _Resharded(replace(how, record=None), *record[0])
-            _FORWARD.resharded = resharded
+            _FORWARD.resharded = weakref.ref(resharded)  # the graph keeps it, not the thread
             out = optree.tree_map(lambda x: _Regrow.apply(resharded, x) if _floating(x) else x, out)
         return out
 
