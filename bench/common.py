@@ -18,7 +18,9 @@ several regions.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import math
 import os
 import platform
@@ -181,6 +183,76 @@ class Peak:
         self.peak = maxrss()
         self.extra = self.peak - self.before
         self.kept = self.after - self.before
+
+
+# -- a variant's step memory (fresh groups) ----------------------------------------------------
+
+
+def status(key: str) -> int:
+    """A ``/proc/self/status`` field in bytes (VmRSS, VmHWM, VmSize)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def settle() -> int:
+    """Collect garbage, give freed memory back, return the RSS."""
+    gc.collect()
+    trim()
+    return status("VmRSS")
+
+
+@contextlib.contextmanager
+def frozen():
+    """Every object alive now moved out of the collector's sight (``gc.freeze``) for the
+    block: later ``gc.collect()`` calls then take milliseconds instead of a quarter second
+    (torch's import leaves a large heap of objects)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def loadavg() -> float:
+    """The 1-minute load average."""
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def warm_group(dm) -> None:
+    import torch.distributed as dist
+
+    for group in (None, dm.get_group("dp_outer"), dm.get_group("dp_inner")):
+        dist.all_reduce(torch.ones(1), group=group)
+
+
+def step_memory(build: Callable[[Any], Any], data: Callable[[int], tuple]) -> dict:
+    """One variant's step memory on this rank (every rank calls it): idle RSS once the group
+    is warm, ``runner = build(device_mesh)``, a warm-up ``runner.step(*data(0))``, then the
+    high-water mark of ``runner.step(*data(1))`` above idle (glibc mmapping every allocation
+    of 64 KiB or more, so freed tensors leave the RSS). ``before``: what the runner holds
+    above idle just before the measured step."""
+    set_malloc()
+    with frozen():
+        dm = device_mesh((2, 2))
+        warm_group(dm)
+        idle = settle()
+        runner = build(dm)
+        runner.step(*data(0))
+        batch = data(1)
+        barrier()
+        before = settle() - idle
+        reset = reset_peak()
+        runner.step(*batch)
+        peak = status("VmHWM") - idle
+        barrier()
+        del runner
+        settle()
+        return {"before": before, "peak": peak, "reset_ok": reset}
 
 
 # -- timing -----------------------------------------------------------------------------------

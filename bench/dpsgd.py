@@ -28,7 +28,6 @@ import optree
 import torch
 
 from . import common as C
-from .layerwise import _frozen, _loadavg, _settle, _status, _warm_group
 
 SIZES = {
     "tiny": {"D": 64, "L": 3, "B": 4, "chunk": 2, "warmup": 1, "reps": 1, "fresh": False},
@@ -176,23 +175,8 @@ def time_task(cfg: dict) -> dict:
 
 
 def mem_task(cfg: dict, variant: str) -> dict:
-    C.set_malloc()
-    with _frozen():
-        dm = C.device_mesh((2, 2))
-        _warm_group(dm)
-        idle = _settle()
-        runner = _build(variant, cfg, dm)
-        runner.step(*_data(cfg, 0))
-        data = _data(cfg, 1)
-        C.barrier()
-        before = _settle() - idle
-        reset = C.reset_peak()
-        runner.step(*data)
-        peak = _status("VmHWM") - idle
-        C.barrier()
-        del runner
-        _settle()
-        return {"before": before, "peak": peak, "reset_ok": reset}
+    """One variant: idle RSS, build, one warm-up step, one measured step (its VmHWM)."""
+    return C.step_memory(lambda dm: _build(variant, cfg, dm), lambda k: _data(cfg, k))
 
 
 def run(size: str = "full", pool=None) -> dict:
@@ -202,11 +186,11 @@ def run(size: str = "full", pool=None) -> dict:
         pool = own = C.new_pool()
     load = {}
     try:
-        load["time"] = [_loadavg()]
+        load["time"] = [C.loadavg()]
         per_rank, res = C.run_task(time_task, SIZES, size, pool)
-        load["time"].append(_loadavg())
+        load["time"].append(C.loadavg())
         mem = {v: C.on_ranks(pool, mem_task, cfg, v) for v in VARIANTS}
-        load["memory"] = [load["time"][1], _loadavg()]
+        load["memory"] = [load["time"][1], C.loadavg()]
     finally:
         if own is not None:
             own.close()

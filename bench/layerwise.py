@@ -318,35 +318,6 @@ def _build(name: str, cfg: dict, base, dm):
 # -- memory probes ----------------------------------------------------------------------------
 
 
-def _status(key: str) -> int:
-    """A ``/proc/self/status`` field in bytes (VmRSS, VmHWM, VmSize)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _settle() -> int:
-    """Collect garbage, give freed memory back, return the RSS."""
-    gc.collect()
-    C.trim()
-    return _status("VmRSS")
-
-
-@contextlib.contextmanager
-def _frozen():
-    """Every object alive now moved out of the collector's sight (``gc.freeze``) for the
-    block: later ``gc.collect()`` calls then take milliseconds instead of a quarter second
-    (torch's import leaves a large heap of objects)."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def _where(exc: BaseException) -> str:
     """Where ``exc`` was raised: the innermost frame in this file, and the innermost frame."""
     import traceback
@@ -358,19 +329,6 @@ def _where(exc: BaseException) -> str:
         last = frames[-1]
         out.append(f"{last.filename.rsplit('/', 2)[-2:][-1]}:{last.name}")
     return " -> ".join(out)
-
-
-def _loadavg() -> float:
-    """The 1-minute load average."""
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
-
-
-def _warm_group(dm) -> None:
-    import torch.distributed as dist
-
-    for group in (None, dm.get_group("dp_outer"), dm.get_group("dp_inner")):
-        dist.all_reduce(torch.ones(1), group=group)
 
 
 # -- tasks (on every rank) ----------------------------------------------------------------------
@@ -404,22 +362,22 @@ def time_task(cfg: dict, variants=VARIANTS, build=None) -> dict:
 def mem_task(cfg: dict, variant: str) -> dict:
     """One variant: idle RSS, build, one warm-up step, one measured step (its VmHWM)."""
     C.set_malloc()
-    with _frozen():
+    with C.frozen():
         dm = C.device_mesh((2, 2))
-        _warm_group(dm)
-        idle = _settle()
+        C.warm_group(dm)
+        idle = C.settle()
         base = _base(cfg)
         runner = _build(variant, cfg, base, dm)
         del base
-        built = _settle() - idle
+        built = C.settle() - idle
         losses = [runner.step(*_data(cfg, 0))]
         data = _data(cfg, 1)
         C.barrier()
-        before = _settle() - idle
+        before = C.settle() - idle
         reset = C.reset_peak()
         losses.append(runner.step(*data))
-        peak = _status("VmHWM") - idle
-        after = _settle() - idle
+        peak = C.status("VmHWM") - idle
+        after = C.settle() - idle
         C.barrier()
         return {
             "idle": idle,
@@ -437,19 +395,19 @@ def cap_task(cfg: dict, variant: str) -> dict:
     so that this rank has ``cap`` bytes above its idle RSS: the limit is the current virtual
     size plus the cap minus what the rank already holds above idle."""
     C.set_malloc()
-    with _frozen():
+    with C.frozen():
         cap = int(cfg["cap_mib"] * 2**20)
         dm = C.device_mesh((2, 2))
-        _warm_group(dm)
-        idle = _settle()
+        C.warm_group(dm)
+        idle = C.settle()
         base = _base(cfg)
         runner = _build(variant, cfg, base, dm)
         del base
         runner.step(*_data(cfg, 0))  # warm-up: plans, caches, threads, arenas, all uncapped
         data = _data(cfg, 1)
         C.barrier()
-        held = _settle() - idle
-        vm = _status("VmSize")
+        held = C.settle() - idle
+        vm = C.status("VmSize")
         limit = vm + cap - held
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
         outcome, error, loss = "trains", "", None
@@ -462,9 +420,9 @@ def cap_task(cfg: dict, variant: str) -> dict:
             error += f" (in {_where(exc)})"
         finally:
             resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-        peak = _status("VmHWM") - idle
+        peak = C.status("VmHWM") - idle
         del runner, data
-        _settle()
+        C.settle()
         return {
             "outcome": outcome,
             "error": error,
@@ -487,14 +445,14 @@ def run(size: str = "full", pool=None) -> dict:
         pool = own = C.new_pool()
     load = {}
     try:
-        load["time"] = [_loadavg()]
+        load["time"] = [C.loadavg()]
         per_rank, res = C.run_task(time_task, SIZES, size, pool)
         # memory and cap last: they switch a shared pool's malloc to mmap-everything
-        load["time"].append(load.setdefault("memory", [_loadavg()])[0])
+        load["time"].append(load.setdefault("memory", [C.loadavg()])[0])
         mem = {v: C.on_ranks(pool, mem_task, cfg, v) for v in VARIANTS}
-        load["memory"].append(load.setdefault("cap", [_loadavg()])[0])
+        load["memory"].append(load.setdefault("cap", [C.loadavg()])[0])
         cap = {v: C.on_ranks(pool, cap_task, cfg, v) for v in CAPPED}
-        load["cap"].append(_loadavg())
+        load["cap"].append(C.loadavg())
     finally:
         if own is not None:
             own.close()

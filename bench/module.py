@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 
 from . import common as C
-from .layerwise import _frozen, _loadavg, _settle, _status, _warm_group
 
 SIZES = {
     "tiny": {
@@ -317,23 +316,9 @@ def time_task(cfg: dict) -> dict:
 
 def mem_task(cfg: dict, kind: str, variant: str) -> dict:
     """One variant: idle RSS, build, one warm-up step, one measured step (its VmHWM)."""
-    C.set_malloc()
-    with _frozen():
-        dm = C.device_mesh((2, 2))
-        _warm_group(dm)
-        idle = _settle()
-        runner = _build(kind, variant, cfg, dm)
-        runner.step(_data(kind, cfg, 0))
-        data = _data(kind, cfg, 1)
-        C.barrier()
-        before = _settle() - idle
-        reset = C.reset_peak()
-        runner.step(data)
-        peak = _status("VmHWM") - idle
-        C.barrier()
-        del runner
-        _settle()
-        return {"before": before, "peak": peak, "reset_ok": reset}
+    return C.step_memory(
+        lambda dm: _build(kind, variant, cfg, dm), lambda k: (_data(kind, cfg, k),)
+    )
 
 
 # -- driver -----------------------------------------------------------------------------------
@@ -346,11 +331,11 @@ def run(size: str = "full", pool=None) -> dict:
         pool = own = C.new_pool()
     load = {}
     try:
-        load["time"] = [_loadavg()]
+        load["time"] = [C.loadavg()]
         per_rank, res = C.run_task(time_task, SIZES, size, pool)
-        load["time"].append(_loadavg())
+        load["time"].append(C.loadavg())
         mem = {f"{k}/{v}": C.on_ranks(pool, mem_task, cfg, k, v) for k in MODELS for v in VARIANTS}
-        load["memory"] = [load["time"][1], _loadavg()]
+        load["memory"] = [load["time"][1], C.loadavg()]
     finally:
         if own is not None:
             own.close()
