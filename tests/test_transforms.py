@@ -218,3 +218,27 @@ def test_dp_sgd_per_example_norms_and_clipped_sum_are_the_dense_ones(strategy):
     ]
     want = optree.tree_map(lambda *t: sum(t) / per_rank.shape[1], *clipped)
     assert rel(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_jacfwd_jacrev_and_the_jvps_of_basis_tangents(strategy):
+    """jacfwd (vmap of jvp) gives exact tangents; jacrev (vmap of vjp) follows the mean
+    convention, its reduce-scatter averaging over the sharded axes: jacrev * n = jacfwd, n
+    the product of those axes' sizes. A column of jacfwd is the jvp of that basis tangent."""
+    import math
+
+    pb = _problem(strategy)
+    x = _data(11)[..., :1, :]
+    f = lambda s: pb.out(s, x)  # noqa: E731
+    fwd = torch.func.jacfwd(f)(pb.params)
+    rev = torch.func.jacrev(f)(pb.params)
+    n = math.prod(pb.mesh.size(a) for a in pb.spec.sharded_axes("gradient"))
+    assert rel(optree.tree_map(lambda t: t * n, rev), fwd) <= 1e-5
+    piece = pb.params[0]["w"]
+    k = piece.shape[-1] // 2
+    basis = optree.tree_map(torch.zeros_like, pb.params)
+    basis[0]["w"][..., k] = 1.0
+    _, column = torch.func.jvp(f, (pb.params,), (basis,))
+    jac = fwd[0]["w"].flatten(column.dim())  # (*out, every rank's piece elements)
+    index = torch.arange(piece.numel()).reshape(piece.shape)[..., k].flatten()
+    assert torch.allclose(column, jac[..., index].sum(-1), atol=1e-6)
