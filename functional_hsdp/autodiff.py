@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import einops
@@ -61,7 +61,8 @@ class Move:
     dtype: torch.dtype | None = None
     grad_dtype: torch.dtype | None = None
     #: if given, the forward appends ``(plain inputs, plain outputs)`` to it (a unit that
-    #: releases its gathered weights between forward and backward needs them)
+    #: releases its gathered weights between forward and backward needs them), and callables
+    #: appended after that run once the move's backward is done
     record: list | None = None
 
     @property
@@ -125,7 +126,7 @@ class _Moved(torch.autograd.Function):
     @staticmethod
     def forward(how: Move, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = how.run(list(leaves))
-        if how.record is not None:
+        if how.record is not None and not how.record:  # the primal's (a tangent's is not)
             how.record.append((list(leaves), out))
         return tuple(out)
 
@@ -138,11 +139,13 @@ class _Moved(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         how = ctx.how.adjoint
         out = _Moved.apply(how, *_dense(grads, _shapes(how.plan, how.frm, grads)))
+        for done in (ctx.how.record or [])[1:]:
+            done()
         return (None, *(g.to(dtype) for g, (_, dtype, _) in zip(out, ctx.inputs)))
 
     @staticmethod
     def jvp(ctx: Any, _how: Any, *tangents: torch.Tensor) -> tuple:
-        return _Moved.apply(ctx.how, *_dense(tangents, ctx.inputs))
+        return _Moved.apply(replace(ctx.how, record=None), *_dense(tangents, ctx.inputs))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, how: Move, *leaves: torch.Tensor) -> tuple:

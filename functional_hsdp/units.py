@@ -627,6 +627,9 @@ class Gathered:
         if self.reshard_after_forward and record and _per_sample_only():
             resharded = _Resharded(replace(how, record=None), *record[0])
             _FORWARD.resharded = weakref.ref(resharded)  # the graph keeps it, not the thread
+            # once the unit's backward is over, released again: torch.func keeps the graph
+            # (and the tensors it saved) until its whole backward ends
+            record.append(resharded.free)
             out = optree.tree_map(lambda x: _Regrow.apply(resharded, x) if _floating(x) else x, out)
         return out
 
