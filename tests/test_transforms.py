@@ -131,11 +131,14 @@ def test_first_order_training_keeps_its_own_path():
 
 
 def test_per_sample_gradients_hold_one_units_gathered_weights_at_a_time():
-    from transform_problem import layer
+    """Under vmap of grad: after forward the units but the last hold no gathered weights;
+    once a unit's backward is over its weights are released again (the graph torch.func
+    keeps until the end no longer holds their memory)."""
+    from transform_problem import full_weights, layer
 
     mesh = fh.SimMesh(dict(zip(AXES, BATCH)))
     spec = preset("hsdp", mesh)
-    pb = Problem(spec)
+    params = fh.sync_params(fh.shard(full_weights() * 2, [spec] * 4), [spec] * 4)[:3]
     sizes, seen = [], []
 
     def watched(p, h):
@@ -145,17 +148,36 @@ def test_per_sample_gradients_hold_one_units_gathered_weights_at_a_time():
         seen.append(w)
         return layer(p, h)
 
-    pb.block = fh.gathered(fh.per_rank(watched, mesh), spec)
+    block = fh.gathered(fh.per_rank(watched, mesh), spec)
+    held = lambda: [w.untyped_storage().nbytes() for w in seen]  # noqa: E731
+
+    class Probe(torch.autograd.Function):  # identity between units 0 and 1
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            return x.clone()
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            sizes.append(held())  # units 1 and 2 have run their backward
+            return g
 
     def loss(s, x):
-        out = pb.loss(s, x)
-        sizes.append([w.untyped_storage().nbytes() for w in seen])
-        return out
+        h = block(s[2], block(s[1], Probe.apply(block(s[0], x))))
+        sizes.append(held())
+        return h.square().sum()
 
     xs = _data(10, B)
-    g = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(pb.params, xs)
-    assert sizes[0][0] == 0 and sizes[0][-1] > 0  # after forward: the first unit released
-    loop = [torch.func.grad(pb.loss)(pb.params, x) for x in xs]
+    g = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, xs)
+    after_forward, in_backward = sizes
+    assert after_forward[:2] == [0, 0] and after_forward[2] > 0  # the last unit kept
+    assert in_backward[2] == 0  # released again once its backward was over
+    loop = [torch.func.grad(loss)(params, x) for x in xs]
     stacked = optree.tree_map(lambda *t: torch.stack(t), *loop)
     assert all(map(torch.equal, optree.tree_leaves(g), optree.tree_leaves(stacked)))
 
