@@ -14,7 +14,13 @@ Variants:
   gradient norms, ``chunk_size`` examples at a time), then a first-order step on the
   clip-weighted loss into the ``MainGrad``.
 - ``whole_dpsgd``: the whole-tree loop: ``fh.gather`` of every weight, per-example gradients by
-  ``vmap(grad)``, clipped and summed on each rank, ``fh.reduce_grads``.
+  ``vmap(grad)``, clipped and averaged on each rank, ``fh.reduce_grads``.
+- ``opacus_fsdp2`` (where Opacus is installed; it is not a dependency): Opacus's ghost
+  clipping on FSDP2 (``make_private(..., grad_sample_mode="ghost_fsdp")``), ``fully_shard``
+  per Linear + root on the same mesh.
+
+Every DP-SGD variant steps on the mean over the global batch of the clipped per-example
+gradients (clip factor ``min(1, C / (norm + 1e-6))``, Opacus's), so their losses agree.
 
 Phases as (B13): time (all variants in one group, interleaved), then memory (each variant in a
 fresh group, glibc mmapping allocations >= 64 KiB; ``VmHWM`` of one step above the idle RSS).
@@ -41,6 +47,7 @@ _LABEL = {
     "fh": "fh.functional_call(into=MainGrad), plain step",
     "fh_dpsgd": "fh DP-SGD: per_example_grad_norms, then the clip-weighted step",
     "whole_dpsgd": "fh whole tree: gather, vmap(grad) per example, clip, reduce_grads",
+    "opacus_fsdp2": "Opacus ghost clipping on FSDP2 (grad_sample_mode='ghost_fsdp')",
 }
 
 
@@ -73,7 +80,7 @@ class _FSDP2:
         self.model, self.opt = model, torch.optim.SGD(model.parameters(), lr=LR)
 
     def step(self, x, y) -> float:
-        loss = _per_example(self.model(x), y).sum()
+        loss = _per_example(self.model(x), y).mean()
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -105,11 +112,14 @@ class _Fh:
         scale = torch.ones(x.shape[0])
         if self.dpsgd:
             norms = fh.per_example_grad_norms(self.one, self.shards, (x, y), chunk_size=self.chunk)
-            scale = (CLIP / norms).clamp(max=1.0)
+            scale = (CLIP / (norms + 1e-6)).clamp(max=1.0)  # Opacus's clip factor
+
+        def weighted(s):  # the mean over examples of the clip-weighted losses
+            per = self.losses(s, x, y)
+            return (per * scale).mean(), per.detach().mean()
+
         mg.begin_microbatch(last=True)
-        _, loss = torch.func.grad_and_value(lambda s: (self.losses(s, x, y) * scale).sum())(
-            self.shards
-        )
+        _, loss = torch.func.grad(weighted, has_aux=True)(self.shards)
         mg.finish()
         with torch.no_grad():
             torch._foreach_add_(self.leaves, optree.tree_leaves(mg.grads), alpha=-LR)
@@ -137,16 +147,81 @@ class _WholeTree:
         full = fh.gather(self.params, self.spec)
         g, losses = self.per_example(full, x, y)  # every example's full gradient, at once
         norms = torch.cat([t.flatten(1) for t in optree.tree_leaves(g)], 1).norm(dim=1)
-        scale = (CLIP / norms).clamp(max=1.0)
-        total = optree.tree_map(lambda t: (t * scale.view(-1, *[1] * (t.dim() - 1))).sum(0), g)
-        loss = float((losses * scale).sum())
+        scale = (CLIP / (norms + 1e-6)).clamp(max=1.0)
+        total = optree.tree_map(lambda t: (t * scale.view(-1, *[1] * (t.dim() - 1))).mean(0), g)
+        loss = float(losses.mean())
         del g, full
         final = fh.reduce_grads(total, self.spec, last=True)
         self.params = optree.tree_map(lambda p, g: p - LR * g, self.params, final)
         return loss
 
 
+class _PerExampleMSE(torch.nn.Module):
+    """The loss as Opacus wants a criterion: per-example values under ``reduction="none"``."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduction = "mean"
+
+    def forward(self, out, y):
+        per = _per_example(out, y)
+        return {"none": per, "sum": per.sum(), "mean": per.mean()}[self.reduction]
+
+
+class _Opacus:
+    """Opacus's ghost clipping on FSDP2 (``grad_sample_mode="ghost_fsdp"``): ``fully_shard``
+    per Linear + root on the 2x2 mesh (what its ``FSDP2Wrapper`` does on the default mesh),
+    ``make_private`` with no noise."""
+
+    def __init__(self, cfg, dm):
+        from opacus import PrivacyEngine
+        from torch.distributed.fsdp import fully_shard
+
+        model = _model(cfg)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m, mesh=dm)
+        fully_shard(model, mesh=dm)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        x, y = _data(cfg, 0)
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, y), batch_size=cfg["B"]
+        )
+        self.model, self.opt, self.criterion, _ = PrivacyEngine().make_private(
+            module=model,
+            optimizer=opt,
+            criterion=_PerExampleMSE(),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=CLIP,
+            grad_sample_mode="ghost_fsdp",
+            poisson_sampling=False,
+        )
+
+    def step(self, x, y) -> float:
+        self.opt.zero_grad()
+        loss = self.criterion(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+
+def _opacus() -> bool:
+    try:
+        import opacus  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _variants() -> tuple[str, ...]:
+    """The variants, Opacus's where it is installed (it is not a dependency)."""
+    return (*VARIANTS, "opacus_fsdp2") if _opacus() else VARIANTS
+
+
 def _build(variant: str, cfg: dict, dm):
+    if variant == "opacus_fsdp2":
+        return _Opacus(cfg, dm)
     if variant == "fsdp2":
         return _FSDP2(cfg, dm)
     if variant == "whole_dpsgd":
@@ -156,9 +231,10 @@ def _build(variant: str, cfg: dict, dm):
 
 def time_task(cfg: dict) -> dict:
     dm = C.device_mesh((2, 2))
-    runners = {v: _build(v, cfg, dm) for v in VARIANTS}
+    variants = _variants()
+    runners = {v: _build(v, cfg, dm) for v in variants}
     gc.collect()
-    losses = {v: [] for v in VARIANTS}
+    losses = {v: [] for v in variants}
     step, data = [0], [_data(cfg, 0)]
 
     def op(v):
@@ -169,7 +245,7 @@ def time_task(cfg: dict) -> dict:
         data[0] = _data(cfg, step[0])
 
     times = C.interleaved(
-        {v: op(v) for v in VARIANTS}, cfg["warmup"], cfg["reps"], after={VARIANTS[-1]: advance}
+        {v: op(v) for v in variants}, cfg["warmup"], cfg["reps"], after={variants[-1]: advance}
     )
     return {"times": times, "losses": losses}
 
@@ -189,7 +265,7 @@ def run(size: str = "full", pool=None) -> dict:
         load["time"] = [C.loadavg()]
         per_rank, res = C.run_task(time_task, SIZES, size, pool)
         load["time"].append(C.loadavg())
-        mem = {v: C.on_ranks(pool, mem_task, cfg, v) for v in VARIANTS}
+        mem = {v: C.on_ranks(pool, mem_task, cfg, v) for v in per_rank[0]["losses"]}
         load["memory"] = [load["time"][1], C.loadavg()]
     finally:
         if own is not None:
@@ -198,8 +274,9 @@ def run(size: str = "full", pool=None) -> dict:
     res["times"], res["median"] = C.slowest_rank_medians([r["times"] for r in per_rank])
     res["losses"] = {
         v: [sum(col) / len(col) for col in zip(*(r["losses"][v] for r in per_rank))]
-        for v in VARIANTS
+        for v in per_rank[0]["losses"]
     }
+    res["variants"] = variants = list(res["losses"])
     res["mem"] = {
         v: {"peak": max(r["peak"] for r in rs), "before": max(r["before"] for r in rs)}
         for v, rs in mem.items()
@@ -208,13 +285,16 @@ def run(size: str = "full", pool=None) -> dict:
     res["dpsgd_loss_maxrel"] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     a, b = res["losses"]["fh"], res["losses"]["fsdp2"]
     res["plain_loss_maxrel"] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    if "opacus_fsdp2" in res["losses"]:  # the same clipped mean gradient: the same training
+        a, b = res["losses"]["fh_dpsgd"], res["losses"]["opacus_fsdp2"]
+        res["opacus_loss_maxrel"] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     peak, med = {v: m["peak"] for v, m in res["mem"].items()}, res["median"]
     res["goals"] = {
         "fh_dpsgd peak memory <= 1.2x fsdp2's plain step": (peak["fh_dpsgd"] / peak["fsdp2"], 1.2),
     }
     res["ratios"] = {
         v: {"time_fsdp2": med[v] / med["fsdp2"], "mem_fsdp2": peak[v] / peak["fsdp2"]}
-        for v in VARIANTS
+        for v in variants
     }
     return res
 
@@ -229,7 +309,8 @@ def report(res: dict, command: str, when: str) -> str:
             when,
         ),
         f"Model: {cfg['L']} x (Linear({cfg['D']}, {cfg['D']}) + Tanh), units = the blocks; "
-        f"{cfg['B']} examples per rank, MSE, SGD lr {LR}; clip norm {CLIP}, no noise (the "
+        f"{cfg['B']} examples per rank, MSE (the mean over examples, as Opacus), SGD lr {LR}; "
+        f"clip norm {CLIP}, no noise (the "
         f"same cost in every variant); `per_example_grad_norms` with chunk_size "
         f"{cfg['chunk']}. Variants as in `bench/dpsgd.py`'s docstring. "
         + C.timing_note(cfg, "the 4 variants")
@@ -249,7 +330,7 @@ def report(res: dict, command: str, when: str) -> str:
             C.mib(res["mem"][v]["before"]),
             f"{res['ratios'][v]['mem_fsdp2']:.2f}",
         ]
-        for v in VARIANTS
+        for v in res["variants"]
     ]
     lines.append(
         C.table(
@@ -270,6 +351,11 @@ def report(res: dict, command: str, when: str) -> str:
         lines.append(f"- {name}: {value:.2f} — **{'met' if value <= goal else 'not met'}**.")
     lines.append(
         f"- Losses: `fh_dpsgd` vs `whole_dpsgd` max rel. diff {res['dpsgd_loss_maxrel']:.1e}; "
-        f"`fh` vs `fsdp2` {res['plain_loss_maxrel']:.1e}."
+        f"`fh` vs `fsdp2` {res['plain_loss_maxrel']:.1e}"
+        + (
+            f"; `fh_dpsgd` vs `opacus_fsdp2` {res['opacus_loss_maxrel']:.1e}."
+            if "opacus_loss_maxrel" in res
+            else "; Opacus is not installed here: no `opacus_fsdp2` row."
+        )
     )
     return "\n".join(lines) + "\n"
