@@ -38,7 +38,7 @@ import optree
 import torch
 
 from . import engine
-from .plan import Plan
+from .plan import Plan, Step
 from .schedule import expand, issue
 
 __all__ = ["Move", "move", "per_example_grad_norms"]
@@ -89,17 +89,15 @@ class Move:
             packed = torch.stack([plan.pack(b, list(xs), self.frm, dtype) for xs in zip(*leaves)])
             program = expand(plan.program(b, self.frm, self.to), dtype or bucket.dtype)
             for item in program:
-                packed = _batched_step(mesh, packed, item, b) if _is_step(item) else item(b, packed)
+                packed = (
+                    _batched_step(mesh, packed, item) if isinstance(item, Step) else item(b, packed)
+                )
             bufs.append(packed)
         per_sample = [plan.unpack([buf[k] for buf in bufs], self.to, dtype) for k in range(batch)]
         return [torch.stack(xs) for xs in zip(*per_sample)]
 
 
-def _is_step(item: Any) -> bool:
-    return hasattr(item, "op") and hasattr(item, "axis")
-
-
-def _batched_step(mesh: Any, buf: torch.Tensor, step: Any, bucket: int) -> torch.Tensor:
+def _batched_step(mesh: Any, buf: torch.Tensor, step: Step) -> torch.Tensor:
     """One collective step on ``(B, *mesh, length)``: each rank's chunk made contiguous for
     the whole batch (rank-major) around a reduce-scatter or all-gather."""
     names = " ".join(f"m{k}" for k in range(len(mesh.batch_shape)))
