@@ -102,6 +102,29 @@ def run_task(task: Callable[[dict], Any], sizes: dict, size: str, pool=None) -> 
     return per_rank, {"size": size, "cfg": cfg, "wall_s": time.perf_counter() - t0}
 
 
+def time_then_memory(
+    time_task: Callable[[dict], Any], sizes: dict, size: str, pool: Any, memory: Callable
+) -> tuple[list, dict, dict]:
+    """A side-by-side benchmark's two phases: ``time_task(cfg)`` on every rank (every variant
+    in one group), then ``memory(pool, per_rank)`` -> ``{variant: per-rank results}`` (each
+    variant in a fresh group, or in ``pool``). A size without fresh groups gets a pool made
+    and closed here when none is given. Returns ``(per_rank, res, mem)``, ``res["load"]``
+    the load average around each phase."""
+    own = None
+    if pool is None and not sizes[size]["fresh"]:
+        pool = own = new_pool()
+    try:
+        start = loadavg()
+        per_rank, res = run_task(time_task, sizes, size, pool)
+        middle = loadavg()
+        mem = memory(pool, per_rank)
+        res["load"] = {"time": [start, middle], "memory": [middle, loadavg()]}
+    finally:
+        if own is not None:
+            own.close()
+    return per_rank, res, mem
+
+
 def device_mesh(shape: tuple[int, ...] = (2, 2), names: tuple[str, ...] = AXES):
     """A cached CPU DeviceMesh in a worker (collective: call on every rank)."""
     return launch.device_mesh(tuple(shape), tuple(names))

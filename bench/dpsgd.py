@@ -257,20 +257,11 @@ def mem_task(cfg: dict, variant: str) -> dict:
 
 def run(size: str = "full", pool=None) -> dict:
     cfg = SIZES[size]
-    own = None
-    if pool is None and not cfg["fresh"]:
-        pool = own = C.new_pool()
-    load = {}
-    try:
-        load["time"] = [C.loadavg()]
-        per_rank, res = C.run_task(time_task, SIZES, size, pool)
-        load["time"].append(C.loadavg())
-        mem = {v: C.on_ranks(pool, mem_task, cfg, v) for v in per_rank[0]["losses"]}
-        load["memory"] = [load["time"][1], C.loadavg()]
-    finally:
-        if own is not None:
-            own.close()
-    res["load"] = load
+
+    def memory(pool, per_rank):
+        return {v: C.on_ranks(pool, mem_task, cfg, v) for v in per_rank[0]["losses"]}
+
+    per_rank, res, mem = C.time_then_memory(time_task, SIZES, size, pool, memory)
     res["times"], res["median"] = C.slowest_rank_medians([r["times"] for r in per_rank])
     res["losses"] = {
         v: [sum(col) / len(col) for col in zip(*(r["losses"][v] for r in per_rank))]

@@ -326,20 +326,11 @@ def mem_task(cfg: dict, kind: str, variant: str) -> dict:
 
 def run(size: str = "full", pool=None) -> dict:
     cfg = SIZES[size]
-    own = None
-    if pool is None and not cfg["fresh"]:
-        pool = own = C.new_pool()
-    load = {}
-    try:
-        load["time"] = [C.loadavg()]
-        per_rank, res = C.run_task(time_task, SIZES, size, pool)
-        load["time"].append(C.loadavg())
-        mem = {f"{k}/{v}": C.on_ranks(pool, mem_task, cfg, k, v) for k in MODELS for v in VARIANTS}
-        load["memory"] = [load["time"][1], C.loadavg()]
-    finally:
-        if own is not None:
-            own.close()
-    res["load"] = load
+
+    def memory(pool, per_rank):
+        return {f"{k}/{v}": C.on_ranks(pool, mem_task, cfg, k, v) for k in MODELS for v in VARIANTS}
+
+    per_rank, res, mem = C.time_then_memory(time_task, SIZES, size, pool, memory)
     res["times"], res["median"] = C.slowest_rank_medians([r["times"] for r in per_rank])
     res["losses"] = {  # mean over ranks, per step
         key: [sum(col) / len(col) for col in zip(*(r["losses"][key] for r in per_rank))]

@@ -223,45 +223,59 @@ def _vjp(call: _Call, full: list, args: Sequence[torch.Tensor]) -> tuple[tuple, 
     return torch.func.vjp(functools.partial(f, full), *floats)
 
 
-def _free(call: _Call) -> None:
-    """recompute=False: release the storage of the gathered weights that forward's graph
-    holds (the tensors stay, with no memory), once the unit is not the forward's last one;
-    backward re-gathers into it (:func:`_regrow`). Storage shared with an input is kept."""
-    if call.vjp is None or call.freed is not None or not call.block.reshard_after_forward:
-        return
-    inputs = {p.untyped_storage().data_ptr() for p in call.pieces} | call.kept_storages
+def _release(weights: Sequence[torch.Tensor], keep: set) -> tuple[list, list]:
+    """Release the storage of ``weights`` (the tensors stay, with no memory), but for
+    storage whose data pointer is in ``keep`` (shared with an input or an output). Returns
+    ``(released storages with their sizes, indices of the weights released)``, for
+    :func:`_refill`."""
     storages: dict[int, Any] = {}
     leaves = []
-    for i, w in enumerate(call.weights):
+    for i, w in enumerate(weights):
         storage = w.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in inputs or not storage.nbytes():
+        if ptr in keep or not storage.nbytes():
             continue
         storages.setdefault(ptr, (storage, storage.nbytes()))
         leaves.append(i)
     with torch._C._DisableFuncTorch(), torch.no_grad():
         for storage, _ in storages.values():
             storage.resize_(0)
-    call.freed = (list(storages.values()), leaves)
+    return list(storages.values()), leaves
 
 
-def _regrow(call: _Call) -> None:
-    """Re-gather the weights :func:`_free` released into their own storage, so that the
-    graph forward kept reads them. The graph saved these tensors, so the copy keeps their
-    version counter; it runs with functorch off (the tensors are the library's own, not
-    values of the transform being run)."""
-    pending = call.ahead.pop("backward", None)
-    if pending is None:
-        pending = _gather_start(call, call.pieces)
-    new, _ = engine.finish(call.plan, pending, "full", call.block.param_dtype)
-    (storages, leaves), call.freed = call.freed, None
+def _refill(released: tuple[list, list], weights: Sequence[torch.Tensor], new: list) -> None:
+    """Give :func:`_release`'s storages their memory back and copy ``new`` into the weights
+    it released. A graph saved these tensors, so the copy keeps their version counter; it
+    runs with functorch off (the tensors are the library's own, not values of the transform
+    being run)."""
+    storages, leaves = released
     with torch._C._DisableFuncTorch(), torch.no_grad():
         for storage, nbytes in storages:
             storage.resize_(nbytes)
         for i in leaves:
-            old = call.weights[i]
+            old = weights[i]
             with torch.autograd._unsafe_preserve_version_counter(old):
                 old.copy_(new[i])
+
+
+def _free(call: _Call) -> None:
+    """recompute=False: release the gathered weights that forward's graph holds, once the
+    unit is not the forward's last one; backward re-gathers into them (:func:`_regrow`)."""
+    if call.vjp is None or call.freed is not None or not call.block.reshard_after_forward:
+        return
+    keep = {p.untyped_storage().data_ptr() for p in call.pieces} | call.kept_storages
+    call.freed = _release(call.weights, keep)
+
+
+def _regrow(call: _Call) -> None:
+    """Re-gather the weights :func:`_free` released into their own storage, so that the
+    graph forward kept reads them."""
+    pending = call.ahead.pop("backward", None)
+    if pending is None:
+        pending = _gather_start(call, call.pieces)
+    new, _ = engine.finish(call.plan, pending, "full", call.block.param_dtype)
+    released, call.freed = call.freed, None
+    _refill(released, call.weights, new)
 
 
 def _rng_states(full: list, args: Sequence[Any]) -> tuple:
@@ -712,34 +726,18 @@ class _Resharded:
 
     def __init__(self, how: Move, inputs: list, outputs: list):
         self.how, self.inputs, self.outputs = how, inputs, outputs
-        self.freed: list | None = None
+        self.freed: tuple | None = None  # what _release returned, until regrown
 
     def free(self) -> None:
-        if self.freed is not None:
-            return
-        kept = {x.untyped_storage().data_ptr() for x in self.inputs}
-        storages = {}
-        for w in self.outputs:
-            storage = w.untyped_storage()
-            if storage.data_ptr() not in kept and storage.nbytes():
-                storages.setdefault(storage.data_ptr(), (storage, storage.nbytes()))
-        with torch._C._DisableFuncTorch(), torch.no_grad():
-            for storage, _ in storages.values():
-                storage.resize_(0)
-        self.freed = list(storages.values())
+        if self.freed is None:
+            self.freed = _release(
+                self.outputs, {x.untyped_storage().data_ptr() for x in self.inputs}
+            )
 
     def regrow(self) -> None:
-        if not self.freed:
-            self.freed = None
-            return
-        new = self.how.run(self.inputs)
-        with torch._C._DisableFuncTorch(), torch.no_grad():
-            for storage, nbytes in self.freed:
-                storage.resize_(nbytes)
-            for old, x in zip(self.outputs, new):
-                with torch.autograd._unsafe_preserve_version_counter(old):
-                    old.copy_(x)
-        self.freed = None
+        released, self.freed = self.freed, None
+        if released is not None and released[1]:
+            _refill(released, self.outputs, self.how.run(self.inputs))
 
 
 class _Regrow(torch.autograd.Function):
