@@ -375,7 +375,8 @@ def _unit_forward(
         if i + 1 < len(order) and order[i] == k:
             block.prefetch(shards[sharded.parts[order[i + 1]].key])
         borrowed = {name: params[root_name] for name, root_name in part.borrowed}
-        return block(shards[part.key], borrowed, _Forward(original), *args, **kwargs)
+        # the module's own forward rides along as a constant argument (a pytree leaf)
+        return block(shards[part.key], borrowed, original, *args, **kwargs)
 
     return forward
 
@@ -404,17 +405,6 @@ def _without_cache(kwargs: dict) -> dict:
         **dict.fromkeys(cached),
         **({"use_cache": False} if "use_cache" in kwargs else {}),
     }
-
-
-class _Forward:
-    """The module's own forward, passed to the unit's function as a constant argument (not
-    a pytree leaf the library would look into)."""
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
 
 
 @contextlib.contextmanager
