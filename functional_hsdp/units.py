@@ -118,6 +118,7 @@ class _Call:
     full: list | None = None  # gathered weights kept for backward (reshard_after_forward=False)
     out_def: Any = None
     pending: list | None = None  # the gradient's reduce-scatter in flight
+    waited: list | None = None  # its result, waited before its wait node ran (_settle)
     sink: list[int] | None = None  # into=MainGrad: its buckets of this unit
     ahead: dict = field(default_factory=dict)  # "forward"/"backward": all-gather in flight
     wanted: bool = True  # the shards are tracked: their gradient is asked for
@@ -424,6 +425,9 @@ class _Unit(torch.autograd.Function):
                 *arg_grads,
                 *(None for _ in range(ctx.n_extra)),
             )
+        # the unit before's reduce-scatter ran during this unit's backward: waited now, before
+        # this one packs, so that one gradient-sized buffer is in flight at a time (as FSDP2)
+        _settle(chain)
         plan, dtype = call.plan, call.block.reduce_dtype
         pack = lambda b: plan.pack(b, weight_grads, "input", dtype)  # noqa: E731
         call.pending = engine.start(plan, pack, [("input", "gradient")], wire=dtype)
@@ -453,16 +457,30 @@ class _Wait(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         call = ctx.call
         pending, call.pending = call.pending, None
-        if pending is None:  # the unit's backward did not run: no gradient
+        waited, call.waited = call.waited, None
+        if waited is None and pending is None:  # the unit's backward did not run: no gradient
             return (None, *(torch.zeros_like(g) for g in grads))
+        if waited is None:
+            waited = engine.wait(call.plan, pending)
         if call.sink is not None:  # added into the MainGrad; the shards' gradient is zero
             mg = call.block.into
-            mg.add_chunks(call.sink, engine.wait(call.plan, pending))
+            mg.add_chunks(call.sink, waited)
             mg.unit_done(call.sink)  # its deferred reduction may start now
             zeros = lambda g: torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)  # noqa: E731
             return (None, *map(zeros, grads))
-        leaves, _ = engine.finish(call.plan, pending, "gradient", call.block.reduce_dtype)
-        return (None, *leaves)
+        return (None, *call.plan.unpack(waited, "gradient", call.block.reduce_dtype))
+
+
+def _settle(chain: _Chain) -> None:
+    """Wait for the reduce-scatters of ``chain`` still in flight and keep their results
+    (shard-sized, the call's own) for their wait nodes, so that their gradient-sized
+    inputs are freed now. Nothing is handed on here: a wait node that never runs (a
+    gradient not asked for) still gives nothing to a MainGrad."""
+    for ref in chain.reducing:
+        call = ref()
+        if call is not None and call.pending is not None:
+            pending, call.pending = call.pending, None
+            call.waited = engine.wait(call.plan, pending)
 
 
 def _abandon(chain: _Chain) -> None:

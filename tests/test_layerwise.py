@@ -273,13 +273,16 @@ def test_the_next_units_all_gather_is_issued_before_this_unit_computes(run, reco
     """README: sequence issues the next unit's all-gather before the current unit computes, the
     previous unit's re-gather before the current unit's backward, and each reduce-scatter runs
     during the next unit's backward (issued before unit i-1's backward, waited after it);
-    ``block.prefetch`` declares the same by hand. The exact order in time, not a sorted list."""
+    ``block.prefetch`` declares the same by hand; it is waited before unit i-1's own
+    reduce-scatter is issued, so one gradient-sized buffer is in flight at a time (as
+    FSDP2). The exact order in time, not a sorted list."""
     want = _recomputed if recompute else list
     order = _unit_order(run, recompute)
     assert [x for x in order if not x.startswith("wait")] == want(PREFETCHED)
     for k in (1, 2):
         issued, waited = order.index(f"reduce_scatter {k}"), order.index(f"wait reduce_scatter {k}")
         assert issued < order.index(f"backward {k - 1}") < waited, order
+        assert waited < order.index(f"reduce_scatter {k - 1}"), order
     one_by_one = [x for x in _unit_order(_one_by_one, recompute) if not x.startswith("wait")]
     assert one_by_one == want(ONE_BY_ONE)  # the order prefetching changes
 
