@@ -17,11 +17,14 @@ in every variant. Variants (each per model):
 - ``fh``: ``fh.shard_module(model, spec, units=...)``,
   ``fh.MainGrad(tree_spec, like=shards, persistent=False)`` (its memory released by
   ``zero_grad`` and taken bucket by bucket as gradients land, as FSDP2's sharded gradients),
-  ``fh.functional_call(model, shards, ..., into=mg)`` under ``torch.func.grad_and_value``, the
-  microbatches declared (``fh.microbatches(..., into=mg)``), ``mg.finish()``, SGD in place
-  on the shards (``torch._foreach_add_``), ``mg.zero_grad()``. ``recompute=False``.
+  ``fh.functional_call(model, shards, ..., into=mg)`` under ``fh.grad_and_value`` (the
+  README's loop: torch.func's signature, differentiated once as ``loss.backward()`` does),
+  the microbatches declared (``fh.microbatches(..., into=mg)``), ``mg.finish()``, SGD in
+  place on the shards (``torch._foreach_add_``), ``mg.zero_grad()``. ``recompute=False``.
 - ``fh_recompute``: ``fh`` with ``recompute=True`` (per-unit activation checkpointing).
 - ``fh_bf16``: ``fh`` with the same policy as ``fsdp2_bf16``.
+- ``fh_func``: ``fh`` under ``torch.func.grad_and_value`` (which keeps every saved tensor
+  and intermediate of the backward outside the units until the backward ends).
 
 Two phases, as (B9): *time*: every variant of both models built in one group of 4 ranks,
 steps interleaved, glibc's default malloc; then one more step of each, untimed, with the bytes
@@ -61,18 +64,19 @@ SIZES = {
     },
 }
 MODELS = ("llama", "mlp")
-VARIANTS = ("fsdp2", "fsdp2_ac", "fsdp2_bf16", "fh", "fh_recompute", "fh_bf16")
+VARIANTS = ("fsdp2", "fsdp2_ac", "fsdp2_bf16", "fh", "fh_recompute", "fh_bf16", "fh_func")
 # each fh variant and the FSDP2 variant it is measured against
-PAIRS = {"fh": "fsdp2", "fh_recompute": "fsdp2_ac", "fh_bf16": "fsdp2_bf16"}
+PAIRS = {"fh": "fsdp2", "fh_recompute": "fsdp2_ac", "fh_bf16": "fsdp2_bf16", "fh_func": "fsdp2"}
 LR = 0.05
 
 _LABEL = {
     "fsdp2": "FSDP2 fully_shard HSDP per unit + root",
     "fsdp2_ac": "FSDP2 + activation checkpointing per unit",
     "fsdp2_bf16": "FSDP2, MixedPrecisionPolicy(bf16, fp32)",
-    "fh": "fh.functional_call(into=MainGrad), recompute=False",
+    "fh": "fh.functional_call(into=MainGrad) under fh.grad_and_value, recompute=False",
     "fh_recompute": "fh, recompute=True",
     "fh_bf16": "fh, mp_policy=MixedPrecisionPolicy(bf16, fp32)",
+    "fh_func": "fh under torch.func.grad_and_value",
 }
 
 
@@ -181,7 +185,7 @@ class _FSDP2:
 
 
 class _Fh:
-    def __init__(self, kind, cfg, dm, recompute=False, bf16=False):
+    def __init__(self, kind, cfg, dm, recompute=False, bf16=False, func=False):
         import functional_hsdp as fh
 
         self.fh, self.M = fh, cfg["M"]
@@ -202,7 +206,7 @@ class _Fh:
 
             return _loss(kind, forward, batch) / M
 
-        self.grad = torch.func.grad_and_value(loss_fn)
+        self.grad = (torch.func.grad_and_value if func else fh.grad_and_value)(loss_fn)
 
     def step(self, batches) -> float:
         fh, mg, total = self.fh, self.mg, 0.0
@@ -219,7 +223,14 @@ class _Fh:
 def _build(kind: str, variant: str, cfg: dict, dm):
     if variant.startswith("fsdp2"):
         return _FSDP2(kind, cfg, dm, ac=variant == "fsdp2_ac", bf16=variant == "fsdp2_bf16")
-    return _Fh(kind, cfg, dm, recompute=variant == "fh_recompute", bf16=variant == "fh_bf16")
+    return _Fh(
+        kind,
+        cfg,
+        dm,
+        recompute=variant == "fh_recompute",
+        bf16=variant == "fh_bf16",
+        func=variant == "fh_func",
+    )
 
 
 # -- bytes on the wire ----------------------------------------------------------------------------
@@ -400,7 +411,7 @@ def report(res: dict, command: str, when: str) -> str:
         f"{mlp['L']} x (Linear({mlp['D']}, {mlp['D']}) + Tanh) ({res['numel']['mlp']:,} "
         f"parameters), batch {mlp['B']}, units = the blocks. M = {cfg['M']} microbatches, SGD "
         f"lr {LR}. Variants as in `bench/module.py`'s docstring. "
-        + C.timing_note(cfg, "all 12 variants")
+        + C.timing_note(cfg, f"all {len(MODELS) * len(VARIANTS)} variants")
         + " Memory: each variant in a fresh group of 4 ranks, glibc told to mmap allocations "
         ">= 64 KiB (`MALLOC_MMAP_THRESHOLD_=65536` / `mallopt`); *peak* = `VmHWM` of one step "
         "(after a warm-up step) minus the idle RSS before the variant was built, max over "
@@ -459,6 +470,13 @@ def report(res: dict, command: str, when: str) -> str:
         lines.append(f"- {name}: {value:.2f} — **{'met' if met else 'not met'}**.")
     lines.append(
         f"- llama fh_bf16 reductions in: {', '.join(res['reduce_dtypes_bf16'])} (goal: float32)."
+    )
+    func = res["ratio"]["llama/fh_func"]
+    lines.append(
+        f"- The same fh step under torch.func.grad_and_value (`fh_func`): {func['time']:.2f}x "
+        f"FSDP2's time, {func['mem']:.2f}x its memory; fh.grad_and_value frees the backward's "
+        "saved tensors and intermediates outside the units as it goes, torch.func keeps them "
+        "to the end of the backward."
     )
     lines.append(
         "- Glue for the Hugging Face model (the README's 'Your existing model' example): "

@@ -11,6 +11,7 @@ from .checkpoint import empty_state_dict, load_state_dict, state_dict
 from .collectives import all_gather, pmean, psum, psum_scatter
 from .dtensor import to_dtensor
 from .errors import CollectiveError
+from .first_order import grad, grad_and_value
 from .maingrad import MainGrad, microbatches
 from .mesh import DistMesh, Mesh, SimMesh
 from .module import functional_call, shard_module
@@ -62,6 +63,8 @@ __all__ = [
     "gather",
     "gathered",
     "global_norm",
+    "grad",
+    "grad_and_value",
     "hfsdp",
     "hsdp",
     "load_state_dict",

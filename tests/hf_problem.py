@@ -105,10 +105,12 @@ def fh_train(
     recompute: bool = False,
     mode: str = "sink",
     attn: str = "sdpa",
+    grad: str = "torch.func",
 ) -> tuple[dict, list[float], list]:
     """The same training through ``fh.functional_call``: ``mode`` ``"sink"`` (into a
     MainGrad, the microbatches declared, SGD in place) or ``"pure"`` (gradients returned,
-    ``reduce_grads(at="gradient")``, new trees). Returns (full parameters by name, mean loss
+    ``reduce_grads(at="gradient")``, new trees); ``grad``: ``torch.func.grad_and_value`` or
+    ``fh.grad_and_value`` (``"fh"``). Returns (full parameters by name, mean loss
     per step, comm_log events as (op, axis, dtype))."""
     m = model(tied, attn)
     m.train()
@@ -120,12 +122,13 @@ def fh_train(
         out = fh.functional_call(m, s, (ids,), into=mg, recompute=recompute)
         return lm_loss(out.logits, ids) / microbatches
 
+    grad_and_value = fh.grad_and_value if grad == "fh" else torch.func.grad_and_value
     losses = []
     with fh.comm_log() as log:
         for step in range(steps):
             total, acc = 0.0, None
             for ids, last in fh.microbatches(batches(step, microbatches), into=mg):
-                g, loss = torch.func.grad_and_value(loss_fn)(shards, ids)
+                g, loss = grad_and_value(loss_fn)(shards, ids)
                 total += loss.item()
                 if mg is None:
                     acc = fh.reduce_grads(g, tree_spec, last=last, acc=acc, at="gradient")

@@ -65,12 +65,19 @@ def test_llama_parameters_after_three_steps_equal_fsdp2s(pool, fsdp2, tied):
 
 
 @pytest.mark.parametrize(
-    ("recompute", "mode", "attn"),
-    [(True, "sink", "sdpa"), (False, "pure", "eager"), (True, "pure", "sdpa")],
+    ("recompute", "mode", "attn", "grad"),
+    [
+        (True, "sink", "sdpa", "torch.func"),
+        (False, "pure", "eager", "torch.func"),
+        (True, "pure", "sdpa", "torch.func"),
+        (False, "sink", "sdpa", "fh"),
+        (True, "pure", "sdpa", "fh"),
+    ],
 )
-def test_llama_recompute_and_pure_modes_equal_fsdp2s(pool, fsdp2, recompute, mode, attn):
+def test_llama_recompute_and_pure_modes_equal_fsdp2s(pool, fsdp2, recompute, mode, attn, grad):
+    """Each mode, under torch.func.grad_and_value or fh.grad_and_value (autograd's memory)."""
     theirs = fsdp2(True)
-    ours = pool.run(_fh_task, True, recompute=recompute, mode=mode, attn=attn)
+    ours = pool.run(_fh_task, True, recompute=recompute, mode=mode, attn=attn, grad=grad)
     for (p, _, _), (q, _, _) in zip(ours, theirs):
         assert _rel(p, q) <= 1e-5
 

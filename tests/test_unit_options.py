@@ -106,9 +106,10 @@ def test_both_choices_hold_under_every_reverse_mode_api(recompute):
     leaves = optree.tree_map(lambda t: t.clone().requires_grad_(), shards)
     f(leaves).backward()
     by_autograd = optree.tree_map(lambda t: t.grad, leaves)
-    for other in (by_gv, by_vjp, by_autograd):
+    by_fh, fh_value = fh.grad_and_value(f)(shards)  # autograd, on the shards themselves
+    for other in (by_gv, by_vjp, by_autograd, by_fh):
         assert all(map(torch.equal, optree.tree_leaves(by_grad), optree.tree_leaves(other)))
-    assert torch.equal(value, out)
+    assert torch.equal(value, out) and torch.equal(value, fh_value)
 
 
 # -- mixed precision ---------------------------------------------------------------------------
