@@ -413,7 +413,8 @@ class _Unit(torch.autograd.Function):
                 _, vjp = _vjp(call, full, ctx.saved_tensors)
             del full
         call.full = call.weights = None
-        results = list(vjp(tuple(grads)))
+        # the graph is used once: each node frees its saved tensors as soon as it has run
+        results = list(vjp(tuple(grads), retain_graph=False))
         del vjp
         weight_grads = results.pop(0) if has_weights else None
         it = iter(results)

@@ -96,6 +96,34 @@ def test_without_recompute_the_gathered_weights_are_released_until_backward():
 
 
 @pytest.mark.parametrize("recompute", [False, True])
+def test_a_units_graph_frees_each_nodes_saved_tensors_in_its_backward(recompute):
+    """A unit's graph (forward's, or the recomputed one) is differentiated once: each node's
+    saved tensors are freed when it has run, as loss.backward() frees them, not kept until
+    the unit's backward ends (fails if the unit's vjp retains its graph)."""
+    mesh = _mesh()
+    spec = preset("hsdp", mesh)
+    full = [{"w": torch.eye(4)}, {"w": torch.eye(4) / 2}]
+    shards = fh.shard(full, [spec] * 2)
+    nodes = []
+
+    def fn(p, x):
+        y = inner = torch.tanh(x @ p["w"])
+        functorch = torch._C._functorch
+        while inner.grad_fn is None and functorch.is_batchedtensor(inner):  # per_rank's vmap
+            inner = functorch.get_unwrapped(inner)
+        if inner.grad_fn is not None:  # built for backward (not recompute's first run)
+            nodes.append(inner.grad_fn)
+        return y
+
+    blk = fh.gathered(fh.per_rank(fn, mesh), spec, recompute=recompute)
+    grad(lambda s: fh.sequence(blk, s, torch.ones(2, 2, 3, 4)).sum())(shards)
+    assert len(nodes) == 2
+    for node in nodes:
+        with pytest.raises(RuntimeError, match="freed"):
+            node._saved_result
+
+
+@pytest.mark.parametrize("recompute", [False, True])
 def test_both_choices_hold_under_every_reverse_mode_api(recompute):
     mesh, tree_spec, full, shards, blk, x, _, _ = _linear_problem(recompute)
     f = lambda s: fh.sequence(blk, s, x).square().sum()  # noqa: E731
