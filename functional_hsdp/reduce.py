@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from . import engine
 from .precision import check_mp_policy
 
@@ -59,7 +61,17 @@ def reduce_grads(
         >>> fh.gather(acc, spec)["w"][0, 0]
         tensor([2., 2., 2.])
     """
+    if check_finite and torch.compiler.is_compiling():  # its check reads the data: eager
+        return _checked_eagerly(grads, spec, last, acc, at)
     return engine.reduce(grads, spec, last=last, acc=acc, at=at, check_finite=check_finite)
+
+
+@torch.compiler.disable
+def _checked_eagerly(grads: Any, spec: Any, last: Any, acc: Any, at: str) -> Any:
+    """``reduce_grads(..., check_finite=True)`` inside a function ``torch.compile`` traces:
+    run eagerly, at a graph break (under ``fullgraph=True`` that break is dynamo's error),
+    since the check reads the gradients' values on the host."""
+    return engine.reduce(grads, spec, last=last, acc=acc, at=at, check_finite=True)
 
 
 def shard(tree: Any, spec: Any, *, to: str = "optimizer", stacked: bool | None = None) -> Any:

@@ -60,7 +60,8 @@ Limits
 * ``validation("off")`` exchanges nothing (the checks above are off), except for a call with
   ``check_finite=True``, whose row still carries its non-finite flags; every rank must use
   the same mode, or the ranks that exchange wait (bounded by the mesh's timeout).
-* Under ``torch.compile`` nothing is exchanged.
+* Under ``torch.compile`` nothing is exchanged (a ``reduce_grads(check_finite=True)`` there
+  runs eagerly, at a graph break, exchange included).
 * A failure after the agreement (out of memory while packing, a peer dying mid-collective)
   raises :class:`CollectiveError` on the survivors within the timeout, not at once.
 """

@@ -155,8 +155,30 @@ def test_compiled_results_are_untagged_unlogged_and_not_agreed_on():
         fullgraph=True,
         backend="aot_eager",
     )
-    with pytest.raises(torch._dynamo.exc.TorchDynamoException, match="data-dependent"):
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException, match="disable"):
         checked(g)
+
+
+def test_check_finite_runs_eagerly_at_a_graph_break():
+    """check_finite=True inside a compiled function (no fullgraph) runs eagerly, at a graph
+    break: eager's results, and a NaN raises naming its leaf (before, dynamo resumed after
+    the check's data-dependent break and failed inside its own pytree code)."""
+    mesh = fh.SimMesh(dict(zip(AXES, (2, 2))))
+    spec = fh.hsdp(mesh, *AXES)
+    torch._dynamo.reset()
+    g = random_tree((2, 2), shapes=SHAPES, seed=3)
+
+    def step(g):
+        out = fh.reduce_grads(g, spec, last=True, check_finite=True)
+        return optree.tree_map(lambda t: t * 2, out)
+
+    compiled = torch.compile(step, backend="aot_eager")
+    assert _same(compiled(g), step(g))
+    bad = optree.tree_map(torch.clone, g)
+    first = optree.tree_leaves(bad)[0]
+    first.view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match="holds NaN or Inf"):
+        compiled(bad)
 
 
 # -- a whole training step under torch.compile ----------------------------------------------

@@ -120,7 +120,7 @@ def test_a_units_graph_frees_each_nodes_saved_tensors_in_its_backward(recompute)
     assert len(nodes) == 2
     for node in nodes:
         with pytest.raises(RuntimeError, match="freed"):
-            node._saved_result
+            _ = node._saved_result
 
 
 @pytest.mark.parametrize("recompute", [False, True])
