@@ -17,7 +17,7 @@ equivalent:
   ``zero_grad(set_to_none=True)``. The reference.
 - ``hf_fh_bf16``: ``fh.shard_module(model, spec, units=list(model.model.layers),
   mp_policy=mp)``, ``fh.MainGrad(tree_spec, like=shards)``, ``fh.functional_call(model,
-  shards, (ids,), {"labels": ids}, into=mg)`` under ``torch.func.grad_and_value``,
+  shards, (ids,), {"labels": ids}, into=mg)`` under ``fh.grad_and_value`` (the README's),
   ``fh.microbatches(ids, into=mg)``, ``mg.finish()``, SGD in place on the shards
   (``torch._foreach_add_``), ``mg.zero_grad()``.
 - ``hf_fh_bf16_recompute``: ``hf_fh_bf16`` with ``recompute=True`` (per-unit activation
@@ -217,7 +217,7 @@ class _Fh:
             )
             return out.loss / M
 
-        self.grad = torch.func.grad_and_value(loss_fn)
+        self.grad = fh.grad_and_value(loss_fn)
 
     def step(self, ids):
         fh, mg, total = self.fh, self.mg, 0.0

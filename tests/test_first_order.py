@@ -150,3 +150,13 @@ def test_under_transforms_it_is_torch_funcs():
     ours = torch.func.jvp(lambda p: fh.grad(_loss)(p, xs[0]), (p,), (tangent,))
     theirs = torch.func.jvp(lambda p: torch.func.grad(_loss)(p, xs[0]), (p,), (tangent,))
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_under_torch_compile_it_is_torch_funcs():
+    """Traced by torch.compile, fh.grad_and_value is torch.func's (which dynamo traces): the
+    same results, and no leaf is left requiring a gradient."""
+    p, x = _tree(), torch.randn(2, 3)
+    torch._dynamo.reset()
+    step = torch.compile(lambda p, x: fh.grad_and_value(_loss)(p, x), backend="aot_eager")
+    torch.testing.assert_close(step(p, x), torch.func.grad_and_value(_loss)(p, x))
+    assert not any(t.requires_grad for t in [p["a"], *p["b"]])
