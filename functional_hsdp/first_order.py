@@ -49,23 +49,29 @@ def _argnums(argnums: int | Sequence[int], n: int) -> tuple[int, ...]:
     return nums
 
 
-def _inputs(args: tuple, nums: tuple[int, ...]) -> tuple[list, Any]:
-    """The differentiated leaves (floating tensors, each once) and their tree."""
-    leaves, treedef, paths = flatten(tuple(args[i] for i in nums), "args")
+def _inputs(args: tuple, nums: tuple[int, ...]) -> tuple[list, list]:
+    """The differentiated leaves (floating tensors, each once), and each argument's treedef
+    with its number of leaves."""
+    leaves: list = []
+    trees: list = []
     seen: dict[int, str] = {}
-    for x, path in zip(leaves, paths):
-        if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
-            what = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-            raise TypeError(
-                f"{path}: only floating (or complex) tensors can be differentiated; got {what}"
-            )
-        if id(x) in seen:
-            raise ValueError(
-                f"{path}: the same tensor as {seen[id(x)]}; torch.func differentiates each "
-                "position on its own, autograd one tensor: pass it once"
-            )
-        seen[id(x)] = path
-    return leaves, treedef
+    for i in nums:
+        xs, treedef, paths = flatten(args[i], f"args[{i}]")
+        for x, path in zip(xs, paths):
+            if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
+                what = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+                raise TypeError(
+                    f"{path}: only floating (or complex) tensors can be differentiated; got {what}"
+                )
+            if id(x) in seen:
+                raise ValueError(
+                    f"{path}: the same tensor as {seen[id(x)]}; torch.func differentiates each "
+                    "position on its own, autograd one tensor: pass it once"
+                )
+            seen[id(x)] = path
+        leaves.extend(xs)
+        trees.append((treedef, len(xs)))
+    return leaves, trees
 
 
 def _value(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
@@ -120,7 +126,7 @@ def grad_and_value(
         if _transformed():
             return torch.func.grad_and_value(fn, argnums, has_aux)(*args, **kwargs)
         nums = _argnums(argnums, len(args))
-        leaves, treedef = _inputs(args, nums)
+        leaves, trees = _inputs(args, nums)
         toggled = [x for x in leaves if not x.requires_grad]
         try:
             for x in toggled:
@@ -136,8 +142,9 @@ def grad_and_value(
         finally:
             for x in toggled:
                 x.requires_grad_(False)
-        tree = optree.tree_unflatten(treedef, list(grads))
-        out = tree[0] if isinstance(argnums, int) else tree
+        it = iter(grads)
+        out = tuple(optree.tree_unflatten(t, [next(it) for _ in range(n)]) for t, n in trees)
+        out = out[0] if isinstance(argnums, int) else out
         value = value.detach()
         return (out, (value, _detached(aux))) if has_aux else (out, value)
 

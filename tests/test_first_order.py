@@ -75,6 +75,8 @@ def test_bad_input_names_the_path():
         fh.grad(lambda p: p["a"] * 2)(p)
     with pytest.raises(TypeError, match=r"has_aux=True.*tuple \(output, aux\)"):
         fh.grad(lambda p: p["a"].sum(), has_aux=True)(p)
+    with pytest.raises(TypeError, match=r"args\[1\]\['n'\]: only floating"):
+        fh.grad(lambda p, q: p["a"].sum(), argnums=(0, 1))(p, {"n": 3})
     with pytest.raises(ValueError, match="out of range"):
         fh.grad(lambda p: p["a"].sum(), argnums=2)(p)
 
