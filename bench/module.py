@@ -30,7 +30,8 @@ Two phases, as (B9): *time*: every variant of both models built in one group of 
 steps interleaved, glibc's default malloc; then one more step of each, untimed, with the bytes
 each collective carried recorded (``fh.comm_log`` for fh; for FSDP2 a dispatch mode that sees
 every c10d collective and its input). *Memory*: each variant in a fresh group of 4 ranks,
-glibc told to mmap allocations >= 64 KiB; idle RSS before the variant is built, a warm-up
+glibc told to mmap allocations >= 64 KiB; the model's modules imported (a tiny model run
+once), then idle RSS before the variant is built, a warm-up
 step, then the high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) of one
 measured step; peak above idle, max over ranks.
 """
@@ -325,8 +326,20 @@ def time_task(cfg: dict) -> dict:
     }
 
 
+def _warm_modules(kind: str) -> None:
+    """Import what building and running ``kind`` imports (for the Llama, transformers and what
+    it loads lazily, scipy where installed: tens of MiB) by running a tiny one, so that the
+    idle RSS holds it and the step's peak above idle is the step's own."""
+    if kind == "llama":
+        model = _model(kind, SIZES["tiny"])
+        ids = _data(kind, SIZES["tiny"], 0)[0]
+        _loss(kind, lambda a, k: model(*a, **k), ids).backward()
+
+
 def mem_task(cfg: dict, kind: str, variant: str) -> dict:
-    """One variant: idle RSS, build, one warm-up step, one measured step (its VmHWM)."""
+    """One variant: modules warmed, idle RSS, build, one warm-up step, one measured step (its
+    VmHWM)."""
+    _warm_modules(kind)
     return C.step_memory(
         lambda dm: _build(kind, variant, cfg, dm), lambda k: (_data(kind, cfg, k),)
     )
@@ -414,7 +427,8 @@ def report(res: dict, command: str, when: str) -> str:
         + C.timing_note(cfg, f"all {len(MODELS) * len(VARIANTS)} variants")
         + " Memory: each variant in a fresh group of 4 ranks, glibc told to mmap allocations "
         ">= 64 KiB (`MALLOC_MMAP_THRESHOLD_=65536` / `mallopt`); *peak* = `VmHWM` of one step "
-        "(after a warm-up step) minus the idle RSS before the variant was built, max over "
+        "(after a warm-up step) minus the idle RSS before the variant was built (the "
+        "model's modules imported before idle: a tiny model run once), max over "
         "ranks; *held* = RSS above idle just before the step. Wire: one untimed step per "
         "variant, input bytes per rank of each collective kind (fh: `comm_log`; FSDP2: every "
         "c10d collective seen by a dispatch mode)."
