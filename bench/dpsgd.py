@@ -251,7 +251,10 @@ def time_task(cfg: dict) -> dict:
 
 
 def mem_task(cfg: dict, variant: str) -> dict:
-    """One variant: idle RSS, build, one warm-up step, one measured step (its VmHWM)."""
+    """One variant: its modules imported (Opacus: about 65 MiB of RSS, which is not its step's
+    memory), idle RSS, build, one warm-up step, one measured step (its VmHWM)."""
+    if variant == "opacus_fsdp2":
+        from opacus import PrivacyEngine  # noqa: F401
     return C.step_memory(lambda dm: _build(variant, cfg, dm), lambda k: _data(cfg, k))
 
 
@@ -306,7 +309,8 @@ def report(res: dict, command: str, when: str) -> str:
         f"{cfg['chunk']}. Variants as in `bench/dpsgd.py`'s docstring. "
         + C.timing_note(cfg, "the 4 variants")
         + " Memory: each variant in a fresh group of 4 ranks, glibc told to mmap allocations "
-        ">= 64 KiB; *peak* = `VmHWM` of one step minus the idle RSS, max over ranks.",
+        ">= 64 KiB; *peak* = `VmHWM` of one step minus the idle RSS (read after the variant's "
+        "modules are imported: Opacus's are about 65 MiB), max over ranks.",
         f"\n1-minute load average: time {res['load']['time'][0]:.2f} / "
         f"{res['load']['time'][1]:.2f}, memory {res['load']['memory'][0]:.2f} / "
         f"{res['load']['memory'][1]:.2f}.\n",
