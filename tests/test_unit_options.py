@@ -382,3 +382,27 @@ def test_dropout_in_a_unit_draws_the_same_numbers_when_recomputed(recompute):
     )
     assert (out == 0).any() and torch.equal(out, want)  # the same mask
     assert torch.allclose(g_x, g_want)
+
+
+def test_a_maingrad_gets_the_gradients_asked_for_and_no_others():
+    """A unit's reduce-scatter is waited for early (in the next unit's backward), but its
+    result reaches the MainGrad only through the shards' wait node: a gradient taken with
+    respect to the input only leaves the MainGrad empty; a full backward fills it with the
+    dense gradient."""
+    mesh, tree_spec, full, shards, blk, x, _, mg = _linear_problem(into=True)
+    for s in optree.tree_leaves(shards):
+        s.requires_grad_(True)
+    x = x.clone().requires_grad_()
+    for _ in fh.microbatches(1, into=mg):
+        torch.autograd.grad(fh.sequence(blk, shards, x).square().sum(), [x])
+    assert mg.grads is None or all(
+        torch.count_nonzero(t) == 0 for t in optree.tree_leaves(mg.grads)
+    )
+    mg.zero_grad()
+    for _ in fh.microbatches(1, into=mg):
+        fh.grad(lambda s: fh.sequence(blk, s, x.detach()).square().sum())(shards)
+    mg.finish()
+    got = fh.gather(mg.grads, tree_spec)  # the mesh dims in front: every rank's copy
+    dense = _dense_grads(full, x.detach())
+    for g, d in zip(optree.tree_leaves(got), optree.tree_leaves(dense)):
+        torch.testing.assert_close(g[0, 0], d, rtol=1e-5, atol=1e-6)
