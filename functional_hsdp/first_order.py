@@ -105,10 +105,25 @@ def grad_and_value(
     ``loss.backward()`` does: each backward node's saved tensors and intermediates are freed
     as soon as it has run, where ``torch.func``'s are kept until its whole backward ends.
 
-    Returns a function of ``fn``'s arguments that returns ``(grads, value)``, or
-    ``(grads, (value, aux))`` with ``has_aux``; ``grads`` has the structure of the
-    ``argnums`` argument (a tuple of them for a tuple). ``value`` and ``aux`` come back
-    detached, as ``torch.func`` returns them.
+    Args:
+        fn: the function to differentiate; returns a scalar tensor (with ``has_aux``, a
+            tuple ``(scalar, aux)``).
+        argnums: which positional argument (an int) or arguments (a tuple of ints) to
+            differentiate with respect to; each a pytree of floating tensors.
+        has_aux: ``fn`` returns ``(value, aux)``; ``aux`` is returned, not differentiated.
+
+    Returns:
+        A function of ``fn``'s arguments that returns ``(grads, value)``, or
+        ``(grads, (value, aux))`` with ``has_aux``; ``grads`` has the structure of the
+        ``argnums`` argument (a tuple of them for a tuple). ``value`` and ``aux`` come back
+        detached, as ``torch.func`` returns them.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> p = {"w": torch.tensor([1.0, 2.0])}
+        >>> g, value = fh.grad_and_value(lambda p, x: (p["w"] * x).sum())(p, torch.ones(2))
+        >>> g["w"], value, p["w"].requires_grad
+        (tensor([1., 1.]), tensor(3.), False)
 
     The differentiated leaves must be floating tensors, each tensor once. For the call they
     are set to require a gradient (those that did not are reset afterwards, also when ``fn``
@@ -152,8 +167,20 @@ def grad_and_value(
 
 
 def grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:
-    """``torch.func.grad(fn, argnums, has_aux)`` with :func:`grad_and_value`'s memory: returns
-    ``grads``, or ``(grads, aux)`` with ``has_aux``."""
+    """``torch.func.grad(fn, argnums, has_aux)`` with :func:`grad_and_value`'s memory.
+
+    Args:
+        fn, argnums, has_aux: as :func:`grad_and_value`.
+
+    Returns:
+        A function of ``fn``'s arguments that returns ``grads``, or ``(grads, aux)`` with
+        ``has_aux``.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> fh.grad(lambda w: (w**2).sum())(torch.tensor([1.0, -3.0]))
+        tensor([ 2., -6.])
+    """
     both = grad_and_value(fn, argnums, has_aux)
 
     @functools.wraps(fn)
