@@ -15,6 +15,27 @@ from torch.func import functional_call
 import functional_hsdp as fh
 from functional_hsdp import plan as plan_module
 
+
+class Tap(torch.autograd.Function):
+    """``x`` (a copy); its backward first calls ``on_backward()``: a probe for when a gradient
+    passes that point (and whether it is computed at all), under any torch.func transform."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, on_backward):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.on_backward = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.on_backward()
+        return g, None
+
+
 AXES = ("dp_outer", "dp_inner")
 SHAPES = {"a": (7, 3), "n": [(5,), {"s": (1,)}], "z": (13, 11)}
 STRATEGIES = ("ddp", "fsdp", "hsdp", "hfsdp")

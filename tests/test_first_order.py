@@ -5,6 +5,7 @@ import weakref
 
 import pytest
 import torch
+from reference import Tap
 
 import functional_hsdp as fh
 
@@ -98,21 +99,6 @@ class _Saves(torch.autograd.Function):
         return g * 2 + 0 * own, None
 
 
-class _Probe(torch.autograd.Function):
-    """Identity whose backward (the last to run: it is the first op) records whether the
-    tensors in ``refs`` are still alive."""
-
-    @staticmethod
-    def forward(ctx, x, refs, alive):
-        ctx.refs, ctx.alive = refs, alive
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.alive.append([r() is not None for r in ctx.refs])
-        return g, None, None
-
-
 def test_a_nodes_saved_tensors_are_freed_once_it_has_run():
     """What loss.backward() does and torch.func.grad does not (it keeps the backward's graph
     for higher derivatives): by the time the first op's backward runs, the saved tensors of
@@ -120,7 +106,8 @@ def test_a_nodes_saved_tensors_are_freed_once_it_has_run():
     refs, alive = [], []
 
     def f(w):
-        h = _Probe.apply(w, refs, alive)
+        # the first op: its backward runs last
+        h = Tap.apply(w, lambda: alive.append([r() is not None for r in refs]))
         for _ in range(3):
             h = torch.tanh(_Saves.apply(h, refs))
         return h.sum()

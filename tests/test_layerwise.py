@@ -9,7 +9,7 @@ import optree
 import pytest
 import torch
 from lw_problem import B, T, V, block, dense_train, init, max_rel_error, train
-from reference import AXES, STRATEGIES, preset
+from reference import AXES, STRATEGIES, Tap, preset
 from torch.func import grad
 
 import functional_hsdp as fh
@@ -138,26 +138,6 @@ def test_prefetching_changes_nothing_but_the_order(dense):
 # -- prefetching: the exact order of collectives and computations ------------------------------
 
 
-class _Marked(torch.autograd.Function):
-    """Identity on a unit's output whose backward records ``label``: the unit's backward
-    starts (its output's gradient has arrived)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, label, record):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.label, ctx.record = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.record(ctx.label)
-        return g, None, None
-
-
 def _unit_order(run, recompute: bool) -> list[str]:
     """One forward and backward through three fsdp units of different sizes on a 2-rank
     SimMesh, as one list in time order: each collective from comm_log (``"all_gather k"``,
@@ -193,7 +173,7 @@ def _unit_order(run, recompute: bool) -> list[str]:
         k = p["w"].shape[-1] // 2 - 1
         runs[k] = runs.get(k, 0) + 1
         record(f"{'forward' if runs[k] == 1 else 'recompute'} {k}")
-        return _Marked.apply(torch.tanh(x * p["w"].sum()), f"backward {k}", record)
+        return Tap.apply(torch.tanh(x * p["w"].sum()), lambda: record(f"backward {k}"))
 
     block = fh.gathered(fh.per_rank(fn, mesh), spec, recompute=recompute)
     mesh.reduce_scatter, mesh.wait = spy_reduce_scatter, spy_wait

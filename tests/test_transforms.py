@@ -8,7 +8,7 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from reference import AXES, STRATEGIES, preset
+from reference import AXES, STRATEGIES, Tap, preset
 from transform_problem import (
     D,
     Problem,
@@ -151,24 +151,9 @@ def test_per_sample_gradients_hold_one_units_gathered_weights_at_a_time():
     block = fh.gathered(fh.per_rank(watched, mesh), spec)
     held = lambda: [w.untyped_storage().nbytes() for w in seen]  # noqa: E731
 
-    class Probe(torch.autograd.Function):  # identity between units 0 and 1
-        generate_vmap_rule = True
-
-        @staticmethod
-        def forward(x):
-            return x.clone()
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, g):
-            sizes.append(held())  # units 1 and 2 have run their backward
-            return g
-
     def loss(s, x):
-        h = block(s[2], block(s[1], Probe.apply(block(s[0], x))))
+        # a tap between units 0 and 1: units 1 and 2 have run their backward when it runs
+        h = block(s[2], block(s[1], Tap.apply(block(s[0], x), lambda: sizes.append(held()))))
         sizes.append(held())
         return h.square().sum()
 
