@@ -490,19 +490,25 @@ def _abandon(chain: _Chain) -> None:
     issued ahead, the reduce-scatters in flight)."""
     kept, chain.kept, chain.last, chain.closed = chain.kept, None, None, True
     chain.closing = False
+    if kept is not None:
+        _free(kept[0])
+    _release_in_flight(chain)
+
+
+def _release_in_flight(chain: _Chain) -> None:
+    """Release what ``chain`` still has in flight and will not use: all-gathers issued ahead
+    and reduce-scatters whose wait node never ran (every rank issued them alike)."""
+    calls, chain.ahead = chain.ahead, []
+    for ref in calls:
+        call = ref()
+        if call is not None:
+            _release_ahead(call)
     reducing, chain.reducing = chain.reducing, []
     for ref in reducing:
         call = ref()
         if call is not None and call.pending is not None:
             pending, call.pending = call.pending, None
             engine.release(call.plan, pending)
-    if kept is not None:
-        _free(kept[0])
-    calls, chain.ahead = chain.ahead, []
-    for ref in calls:
-        call = ref()
-        if call is not None:
-            _release_ahead(call)
 
 
 def start_forward() -> None:
@@ -527,18 +533,9 @@ def _end_of_backward_callback(chain: _Chain) -> None:
 
     def done() -> None:
         chain.closing, chain.closed, chain.last, chain.kept = False, True, None, None
-        calls, chain.ahead = chain.ahead, []
-        for ref in calls:
-            call = ref()
-            if call is not None:
-                _release_ahead(call)
-        # a reduce-scatter whose wait node did not run (autograd.grad asked for other inputs)
-        reducing, chain.reducing = chain.reducing, []
-        for ref in reducing:
-            call = ref()
-            if call is not None and call.pending is not None:
-                pending, call.pending = call.pending, None
-                engine.release(call.plan, pending)
+        # prefetches never used; a reduce-scatter whose wait node did not run (autograd.grad
+        # asked for other inputs)
+        _release_in_flight(chain)
 
     torch.autograd.Variable._execution_engine.queue_callback(done)
 
