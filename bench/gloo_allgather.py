@@ -28,16 +28,18 @@ def _rounds(impl: str, rounds: int, inflight: int) -> int:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
+    from functional_hsdp.torch_releases import c10d_all_gather_single, funcol_all_gather_single
+
     group, world = dist.group.WORLD, dist.get_world_size()
     for r in range(rounds):
         pending = []
         for k in range(inflight):
             x = torch.full((256 + 32 * k,), float(r + dist.get_rank()))
             if impl == "funcol":
-                pending.append(funcol.all_gather_single(x, 0, group))
+                pending.append(funcol_all_gather_single(x, 0, group))
             else:
                 out = x.new_empty(world * x.numel())
-                work = dist.all_gather_into_tensor(out, x, group=group, async_op=True)
+                work = c10d_all_gather_single(out, x, group=group, async_op=True)
                 pending.append((out, work, x))
         for p in pending:
             if impl == "funcol":

@@ -47,6 +47,8 @@ def _bare(dm, bufs):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
+    from functional_hsdp.torch_releases import funcol_reduce_scatter_single
+
     inner, outer = (dm, 1), (dm, 0)
     g_in, g_out = dm.get_group(1), dm.get_group(0)
     n_in = dm.shape[1]
@@ -54,11 +56,11 @@ def _bare(dm, bufs):
     AVG = dist.ReduceOp.AVG
 
     def bare_rs():
-        outs = [funcol.reduce_scatter_single(b, "avg", 0, inner) for b in bufs]
+        outs = [funcol_reduce_scatter_single(b, "avg", 0, inner) for b in bufs]
         return [funcol.wait_tensor(o) for o in outs]
 
     def bare_rs_ar():
-        outs = [funcol.reduce_scatter_single(b, "avg", 0, inner) for b in bufs]
+        outs = [funcol_reduce_scatter_single(b, "avg", 0, inner) for b in bufs]
         outs = [funcol.all_reduce(funcol.wait_tensor(o), "avg", outer) for o in outs]
         return [funcol.wait_tensor(o) for o in outs]
 

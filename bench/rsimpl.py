@@ -39,12 +39,14 @@ def _impls(group, pg_ref, n: int):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
+    from functional_hsdp.torch_releases import funcol_reduce_scatter_single
+
     AVG = dist.ReduceOp.AVG
     r = dist.get_rank(group)
     rs_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     def funcol_rs(buf):
-        return funcol.wait_tensor(funcol.reduce_scatter_single(buf, "avg", 0, pg_ref))
+        return funcol.wait_tensor(funcol_reduce_scatter_single(buf, "avg", 0, pg_ref))
 
     def list_rs(buf):
         out = torch.empty(buf.numel() // n)

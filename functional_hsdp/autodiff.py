@@ -41,7 +41,7 @@ from . import engine
 from .plan import Plan, Step
 from .schedule import expand, issue
 
-__all__ = ["Move", "move", "per_example_grad_norms"]
+__all__ = ["Move", "collecting_norms", "move", "per_example_grad_norms"]
 
 #: each move's adjoint, in the mean convention (see the module docstring)
 ADJOINT = {
@@ -64,11 +64,15 @@ class Move:
     #: releases its gathered weights between forward and backward needs them), and callables
     #: appended after that run once the move's backward is done
     record: list | None = None
+    #: per_example_grad_norms' accumulator, taken when the move is made (in forward, on the
+    #: caller's thread): the backward that adds to it may run on autograd's device thread,
+    #: which sees none of the caller's ContextVars
+    norms: _SquaredNorms | None = None
 
     @property
     def adjoint(self) -> Move:
         frm, to = ADJOINT[(self.frm, self.to)]
-        return Move(self.plan, frm, to, self.grad_dtype, self.dtype)
+        return Move(self.plan, frm, to, self.grad_dtype, self.dtype, norms=self.norms)
 
     def run(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The move on plain tensors (one collective per bucket per axis, through the
@@ -155,7 +159,7 @@ class _Moved(torch.autograd.Function):
             x.unsqueeze(0).expand(size, *x.shape) if d is None else x.movedim(d, 0)
             for x, d in zip(leaves, dims)
         ]
-        norms = _NORMS.get()
+        norms = how.norms
         if norms is not None and how.frm == "input":  # per-example norms, nothing reduced
             norms.add(batched, len(how.plan.mesh.batch_shape))
             zero = torch.zeros((), dtype=batched[0].dtype, device=batched[0].device)
@@ -205,6 +209,12 @@ class _SquaredNorms:
 _NORMS: contextvars.ContextVar[_SquaredNorms | None] = contextvars.ContextVar(
     "fh_per_example_norms", default=None
 )
+
+
+def collecting_norms() -> _SquaredNorms | None:
+    """The accumulator of a :func:`per_example_grad_norms` pass running on this thread, for
+    a move made now (forward only: backward reads it from the move, never from here)."""
+    return _NORMS.get()
 
 
 def per_example_grad_norms(

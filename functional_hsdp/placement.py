@@ -29,7 +29,6 @@ order, so that every all-reduce runs on the smallest piece of data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -52,7 +51,6 @@ Collective = Literal["reduce_scatter", "all_reduce", "all_gather", "slice"]
 REDUCE_OPS = ("avg", "sum")
 
 
-@dataclass(frozen=True)
 class Flat(Placement):
     """Flattened, bucketed and evenly chunked along one mesh axis (Megatron-FSDP's layout).
 
@@ -61,6 +59,17 @@ class Flat(Placement):
         >>> (Replicate(), Flat())
         (Replicate(), Flat())
     """
+
+    def __init__(self) -> None:
+        # torch 2.11's Placement is a C++ class whose __init__ a subclass must call
+        # (torch_releases); from 2.13 it is a Python class and this is a no-op
+        super().__init__()
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Flat
+
+    def __hash__(self) -> int:
+        return hash(Flat)
 
     def __repr__(self) -> str:
         return "Flat()"

@@ -67,7 +67,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from . import engine
-from .autodiff import Move, move
+from .autodiff import Move, collecting_norms, move
 from .lookup import find_layout
 from .maingrad import MainGrad
 from .plan import Plan
@@ -639,7 +639,15 @@ class Gathered:
             leaves, treedef, paths, self.spec, None, ("parameter",), ("final", "weights"), "shards"
         )
         record: list = []
-        how = Move(plan, "parameter", "full", self.param_dtype, self.reduce_dtype, record)
+        how = Move(
+            plan,
+            "parameter",
+            "full",
+            dtype=self.param_dtype,
+            grad_dtype=self.reduce_dtype,
+            record=record,
+            norms=collecting_norms(),
+        )
         # the unit before gives its gathered weights' memory back now (per-sample gradients)
         previous, _FORWARD.resharded = _FORWARD.resharded, None
         previous = previous() if previous is not None else None

@@ -330,3 +330,50 @@ def packs(at: str) -> Iterator[list[int]]:
         yield packed
     finally:
         plan_module.Plan.pack = original
+
+
+def _library_functions() -> list[type]:
+    """Every ``torch.autograd.Function`` the library defines."""
+    import functional_hsdp.units  # noqa: F401 - defines its Functions on import
+
+    found, todo = [], list(torch.autograd.Function.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.__module__.startswith("functional_hsdp."):
+            found.append(cls)
+    return found
+
+
+@contextlib.contextmanager
+def on_device_threads() -> Iterator[list[str]]:
+    """Every library ``autograd.Function``'s backward runs as on autograd's CUDA device
+    thread: in a fresh ``contextvars.Context()`` (none of the caller's ContextVars) and with
+    a fresh thread-local state of the units (``units._FORWARD``), and so do the vmap and jvp
+    rules that backward reaches. Yields the names of the backwards run so, for the caller to
+    check that some ran."""
+    import contextvars
+
+    from functional_hsdp import units
+
+    ran: list[str] = []
+
+    def fresh(cls: type, backward):
+        def run(ctx, *grads):
+            ran.append(cls.__name__)
+            saved, units._FORWARD = units._FORWARD, units._Forward()
+            try:
+                return contextvars.Context().run(backward, ctx, *grads)
+            finally:
+                units._FORWARD = saved
+
+        return staticmethod(run)
+
+    originals = {cls: cls.__dict__["backward"] for cls in _library_functions()}
+    try:
+        for cls, backward in originals.items():
+            cls.backward = fresh(cls, backward.__func__)
+        yield ran
+    finally:
+        for cls, backward in originals.items():
+            cls.backward = backward

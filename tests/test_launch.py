@@ -18,6 +18,7 @@ import torch.distributed._functional_collectives as funcol
 
 from functional_hsdp import launch
 from functional_hsdp.launch import GlooPool, WorkerError, WorkerTimeout, device_mesh
+from functional_hsdp.torch_releases import funcol_all_gather_single
 
 # A pool that gives up on a task (its timeout of 1 s, or error_grace of 3 s after a rank
 # raised) returns well before the 60 s it would otherwise wait. Measured (2-core machine,
@@ -55,7 +56,7 @@ def _task_mesh_2x2():
     tp_group = mesh.get_group("tp")
     over_tp_pg = funcol.wait_tensor(funcol.all_reduce(t, "sum", tp_group))
     assert torch.equal(over_tp, over_tp_pg)
-    gathered = funcol.all_gather_single(t, 0, (mesh, 1))
+    gathered = funcol_all_gather_single(t, 0, (mesh, 1))
     return (
         mesh.mesh_dim_names,
         tuple(mesh.get_coordinate()),

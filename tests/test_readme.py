@@ -266,12 +266,18 @@ def _check_for(block: str):
     return CHECKS[name]
 
 
-def _torchrun_task(code: str, check) -> dict:
-    """One rank of the block run as under torchrun: the block makes the process group."""
+def _torchrun_task(code: str, check, carriage: str | None = None) -> dict:
+    """One rank of the block run as under torchrun: the block makes the process group.
+    ``carriage="nccl"``: gloo carries the library's collectives as NCCL's groups do (the
+    functional collectives), so that path runs here too."""
     import torch.distributed as dist
+
+    from functional_hsdp.mesh import dist as dist_module
 
     out = io.StringIO()
     ns = {"__name__": "__readme__"}
+    if carriage is not None:
+        dist_module.BACKENDS["gloo"] = dist_module.BACKENDS[carriage]
     with warnings.catch_warnings(record=True) as caught, fh.comm_log() as log:
         warnings.simplefilter("always")
         with contextlib.redirect_stdout(out):
@@ -330,3 +336,17 @@ def test_block_as_torchrun_runs_it_on_four_gloo_ranks(block):
     if _name(block) in LEARNABLE:
         assert printed[-1] < printed[0], printed
     assert [r["printed"] for r in results[1:]] == [""] * (WORLD - 1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("block", [QUICKSTART, LAYERWISE], ids=["quickstart", "layer-wise"])
+def test_block_on_the_functional_collectives_nccl_takes(block):
+    """The examples as NCCL runs them: every collective a functional one (the names that
+    differ between torch releases), checked against the dense reference as above."""
+    results = launch.run(_torchrun_task, _program(block), _check_for(block), "nccl", join=False)
+    for rank, res in enumerate(results):
+        assert res["impls"], "the block ran no collective"
+        assert all(impl == "native" for _, impl in res["impls"]), res["impls"]
+        assert res["warnings"] == [], res["warnings"]
+        assert res["params"] <= 2e-4, (rank, res["params"])
+    assert _printed_losses(results[0]["printed"]) == pytest.approx(results[0]["losses"], abs=1e-4)

@@ -3,8 +3,8 @@
 Collectives are ``torch.distributed._functional_collectives`` over ``(device_mesh, dim)``:
 asynchronous and traceable by ``torch.compile``. On gloo, eager collectives are asynchronous
 c10d calls with a ``Work`` handle instead: reductions are in-place all-reduces of the
-library's own buffers (see ``_INPLACE``), all-gathers ``all_gather_into_tensor`` (see
-``_C10D_GATHER``).
+library's own buffers, all-gathers c10d's single-tensor all-gather (see ``BACKENDS``).
+Names that differ between torch releases come from :mod:`functional_hsdp.torch_releases`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..errors import collective_error
+from ..torch_releases import (
+    c10d_all_gather_single,
+    funcol_all_gather_single,
+    funcol_reduce_scatter_single,
+)
 from .protocol import Flight, MeshAxes
 
 __all__ = ["DistMesh", "backend_of"]
@@ -69,10 +74,6 @@ OTHER = Carriage(native_avg=False, in_place=False, c10d_gather=False)
 assert all(c.native_avg for c in BACKENDS.values() if c.in_place), (
     "the in-place path reduces with the backend's own AVG"
 )
-
-# torch >= 2.13 names the single-tensor all-gather all_gather_single (all_gather_into_tensor,
-# its old name, warns that it is deprecated)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def backend_of(group: Any, device_type: str) -> str:
@@ -209,7 +210,7 @@ class DistMesh(MeshAxes):
         if self._in_place(axis):
             return self._issue_in_place(buf, axis, op, "reduce_scatter")
         group = (self.device_mesh, self._dim(axis))
-        reduce = lambda o: funcol.reduce_scatter_single(buf, o, 0, group)  # noqa: E731
+        reduce = lambda o: funcol_reduce_scatter_single(buf, o, 0, group)  # noqa: E731
         return self._reduction("reduce_scatter", reduce, axis, op)
 
     def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor | Flight:
@@ -222,12 +223,12 @@ class DistMesh(MeshAxes):
             if not out.numel():  # gloo divides by the size (SIGFPE); every rank skips alike
                 return out
             with self.guard("all_gather", axis):
-                work = _all_gather_single(
+                work = c10d_all_gather_single(
                     out, buf.contiguous(), group=self.group(axis), async_op=True
                 )
             return self._issued(Flight("all_gather", axis, out, work, source=buf))
         with self.guard("all_gather", axis):
-            out = funcol.all_gather_single(buf, 0, (self.device_mesh, d))
+            out = funcol_all_gather_single(buf, 0, (self.device_mesh, d))
             if gloo_like:  # traced on gloo: waited at issue, never several in flight
                 out = funcol.wait_tensor(out)
         if torch.compiler.is_compiling():
