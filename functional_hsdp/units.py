@@ -23,7 +23,9 @@ backward that is ``once_differentiable``, so its collectives see plain tensors):
     graph saved those tensors) and runs no second forward.
   - ``recompute=True`` (per-unit activation checkpointing): ``fn`` runs without recording a
     graph; only the shards and the arguments are saved, and backward re-gathers the unit and
-    recomputes ``fn`` under ``torch.func.vjp``: less memory, one more forward per unit.
+    recomputes ``fn`` under ``torch.func.vjp``: less memory, one more forward per unit. The
+    recompute draws forward's random numbers and runs under forward's autocast state (as
+    ``torch.utils.checkpoint``), both kept on the call record.
 
   ``reshard_after_forward=False`` keeps the gathered weights from forward to backward instead
   (no re-gather). The forward's last unit keeps them either way: its backward comes next.
@@ -129,6 +131,7 @@ class _Call:
     freed: tuple | None = None  # their storages released after forward: (storages, leaves)
     kept_storages: frozenset = frozenset()  # of outputs that are gathered weights: never freed
     rng: tuple | None = None  # recompute: the RNG states forward ran with (dropout alike)
+    autocast: tuple = ()  # recompute: the autocast state forward ran under (_autocast_state)
 
 
 class _Forward(threading.local):
@@ -290,18 +293,34 @@ def _rng_states(full: list, args: Sequence[Any]) -> tuple:
     return torch.get_rng_state(), devices, states, device
 
 
+def _autocast_state(tensors: Sequence[torch.Tensor]) -> tuple[tuple[str, dict], ...]:
+    """The autocast state now, for the CPU and each device type of ``tensors`` (what
+    torch.utils.checkpoint saves): ``(device_type, torch.autocast's keyword arguments)``
+    pairs, so that a recomputed unit runs in the dtypes its forward ran in."""
+    cache, on = torch.is_autocast_cache_enabled(), torch.is_autocast_enabled
+    kinds = dict.fromkeys(["cpu", *(t.device.type for t in tensors)])
+    return tuple(
+        (kind, dict(enabled=on(kind), dtype=torch.get_autocast_dtype(kind), cache_enabled=cache))
+        for kind in kinds
+        if torch.amp.is_autocast_available(kind)  # not "meta", say: it has no autocast
+    )
+
+
 @contextlib.contextmanager
-def _replaying(rng: tuple | None) -> Iterator[None]:
-    """Run the block with the RNG states ``rng`` (the caller's states restored after it)."""
-    if rng is None:
-        yield
-        return
-    cpu, devices, states, device = rng
-    kwargs = {"device_type": device} if device is not None else {}
-    with torch.random.fork_rng(devices=devices, **kwargs):
-        torch.set_rng_state(cpu)
-        if devices:
-            set_device_states(devices, states, **kwargs)
+def _replaying(rng: tuple | None, autocast: tuple) -> Iterator[None]:
+    """Run the block as its forward ran: with the RNG states ``rng`` (the caller's states
+    restored after it) and under the autocast state ``autocast`` (:func:`_autocast_state`),
+    on or off whatever autocast region the backward was called in."""
+    with contextlib.ExitStack() as stack:
+        for kind, kwargs in autocast:
+            stack.enter_context(torch.autocast(kind, **kwargs))
+        if rng is not None:
+            cpu, devices, states, device = rng
+            kwargs = {"device_type": device} if device is not None else {}
+            stack.enter_context(torch.random.fork_rng(devices=devices, **kwargs))
+            torch.set_rng_state(cpu)
+            if devices:
+                set_device_states(devices, states, **kwargs)
         yield
 
 
@@ -343,8 +362,10 @@ class _Unit(torch.autograd.Function):
                 outs, call.vjp = _vjp(call, full, args)
                 call.weights = full
             else:
-                if call.replay:  # backward runs fn again: with the same random numbers
+                if call.replay:  # backward runs fn again: with the same random numbers,
+                    # in the same dtypes (kept here, not per thread: backward may run on another)
                     call.rng = _rng_states(full, args)
+                    call.autocast = _autocast_state([*full, *args])
                 with torch.no_grad():
                     outs = _run(call, full, args)
         except BaseException:
@@ -409,7 +430,9 @@ class _Unit(torch.autograd.Function):
             else:
                 full = _gathered(call, "backward", call.pieces)
             call.wanted = has_weights = wanted
-            with _replaying(call.rng):
+            # forward's autocast state for the recompute only: fn's own backward runs, as
+            # recompute=False's does, in the state the backward was called in
+            with _replaying(call.rng, call.autocast):
                 _, vjp = _vjp(call, full, ctx.saved_tensors)
             del full
         call.full = call.weights = None
@@ -881,7 +904,8 @@ def gathered(
             the unit's activations (its graph) until backward and frees only the gathered
             weights; backward re-gathers them (unless kept) and runs no second forward.
             True: per-unit activation checkpointing: forward keeps only its inputs, backward
-            re-gathers and recomputes the unit (less memory, one more forward per unit).
+            re-gathers and recomputes the unit (less memory, one more forward per unit), with
+            the random numbers and the autocast state its forward ran with.
         mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy``, with FSDP2's meaning:
             ``param_dtype`` casts the shards before the all-gather (the wire and ``fn`` run in
             it); ``reduce_dtype`` (default: ``param_dtype``) is the dtype of the gradient's
