@@ -3,10 +3,13 @@
 The check to run on one GPU (``python -m bench gpu``; on a machine without CUDA it runs on the
 CPU and says so). One process, a one-rank process group made here (NCCL on CUDA, gloo on the
 CPU) and ``init_device_mesh(device, (1, 1), mesh_dim_names=("dp_outer", "dp_inner"))``: every
-library path runs on the device's tensors and no collective is issued (size-1 axes move
-nothing; a one-rank mesh exchanges no agreement rows). An MLP of L x (Linear(D, D) + Tanh),
-fp32, MSE loss / M, SGD; the same initial weights and data for every variant. Variants, each a
-whole step (M microbatches of forward + backward, gradient sync, SGD):
+library path runs on the device's tensors, on ``DistMesh(dm, issue_size_one=True)``, so that
+every collective a 2-D mesh would issue is issued on the size-1 axes too (one rank's NCCL
+collectives: the streams, waits and buffer lifetimes of the real path; a one-rank mesh
+exchanges no agreement rows). The *collectives* phase counts them, per variant and step.
+An MLP of L x (Linear(D, D) + Tanh), fp32, MSE loss / M, SGD; the same initial weights and
+data for every variant. Variants, each a whole step (M microbatches of forward + backward,
+gradient sync, SGD):
 
 - ``plain``: ``torch.func`` training with no library: ``grad_and_value(functional_call)`` per
   microbatch, gradients summed with ``tree_map``, SGD into new trees. The dense reference.
@@ -194,7 +197,7 @@ class _WholeTree:
         import functional_hsdp as fh
 
         self.fh, self.M = fh, pb.M
-        self.spec = fh.hsdp(fh.DistMesh(dm), *C.AXES)
+        self.spec = fh.hsdp(fh.DistMesh(dm, issue_size_one=True), *C.AXES)
         full = pb.full()
         self.params = fh.shard(full, self.spec)
         self.mg = fh.MainGrad(self.spec, like=full) if maingrad else None
@@ -231,7 +234,7 @@ class _LayerWise:
         import functional_hsdp as fh
 
         self.fh, self.M = fh, pb.M
-        spec = fh.hsdp(fh.DistMesh(dm), *C.AXES)
+        spec = fh.hsdp(fh.DistMesh(dm, issue_size_one=True), *C.AXES)
         full = _as_units(pb.full())
         self.tree_spec = [spec] * len(full)
         self.params = fh.shard(full, self.tree_spec)
@@ -379,6 +382,16 @@ def _syncs(runner, data) -> tuple[int, list[str]]:
     return len(hits), [f"{k} ({n}x)" for k, n in where.most_common(4)]
 
 
+def _collectives(runner, data) -> dict[str, int]:
+    """The library's collectives in one step (``comm_log``), by op; FSDP2's and torch's own
+    are not logged there (their variants show none)."""
+    import functional_hsdp as fh
+
+    with fh.comm_log() as log:
+        runner.step(*data)
+    return dict(Counter(e.op for e in log.events))
+
+
 def _memory(pb: _Problem, device, dm, name: str) -> dict:
     """One variant alone: allocated before it was built (idle: the problem's initial weights
     and data included), one warm-up step, then one step's peak (``max_memory_allocated``,
@@ -436,6 +449,7 @@ def _phases(res: dict, pb, cfg: dict, device, dm, variants, phases: dict, t0: fl
                 enq_t[v].append(enq)
     res["times"], res["enqueue"], res["losses"] = step_t, enq_t, losses
     phases["time"] = time.perf_counter() - t0 - sum(phases.values())
+    res["collectives"] = {v: _collectives(runners[v], pb.data(0)) for v in variants}
     if cuda:
         res["syncs"] = {v: _syncs(runners[v], pb.data(0)) for v in variants}
         phases["syncs"] = time.perf_counter() - t0 - sum(phases.values())
@@ -517,7 +531,9 @@ def report(res: dict, command: str, when: str) -> str:
     desc = (
         f"Device: {where}. One process, a one-rank process group "
         f"({'NCCL' if cuda else 'gloo'}) and a (1, 1) DeviceMesh (dp_outer, dp_inner): every "
-        "path runs on the device's tensors and no collective is issued"
+        "path runs on the device's tensors, on `DistMesh(dm, issue_size_one=True)`: the "
+        "collectives of a 2-D mesh are issued on the size-1 axes too (*collectives per step*: "
+        "the library's, from `comm_log`)"
         + (
             ""
             if cuda
@@ -557,6 +573,7 @@ def report(res: dict, command: str, when: str) -> str:
                 C.mib(mem[v]["peak"]) if v in mem else "n/a",
                 C.mib(mem[v]["held"]) if v in mem else "n/a",
                 str(syncs[v][0]) if v in syncs else "n/a",
+                gpu_hf.collectives_text(res["collectives"][v]),
                 f"{res['loss_maxrel'][v]:.1e}",
             ]
         )
@@ -572,6 +589,7 @@ def report(res: dict, command: str, when: str) -> str:
             "peak above idle (MiB)",
             "held between steps (MiB)",
             "syncs per step",
+            "collectives per step",
             "loss max rel. diff vs plain",
         ],
         rows,

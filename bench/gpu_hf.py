@@ -203,7 +203,7 @@ class _Fh:
 
         self.fh, self.M = fh, pb.M
         model = pb.model()
-        spec = fh.hsdp(fh.DistMesh(dm), *C.AXES)
+        spec = fh.hsdp(fh.DistMesh(dm, issue_size_one=True), *C.AXES)
         self.shards, self.tree_spec = fh.shard_module(
             model, spec, units=list(model.model.layers), mp_policy=_policy()
         )
@@ -287,6 +287,15 @@ def correctness(pb: Problem, dm) -> dict:
 # -- report -----------------------------------------------------------------------------------
 
 
+def collectives_text(counts: dict[str, int]) -> str:
+    """``12 (RS 4, AR 4, AG 4)``, or ``n/a`` for a variant the library does not run."""
+    if not counts:
+        return "n/a"
+    short = {"reduce_scatter": "RS", "all_reduce": "AR", "all_gather": "AG"}
+    parts = ", ".join(f"{short[op]} {n}" for op, n in sorted(counts.items()))
+    return f"{sum(counts.values())} ({parts})"
+
+
 def report_lines(hf: dict, cuda: bool) -> list[str]:
     """The section's part for the Llama (its own tables)."""
     lines = ["\n### A Hugging Face Llama: shard_module + functional_call versus FSDP2, bf16\n"]
@@ -338,6 +347,7 @@ def report_lines(hf: dict, cuda: bool) -> list[str]:
                 C.mib(mem[v]["peak"]) if v in mem else "n/a",
                 C.mib(mem[v]["held"]) if v in mem else "n/a",
                 str(syncs[v][0]) if v in syncs else "n/a",
+                collectives_text(hf["collectives"][v]),
                 f"{hf['loss_maxrel'][v]:.1e}",
             ]
         )
@@ -354,6 +364,7 @@ def report_lines(hf: dict, cuda: bool) -> list[str]:
                 "peak above idle (MiB)",
                 "held between steps (MiB)",
                 "syncs per step",
+                "collectives per step",
                 "loss max rel. diff vs fsdp2_bf16",
             ],
             rows,

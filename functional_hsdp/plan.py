@@ -24,8 +24,10 @@ from .layout import (
     Bucket,
     Slot,
     build_buckets,
+    interleave,
     pack_full,
     pack_shard_full,
+    spaced,
     unpack_full,
     unpack_shard_full,
 )
@@ -103,16 +105,33 @@ class Placed:
     geometry: Any  # Flat: the mesh geometry's pieces; Shard(d): per-slot chunk lengths
     shapes: tuple[tuple[int, ...], ...]  # per slot: the local shape (batch dims in front)
     views: bool  # whether unpacking gives views of the buffer (else copies)
+    # Flat: per slot, the width of this rank's piece of the alignment gap after it (None: no
+    # gap), and the shape of one zero tensor every such piece is a view of
+    after: tuple[int | None, ...] = ()
+    zeros: tuple[int, ...] = ()
+
+
+def _gap_pieces(
+    bucket: Bucket, every: list[tuple[int, ...]]
+) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
+    """Per slot: the width of this rank's piece of the gap after it (None: no gap range), of
+    ``every`` piece shape of the bucket's ranges; and the zeros' shape (batch dims, widest)."""
+    after = [every[p + 1][-1] if g else None for p, g in zip(bucket.at, bucket.after[:-1])]
+    after.append(None)  # the tail is no range: the geometry pads the chunk itself
+    widths = [w for w in after if w is not None]
+    zeros = (*every[0][:-1], max(widths)) if widths else ()
+    return tuple(after), zeros
 
 
 def _steps(spec: Spec, frm: str, to: str) -> tuple[Step, ...]:
     """The per-axis steps that move a bucket of ``spec`` from role ``frm`` to role ``to``.
 
     Reduce-scatters (and slices) first, in split order; then all-reduces, which so run on the
-    smallest chunk; then all-gathers, in reverse split order. Size-1 axes move nothing.
+    smallest chunk; then all-gathers, in reverse split order. Size-1 axes move nothing,
+    unless the mesh issues collectives on them (``DistMesh(issue_size_one=True)``).
     """
     mesh = spec.mesh
-    names = [a for a in mesh.axis_names if mesh.size(a) > 1]
+    names = [a for a in mesh.axis_names if mesh.moves(a)]
     src, dst = spec.placements(frm), spec.placements(to)
     index = {a: mesh.axis_names.index(a) for a in names}
     kinds = {a: transition(src[index[a]], dst[index[a]], a) for a in names}
@@ -212,10 +231,14 @@ class Plan:
                 for s, g in zip(bucket.slots, lengths)
             )
             return Placed(axes, stride, lengths, shapes, False)
-        pieces = geometry.pieces(start, [(s.offset, s.numel) for s in bucket.slots], stride)
-        shapes = tuple(map(tuple, geometry.piece_shapes(pieces)))
+        # the gaps between leaves are ranges too: the geometry sees consecutive ranges
+        pieces = geometry.pieces(start, bucket.ranges, stride)
+        every = [tuple(shape) for shape in geometry.piece_shapes(pieces)]
+        shapes = bucket.pick_spans(every)
+        after, zeros = _gap_pieces(bucket, every)
         # a geometry may know per bucket that its pieces are views (SimMesh: no rank has fill)
-        return Placed(axes, stride, pieces, shapes, getattr(pieces, "views", geometry.views))
+        views = getattr(pieces, "views", geometry.views)
+        return Placed(axes, stride, pieces, shapes, views, after, zeros)
 
     def _local_shapes(self, role: str) -> tuple[tuple[int, ...], ...]:
         batch, out = self.mesh.batch_shape, [None] * len(self.shapes)
@@ -253,6 +276,9 @@ class Plan:
         if dtype != bucket.dtype:  # a shard-sized cast, then one packing copy
             values = tuple(x.to(dtype) for x in values)
         if bucket.shard is None:
+            if placed.zeros:  # the gaps' pieces between the leaves' (geometry.join wants all)
+                zeros = torch.zeros(placed.zeros, dtype=dtype, device=bucket.device)
+                values = interleave(values, placed.after, zeros)
             geometry = self.mesh.geometry
             return geometry.join(list(values), placed.geometry, dtype, bucket.device)
         nb, flat = len(batch), []
@@ -262,7 +288,7 @@ class Plan:
             if pad:
                 x = torch.nn.functional.pad(x, (0, 0) * (len(s.shape) - s.dim - 1) + (0, pad))
             flat.append(x.reshape(*batch, -1))
-        return torch.cat(flat, dim=-1)
+        return torch.cat(spaced(bucket, flat, batch, dtype), dim=-1)
 
     def unpack(
         self, bufs: list[torch.Tensor], role: str, dtype: torch.dtype | None = None
@@ -277,7 +303,8 @@ class Plan:
                 unpack = unpack_shard_full if bucket.shard else unpack_full
                 values.extend(unpack(bucket, buf, batch))
             elif bucket.shard is None:
-                values.extend(geometry.split(buf, placed.geometry))
+                pieces = geometry.split(buf, placed.geometry)
+                values.extend(bucket.pick_spans(pieces) if placed.zeros else pieces)
             else:
                 nb = len(batch)
                 for s, length in zip(bucket.slots, placed.geometry):

@@ -74,6 +74,10 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
         }
     if name == "gpu":  # one rank in this process: the library's paths against dense
         assert res["correct_ok"], res["correct"]
+        # issue_size_one: every library path issues its collectives at world size 1
+        for v in ("whole_tree", "maingrad", "lw_sink", "lw_pure"):
+            assert sum(res["collectives"][v].values()) > 0, (v, res["collectives"])
+        assert res["collectives"]["plain"] == {} and "collectives per step" in md
         assert all(x < 1e-4 for x in res["loss_maxrel"].values()), res["losses"]
         # the Llama through shard_module + functional_call trains as FSDP2-bf16 does
         hf = res["hf"]

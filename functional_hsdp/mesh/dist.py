@@ -130,6 +130,11 @@ class DistMesh(MeshAxes):
             the groups ``init_device_mesh`` makes do not inherit. It bounds the library's own
             waits (gloo's in-place reductions, the cross-rank check); a functional
             collective's wait (NCCL) is bounded by its group's own timeout (watchdog).
+        issue_size_one: False (default): an axis of one rank moves nothing (its collectives
+            would be identities). True: they are issued anyway (a reduction there with SUM,
+            the identity on one rank, where AVG would divide by 1), so that one GPU runs the
+            whole communication path: NCCL's streams, the waits, the buffers' lifetimes.
+            For checking a device, not for training (it only adds work).
 
     Example:
         >>> import functional_hsdp as fh
@@ -141,10 +146,18 @@ class DistMesh(MeshAxes):
 
     batch_shape: tuple[int, ...] = ()
 
-    def __init__(self, device_mesh: Any, *, overlap: bool = True, timeout: Any = None):
-        if not isinstance(overlap, bool):
-            raise TypeError(f"DistMesh: overlap must be a bool; got {overlap!r}")
-        self.overlap = overlap
+    def __init__(
+        self,
+        device_mesh: Any,
+        *,
+        overlap: bool = True,
+        timeout: Any = None,
+        issue_size_one: bool = False,
+    ):
+        for name, flag in (("overlap", overlap), ("issue_size_one", issue_size_one)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"DistMesh: {name} must be a bool; got {flag!r}")
+        self.overlap, self.issue_size_one = overlap, issue_size_one
         self.timeout = _as_timedelta(timeout, device_mesh)
         names = getattr(device_mesh, "mesh_dim_names", None)
         if names is None:
@@ -166,7 +179,10 @@ class DistMesh(MeshAxes):
         self.diagnostics = DistDiagnostics(self)
 
     def __repr__(self) -> str:
-        return f"DistMesh({self.shape}{'' if self.overlap else ', overlap=False'})"
+        options = ("" if self.overlap else ", overlap=False") + (
+            ", issue_size_one=True" if self.issue_size_one else ""
+        )
+        return f"DistMesh({self.shape}{options})"
 
     def coordinate(self, axis: str) -> int:
         """This rank's index along ``axis``."""
@@ -195,8 +211,14 @@ class DistMesh(MeshAxes):
             return out / n if n else out
         return self._issued(_functional(Flight(name, axis, out, divide=n)))
 
+    def _op(self, axis: str, op: str) -> str:
+        # one rank's AVG is its SUM: issued as SUM (size-1 axes carry collectives only with
+        # issue_size_one, for a device check), so no backend divides by 1
+        return "sum" if self.size(axis) == 1 else op
+
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor | Flight:
         """All-reduce over ``axis`` (in place on gloo)."""
+        op = self._op(axis, op)
         if self._in_place(axis):
             return self._issue_in_place(buf, axis, op, "all_reduce")
         group = (self.device_mesh, self._dim(axis))
@@ -207,6 +229,7 @@ class DistMesh(MeshAxes):
         """Reduce-scatter over ``axis``. On gloo an in-place all-reduce of ``buf`` whose
         waited result is this rank's chunk as a view of it (a borrowed result), so that a
         consumer that makes a new tensor anyway (adding acc, MainGrad's add) copies nothing."""
+        op = self._op(axis, op)
         if self._in_place(axis):
             return self._issue_in_place(buf, axis, op, "reduce_scatter")
         group = (self.device_mesh, self._dim(axis))
@@ -377,7 +400,12 @@ class DistDiagnostics:
     ``"cpu:gloo,cuda:nccl"`` group that ``init_device_mesh`` makes); otherwise a gloo group
     made once, when the mesh is (a flattened view of the ``DeviceMesh`` with backend
     ``"gloo"``, as torch's checkpointing keeps a gloo group for its metadata beside NCCL).
+
+    :meth:`start_max` runs over the same group in point-to-point messages of its own tags
+    (from ``TAG``); a collective's messages never carry them.
     """
+
+    TAG = 0x6668_0000
 
     def __init__(self, mesh: DistMesh):
         self._mesh = mesh
@@ -391,6 +419,24 @@ class DistDiagnostics:
         place = {r: k for k, r in enumerate(sorted(ranks))}
         self._order = torch.tensor([place[r] for r in ranks])
         self._size = len(ranks)
+        self._rounds = self._doubling(ranks.index(dist.get_rank()), ranks)
+
+    @staticmethod
+    def _doubling(k: int, ranks: list[int]) -> list[tuple[int | None, int | None, int]]:
+        """The rounds of :meth:`start_max` for the ``k``-th rank of ``ranks``: (send to,
+        receive from, tag offset) each, as global ranks. Recursive doubling among the first
+        ``m`` (the largest power of two <= n): in round i, rank k and rank k ^ 2**i swap
+        their maxima so far. Each of the other n - m ranks first hands its row to a twin
+        among the first and gets the maximum back from it at the end."""
+        n = len(ranks)
+        m = 1 << (n.bit_length() - 1)
+        last = m.bit_length()  # the tag offset of the twin's answer
+        if k >= m:
+            return [(ranks[k - m], None, 0), (None, ranks[k - m], last)]
+        twin = ranks[k + m] if k + m < n else None
+        rounds = [(None, twin, 0)] if twin is not None else []
+        rounds += [(ranks[k ^ (1 << i)], ranks[k ^ (1 << i)], 1 + i) for i in range(last - 1)]
+        return rounds + ([(twin, None, last)] if twin is not None else [])
 
     def describe(self, op: str, axis: str, reduce: str | None) -> str:
         carriage = self._mesh.carriage(axis)
@@ -401,6 +447,46 @@ class DistDiagnostics:
         if reduce == "avg" and not carriage.native_avg:
             return "sum+div"
         return "native"
+
+    def start_max(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        # Recursive doubling in point-to-point messages (see _doubling): every rank sends and
+        # receives one row per round, in log2(mesh size) rounds (two more on a mesh whose
+        # size is not a power of two), where gloo's all-gather and all-reduce take as many
+        # steps as the mesh has ranks (rings) and the all-gather moves a row per rank. The
+        # first round is issued now; the others, which need its result, when waited for.
+        mesh, axes, rounds = self._mesh, self._mesh.axis_names, self._rounds
+        acc = t.reshape(-1).to("cpu", copy=True)  # this rank's maximum so far
+        with mesh.guard("exchange", axes):
+            first = self._post(acc, *rounds[0]) if rounds else None
+
+        def wait() -> torch.Tensor:
+            with mesh.guard("exchange", axes):
+                for r, step in enumerate(rounds):
+                    self._fold(acc, first if r == 0 else self._post(acc, *step))
+            return acc.view(t.shape)
+
+        return wait
+
+    def _post(self, acc: torch.Tensor, to: int | None, frm: int | None, tag: int) -> tuple:
+        """Issue one round: send ``acc`` to ``to``, receive a row from ``frm`` (either None)."""
+        works, got = [], None
+        if to is not None:
+            works.append(dist.isend(acc, to, group=self.group, tag=self.TAG + tag))
+        if frm is not None:
+            got = torch.empty_like(acc)
+            works.append(dist.irecv(got, frm, group=self.group, tag=self.TAG + tag))
+        return works, got
+
+    def _fold(self, acc: torch.Tensor, posted: tuple) -> None:
+        """Wait for a round (its send too: ``acc`` is not changed while it is read) and fold
+        the row received into ``acc``."""
+        works, got = posted
+        timeout = self._mesh.timeout
+        for work in works:
+            if not (work.wait(timeout) if timeout is not None else work.wait()):
+                raise RuntimeError(f"no answer within the timeout ({timeout})")
+        if got is not None:
+            torch.maximum(acc, got, out=acc)
 
     def start_exchange(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
         # The list form of the c10d all-gather (c10d::allgather_), which no gradient

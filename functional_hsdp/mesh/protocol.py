@@ -5,7 +5,7 @@ is ten members: its axes (``axis_names``, ``sizes``, ``size``, ``batch_shape``),
 ``coordinate``, the three bucket collectives, ``wait`` and ``abandon``. Two companions live
 beside it: ``mesh.geometry`` (a :class:`Geometry`: where each rank's piece of a bucket lies,
 and slicing and joining pieces) and ``mesh.diagnostics`` (a :class:`Diagnostics`: how a
-collective was carried out, and the uncounted host-side exchange the cross-rank checks use).
+collective was carried out, and the uncounted host-side exchanges the cross-rank checks use).
 
 *Buckets.* A bucket is a tensor ``(*batch_shape, L)``: one flat buffer per rank.
 ``batch_shape`` is the mesh shape on a :class:`~functional_hsdp.SimMesh` (rank ``(o, i)``
@@ -76,7 +76,7 @@ class Mesh(Protocol):
     """Where each rank's piece of a bucket lies (see :class:`Geometry`)."""
 
     diagnostics: Diagnostics
-    """Descriptions and the uncounted exchange (see :class:`Diagnostics`)."""
+    """Descriptions and the uncounted exchanges (see :class:`Diagnostics`)."""
 
     def size(self, axis: str) -> int:
         """Ranks along ``axis``; ValueError naming the mesh's axes if it has no such axis."""
@@ -154,10 +154,17 @@ class Geometry(Protocol):
 
 @runtime_checkable
 class Diagnostics(Protocol):
-    """What a mesh tells about itself, and the exchange used by the cross-rank checks."""
+    """What a mesh tells about itself, and the host exchanges the cross-rank checks use."""
 
     def describe(self, op: str, axis: str, reduce: str | None) -> str:
         """How ``op`` runs on ``axis`` (``"native"``, ``"sum+div"``, ``"einops"``, ...)."""
+
+    def start_max(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Issue the elementwise maximum of ``t`` (a CPU int64 row ``(*batch, L)``) over every
+        rank of the mesh and return at once; calling the result waits for it and gives the
+        maximum, ``(*batch, L)``, the same on every rank. What each rank sends and receives
+        is a few rows, whatever the mesh's size: the agreement's healthy path. Host data
+        only, as :meth:`start_exchange`. Not logged."""
 
     def start_exchange(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Issue the exchange of ``t`` (a CPU row ``(*batch, L)``) over every axis of the mesh
@@ -179,6 +186,13 @@ class MeshAxes:
 
     axis_names: tuple[str, ...]
     sizes: tuple[int, ...]
+    #: whether axes of one rank carry collectives too (``DistMesh(issue_size_one=True)``);
+    #: otherwise a size-1 axis moves nothing
+    issue_size_one: bool = False
+
+    def moves(self, axis: str) -> bool:
+        """Whether a placement change along ``axis`` issues a collective."""
+        return self.size(axis) > 1 or self.issue_size_one
 
     def _dim(self, axis: str) -> int:
         try:
