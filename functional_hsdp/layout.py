@@ -3,21 +3,29 @@
 Layout (where bytes live) is separate from the buffers that hold them (made per call) and from
 the mesh that reduces them. A bucket holds leaves of one *unit* (a leaf of the spec prefix,
 FSDP2's ``fully_shard`` granularity: one spec), dtype and device, in tree order, up to the
-spec's size cap, so a unit's buckets never hold another unit's leaves. A bucket's length is
-padded at the tail to a multiple of the product of its Flat axes' sizes, so every Flat chunk
-is the same size and padding never falls inside a leaf.
+spec's size cap, so a unit's buckets never hold another unit's leaves.
+
+Every leaf starts at a multiple of :data:`ALIGN` elements of its bucket, zeros filling the gap
+after the previous leaf: a gathered leaf (a view of the gathered bucket) is then 16-byte
+aligned, as matrix kernels want their operands, in whatever dtype the bucket travels in (fp8
+up to fp64). A bucket's length is padded at the tail to a multiple of the product of its Flat
+axes' sizes, so every Flat chunk is the same size (chunk boundaries may fall inside a leaf).
+Padding is zeros between leaves and at the tail, never inside a leaf, and never read as data.
 Zero-size leaves take no bucket: they never need communication.
 
 A bucket of a ``Shard(d)`` spec is laid out rank-major instead (FSDP2's all-gather layout):
 block r holds every leaf's r-th ``torch.chunk`` along ``d``, each padded to the first chunk's
-size, so a rank's shards are one contiguous chunk of the bucket and the collectives are the
-same as for Flat. Only packing and unpacking differ.
+size and starting at an aligned offset of the block, whose length is a multiple of ``ALIGN``
+(so block r's leaves are aligned in the gathered bucket too); a rank's shards are one
+contiguous chunk of the bucket and the collectives are the same as for Flat. Only packing
+and unpacking differ.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import einops
@@ -26,20 +34,40 @@ import torch
 from .spec import Spec
 
 __all__ = [
+    "ALIGN",
     "Bucket",
     "Slot",
     "bucket_elements",
     "build_buckets",
+    "interleave",
     "pack_full",
     "pack_shard_full",
+    "spaced",
     "unpack_full",
     "unpack_shard_full",
 ]
 
+#: Every leaf's offset in its bucket is a multiple of ALIGN elements: 16 bytes in a 1-byte
+#: dtype, so aligned in every dtype. In elements, not bytes, so that a layout does not depend
+#: on the dtype, as the bucket cap does not: bf16 parameters, their fp32 main grads and a
+#: bucket cast to a ``param_dtype`` or ``reduce_dtype`` for the wire all share one layout.
+ALIGN = 16
+
+
+def _align(n: int, multiple: int = ALIGN) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _getter(indices: Sequence[int]) -> Callable[[Sequence], tuple]:
+    """Items ``indices`` of a sequence, as a tuple, in one C-level call."""
+    pick = operator.itemgetter(*indices)
+    return pick if len(indices) > 1 else lambda xs: (pick(xs),)
+
 
 @dataclass(frozen=True)
 class Slot:
-    """One leaf's place: its index in the flattened tree, path, per-rank shape and range.
+    """One leaf's place: its index in the flattened tree, path, per-rank shape and range
+    (``offset``: a multiple of :data:`ALIGN`).
 
     For a Shard(d) bucket, ``offset`` is within a rank's block, ``dim`` is d and ``size`` the
     padded chunk length along it.
@@ -62,10 +90,16 @@ class Slot:
     def chunk_numel(self) -> int:
         return math.prod(self.chunk_shape)
 
+    @property
+    def width(self) -> int:
+        """Elements the leaf takes in its bucket (a Shard(d) leaf: in a rank's block)."""
+        return self.numel if self.dim is None else self.chunk_numel
+
 
 @dataclass(frozen=True)
 class Bucket:
-    """Leaves packed into one flat buffer of ``padded`` elements per rank."""
+    """Leaves packed into one flat buffer of ``padded`` elements per rank: ``numel`` of them
+    data, the rest zeros between leaves (for alignment) and at the tail."""
 
     spec: Spec
     unit: int
@@ -85,13 +119,26 @@ class Bucket:
         # Derived once here, not lazily (a lazily cached attribute would be filled inside a
         # torch.compile trace, which cannot trace cached_property's lock on Python 3.11).
         set_ = object.__setattr__
-        set_(self, "sizes", [s.numel for s in self.slots])
         set_(self, "flat_shapes", all(len(s.shape) == 1 for s in self.slots))
         indices = tuple(s.index for s in self.slots)
         set_(self, "indices", indices)
-        # the bucket's leaves out of a tree's leaf list, in one C-level call
-        pick = operator.itemgetter(*indices)
-        set_(self, "_pick", pick if len(indices) > 1 else lambda leaves: (pick(leaves),))
+        set_(self, "_pick", _getter(indices))  # the bucket's leaves out of a tree's leaf list
+        # per slot: the zeros after it up to the next leaf or the end of the block (None: none)
+        ends = [s.offset for s in self.slots[1:]] + [self.padded // self.ranks]
+        after = tuple(e - s.offset - s.width or None for s, e in zip(self.slots, ends))
+        set_(self, "after", after)
+        #: the block's consecutive ranges: each leaf, then the zeros after it (if any)
+        spans = [w for s, g in zip(self.slots, after) for w in (s.width, g) if w is not None]
+        set_(self, "spans", spans)
+        at = [0]  # each leaf's position among the spans
+        for g in after[:-1]:
+            at.append(at[-1] + (2 if g else 1))
+        set_(self, "at", tuple(at))
+        set_(self, "pick_spans", _getter(at))
+        #: the leaves and the gaps between them, as ``(offset, numel)``: no tail
+        inner = [(s.offset, s.width) for s in self.slots]
+        inner += [(s.offset + s.width, g) for s, g in zip(self.slots, after[:-1]) if g]
+        set_(self, "ranges", sorted(inner))
 
     def take(self, leaves: list) -> tuple:
         """This bucket's leaves out of a tree's leaf list, in slot order."""
@@ -128,34 +175,80 @@ def build_buckets(
     empty: list[Slot] = []
     for (unit, _, device), members in groups.items():
         spec, dtype = specs[members[0]], dtypes[members[0]]
-        cap = bucket_elements(spec)
-        multiple = math.prod(spec.mesh.size(a) for a in spec.split_order)
-        shard = spec.shard
-        runs: list[list[Slot]] = [[]]
-        offset = total = 0
-        for i in members:
-            numel = math.prod(shapes[i])
-            if numel == 0:
-                empty.append(Slot(i, paths[i], shapes[i], 0, 0))
-                continue
-            if runs[-1] and total + numel > cap:
-                runs.append([])
-                offset = total = 0
-            slot = Slot(i, paths[i], shapes[i], offset, numel)
-            if shard is not None:
-                slot = _shard_slot(slot, shard, spec.mesh.size(shard[0]))
-            runs[-1].append(slot)
-            offset += slot.chunk_numel if shard is not None else numel
-            total += numel
-        for run in filter(None, runs):
-            total = sum(s.numel for s in run)
-            if shard is not None:
-                block = run[-1].offset + run[-1].chunk_numel
-                padded = block * spec.mesh.size(shard[0])
-            else:
-                padded = -(-total // multiple) * multiple
-            buckets.append(Bucket(spec, unit, dtype, device, tuple(run), total, padded, shard))
+        for run in _runs(members, paths, shapes, spec, empty):
+            buckets.append(_bucket(run, spec, unit, dtype, device))
     return tuple(buckets), tuple(empty)
+
+
+def _runs(
+    members: list[int],
+    paths: tuple[str, ...],
+    shapes: tuple[tuple[int, ...], ...],
+    spec: Spec,
+    empty: list[Slot],
+) -> list[list[Slot]]:
+    """A group's leaves in runs of at most the cap (counted in data, not padding), each
+    leaf at the first aligned offset after the previous one; zero-size ones go to ``empty``."""
+    cap, shard = bucket_elements(spec), spec.shard
+    runs: list[list[Slot]] = [[]]
+    end = total = 0
+    for i in members:
+        numel = math.prod(shapes[i])
+        if numel == 0:
+            empty.append(Slot(i, paths[i], shapes[i], 0, 0))
+            continue
+        if runs[-1] and total + numel > cap:
+            runs.append([])
+            end = total = 0
+        slot = Slot(i, paths[i], shapes[i], _align(end), numel)
+        if shard is not None:
+            slot = _shard_slot(slot, shard, spec.mesh.size(shard[0]))
+        runs[-1].append(slot)
+        end = slot.offset + slot.width
+        total += numel
+    return [run for run in runs if run]
+
+
+def _bucket(run: list[Slot], spec: Spec, unit: int, dtype: torch.dtype, device) -> Bucket:
+    """A bucket of ``run``, its tail padded so that every Flat chunk is as long (a multiple
+    of the product of the Flat axes' sizes), or every Shard(d) block: a multiple of ALIGN,
+    so that the leaves of every block of the gathered bucket are aligned."""
+    end, shard = run[-1].offset + run[-1].width, spec.shard
+    if shard is not None:
+        padded = _align(end) * spec.mesh.size(shard[0])
+    else:
+        padded = _align(end, math.prod(spec.mesh.size(a) for a in spec.split_order))
+    total = sum(s.numel for s in run)
+    return Bucket(spec, unit, dtype, device, tuple(run), total, padded, shard)
+
+
+def interleave(
+    parts: Sequence[torch.Tensor], after: Sequence[int | None], zeros: torch.Tensor
+) -> list[torch.Tensor]:
+    """``parts`` with ``after[k]`` zeros (a view of ``zeros``' last dim) after part k, where
+    it is not None: the padding between leaves without a kernel launch per gap."""
+    out: list[torch.Tensor] = []
+    views: dict[int, torch.Tensor] = {}  # one view per width (gaps are under ALIGN but one)
+    for x, gap in zip(parts, after):
+        out.append(x)
+        if gap is not None:
+            z = views.get(gap)
+            if z is None:
+                z = views[gap] = zeros.narrow(-1, 0, gap)
+            out.append(z)
+    return out
+
+
+def spaced(
+    bucket: Bucket, parts: Sequence[torch.Tensor], lead: tuple[int, ...], dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """A block's flat parts (a leaf's, or a Shard(d) leaf's chunks, each ``(*lead, width)``)
+    with the bucket's zeros between and after them: they concatenate to the block."""
+    gaps = [g for g in bucket.after if g is not None]
+    if not gaps:
+        return list(parts)
+    zeros = torch.zeros((*lead, max(gaps)), dtype=dtype, device=bucket.device)
+    return interleave(parts, bucket.after, zeros)
 
 
 @torch.no_grad()
@@ -165,38 +258,33 @@ def pack_full(
     batch: tuple[int, ...],
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Concatenate full-shape leaves (and the tail padding) into one new ``(*batch, padded)``
-    buffer of ``dtype`` (default: the bucket's).
+    """Concatenate full-shape leaves (and the zeros between and after them) into one new
+    ``(*batch, padded)`` buffer of ``dtype`` (default: the bucket's).
 
     One copy of every leaf, into a new buffer (the collectives may reduce it in place). Without
-    batch dims (a real rank) two or more leaves are flattened and concatenated in one C++ call
+    batch dims (a real rank) two or more parts are flattened and concatenated in one C++ call
     (torch's own ``flatten_dense_tensors``, as DDP's bucketing uses), which spares a
-    Python-level reshape per leaf; it returns a view of a single leaf, so one leaf, or batch
-    dims, take one ``torch.cat`` of flattened views. (``einops.pack`` does the same but parses
-    its pattern per leaf, which dominates the host time of trees of many small leaves.) Leaves
-    of another dtype than ``dtype`` (bf16 gradients reduced in fp32, say) are cast by the same
-    one ``torch.cat`` into the buffer. No graph is kept.
+    Python-level reshape per leaf; it returns a view of a single tensor, so one unpadded leaf,
+    or batch dims, take one ``torch.cat`` of flattened views. (``einops.pack`` does the same
+    but parses its pattern per leaf, which dominates the host time of trees of many small
+    leaves.) Leaves of another dtype than ``dtype`` (bf16 gradients reduced in fp32, say) are
+    cast by the same one ``torch.cat`` into the buffer. No graph is kept.
     """
-    parts = list(bucket.take(leaves))
+    parts = bucket.take(leaves)
     dtype = dtype or bucket.dtype
     if any(x.dtype != dtype for x in parts):
         out = torch.empty((*batch, bucket.padded), dtype=dtype, device=bucket.device)
-        torch.cat(
-            [x.reshape(*batch, -1) for x in parts], dim=-1, out=out.narrow(-1, 0, bucket.numel)
-        )
-        out.narrow(-1, bucket.numel, bucket.padded - bucket.numel).zero_()
+        flat = [x.reshape(*batch, -1) for x in parts]
+        torch.cat(spaced(bucket, flat, batch, dtype), dim=-1, out=out)
         return out
-    if bucket.padded > bucket.numel:
-        parts.append(
-            torch.zeros(
-                (*batch, bucket.padded - bucket.numel), dtype=bucket.dtype, device=bucket.device
-            )
-        )
+    if batch and not bucket.flat_shapes:
+        parts = [x.reshape(*batch, -1) for x in parts]
+    parts = spaced(bucket, parts, batch, dtype)
     if not batch and len(parts) > 1 and _FLATTEN is not None:
         return _FLATTEN(parts)
-    if bucket.flat_shapes:  # every leaf is (*batch, n) already
+    if bucket.flat_shapes or batch:  # every part is (*batch, n) already
         return torch.cat(parts, dim=-1)
-    return torch.cat([x.reshape(*batch, -1) for x in parts], dim=-1)
+    return torch.cat([x.reshape(-1) for x in parts])
 
 
 # torch's C++ flatten of a tensor list (torch._utils._flatten_dense_tensors calls it); if a
@@ -206,7 +294,7 @@ _FLATTEN = getattr(getattr(torch._C, "_nn", None), "flatten_dense_tensors", None
 
 def unpack_full(bucket: Bucket, buf: torch.Tensor, batch: tuple[int, ...]) -> list[torch.Tensor]:
     """Views of each leaf, full shape, in a packed ``(*batch, padded)`` buffer."""
-    pieces = torch.split(buf.narrow(-1, 0, bucket.numel), bucket.sizes, dim=-1)
+    pieces = bucket.pick_spans(torch.split(buf, bucket.spans, dim=-1))
     if bucket.flat_shapes:  # every leaf is 1-D: the pieces are the leaves
         return list(pieces)
     # Splitting the contiguous last dim into the leaf's dims is always a view.
@@ -253,7 +341,8 @@ def pack_shard_full(
         parts.append(
             einops.rearrange(x, f"{names} {pre} (n c) {post} -> {names} n ({pre} c {post})", n=n)
         )
-    return einops.rearrange(torch.cat(parts, dim=-1), f"{names} n p -> {names} (n p)")
+    blocks = torch.cat(spaced(bucket, parts, (*batch, n), dtype or bucket.dtype), dim=-1)
+    return einops.rearrange(blocks, f"{names} n p -> {names} (n p)")
 
 
 def unpack_shard_full(

@@ -22,7 +22,7 @@ import optree
 import torch
 
 from . import engine, validate
-from .layout import pack_shard_full
+from .layout import pack_shard_full, spaced
 from .plan import Plan, TreeMeta, get_plan
 from .spec import resolve_specs
 from .tags import result_state, tag
@@ -466,13 +466,9 @@ class MainGrad:
             self._scratch = self._packing_buffers()
         scratch = self._scratch[(bucket.device, b % DEPTH)]
         out = scratch.narrow(0, 0, math.prod(batch) * bucket.padded).view(*batch, bucket.padded)
-        if not batch:  # one C++ call copies (and casts) every leaf
-            parts = [x.reshape(-1) for x in bucket.take(leaves)]
-            torch.cat(parts, out=out.narrow(0, 0, bucket.numel))
-        else:
-            for s, x in zip(bucket.slots, bucket.take(leaves)):
-                out.narrow(-1, s.offset, s.numel).copy_(x.reshape(*batch, -1))
-        out.narrow(-1, bucket.numel, bucket.padded - bucket.numel).zero_()
+        # one C++ call copies (and casts) every leaf, and the zeros between and after them
+        parts = [x.reshape(*batch, -1) for x in bucket.take(leaves)]
+        torch.cat(spaced(bucket, parts, batch, self.reduce_dtype), dim=-1, out=out)
         return out
 
     def _zero_fresh(self) -> None:

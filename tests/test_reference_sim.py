@@ -151,16 +151,22 @@ def test_shard_then_gather_is_the_identity(shape, strategy):
     )
 
 
-def test_flat_padding_stays_at_the_bucket_tail():
-    """Uneven sizes: 21 + 5 elements on 4 ranks pad 2 zeros at the end, never inside a leaf."""
+def test_flat_padding_falls_between_leaves_and_at_the_tail():
+    """Uneven sizes: 5 + 21 elements on 4 ranks. Each leaf starts at a multiple of 16 elements
+    (a at 0, b at 16: 11 zeros between them) and the bucket ends at 37, padded to 40 (4
+    chunks of 10): zeros between leaves and at the tail, never inside a leaf."""
     mesh = fh.SimMesh({"dp": 4})
     spec = fh.fsdp(mesh)
     tree = {"a": torch.arange(1.0, 6.0), "b": torch.arange(6.0, 27.0)}
     local = fh.shard(tree, spec)
-    # chunk length 7: rank 0 = a(5) + b[:2]; rank 3 = b[16:21] and 2 padding slots
+    # chunk length 10: rank 0 = a(5) + 5 zeros; rank 1 = 6 zeros + b[:4]; rank 2 = b[4:14];
+    # rank 3 = b[14:21] + 3 zeros (SimMesh stacks ragged pieces, zero-filled to the longest)
     assert local["a"][0].tolist() == [1, 2, 3, 4, 5]
-    assert local["b"][0, :2].tolist() == [6, 7]
-    assert local["b"][3, :5].tolist() == [22, 23, 24, 25, 26]
+    assert not local["a"][1:].any()
+    assert local["b"][1, :4].tolist() == [6, 7, 8, 9]
+    assert local["b"][2].tolist() == list(range(10, 20))
+    assert local["b"][3, :7].tolist() == list(range(20, 27))
+    assert not local["b"][0].any() and not local["b"][1, 4:].any() and not local["b"][3, 7:].any()
     assert fh.gather(local, spec)["b"][2].tolist() == tree["b"].tolist()
 
 
