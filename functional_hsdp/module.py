@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
+from .cache import register
 from .maingrad import MainGrad
 from .precision import check_mp_policy
 from .reduce import shard
@@ -47,13 +48,18 @@ ROOT = ""  # the root unit's key in the shards tree (the root module's name in n
 @dataclass(eq=False)
 class _Part:
     """One unit of a sharded module: its key (module name), its own parameters (names
-    relative to it: the keys of its shards), and the root's parameters it uses."""
+    relative to it: the keys of its shards), and the root's parameters it uses. Its module
+    by weak reference: a record in the registry must not keep its model alive."""
 
     key: str
-    module: torch.nn.Module
+    module_ref: weakref.ref
     spec: Spec
     names: tuple[str, ...]
     borrowed: tuple[tuple[str, str], ...] = ()  # (name in this unit, name in the root's shards)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.module_ref()
 
 
 @dataclass(eq=False)
@@ -69,7 +75,21 @@ class _Sharded:
     active: int = 0  # functional_call calls running (the forward pre-hook's check)
 
 
-_SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class _Registry(weakref.WeakKeyDictionary):
+    """model -> what :func:`shard_module` recorded of it. Weakly keyed, and a record refers
+    to its model and the model's modules only weakly: an entry goes with its model."""
+
+    def cache_clear(self) -> None:
+        """For :func:`~functional_hsdp.clear_caches`: forget what the records remember beyond
+        the sharding (the gathered blocks of the last options, which hold their ``MainGrad``,
+        and the order the units ran in). The sharding stays: the model's parameters are
+        shards now, and it is how ``functional_call`` runs the model."""
+        for sharded in list(self.values()):
+            sharded.blocks = None
+            sharded.order = list(range(len(sharded.parts)))
+
+
+_SHARDED = register(_Registry())
 
 
 def shard_module(
@@ -84,7 +104,8 @@ def shard_module(
     Args:
         model: an ``nn.Module`` whose parameters are the same on every rank (seed alike, or
             load the same checkpoint). Its parameters are replaced by meta stand-ins (its
-            buffers stay): from now on it runs through :func:`functional_call`.
+            buffers stay): from now on it runs through :func:`functional_call`. It is
+            remembered weakly: dropped, it is freed, and what was recorded of it with it.
         spec: one :class:`Spec` (on a ``DistMesh``) for every unit, or ``unit_module ->
             Spec`` (called with ``model`` for the root).
         units: submodules of ``model``, each a unit (``fully_shard(unit)``), none inside
@@ -178,11 +199,12 @@ def shard_module(
         if not own:  # nothing to gather: it runs as it is (on the root's weights, if any)
             continue
         full[key] = own
-        parts.append(_Part(key, module, _spec(spec_of, module, key), tuple(own), borrowed))
+        unit_spec = _spec(spec_of, module, key)
+        parts.append(_Part(key, weakref.ref(module), unit_spec, tuple(own), borrowed))
     root_own = {fqns[pid][0]: params[pid].detach() for pid in fqns if owner[pid] == ROOT}
     root = None
     if root_own:
-        root = _Part(ROOT, model, _spec(spec_of, model, "the root"), tuple(root_own))
+        root = _Part(ROOT, weakref.ref(model), _spec(spec_of, model, "the root"), tuple(root_own))
         full[ROOT] = root_own
     if not full:
         raise ValueError("shard_module: model has no parameters")
@@ -348,10 +370,9 @@ def _identity(weights: dict) -> dict:
 
 def _run_unit(part: _Part) -> Callable:
     """The unit's own forward on its full weights (and the root's weights it uses)."""
-    module = part.module
 
     def unit(weights: dict, borrowed: dict, forward: Callable, *args: Any, **kwargs: Any) -> Any:
-        with _reparametrize_module(module, {**weights, **borrowed}, tie_weights=True):
+        with _reparametrize_module(part.module, {**weights, **borrowed}, tie_weights=True):
             return forward(*args, **kwargs)
 
     unit.__name__ = part.key
@@ -385,7 +406,7 @@ def _unit_forward(
 # run again in backward would write it twice (wrong attention, silently), so with recompute
 # they are dropped, as the models' own activation checkpointing drops them.
 _CACHE_ARGS = ("past_key_values", "layer_past")
-_WARNED: set = set()
+_WARNED: set = register(set())  # warned once; again after clear_caches
 
 
 def _without_cache(kwargs: dict) -> dict:

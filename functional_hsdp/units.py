@@ -70,6 +70,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from . import engine
 from .autodiff import Move, collecting_norms, move
+from .cache import register
 from .lookup import find_layout
 from .maingrad import MainGrad
 from .plan import Plan
@@ -91,8 +92,11 @@ class _Chain:
     """
 
     last: Any = None  # weak reference to the last unit called (backward prefetch)
-    # (call, its full weights): the last unit of a forward keeps them, since its backward
-    # comes next (FSDP2 does not reshard its root either); the next unit's forward drops them
+    # (weak reference to the call, its full weights): the last unit of a forward keeps them,
+    # since its backward comes next (FSDP2 does not reshard its root either); the next unit's
+    # forward drops them. The call weakly: a forward whose backward never comes (its output
+    # dropped) would else keep its record, and through it its block, MainGrad and shards,
+    # until this thread's next forward; only the weights stay until then
     kept: tuple | None = None
     ahead: list = field(default_factory=list)  # calls with an all-gather issued ahead
     reducing: list = field(default_factory=list)  # calls whose reduce-scatter was issued
@@ -116,7 +120,7 @@ class _Call:
     chain: _Chain | None = None  # the forward pass this call is part of
     nxt: _Call | None = None  # the next unit to prefetch (its all-gather, its wait node)
     prev: Any = None  # weak reference to the unit called before this one (backward prefetch)
-    pieces: tuple = ()  # the unit's shards as forward saw them (plain tensors)
+    pieces: tuple = ()  # the unit's shards as forward saw them (plain tensors, detached)
     full: list | None = None  # gathered weights kept for backward (reshard_after_forward=False)
     out_def: Any = None
     pending: list | None = None  # the gradient's reduce-scatter in flight
@@ -143,8 +147,21 @@ class _Forward(threading.local):
         self.prepared: dict[tuple[int, ...], tuple[_Call, list, list]] = {}
         self.resharded: Any = None  # weak reference to the composable path's last unit
 
+    def cache_clear(self) -> None:
+        """For :func:`~functional_hsdp.clear_caches`: forget what this thread's forwards keep
+        (another thread's is its own): the last chain, whose last unit keeps its gathered
+        weights for its backward (re-gathered there if it comes), and the wait nodes made
+        ahead and never called, which hold their shards (their all-gathers released)."""
+        chain, self.chain, self.resharded = self.chain, None, None
+        if chain is not None:
+            _drop_kept(chain)
+        prepared, self.prepared = self.prepared, {}
+        for call, _, _ in prepared.values():
+            _release_ahead(call)
+
 
 _FORWARD = _Forward()
+register(_FORWARD)  # clear_caches forgets this thread's
 
 #: Wait nodes made ahead (``prefetch``) and never called that a thread keeps, at most
 _PREPARED = 4
@@ -324,6 +341,23 @@ def _replaying(rng: tuple | None, autocast: tuple) -> Iterator[None]:
         yield
 
 
+def _outputs(call: _Call, outs: tuple, full: list, args: tuple) -> tuple[torch.Tensor, ...]:
+    """The unit's outputs as its Function returns them. One that is an argument (or a view
+    of one) would alias it: a copy. The gathered weights returned as they are (an identity
+    unit) are the call's own, and their memory is then never released. The others are
+    returned detached (the same memory): autograd gives its node to the tensor returned, and
+    one the record keeps (a gathered weight, an output held by forward's vjp closure) would
+    then point back to the record: a cycle through autograd's nodes, which the garbage
+    collector cannot see, keeping a graph whose backward never comes alive for good."""
+    weights = [o for o in outs if _is_weight(o, full)]
+    call.kept_storages = frozenset(o.untyped_storage().data_ptr() for o in weights)
+    copied = [
+        (o._base is not None or any(o is a for a in args)) and not any(o is w for w in weights)
+        for o in outs
+    ]
+    return tuple(o.clone() if copy else o.detach() for o, copy in zip(outs, copied))
+
+
 def _regathers(call: _Call) -> bool:
     """Whether ``call``'s backward needs its weights all-gathered again."""
     if call.vjp is not None:
@@ -345,15 +379,20 @@ class _Unit(torch.autograd.Function):
     @staticmethod
     def forward(call: _Call, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = call.k + len(call.tensors)
-        pieces, args, nxt = ts[: call.k], ts[call.k : n], ts[n:]
-        call.pieces = pieces
+        pieces, nxt = ts[: call.k], ts[n:]
+        # Under autograd, what forward is given carries its graph, which leads back to this
+        # record: the shards through their wait node, the arguments through the unit before
+        # (whose node has an edge to this unit's wait node when it prefetched it). What the
+        # record or forward's vjp closure keeps is detached: kept as given, they would form a
+        # cycle through autograd's nodes, which the garbage collector cannot see, keeping the
+        # graph and the shards alive for good when its backward never comes.
+        call.pieces = tuple(p.detach() for p in pieces)
+        args = tuple(a.detach() for a in ts[call.k : n])
         chain = call.chain
-        kept, chain.kept = chain.kept, None  # the unit before keeps its weights no longer
-        if kept is not None:
-            _free(kept[0])
+        _drop_kept(chain)  # the unit before keeps its weights no longer
         full = _gathered(call, "forward", pieces)
         if call.nxt is not None:  # the next unit's all-gather overlaps this unit's compute
-            call.nxt.pieces = nxt
+            call.nxt.pieces = tuple(p.detach() for p in nxt)
             call.nxt.chain = chain
             _issue_ahead(call.nxt, "forward", nxt)
         call.prev, chain.last = chain.last, weakref.ref(call)
@@ -375,20 +414,8 @@ class _Unit(torch.autograd.Function):
             raise
         if not call.block.reshard_after_forward:
             call.full = full
-        chain.kept = (call, full)
-        # an output that is an input (or a view of one) would alias it: give a copy; the
-        # gathered weights returned as they are (an identity unit) are the call's own, and
-        # their memory is then never released
-        weights = [o for o in outs if _is_weight(o, full)]
-        call.kept_storages = frozenset(o.untyped_storage().data_ptr() for o in weights)
-        return tuple(
-            o
-            if any(o is w for w in weights)
-            else o.clone()
-            if o._base is not None or any(o is t for t in ts)
-            else o
-            for o in outs
-        )
+        chain.kept = (weakref.ref(call), full)
+        return _outputs(call, outs, full, args)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -425,7 +452,7 @@ class _Unit(torch.autograd.Function):
         else:
             if call.full is not None:
                 full = call.full
-            elif kept is not None and kept[0] is call:  # the forward's last unit: gathered
+            elif kept is not None and kept[0]() is call:  # the forward's last unit: gathered
                 full = kept[1]
             else:
                 full = _gathered(call, "backward", call.pieces)
@@ -511,11 +538,18 @@ def _abandon(chain: _Chain) -> None:
     """A forward or backward that raised: close ``chain`` now, so that the next forward
     starts a new one, and release what it held (the last unit's weights, the all-gathers
     issued ahead, the reduce-scatters in flight)."""
-    kept, chain.kept, chain.last, chain.closed = chain.kept, None, None, True
-    chain.closing = False
-    if kept is not None:
-        _free(kept[0])
+    _drop_kept(chain)
+    chain.last, chain.closed, chain.closing = None, True, False
     _release_in_flight(chain)
+
+
+def _drop_kept(chain: _Chain) -> None:
+    """The last unit of ``chain`` keeps its gathered weights no longer: released now (a
+    call record gone took its weights with it)."""
+    kept, chain.kept = chain.kept, None
+    call = kept[0]() if kept is not None else None
+    if call is not None:
+        _free(call)
 
 
 def _release_in_flight(chain: _Chain) -> None:
@@ -541,9 +575,7 @@ def start_forward() -> None:
     kept."""
     chain = _FORWARD.chain
     if chain is not None and not chain.closed and not chain.closing:
-        kept, chain.kept = chain.kept, None
-        if kept is not None:
-            _free(kept[0])
+        _drop_kept(chain)
     _FORWARD.chain = _Chain()
 
 
