@@ -7,6 +7,7 @@ section for ``bench/RESULTS.md``).
 
 from . import (
     agreement,
+    alignment,
     compiled,
     deferred,
     dpsgd,
@@ -41,4 +42,5 @@ BENCHMARKS = {
     "gpu": gpu,
     "deferred": deferred,
     "dpsgd": dpsgd,
+    "alignment": alignment,
 }

@@ -5,7 +5,8 @@ local shard is exactly ``torch.chunk(x, n, d)[rank]``). A Flat leaf's piece is a
 flattened leaf that no DTensor placement describes, so Flat trees export per bucket: the
 bucket is a 1-D global tensor (``Shard(0)`` over its Flat axis) or, with several Flat axes,
 a tensor of shape ``(n_1, ..., n_k, chunk)`` in split order with ``Shard(j)`` on the j-th
-split axis: exactly the rank's contiguous chunk, padding at the tail included (zeros).
+split axis: exactly the rank's contiguous chunk, padding included (the zeros between leaves
+that align each leaf to 16 elements, and at the bucket's tail).
 
 Per-bucket DTensors are tied to the mesh and the bucket layout. For checkpoints that load on
 another mesh shape or world size, use :func:`~functional_hsdp.state_dict` (per leaf, full

@@ -127,6 +127,8 @@ class Bucket:
         ends = [s.offset for s in self.slots[1:]] + [self.padded // self.ranks]
         after = tuple(e - s.offset - s.width or None for s, e in zip(self.slots, ends))
         set_(self, "after", after)
+        set_(self, "widest", max(filter(None, after), default=0))  # 0: no padding at all
+        set_(self, "inner", any(after[:-1]))  # whether padding falls between leaves
         #: the block's consecutive ranges: each leaf, then the zeros after it (if any)
         spans = [w for s, g in zip(self.slots, after) for w in (s.width, g) if w is not None]
         set_(self, "spans", spans)
@@ -244,10 +246,9 @@ def spaced(
 ) -> list[torch.Tensor]:
     """A block's flat parts (a leaf's, or a Shard(d) leaf's chunks, each ``(*lead, width)``)
     with the bucket's zeros between and after them: they concatenate to the block."""
-    gaps = [g for g in bucket.after if g is not None]
-    if not gaps:
+    if not bucket.widest:  # nothing to insert (the common case: leaves of aligned sizes)
         return list(parts)
-    zeros = torch.zeros((*lead, max(gaps)), dtype=dtype, device=bucket.device)
+    zeros = torch.zeros((*lead, bucket.widest), dtype=dtype, device=bucket.device)
     return interleave(parts, bucket.after, zeros)
 
 
@@ -294,7 +295,9 @@ _FLATTEN = getattr(getattr(torch._C, "_nn", None), "flatten_dense_tensors", None
 
 def unpack_full(bucket: Bucket, buf: torch.Tensor, batch: tuple[int, ...]) -> list[torch.Tensor]:
     """Views of each leaf, full shape, in a packed ``(*batch, padded)`` buffer."""
-    pieces = bucket.pick_spans(torch.split(buf, bucket.spans, dim=-1))
+    pieces = torch.split(buf, bucket.spans, dim=-1)
+    # the leaves' pieces: every other one where padding falls between them, else all but a tail
+    pieces = bucket.pick_spans(pieces) if bucket.inner else pieces[: len(bucket.slots)]
     if bucket.flat_shapes:  # every leaf is 1-D: the pieces are the leaves
         return list(pieces)
     # Splitting the contiguous last dim into the leaf's dims is always a view.

@@ -1,12 +1,13 @@
 """Placements of a value along one mesh axis, and the collective behind every transition.
 
 ``Replicate``, ``Partial`` and ``Shard`` are ``torch.distributed.tensor``'s own classes; ``Flat``
-is this library's: the leaves of a bucket are flattened and concatenated, and each rank along
-the axis holds one contiguous, equal-size chunk of the bucket (zero padding at the bucket's
-tail only, never inside a leaf's range). ``Shard(d)`` is FSDP2's: each leaf is chunked on dim
-``d`` with ``torch.chunk`` semantics and padded to equal chunks; its buckets are laid out
-rank-major (every leaf's chunk for rank 0, then for rank 1, ...), so the collectives are the
-same as for Flat.
+is this library's: the leaves of a bucket are flattened and concatenated, each starting at a
+multiple of 16 elements (16-byte aligned in any dtype, see :mod:`functional_hsdp.layout`), and
+each rank along the axis holds one contiguous, equal-size chunk of the bucket (zero padding
+between leaves and at the bucket's tail, never inside a leaf's range). ``Shard(d)`` is FSDP2's:
+each leaf is chunked on dim ``d`` with ``torch.chunk`` semantics and padded to equal chunks;
+its buckets are laid out rank-major (every leaf's chunk for rank 0, then for rank 1, ...), so
+the collectives are the same as for Flat.
 
 One mesh axis at a time:
 

@@ -28,7 +28,8 @@
 # | `Partial("avg")` — **P** | every rank holds a summand; the value is their average |
 # | `Flat()` — **F** | leaves flattened into one bucket; each rank holds one equal-size chunk |
 #
-# (A Flat bucket is padded with zeros at its tail only, never inside a leaf.)
+# (A Flat bucket is padded with zeros between leaves, so that each leaf starts 16-byte aligned,
+# and at its tail; never inside a leaf.)
 #
 # A `Spec` gives three placements per axis: where **parameters** rest between steps, where
 # **gradients** rest between microbatches, and where the **optimizer** works (final gradients,
@@ -65,8 +66,9 @@ print("deferred axes:", spec.deferred_axes)
 # ## A gradient tree and its element ids
 #
 # A small tree of 21 numbers. Leaves are packed into one bucket in tree order (optree sorts
-# dict keys), padded to 22 so that both `dp_inner` ranks get a chunk of 11: `embed` straddles
-# the chunk boundary and the last chunk ends in one element of padding.
+# dict keys), each at a multiple of 16 elements (`embed` at 0-11, `head.b` at 16-18, `head.w`
+# at 32-37: zeros between them), 38 slots in all, so both `dp_inner` ranks get a chunk of 19:
+# rank 0's holds `embed`, 4 zeros and `head.b`; rank 1's 13 zeros and `head.w`.
 #
 # To see *which* elements a rank holds, we push a tree of element ids (1, 2, …, 21, the same on
 # every rank) through the very same calls: averaging identical values leaves them unchanged, so
@@ -213,6 +215,7 @@ print(log.summary())
 
 # %%
 bounds = np.cumsum(sizes)[:-1] + 0.5 - 1
+split = int((~views[1][0, 0].isnan()).sum())  # the elements dp_inner rank 0's chunk holds
 cmap = plt.get_cmap("coolwarm").copy()
 cmap.set_bad("0.85")
 fig, axes = plt.subplots(len(views), 1, figsize=(9, 1.6 * len(views)), sharex=True)
@@ -222,7 +225,7 @@ for ax, v, title in zip(axes, views, stages):
     ax.set_yticks(range(len(RANKS)), [f"rank {r}" for r in RANKS], fontsize=8)
     for b in bounds:
         ax.axvline(b, color="k", lw=0.8)
-    ax.axvline(-(-N // 2) - 0.5, color="k", lw=1.5, ls="--")  # dp_inner chunks: 22 / 2
+    ax.axvline(split - 0.5, color="k", lw=1.5, ls="--")  # between the dp_inner chunks
     ax.set_title(f"{title.replace(chr(10), ' ')}:  observed {observed(v)}", fontsize=9, loc="left")
 centers = np.cumsum(sizes) - np.array(sizes) / 2 - 0.5
 axes[-1].set_xticks(centers, names)

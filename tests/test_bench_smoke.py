@@ -17,6 +17,7 @@ from bench.__main__ import run_one
 
 # module, layerwise and memory last: they switch the shared workers' malloc to mmap-everything
 ORDER = [
+    "alignment",
     "wire",
     "agreement",
     "gpu",
