@@ -327,7 +327,8 @@ def _autocast_state(tensors: Sequence[torch.Tensor]) -> tuple[tuple[str, dict], 
 def _replaying(rng: tuple | None, autocast: tuple) -> Iterator[None]:
     """Run the block as its forward ran: with the RNG states ``rng`` (the caller's states
     restored after it) and under the autocast state ``autocast`` (:func:`_autocast_state`),
-    on or off whatever autocast region the backward was called in."""
+    on or off whatever autocast region the backward was called in. Around the recompute
+    only: ``fn``'s own backward runs, as with ``recompute=False``, in the backward's state."""
     with contextlib.ExitStack() as stack:
         for kind, kwargs in autocast:
             stack.enter_context(torch.autocast(kind, **kwargs))
@@ -457,8 +458,6 @@ class _Unit(torch.autograd.Function):
             else:
                 full = _gathered(call, "backward", call.pieces)
             call.wanted = has_weights = wanted
-            # forward's autocast state for the recompute only: fn's own backward runs, as
-            # recompute=False's does, in the state the backward was called in
             with _replaying(call.rng, call.autocast):
                 _, vjp = _vjp(call, full, ctx.saved_tensors)
             del full
