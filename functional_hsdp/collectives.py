@@ -13,7 +13,7 @@ from typing import Any
 import optree
 import torch
 
-from . import engine
+from . import engine, validate
 from .cache import lru
 from .mesh import Mesh
 from .placement import Flat, Replicate
@@ -104,7 +104,8 @@ def psum_scatter(
         tensor([[2., 2.],
                 [2., 2.]])
     """
-    return _reduce(tree, _axis_spec(mesh, axis, "flat", op, bucket_cap_mb), "psum_scatter")
+    spec = _axis_spec(mesh, axis, "flat", op, bucket_cap_mb)
+    return _reduce(tree, spec, "psum_scatter", validate.current_mode())
 
 
 def all_gather(
@@ -135,37 +136,44 @@ def all_gather(
     return engine.move(tree, spec, "full", "optimizer", like, "tree", "all_gather")
 
 
-def _reduce(tree: Any, spec: Spec, call: str) -> Any:
-    return engine.reduce(tree, spec, last=True, acc=None, name="tree", call=call)
+def _reduce(tree: Any, spec: Spec, call: str, mode: str) -> Any:
+    return engine.reduce(tree, spec, last=True, acc=None, name="tree", call=call, mode=mode)
 
 
 def _differentiable_reduce(tree: Any, spec: Spec, call: str) -> Any:
     """psum and pmean: differentiable when a leaf is tracked (by autograd or a torch.func
     transform). Both are their own adjoint in the library's convention (a per-rank value
     stands for the mean over ranks; see :mod:`functional_hsdp.autodiff`), so backward and
-    jvp are the same reduction of the cotangent or tangent."""
+    jvp are the same reduction of the cotangent or tangent.
+
+    The validation mode is read here, in the caller's context, and handed to the backward
+    and jvp: autograd may run a backward on another thread (on CUDA, its device thread),
+    which does not see the caller's context, so reading it there would ignore the caller's
+    ``validation("off")``."""
     leaves, treedef = optree.tree_flatten(tree)
+    mode = validate.current_mode()
     if not any(tracked(x) for x in leaves):
-        return _reduce(tree, spec, call)
-    out = _SelfAdjoint.apply(spec, call, treedef, *leaves)
+        return _reduce(tree, spec, call, mode)
+    out = _SelfAdjoint.apply(spec, call, mode, treedef, *leaves)
     return optree.tree_unflatten(treedef, list(out))
 
 
 class _SelfAdjoint(torch.autograd.Function):
     @staticmethod
-    def forward(spec: Spec, call: str, treedef: Any, *leaves: torch.Tensor) -> tuple:
+    def forward(spec: Spec, call: str, mode: str, treedef: Any, *leaves: torch.Tensor) -> tuple:
         tree = optree.tree_unflatten(treedef, list(leaves))
-        return tuple(optree.tree_leaves(_reduce(tree, spec, call)))
+        return tuple(optree.tree_leaves(_reduce(tree, spec, call, mode)))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.spec, ctx.call, ctx.treedef = inputs[:3]
+        ctx.spec, ctx.call, ctx.mode, ctx.treedef = inputs[:4]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         grads = [g.contiguous() for g in grads]
-        return (None, None, None, *_SelfAdjoint.apply(ctx.spec, ctx.call, ctx.treedef, *grads))
+        out = _SelfAdjoint.apply(ctx.spec, ctx.call, ctx.mode, ctx.treedef, *grads)
+        return (None, None, None, None, *out)
 
     @staticmethod
-    def jvp(ctx: Any, _spec: Any, _call: Any, _treedef: Any, *tangents: torch.Tensor) -> tuple:
-        return _SelfAdjoint.apply(ctx.spec, ctx.call, ctx.treedef, *tangents)
+    def jvp(ctx: Any, _spec: Any, _call: Any, _mode: Any, _treedef: Any, *tangents: Any) -> tuple:
+        return _SelfAdjoint.apply(ctx.spec, ctx.call, ctx.mode, ctx.treedef, *tangents)

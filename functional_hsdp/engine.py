@@ -31,6 +31,7 @@ from .plan import Plan, remember_layout
 from .schedule import expand, run
 from .spec import Spec, resolve_specs
 from .tags import result_state, tag, untouched
+from .torch_releases import traced_or_eager
 from .tree import (
     check_bool,
     check_tensors,
@@ -154,6 +155,7 @@ def _add(buf: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
 # -- tree level -------------------------------------------------------------------------------
 
 
+@traced_or_eager  # traced by torch.compile where dynamo can (torch >= 2.13); else eager
 def reduce(
     grads: Any,
     spec: Any,
@@ -164,11 +166,14 @@ def reduce(
     check_finite: bool = False,
     name: str = "grads",
     call: str = "reduce_grads",
+    mode: str,
 ) -> Any:
-    """One microbatch: reduce ``grads`` (at role ``at``), add ``acc``, finish on ``last``."""
+    """One microbatch: reduce ``grads`` (at role ``at``), add ``acc``, finish on ``last``.
+    ``mode``: the validation mode, read by the public call (``validate.current_mode()``), or
+    handed to a backward by its forward (psum, pmean)."""
     leaves, treedef, paths = flatten(grads, name)
     refuse_vmap(leaves, call)
-    with validate.agreement(spec, call) as agreed:  # a local error: every rank raises
+    with validate.agreement_in_mode(spec, call, mode) as agreed:  # a local error: all raise
         refuse_tracked(leaves, paths, call)
         check_bool("last", last, " (True on the final microbatch)")
         check_bool("check_finite", check_finite)

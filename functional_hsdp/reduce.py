@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from . import engine
+from . import engine, validate
 from .precision import check_mp_policy
 
 __all__ = ["gather", "reduce_grads", "shard", "sync_params"]
@@ -43,8 +43,10 @@ def reduce_grads(
             placement (what ``torch.func.grad`` returns through :func:`gathered` units);
             only accumulation and, on ``last``, the deferred axes remain.
         check_finite: raise ValueError naming the first leaf of ``grads`` holding NaN or Inf
-            (and the ranks), on every rank, before any collective. Costs one tiny
-            all-gather per call on a DistMesh; must be the same on every rank.
+            (and the ranks), on every rank, before any collective. Costs a scan of the
+            buckets read on the host (a host-device sync) and, even under
+            ``validation("off")``, the agreement's summary per call on a DistMesh; must be
+            the same on every rank.
 
     Returns:
         A new tree with the structure of ``grads``: local shards at the gradient placement
@@ -63,7 +65,10 @@ def reduce_grads(
     """
     if check_finite and torch.compiler.is_compiling():  # its check reads the data: eager
         return _checked_eagerly(grads, spec, last, acc, at)
-    return engine.reduce(grads, spec, last=last, acc=acc, at=at, check_finite=check_finite)
+    mode = validate.current_mode()
+    return engine.reduce(
+        grads, spec, last=last, acc=acc, at=at, check_finite=check_finite, mode=mode
+    )
 
 
 @torch.compiler.disable
@@ -71,7 +76,8 @@ def _checked_eagerly(grads: Any, spec: Any, last: Any, acc: Any, at: str) -> Any
     """``reduce_grads(..., check_finite=True)`` inside a function ``torch.compile`` traces:
     run eagerly, at a graph break (under ``fullgraph=True`` that break is dynamo's error),
     since the check reads the gradients' values on the host."""
-    return engine.reduce(grads, spec, last=last, acc=acc, at=at, check_finite=True)
+    mode = validate.current_mode()
+    return engine.reduce(grads, spec, last=last, acc=acc, at=at, check_finite=True, mode=mode)
 
 
 def shard(tree: Any, spec: Any, *, to: str = "optimizer", stacked: bool | None = None) -> Any:

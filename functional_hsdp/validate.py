@@ -11,7 +11,7 @@ different trees, shapes, dtypes,       before any gradient collective; every ran
 specs, ``last`` or options             the same ``ValueError``, naming the first differing
                                        field or leaf path and the ranks
 a rank's own checks fail (a wrong      it raises its error, and the others raise one that
-``acc``, a meta leaf, a bad flag)      names it, in the same exchange: nobody waits
+``acc``, a meta leaf, a bad flag)      names it, in the same agreement: nobody waits
 NaN/Inf in gradients                   ``check_finite=True``: every rank raises a
                                        ``ValueError`` naming the first such leaf and ranks
 a peer dies, hangs or issues another   the collective fails or times out and raises
@@ -29,28 +29,41 @@ per header field]``. Digests are 62-bit blake2b hashes, stable across processes 
 ``hash`` is salted per process); a plan's fingerprint is computed once and cached, so a
 call's row costs a list copy.
 
-1. The row is exchanged in **one** all-gather over **every** axis of the mesh (not only the
-   spec's data-parallel axes: ranks naming different axes would otherwise wait in different
-   groups). It is host data, all-gathered over a CPU (gloo) group
-   (``Diagnostics.start_exchange``), so the agreement never touches device memory and never
-   makes the host wait for the device. It is *issued* when the call's local checks have
-   passed and *waited* just before the call's first gradient collective (``Agreement.settle``,
-   called by the scheduler), so packing the first bucket overlaps it. A call that issues no
-   collective (``ddp`` before the last microbatch) settles before it returns, and before it
-   changes any persistent state (``MainGrad``'s buffers).
-2. Every rank decides from the same table: the call digest must agree over the whole mesh,
-   the whole digest within each data-parallel group. Only on a mismatch, so never in a
-   healthy run, more exchanges follow, all ranks alike: the first differing header field, or
-   the first leaf whose per-leaf digests differ (padded to the longest tree), and its text,
-   from which every rank builds the same message and raises it.
+1. The row is summarized over **every** axis of the mesh (not only the spec's data-parallel
+   axes: ranks naming different axes would otherwise wait in different groups) by **one**
+   elementwise maximum of ``[row, -row]`` (``Diagnostics.start_max``), which gives every
+   rank each field's maximum and minimum over all ranks. It is host data, reduced over a CPU
+   (gloo) group, so the agreement never touches device memory and never makes the host wait
+   for the device. On a ``DistMesh`` it is recursive doubling in point-to-point messages:
+   log2(ranks) rounds (two more where the count is not a power of two), each one 22-integer
+   row each way, so a rank's messages and wait grow with log2 of the mesh's size (the
+   all-gather of every rank's row that it replaces moved a row per rank in as many ring
+   steps as ranks; bench B10, "Scaling with the number of ranks"). It is *issued* (its first
+   round) when the call's local checks have passed and *waited* (the later rounds, which
+   need the first one's result) just before the call's first gradient collective
+   (``Agreement.settle``, called by the scheduler), so packing the first bucket overlaps
+   the first round. A call that issues no collective (``ddp`` before the last microbatch)
+   settles before it returns, and before it changes any persistent state (``MainGrad``'s
+   buffers).
+2. Every rank decides alike from the summary. No error row, no non-finite leaf, and every
+   field the same on every rank (maximum = minimum): the call passes. That is a healthy
+   run's only communication for the agreement. Otherwise, and only then, every rank's row is
+   exchanged (one all-gather over the whole mesh, ``Diagnostics.exchange``) and every rank
+   decides from the same table, exactly as :func:`agree` does: the call digest must agree
+   over the whole mesh, the whole digest within each data-parallel group (so data-parallel
+   groups that hold different trees pass, after the exchange). On a mismatch more
+   exchanges follow, all ranks alike: the first differing header field, or the first leaf
+   whose per-leaf digests differ (padded to the longest tree), and its text, from which every
+   rank builds the same message and raises it.
 3. A rank whose local checks raise (``ValueError``/``TypeError``/``NotImplementedError``)
-   before its row is issued sends an error row instead; every rank sees it in the same
-   exchange, and the others raise the failing rank's error type and text, naming it.
+   before its row is issued sends an error row instead, in the same summary (its error flag
+   sends every rank to the exchange); the others raise the failing rank's error type and
+   text, naming it.
 
-The exchange is not a gradient collective: :func:`comm_log` does not record it, and it is a
-plain ``torch.distributed`` all-gather (not a functional collective), so profiles of the
-gradient communication stay exact. On a one-rank mesh nothing is exchanged (unless
-``check_finite=True``).
+Neither the summary nor the exchange is a gradient collective: :func:`comm_log` does not
+record them, and they are plain ``torch.distributed`` point-to-point messages and all-gathers
+(not functional collectives), so profiles of the gradient communication stay exact. On a
+one-rank mesh nothing is exchanged (unless ``check_finite=True``).
 
 ``check_finite=True`` is the one exception to "never touches device data": the non-finite
 scan reads every bucket (a host-device synchronization), and its result rides in the row.
@@ -59,9 +72,12 @@ Limits
 ------
 * ``validation("off")`` exchanges nothing (the checks above are off), except for a call with
   ``check_finite=True``, whose row still carries its non-finite flags; every rank must use
-  the same mode, or the ranks that exchange wait (bounded by the mesh's timeout).
+  the same mode, or the ranks that exchange wait (bounded by the mesh's timeout). A call
+  reads the mode when it starts, in the caller's context; the backward of ``psum`` and
+  ``pmean`` (a call too) uses the mode their forward read, since autograd may run a backward
+  on another thread (its device threads on CUDA), which does not see the caller's context.
 * Under ``torch.compile`` nothing is exchanged (a ``reduce_grads(check_finite=True)`` there
-  runs eagerly, at a graph break, exchange included).
+  runs eagerly, at a graph break, agreement included).
 * A failure after the agreement (out of memory while packing, a peer dying mid-collective)
   raises :class:`CollectiveError` on the survivors within the timeout, not at once.
 """
@@ -88,6 +104,8 @@ __all__ = [
     "Agreement",
     "agree",
     "agreement",
+    "agreement_in_mode",
+    "current_mode",
     "fingerprint",
     "mesh_of",
     "nonfinite_index",
@@ -106,8 +124,8 @@ def validation(mode: str) -> Iterator[None]:
     """Turn the cross-rank agreement on or off inside the ``with`` block.
 
     Args:
-        mode: ``"on"`` (the default: every call exchanges one small row over the mesh before
-            any gradient collective), or ``"off"`` (nothing is exchanged, unless
+        mode: ``"on"`` (the default: every call takes part in one small summary over the
+            mesh before any gradient collective), or ``"off"`` (nothing is exchanged, unless
             ``check_finite=True``). ``"first"`` and ``"always"``, the names of earlier
             versions, mean ``"on"``. Every rank must use the same mode: a rank with
             validation off while the others exchange makes them wait (bounded by the mesh's
@@ -128,6 +146,18 @@ def validation(mode: str) -> Iterator[None]:
         yield
     finally:
         _MODE.reset(token)
+
+
+def current_mode() -> str:
+    """The mode :func:`validation` set in this context (``"on"`` by default), for a call to
+    pass to :func:`agreement_in_mode`. A function whose backward makes a call reads it in its
+    forward and hands it to the backward: autograd may run a backward on another thread,
+    which does not see this context (see the module docstring, "Limits"). While
+    ``torch.compile`` traces, ``"on"`` (nothing is exchanged there, and dynamo cannot read a
+    ContextVar)."""
+    if torch.compiler.is_compiling():
+        return "on"
+    return _MODE.get()
 
 
 # -- fingerprints ---------------------------------------------------------------------------
@@ -262,10 +292,15 @@ def mesh_of(spec: Any) -> Any:
 
 class Agreement:
     """One call's cross-rank agreement (see the module docstring): every rank takes part in
-    one small exchange per call, before any gradient collective, and all raise together."""
+    one small summary per call, before any gradient collective, and all raise together.
 
-    def __init__(self, mesh: Any, call: str):
+    ``mode``: the validation mode for this call (see :func:`validation`), read by the caller
+    (:func:`current_mode`): nothing here reads the context, which may not be the caller's
+    (a backward on autograd's device thread)."""
+
+    def __init__(self, mesh: Any, call: str, mode: str):
         self.mesh, self.call, self.done = mesh, call, False
+        self.off = mode == "off"
         self._pending: tuple | None = None
 
     def check(
@@ -280,13 +315,13 @@ class Agreement:
     ) -> None:
         """Agree on this call (``plan``: what it will do); raise on any difference.
 
-        ``defer=True`` only issues the exchange: the caller must call :meth:`settle` before
+        ``defer=True`` only issues the summary: the caller must call :meth:`settle` before
         its first collective and before it returns (the scheduler does, given this record
         as its ``gate``)."""
         self.done = True
-        if torch.compiler.is_compiling():  # nothing is exchanged while tracing (nor can
-            return  # dynamo read the ContextVar below)
-        if _MODE.get() == "off" and nonfinite is None:
+        if torch.compiler.is_compiling():  # nothing is exchanged while tracing
+            return
+        if self.off and nonfinite is None:
             return
         if all(n == 1 for n in self.mesh.sizes) and nonfinite is None:
             return  # one rank: nobody to disagree with
@@ -295,22 +330,21 @@ class Agreement:
         fp = done.get(key)
         if fp is None:
             fp = done[key] = fingerprint(plan, self.call, paths, last, options)
-        local = _row(fp, self.mesh.batch_shape)
-        if nonfinite is not None:
-            local[..., _NONFINITE] = nonfinite
-        waiter = self.mesh.diagnostics.start_exchange(local)
+        local = _local_row(fp, self.mesh, nonfinite)
+        waiter = _start_summary(self.mesh, local)
         self._pending = (waiter, _dp_axes(plan), fp, paths, local)
         if not defer:
             self.settle()
 
     def settle(self) -> None:
-        """Wait for this call's exchange (if one is in flight) and decide: returns if every
+        """Wait for this call's summary (if one is in flight) and decide: returns if every
         rank agrees, else raises on every rank alike. Idempotent."""
         if self._pending is None:
             return
         waiter, dp, fp, paths, local = self._pending
         self._pending = None
-        _decide(self.mesh, dp, fp, paths, local, _table(self.mesh, waiter()))
+        if not _healthy(waiter()):  # only now every rank's row, and the exact decision
+            _exact(self.mesh, dp, fp, paths, local)
 
     def fail(self, exc: BaseException) -> None:
         """This rank's local checks raised ``exc``: tell the others (who raise too)."""
@@ -318,24 +352,33 @@ class Agreement:
         row = torch.full((len(HEADER) + _HEADER0,), -1, dtype=torch.int64)
         row[_ERROR] = 1
         local = row.expand(*self.mesh.batch_shape, row.numel()).clone()
+        # the others are in this call's summary, which the error flag sends to the exchange
+        _start_summary(self.mesh, local)()
         tables = _gather(self.mesh, self.mesh.axis_names, local)
         _peer_errors(self.mesh, tables, exc)
 
 
-@contextlib.contextmanager
-def agreement(spec: Any, call: str) -> Iterator[Agreement]:
+def agreement(spec: Any, call: str) -> contextlib.AbstractContextManager[Agreement]:
     """Run a call's local checks inside; ``agreement.check(plan, ...)`` before communicating.
 
     A ``ValueError``/``TypeError``/``NotImplementedError`` raised inside before ``check`` is
-    reported to the other ranks in the same one exchange, so that every rank raises (each
+    reported to the other ranks in the same one summary, so that every rank raises (each
     with its own error, or naming the rank that failed) instead of waiting for the others.
+    The validation mode is the caller's context's: for a call made in it.
     """
+    return agreement_in_mode(spec, call, current_mode())
+
+
+@contextlib.contextmanager
+def agreement_in_mode(spec: Any, call: str, mode: str) -> Iterator[Agreement]:
+    """:func:`agreement` in the validation mode ``mode`` (the caller's :func:`current_mode`,
+    read where the call was made: a call that may run in a backward is handed it)."""
     mesh = mesh_of(spec)
-    agreed = Agreement(mesh, call)
+    agreed = Agreement(mesh, call, mode)
     try:
         yield agreed
     except _LOCAL_ERRORS as exc:
-        if mesh is None or agreed.done or _MODE.get() == "off" or torch.compiler.is_compiling():
+        if mesh is None or agreed.done or agreed.off or torch.compiler.is_compiling():
             raise
         agreed.fail(exc)
         raise
@@ -348,18 +391,44 @@ def agree(
     paths: Sequence[str],
     nonfinite: torch.Tensor | None = None,
 ) -> None:
-    """The protocol for one call: exchange ``fp``'s row over every axis of ``mesh``; raise on
-    any difference (the call's header across all ranks, the layout within each group over
-    ``dp``), or a non-finite leaf."""
-    local = _row(fp, mesh.batch_shape)
+    """The exact decision for one call, from every rank's row (what a call's agreement falls
+    back to when the summary shows a difference): exchange ``fp``'s row over every axis of
+    ``mesh``; raise on any difference (the call's header across all ranks, the layout within
+    each group over ``dp``), or a non-finite leaf."""
+    _exact(mesh, dp, fp, paths, _local_row(fp, mesh, nonfinite))
+
+
+def _local_row(fp: Fingerprint, mesh: Any, nonfinite: torch.Tensor | None) -> torch.Tensor:
+    """This rank's row (per simulated rank on a SimMesh: ``(*batch, L)``)."""
+    row = torch.tensor([0, -1, *fp.row()], dtype=torch.int64)
+    local = row.expand(*mesh.batch_shape, row.numel()).clone()
     if nonfinite is not None:
         local[..., _NONFINITE] = nonfinite
+    return local
+
+
+def _start_summary(mesh: Any, local: torch.Tensor) -> Any:
+    """Issue the maximum over every rank of ``[row, -row]``: each field's maximum and
+    (negated) minimum."""
+    return mesh.diagnostics.start_max(torch.cat([local, -local], -1))
+
+
+def _healthy(summary: torch.Tensor) -> bool:
+    """Whether the summary shows nothing to decide: no error row, no non-finite leaf, and
+    every field alike on every rank. Stricter than :func:`_decide` (which asks the whole
+    digest to agree only within each data-parallel group), which decides the rest."""
+    width = summary.shape[-1] // 2
+    high, low = summary[..., :width], -summary[..., width:]
+    return not bool(
+        (high[..., _ERROR] > 0).any()
+        or (high[..., _NONFINITE] >= 0).any()
+        or (high[..., _CALL:] != low[..., _CALL:]).any()
+    )
+
+
+def _exact(mesh: Any, dp: tuple[str, ...], fp: Fingerprint, paths, local: torch.Tensor) -> None:
+    """Every rank's row, and the exact decision from them."""
     _decide(mesh, dp, fp, paths, local, _gather(mesh, mesh.axis_names, local))
-
-
-def _row(fp: Fingerprint, batch: tuple[int, ...]) -> torch.Tensor:
-    row = torch.tensor([0, -1, *fp.row()], dtype=torch.int64)
-    return row.expand(*batch, row.numel()).clone()
 
 
 def _decide(

@@ -230,6 +230,12 @@ class SimDiagnostics:
     def describe(self, op: str, axis: str, reduce: str | None) -> str:
         return "einops"
 
+    def start_max(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        # every rank's row, then its maximum: what each rank of a real mesh ends up with
+        # (a real mesh never gathers the rows; in one process they are all here anyway)
+        wait = self.start_exchange(t)
+        return lambda: wait().amax(-2)
+
     def start_exchange(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
         out = self.exchange(t, self._mesh.axis_names)  # in one process: done at once
         return lambda: out
