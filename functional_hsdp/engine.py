@@ -31,7 +31,6 @@ from .plan import Plan, remember_layout
 from .schedule import expand, run
 from .spec import Spec, resolve_specs
 from .tags import result_state, tag, untouched
-from .torch_releases import traced_or_eager
 from .tree import (
     check_bool,
     check_tensors,
@@ -155,7 +154,6 @@ def _add(buf: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
 # -- tree level -------------------------------------------------------------------------------
 
 
-@traced_or_eager  # traced by torch.compile where dynamo can (torch >= 2.13); else eager
 def reduce(
     grads: Any,
     spec: Any,
