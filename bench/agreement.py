@@ -1,30 +1,54 @@
 """(B10) The per-call cross-rank agreement: what it costs.
 
-Every library call exchanges one small row over the whole mesh before its first gradient
-collective (README, "Reliability"). 4 gloo processes, 2x2 mesh, ``hsdp``:
+Every library call takes part in one small summary over the whole mesh before its first
+gradient collective (README, "Reliability"). 4 gloo processes, 2x2 mesh, ``hsdp``:
 
 - **step**: the HSDP training step of (B1) (``gather``, ``grad``, ``MainGrad.accumulate``
   per microbatch, SGD) with the agreement on (the default) and with ``validation("off")``,
   interleaved; the cost is (on - off) / off. Goal: <= 2 %.
 - **10,000 leaves**: ``reduce_grads(g, spec, last=True)`` on a tree of 10,000 small leaves,
-  on and off; and the exchange alone (``validate.agree`` with the call's cached fingerprint).
-- **the floor**: one bare host all-gather of a row as long as the agreement's (a few int64,
-  ``dist.all_gather`` on the default gloo group, waited): what one exchange costs at least
-  where nothing overlaps it. A step makes 1 + M calls.
+  on and off; and the agreement alone (``validate.Agreement.check`` with the call's cached
+  fingerprint, waited at once).
+- **the floor**: 1 + M agreements alone per step (a step makes 1 + M calls): what the
+  agreement costs where nothing overlaps it. Beside it, one bare host all-gather of a row as
+  long as the agreement's (a few int64, ``dist.all_gather`` on the default gloo group): what
+  a protocol that gathers every rank's row pays at least.
+- **scaling**: the per-call cost at 4, 8 and 16 gloo ranks (mesh 2 x n/2, ``hsdp``):
+  ``reduce_grads(last=True)`` on a small tree, on and off, and the agreement alone. Each world
+  size runs in fresh ranks started by a fresh Python process (:func:`main`) whose
+  ``functional_hsdp`` is a checkout's (a link to its package in an empty folder, the
+  process's working directory). With ``BENCH_BASELINE=<checkout>`` in the environment, the
+  same job measures that checkout's library first (the baseline), then this one.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from functools import partial
 
 import torch
 
+from functional_hsdp import launch
+
 from . import common as C
 
 SIZES = {
-    "tiny": {"D": 32, "L": 4, "B": 4, "M": 2, "leaves": 200, "warmup": 1, "reps": 2},
-    "full": {"D": 1024, "L": 8, "B": 32, "M": 4, "leaves": 10_000, "warmup": 2, "reps": 21},
+    "tiny": {
+        **{"D": 32, "L": 4, "B": 4, "M": 2, "leaves": 200, "warmup": 1, "reps": 2},
+        **{"worlds": (4,), "scaling_warmup": 1, "scaling_reps": 2},
+    },
+    "full": {
+        **{"D": 1024, "L": 8, "B": 32, "M": 4, "leaves": 10_000, "warmup": 2, "reps": 21},
+        **{"worlds": (4, 8, 16), "scaling_warmup": 5, "scaling_reps": 101},
+    },
 }
+#: the scaling part's tree: small, so that the call is mostly the agreement and its collectives
+SCALING_TREE = {"leaves": 4, "numel": 256}
 
 
 def _step(fh, spec, params, mg, grad_fn, xs, ys, M):
@@ -77,8 +101,6 @@ def task(cfg: dict) -> dict:
     call = partial(fh.reduce_grads, tree, spec, last=True)
     leaves, treedef, paths = flatten(tree, "grads")
     plan = grads_plan(leaves, treedef, paths, spec, "grads")
-    fp = validate.fingerprint(plan, "reduce_grads", paths, True, ("check_finite=False",))
-    exchange = partial(validate.agree, spec.mesh, spec.dp_axes, fp, paths)
     row = torch.zeros(len(validate.HEADER) + 5, dtype=torch.int64)  # the agreement's row
     bare = partial(_bare_exchange, row, [torch.empty_like(row) for _ in range(C.WORLD)])
     ops = {
@@ -86,10 +108,95 @@ def task(cfg: dict) -> dict:
         "step_off": partial(_off, step),
         "tree_on": call,
         "tree_off": partial(_off, call),
-        "exchange": exchange,
+        "agreement": partial(_agreement, validate, spec, plan, paths),
         "bare": bare,
     }
     return C.interleaved(ops, cfg["warmup"], cfg["reps"])
+
+
+def _agreement(validate, spec, plan, paths) -> None:
+    """One call's agreement alone, as ``reduce_grads(last=True)`` makes it (its fingerprint
+    cached after the first), waited at once (``validate.agreement`` of every version)."""
+    with validate.agreement(spec, "reduce_grads") as agreed:
+        agreed.check(plan, paths, last=True, options=("check_finite=False", "at=input"))
+
+
+def _scaling_task(cfg: dict) -> dict:
+    """On each of n ranks (mesh 2 x n/2, hsdp): a small ``reduce_grads(last=True)`` with the
+    agreement on and off, and the agreement alone."""
+    import torch.distributed as dist
+
+    import functional_hsdp as fh
+    from functional_hsdp import validate
+    from functional_hsdp.lookup import grads_plan
+    from functional_hsdp.tree import flatten
+
+    n = dist.get_world_size()
+    spec = fh.hsdp(fh.DistMesh(C.device_mesh((2, n // 2))), *C.AXES)
+    torch.manual_seed(0)
+    tree = {f"p{i}": torch.randn(SCALING_TREE["numel"]) for i in range(SCALING_TREE["leaves"])}
+    call = partial(fh.reduce_grads, tree, spec, last=True)
+    leaves, treedef, paths = flatten(tree, "grads")
+    plan = grads_plan(leaves, treedef, paths, spec, "grads")
+    ops = {
+        "on": call,
+        "off": partial(_off, call),
+        "agreement": partial(_agreement, validate, spec, plan, paths),
+    }
+    return C.interleaved(ops, cfg["scaling_warmup"], cfg["scaling_reps"])
+
+
+def _scaling_here(size: str) -> dict[int, dict[str, float]]:
+    """Per world size, the slowest rank's median per op: fresh ranks from this process, whose
+    ``functional_hsdp`` they import (``--scaling`` runs this in a fresh process)."""
+    cfg, out = SIZES[size], {}
+    for n in cfg["worlds"]:
+        per_rank = launch.run(_scaling_task, cfg, world_size=n, timeout=900.0, preload=C.PRELOAD)
+        out[n] = C.slowest_rank_medians(per_rank)[1]
+    return out
+
+
+def _scaling_of(checkout: str, size: str) -> dict:
+    """:func:`_scaling_here` in a fresh process whose ``functional_hsdp`` is ``checkout``'s
+    (a link to it in an empty working directory, which Python puts first on ``sys.path``;
+    ``bench`` comes from this checkout, by ``PYTHONPATH``)."""
+    with tempfile.TemporaryDirectory(prefix="fh_agreement_") as tmp:
+        os.symlink(
+            os.path.join(os.path.abspath(checkout), "functional_hsdp"),
+            os.path.join(tmp, "functional_hsdp"),
+        )
+        out = os.path.join(tmp, "out.json")
+        paths = [C.REPO_ROOT, os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+        entry = "from bench.agreement import main; raise SystemExit(main())"
+        cmd = [sys.executable, "-c", entry, "--scaling", size, "--out", out]
+        subprocess.run(cmd, cwd=tmp, env=env, check=True)
+        with open(out) as f:
+            medians = {int(n): m for n, m in json.load(f).items()}
+    return {"checkout": checkout, "library": _commit(checkout), "medians": medians}
+
+
+def _commit(checkout: str) -> str:
+    git = ["git", "-C", checkout, "rev-parse", "--short", "HEAD"]
+    try:
+        head = subprocess.run(git, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    dirty = ["git", "-C", checkout, "status", "--porcelain", "functional_hsdp"]
+    changed = subprocess.run(dirty, capture_output=True, text=True).stdout.strip()
+    return head + (" with uncommitted changes" if changed else "")
+
+
+def _scaling(size: str, pool) -> list[dict]:
+    """The scaling part: with a pool (the smoke test), its 4 ranks only; else fresh ranks per
+    world size, for ``$BENCH_BASELINE`` (if set) and then this checkout."""
+    if pool is not None:
+        per_rank = pool.run(_scaling_task, SIZES[size])
+        medians = {C.WORLD: C.slowest_rank_medians(per_rank)[1]}
+        return [{"checkout": C.REPO_ROOT, "library": "this run's", "medians": medians}]
+    baseline = os.environ.get("BENCH_BASELINE")
+    runs = [_scaling_of(baseline, size)] if baseline else []
+    return [*runs, _scaling_of(C.REPO_ROOT, size)]
 
 
 def run(size: str = "full", pool=None) -> dict:
@@ -100,8 +207,9 @@ def run(size: str = "full", pool=None) -> dict:
     # the spread: each repetition's on / off (the two ran back to back)
     res["step_ratios"] = [a / b for a, b in zip(res["times"]["step_on"], res["times"]["step_off"])]
     res["tree_cost_ms"] = 1e3 * (m["tree_on"] - m["tree_off"])
-    # the floor: 1 + M exchanges per step, none overlapped
-    res["floor"] = (1 + res["cfg"]["M"]) * m["bare"] / m["step_off"]
+    # the floor: 1 + M agreements per step, none overlapped
+    res["floor"] = (1 + res["cfg"]["M"]) * m["agreement"] / m["step_off"]
+    res["scaling"] = _scaling(size, pool)
     return res
 
 
@@ -111,24 +219,29 @@ def report(res: dict, command: str, when: str) -> str:
     desc = (
         f"hsdp on the 2x2 mesh. Step: (B1)'s HSDP step ({cfg['L']} x Linear({cfg['D']}) + "
         f"tanh, M={cfg['M']} microbatches of {cfg['B']}: `gather`, `grad`, "
-        "`MainGrad.accumulate`, SGD; 1 + M library calls, each with its exchange) with the "
+        "`MainGrad.accumulate`, SGD; 1 + M library calls, each with its agreement) with the "
         'agreement on (the default) and `validation("off")`. Tree: `reduce_grads(last=True)` '
-        f"on {cfg['leaves']} leaves of 20 fp32 elements; exchange alone: `validate.agree` with "
-        f"the cached fingerprint. {C.timing_note(cfg, 'every operation')}\n"
+        f"on {cfg['leaves']} leaves of 20 fp32 elements; the agreement alone: "
+        "`validate.Agreement.check` with the cached fingerprint, waited at once. "
+        f"{C.timing_note(cfg, 'every operation')}\n"
     )
-    ms = lambda s: f"{1e3 * s:.2f}"  # noqa: E731
     t = C.table(
         ["", "agreement on (ms)", "off (ms)", "cost"],
         [
-            ["HSDP step", ms(m["step_on"]), ms(m["step_off"]), f"{100 * res['step_cost']:+.1f} %"],
+            [
+                "HSDP step",
+                _ms(m["step_on"]),
+                _ms(m["step_off"]),
+                f"{100 * res['step_cost']:+.1f} %",
+            ],
             [
                 f"reduce_grads, {cfg['leaves']} leaves",
-                ms(m["tree_on"]),
-                ms(m["tree_off"]),
+                _ms(m["tree_on"]),
+                _ms(m["tree_off"]),
                 f"{res['tree_cost_ms']:+.2f} ms",
             ],
-            ["the exchange alone", ms(m["exchange"]), "", ""],
-            ["one bare host all-gather of the row", ms(m["bare"]), "", ""],
+            ["the agreement alone", _ms(m["agreement"]), "", ""],
+            ["one bare host all-gather of the row", _ms(m["bare"]), "", ""],
         ],
     )
     verdict = "met" if res["step_cost"] <= 0.02 else "not met"
@@ -137,9 +250,55 @@ def report(res: dict, command: str, when: str) -> str:
         f"({100 * res['step_cost']:+.1f} %; a negative figure is noise: the two are within "
         "the run's spread). The spread: per repetition, step on / off = "
         f"{min(res['step_ratios']):.2f} to {max(res['step_ratios']):.2f} (median "
-        f"{C.median(res['step_ratios']):.2f}). The floor where nothing overlaps the exchange: "
-        "1 + M = "
-        f"{1 + cfg['M']} bare host all-gathers of the row per step, "
-        f"{1 + cfg['M']} x {ms(m['bare'])} ms = {100 * res['floor']:.1f} % of the step with the "
-        "agreement off.\n"
+        f"{C.median(res['step_ratios']):.2f}). The floor where nothing overlaps the agreement: "
+        f"1 + M = {1 + cfg['M']} agreements per step, {1 + cfg['M']} x "
+        f"{_ms(m['agreement'])} ms = {100 * res['floor']:.1f} % of the step with the agreement "
+        f"off.\n\n{_scaling_report(res['scaling'], cfg)}"
     )
+
+
+def _ms(s: float) -> str:
+    return f"{1e3 * s:.2f}"
+
+
+def _scaling_report(runs: list[dict], cfg: dict) -> str:
+    tree = f"{SCALING_TREE['leaves']} leaves of {SCALING_TREE['numel']} fp32 elements"
+    names = [f"`{r['checkout']}` ({r['library']})" for r in runs]
+    labels = ["baseline", "this checkout"][-len(runs) :] if len(runs) <= 2 else names
+    rows = []
+    for n in runs[-1]["medians"]:
+        row = [f"{n} (2 x {n // 2})"]
+        for key in ("agreement", "cost", "off"):
+            for r in runs:
+                m = r["medians"][n]
+                row.append(_ms(m["on"] - m["off"] if key == "cost" else m[key]))
+        rows.append(row)
+    head = ["ranks (mesh)"] + [
+        f"{what}, {label} (ms)"
+        for what in ("agreement alone", "reduce_grads on - off", "reduce_grads off")
+        for label in labels
+    ]
+    libraries = "; ".join(f"{label}: {name}" for label, name in zip(labels, names))
+    return (
+        "### Scaling with the number of ranks\n\nPer-call cost at each world size, fresh gloo "
+        f"ranks on this machine, hsdp on a 2 x n/2 mesh: `reduce_grads(last=True)` on {tree} "
+        'with the agreement on and `validation("off")`, and the agreement alone (as above). '
+        f"{cfg['scaling_warmup']} warm-up and {cfg['scaling_reps']} timed repetitions, the "
+        "three interleaved, each after a barrier; median of the slowest rank's time. "
+        f"Libraries: {libraries}.\n\n{C.table(head, rows)}\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--scaling SIZE --out FILE``: the scaling part on fresh ranks of this process (whose
+    ``functional_hsdp`` they import), medians to ``FILE`` (what :func:`_scaling_of` runs; not
+    ``python -m bench.agreement``, which would make this module a second ``__main__`` copy
+    of itself, whose tasks the workers could not find by name)."""
+    ap = argparse.ArgumentParser(prog="bench.agreement")
+    ap.add_argument("--scaling", choices=list(SIZES), required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    medians = _scaling_here(a.scaling)
+    with open(a.out, "w") as f:
+        json.dump(medians, f)
+    return 0
