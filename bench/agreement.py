@@ -264,6 +264,8 @@ def _ms(s: float) -> str:
 def _scaling_report(runs: list[dict], cfg: dict) -> str:
     tree = f"{SCALING_TREE['leaves']} leaves of {SCALING_TREE['numel']} fp32 elements"
     names = [f"`{r['checkout']}` ({r['library']})" for r in runs]
+    if len(runs) == 2:  # the first came from $BENCH_BASELINE
+        names[0] += ", from `BENCH_BASELINE`"
     labels = ["baseline", "this checkout"][-len(runs) :] if len(runs) <= 2 else names
     rows = []
     for n in runs[-1]["medians"]:
