@@ -35,6 +35,8 @@ from typing import Literal
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from .torch_releases import placement_class
+
 __all__ = [
     "Flat",
     "Partial",
@@ -52,6 +54,7 @@ Collective = Literal["reduce_scatter", "all_reduce", "all_gather", "slice"]
 REDUCE_OPS = ("avg", "sum")
 
 
+@placement_class
 class Flat(Placement):
     """Flattened, bucketed and evenly chunked along one mesh axis (Megatron-FSDP's layout).
 

@@ -12,10 +12,12 @@ import torch
 
 from . import engine, validate
 from .precision import check_mp_policy
+from .torch_releases import traced_or_eager
 
 __all__ = ["gather", "reduce_grads", "shard", "sync_params"]
 
 
+@traced_or_eager  # traced by torch.compile where dynamo can (torch >= 2.13); else eager
 def reduce_grads(
     grads: Any,
     spec: Any,

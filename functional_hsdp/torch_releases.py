@@ -19,6 +19,14 @@ c10d single-tensor all-gather          ``dist.all_gather_single`` from 2.13;
 ``Placement``                          a C++ (pybind11) class in 2.11, whose ``__init__`` a
                                        subclass must call (``Flat`` calls it on every
                                        release); a Python class from 2.13
+tracing ``reduce_grads``               from 2.13; dynamo in 2.11 refuses a ``Spec`` (a frozen
+(``torch.compile``)                    dataclass) as an ``assume_constant_result`` argument,
+                                       guards on ``Flat`` (a subclass of the C++
+                                       ``Placement``) with "Unexpected type" (unless it is
+                                       a pytree constant: :func:`placement_class`), and
+                                       fails to compare optree tree structures: there it runs
+                                       eagerly at a graph break (:func:`traced_or_eager`),
+                                       with the same results; ``fullgraph=True`` is refused
 =====================================  ======================================================
 """
 
@@ -32,10 +40,13 @@ import torch.distributed._functional_collectives as funcol
 
 __all__ = [
     "TORCH_RANGE",
+    "TRACES_LIBRARY",
     "c10d_all_gather_single",
     "funcol_all_gather_single",
     "funcol_reduce_scatter_single",
+    "placement_class",
     "torch_release",
+    "traced_or_eager",
 ]
 
 #: The releases the library is tested on: (oldest, newest), as ``major.minor``.
@@ -46,6 +57,28 @@ def torch_release() -> tuple[int, int]:
     """The running torch's ``(major, minor)`` (``2.13.0+cpu`` -> ``(2, 13)``)."""
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
+
+
+#: Whether dynamo traces the library's reductions (see the table above).
+TRACES_LIBRARY = torch_release() >= (2, 13)
+
+
+def traced_or_eager(fn: Any) -> Any:
+    """``fn`` itself where dynamo traces it; else ``fn`` run eagerly at a graph break
+    (``torch.compiler.disable``) inside a compiled function."""
+    return fn if TRACES_LIBRARY else torch.compiler.disable(fn)
+
+
+def placement_class(cls: type) -> type:
+    """A ``Placement`` subclass of the library's, made one dynamo can guard on: before 2.13
+    dynamo guards a placement by equality only for torch's own (``Shard``, ``Replicate``,
+    ``Partial``) or for a class registered as a pytree constant (the library's have
+    ``__eq__`` and ``__hash__``), and fails on any other ("Unexpected type")."""
+    if not TRACES_LIBRARY:
+        import torch.utils._pytree as pytree
+
+        pytree.register_constant(cls)
+    return cls
 
 
 def _first(module: Any, *names: str) -> Any:

@@ -44,6 +44,7 @@ def _train_hfsdp_adamw():
     rank = dist.get_rank()
     params = fh.shard(full0, spec)  # main weights at the optimizer placement [F, F]
     opt = fh.adamw(LR)
+    assert isinstance(opt, fh.GradientTransformation)  # optax's (init, update) pair
     state = opt.init(params)
     losses, norms = [], []
     for _ in range(STEPS):
