@@ -136,11 +136,18 @@ class Bucket:
         for g in after[:-1]:
             at.append(at[-1] + (2 if g else 1))
         set_(self, "at", tuple(at))
-        set_(self, "pick_spans", _getter(at))
+        set_(self, "_pick_spans", _getter(at))
         #: the leaves and the gaps between them, as ``(offset, numel)``: no tail
         inner = [(s.offset, s.width) for s in self.slots]
         inner += [(s.offset + s.width, g) for s, g in zip(self.slots, after[:-1]) if g]
         set_(self, "ranges", sorted(inner))
+
+    def leaves_of(self, pieces: Sequence) -> tuple:
+        """The leaves' pieces out of the pieces of every span (or of every range: the same
+        positions, the tail being last)."""
+        if torch.compiler.is_compiling():  # dynamo cannot trace itemgetter
+            return tuple(pieces[k] for k in self.at)
+        return self._pick_spans(pieces)
 
     def take(self, leaves: list) -> tuple:
         """This bucket's leaves out of a tree's leaf list, in slot order."""
@@ -297,7 +304,7 @@ def unpack_full(bucket: Bucket, buf: torch.Tensor, batch: tuple[int, ...]) -> li
     """Views of each leaf, full shape, in a packed ``(*batch, padded)`` buffer."""
     pieces = torch.split(buf, bucket.spans, dim=-1)
     # the leaves' pieces: every other one where padding falls between them, else all but a tail
-    pieces = bucket.pick_spans(pieces) if bucket.inner else pieces[: len(bucket.slots)]
+    pieces = bucket.leaves_of(pieces) if bucket.inner else pieces[: len(bucket.slots)]
     if bucket.flat_shapes:  # every leaf is 1-D: the pieces are the leaves
         return list(pieces)
     # Splitting the contiguous last dim into the leaf's dims is always a view.

@@ -234,7 +234,7 @@ class Plan:
         # the gaps between leaves are ranges too: the geometry sees consecutive ranges
         pieces = geometry.pieces(start, bucket.ranges, stride)
         every = [tuple(shape) for shape in geometry.piece_shapes(pieces)]
-        shapes = bucket.pick_spans(every)
+        shapes = bucket.leaves_of(every)
         after, zeros = _gap_pieces(bucket, every)
         # a geometry may know per bucket that its pieces are views (SimMesh: no rank has fill)
         views = getattr(pieces, "views", geometry.views)
@@ -304,7 +304,7 @@ class Plan:
                 values.extend(unpack(bucket, buf, batch))
             elif bucket.shard is None:
                 pieces = geometry.split(buf, placed.geometry)
-                values.extend(bucket.pick_spans(pieces) if placed.zeros else pieces)
+                values.extend(bucket.leaves_of(pieces) if placed.zeros else pieces)
             else:
                 nb = len(batch)
                 for s, length in zip(bucket.slots, placed.geometry):

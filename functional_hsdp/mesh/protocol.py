@@ -127,8 +127,9 @@ class Geometry(Protocol):
 
     def pieces(self, start: Coord, ranges: list[tuple[int, int]], length: int) -> Any:
         """The geometry of a chunk of ``length`` that starts at ``start`` in its bucket, for
-        the consecutive leaf ranges ``(offset, numel)`` of the bucket: each leaf's piece is
-        the part of its range that falls in the chunk (possibly empty)."""
+        the consecutive ranges ``(offset, numel)`` of the bucket (its leaves', and the
+        alignment padding between them as ranges of their own): each range's piece is the
+        part of it that falls in the chunk (possibly empty)."""
 
     def piece_shapes(self, pieces: Any) -> list[tuple[int, ...]]:
         """The shape of every piece (batch dims in front)."""
