@@ -266,7 +266,9 @@ def _rules(modules) -> list[tuple[str, str, ast.AST]]:
     found = []
     for mod, tree in modules.items():
         for cls in ast.walk(tree):
-            if isinstance(cls, ast.ClassDef) and any("Function" in ast.unparse(b) for b in cls.bases):
+            if isinstance(cls, ast.ClassDef) and any(
+                "Function" in ast.unparse(b) for b in cls.bases
+            ):
                 found += [
                     (mod, f"{mod}.{cls.name}.{f.name}", f)
                     for f in cls.body
