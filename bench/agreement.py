@@ -14,16 +14,16 @@ gradient collective (README, "Reliability"). 4 gloo processes, 2x2 mesh, ``hsdp`
   long as the agreement's (a few int64, ``dist.all_gather`` on the default gloo group): what
   a protocol that gathers every rank's row pays at least.
 - **scaling**: the per-call cost at 4, 8 and 16 gloo ranks (mesh 2 x n/2, ``hsdp``):
-  ``reduce_grads(last=True)`` on a small tree, on and off, and the agreement alone. Each world
-  size runs in fresh ranks started by a fresh Python process (:func:`main`) whose
-  ``functional_hsdp`` is a checkout's (a link to its package in an empty folder, the
-  process's working directory). With ``BENCH_BASELINE=<checkout>`` in the environment, the
-  same job measures that checkout's library first (the baseline), then this one.
+  ``reduce_grads(last=True)`` on a small tree, on and off, and the agreement alone
+  (:mod:`bench.agreement_scaling`). Each world size runs in fresh ranks started by a fresh
+  Python process whose ``functional_hsdp`` is a checkout's (a link to its package in an
+  empty folder, the process's working directory). With ``BENCH_BASELINE=<checkout>`` in the
+  environment, the same job measures that checkout's library first (the baseline), then
+  this one.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -33,8 +33,7 @@ from functools import partial
 
 import torch
 
-from functional_hsdp import launch
-
+from . import agreement_scaling as S
 from . import common as C
 
 SIZES = {
@@ -47,8 +46,6 @@ SIZES = {
         **{"worlds": (4, 8, 16), "scaling_warmup": 5, "scaling_reps": 101},
     },
 }
-#: the scaling part's tree: small, so that the call is mostly the agreement and its collectives
-SCALING_TREE = {"leaves": 4, "numel": 256}
 
 
 def _step(fh, spec, params, mg, grad_fn, xs, ys, M):
@@ -62,13 +59,6 @@ def _bare_exchange(row: torch.Tensor, parts: list[torch.Tensor]) -> None:
     import torch.distributed as dist
 
     dist.all_gather(parts, row)
-
-
-def _off(fn):
-    import functional_hsdp as fh
-
-    with fh.validation("off"):
-        return fn()
 
 
 def task(cfg: dict) -> dict:
@@ -105,72 +95,32 @@ def task(cfg: dict) -> dict:
     bare = partial(_bare_exchange, row, [torch.empty_like(row) for _ in range(C.WORLD)])
     ops = {
         "step_on": step,
-        "step_off": partial(_off, step),
+        "step_off": partial(S.validation_off, step),
         "tree_on": call,
-        "tree_off": partial(_off, call),
-        "agreement": partial(_agreement, validate, spec, plan, paths),
+        "tree_off": partial(S.validation_off, call),
+        "agreement": partial(S.agreement_alone, validate, spec, plan, paths),
         "bare": bare,
     }
     return C.interleaved(ops, cfg["warmup"], cfg["reps"])
 
 
-def _agreement(validate, spec, plan, paths) -> None:
-    """One call's agreement alone, as ``reduce_grads(last=True)`` makes it (its fingerprint
-    cached after the first), waited at once (``validate.agreement`` of every version)."""
-    with validate.agreement(spec, "reduce_grads") as agreed:
-        agreed.check(plan, paths, last=True, options=("check_finite=False", "at=input"))
-
-
-def _scaling_task(cfg: dict) -> dict:
-    """On each of n ranks (mesh 2 x n/2, hsdp): a small ``reduce_grads(last=True)`` with the
-    agreement on and off, and the agreement alone."""
-    import torch.distributed as dist
-
-    import functional_hsdp as fh
-    from functional_hsdp import validate
-    from functional_hsdp.lookup import grads_plan
-    from functional_hsdp.tree import flatten
-
-    n = dist.get_world_size()
-    spec = fh.hsdp(fh.DistMesh(C.device_mesh((2, n // 2))), *C.AXES)
-    torch.manual_seed(0)
-    tree = {f"p{i}": torch.randn(SCALING_TREE["numel"]) for i in range(SCALING_TREE["leaves"])}
-    call = partial(fh.reduce_grads, tree, spec, last=True)
-    leaves, treedef, paths = flatten(tree, "grads")
-    plan = grads_plan(leaves, treedef, paths, spec, "grads")
-    ops = {
-        "on": call,
-        "off": partial(_off, call),
-        "agreement": partial(_agreement, validate, spec, plan, paths),
-    }
-    return C.interleaved(ops, cfg["scaling_warmup"], cfg["scaling_reps"])
-
-
-def _scaling_here(size: str) -> dict[int, dict[str, float]]:
-    """Per world size, the slowest rank's median per op: fresh ranks from this process, whose
-    ``functional_hsdp`` they import (``--scaling`` runs this in a fresh process)."""
-    cfg, out = SIZES[size], {}
-    for n in cfg["worlds"]:
-        per_rank = launch.run(_scaling_task, cfg, world_size=n, timeout=900.0, preload=C.PRELOAD)
-        out[n] = C.slowest_rank_medians(per_rank)[1]
-    return out
-
-
 def _scaling_of(checkout: str, size: str) -> dict:
-    """:func:`_scaling_here` in a fresh process whose ``functional_hsdp`` is ``checkout``'s
-    (a link to it in an empty working directory, which Python puts first on ``sys.path``;
-    ``bench`` comes from this checkout, by ``PYTHONPATH``)."""
+    """The scaling part (``agreement_scaling.main``) in a fresh process whose
+    ``functional_hsdp`` is ``checkout``'s: links to it and to ``agreement_scaling.py`` in an
+    empty working directory, which Python puts first on ``sys.path`` (see that module)."""
     with tempfile.TemporaryDirectory(prefix="fh_agreement_") as tmp:
-        os.symlink(
-            os.path.join(os.path.abspath(checkout), "functional_hsdp"),
-            os.path.join(tmp, "functional_hsdp"),
-        )
+        links = {
+            "functional_hsdp": os.path.join(os.path.abspath(checkout), "functional_hsdp"),
+            "fh_agreement_scaling.py": os.path.join(C.BENCH_DIR, "agreement_scaling.py"),
+        }
+        for name, target in links.items():
+            os.symlink(target, os.path.join(tmp, name))
         out = os.path.join(tmp, "out.json")
-        paths = [C.REPO_ROOT, os.environ.get("PYTHONPATH", "")]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-        entry = "from bench.agreement import main; raise SystemExit(main())"
-        cmd = [sys.executable, "-c", entry, "--scaling", size, "--out", out]
-        subprocess.run(cmd, cwd=tmp, env=env, check=True)
+        entry = "from fh_agreement_scaling import main; raise SystemExit(main())"
+        cfg = json.dumps(SIZES[size])
+        subprocess.run(
+            [sys.executable, "-c", entry, "--cfg", cfg, "--out", out], cwd=tmp, check=True
+        )
         with open(out) as f:
             medians = {int(n): m for n, m in json.load(f).items()}
     return {"checkout": checkout, "library": _commit(checkout), "medians": medians}
@@ -191,7 +141,7 @@ def _scaling(size: str, pool) -> list[dict]:
     """The scaling part: with a pool (the smoke test), its 4 ranks only; else fresh ranks per
     world size, for ``$BENCH_BASELINE`` (if set) and then this checkout."""
     if pool is not None:
-        per_rank = pool.run(_scaling_task, SIZES[size])
+        per_rank = pool.run(S.task, SIZES[size])
         medians = {C.WORLD: C.slowest_rank_medians(per_rank)[1]}
         return [{"checkout": C.REPO_ROOT, "library": "this run's", "medians": medians}]
     baseline = os.environ.get("BENCH_BASELINE")
@@ -262,7 +212,7 @@ def _ms(s: float) -> str:
 
 
 def _scaling_report(runs: list[dict], cfg: dict) -> str:
-    tree = f"{SCALING_TREE['leaves']} leaves of {SCALING_TREE['numel']} fp32 elements"
+    tree = f"{S.TREE['leaves']} leaves of {S.TREE['numel']} fp32 elements"
     names = [f"`{r['checkout']}` ({r['library']})" for r in runs]
     if len(runs) == 2:  # the first came from $BENCH_BASELINE
         names[0] += ", from `BENCH_BASELINE`"
@@ -289,18 +239,3 @@ def _scaling_report(runs: list[dict], cfg: dict) -> str:
         "three interleaved, each after a barrier; median of the slowest rank's time. "
         f"Libraries: {libraries}.\n\n{C.table(head, rows)}\n"
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``--scaling SIZE --out FILE``: the scaling part on fresh ranks of this process (whose
-    ``functional_hsdp`` they import), medians to ``FILE`` (what :func:`_scaling_of` runs; not
-    ``python -m bench.agreement``, which would make this module a second ``__main__`` copy
-    of itself, whose tasks the workers could not find by name)."""
-    ap = argparse.ArgumentParser(prog="bench.agreement")
-    ap.add_argument("--scaling", choices=list(SIZES), required=True)
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
-    medians = _scaling_here(a.scaling)
-    with open(a.out, "w") as f:
-        json.dump(medians, f)
-    return 0
