@@ -7,8 +7,8 @@ gradient collective (README, "Reliability"). 4 gloo processes, 2x2 mesh, ``hsdp`
   per microbatch, SGD) with the agreement on (the default) and with ``validation("off")``,
   interleaved; the cost is (on - off) / off. Goal: <= 2 %.
 - **10,000 leaves**: ``reduce_grads(g, spec, last=True)`` on a tree of 10,000 small leaves,
-  on and off; and the agreement alone (``validate.Agreement.check`` with the call's cached
-  fingerprint, waited at once).
+  on and off; and the agreement alone (``validate.agreement`` and its ``check``, with the
+  call's cached fingerprint, waited at once).
 - **the floor**: 1 + M agreements alone per step (a step makes 1 + M calls): what the
   agreement costs where nothing overlaps it. Beside it, one bare host all-gather of a row as
   long as the agreement's (a few int64, ``dist.all_gather`` on the default gloo group): what
@@ -172,7 +172,7 @@ def report(res: dict, command: str, when: str) -> str:
         "`MainGrad.accumulate`, SGD; 1 + M library calls, each with its agreement) with the "
         'agreement on (the default) and `validation("off")`. Tree: `reduce_grads(last=True)` '
         f"on {cfg['leaves']} leaves of 20 fp32 elements; the agreement alone: "
-        "`validate.Agreement.check` with the cached fingerprint, waited at once. "
+        "`validate.agreement` and its `check`, with the cached fingerprint, waited at once. "
         f"{C.timing_note(cfg, 'every operation')}\n"
     )
     t = C.table(
