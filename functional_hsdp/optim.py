@@ -157,12 +157,15 @@ def global_norm(tree: Any, spec: Any) -> torch.Tensor:
         keys = list(groups)
         sums = [torch.stack(groups[k]).sum(0) for k in keys]
         # Sum each group over its own sharded axes: one psum per axis carries every group
-        # sharded on it, so the count of collectives follows the axes, not the leaves.
+        # sharded on it, so the count of collectives follows the axes, not the leaves. The
+        # groups' sums ride as one leaf: packed tight (separate leaves would each start at an
+        # aligned offset of the bucket).
         for axis in mesh.axis_names:
             which = [j for j, k in enumerate(keys) if axis in k]
             if which:
-                for j, total in zip(which, psum([sums[j] for j in which], axis, mesh)):
-                    sums[j] = total
+                totals = psum(torch.stack([sums[j] for j in which], -1), axis, mesh)
+                for n, j in enumerate(which):
+                    sums[j] = totals[..., n]
         return torch.stack(sums).sum(0).sqrt()
 
 
