@@ -158,12 +158,14 @@ def global_norm(tree: Any, spec: Any) -> torch.Tensor:
         sums = [torch.stack(groups[k]).sum(0) for k in keys]
         # Sum each group over its own sharded axes: one psum per axis carries every group
         # sharded on it, so the count of collectives follows the axes, not the leaves. The
-        # groups' sums ride as one leaf: packed tight (separate leaves would each start at an
-        # aligned offset of the bucket).
+        # groups' sums ride as one leaf, packed tight (separate leaves would each start at an
+        # aligned offset of the bucket), in a tree of its own, so that its layout is never
+        # taken for a user's tree of scalars with a batch dim in front.
         for axis in mesh.axis_names:
             which = [j for j, k in enumerate(keys) if axis in k]
             if which:
-                totals = psum(torch.stack([sums[j] for j in which], -1), axis, mesh)
+                stacked = {"global_norm": torch.stack([sums[j] for j in which], -1)}
+                totals = psum(stacked, axis, mesh)["global_norm"]
                 for n, j in enumerate(which):
                     sums[j] = totals[..., n]
         return torch.stack(sums).sum(0).sqrt()
