@@ -786,6 +786,7 @@ def _sink_buckets(call: _Call, pieces: Sequence[torch.Tensor]) -> list[int]:
             "the MainGrad was made for; pass the tensors fh.shard(full, spec_tree) made "
             "(updated in place by the optimizer), or leave into=None"
         )
+    _check_one_unit(call, pieces, found)
     buckets = mg.buckets_of(made.units[found[1]])
     ours = [(b.padded, b.numel) for b in call.plan.buckets]
     if [(mg.plan.buckets[b].padded, mg.plan.buckets[b].numel) for b in buckets] != ours:
@@ -794,6 +795,28 @@ def _sink_buckets(call: _Call, pieces: Sequence[torch.Tensor]) -> list[int]:
             "MainGrad's (another bucket_cap_mb or dtype split?)"
         )
     return buckets
+
+
+def _check_one_unit(call: _Call, pieces: Sequence[torch.Tensor], found: tuple) -> None:
+    """Every shard is the leaf of one unit of the MainGrad's tree, in that unit's order: a
+    unit given leaves of several units would add its gradient into another unit's buffer."""
+    plan, first = found[0].plan, found[1]
+    unit = plan.meta.units[first]
+    want = [i for i, u in enumerate(plan.meta.units) if u == unit]
+    got = []
+    for p in pieces:
+        tag = state_of(p)
+        same = tag is not None and tag[0].plan.meta == plan.meta
+        got.append(tag[1] if same else None)
+    if got == want:
+        return
+    name = lambda i: plan.slot_of[i].path if i is not None else "a tensor of no unit"  # noqa: E731
+    raise ValueError(
+        f"gathered({call.block.name}, into={call.block.into!r}): its shards must be the "
+        f"leaves of one unit of the MainGrad's tree, in order: got {[name(i) for i in got]}, "
+        f"but the unit of {name(first)} is {[name(i) for i in want]} (its gradient would be "
+        "added into another unit's buffer)"
+    )
 
 
 class _Resharded:

@@ -511,3 +511,22 @@ def test_a_non_persistent_main_grad_holds_memory_only_for_what_landed():
     assert held() == [False] * 3 and all(not b.any() for b in state["buffers"])
     with pytest.raises(TypeError, match="persistent must be a bool"):
         fh.MainGrad(tree_spec, like=full, persistent="no")
+
+
+def test_a_unit_given_leaves_of_several_units_is_refused_naming_them():
+    """Shards of two units into a MainGrad: refused, naming the leaves, before any gradient
+    lands in another unit's buffer (it was accepted, silently wrong)."""
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+    full = [{"w": torch.randn(3, 3), "b": torch.randn(3)} for _ in range(2)]
+    shards = fh.shard(full, [spec, spec])
+    mg = fh.MainGrad([spec, spec], like=full)
+    block = fh.gathered(fh.per_rank(lambda p, h: torch.tanh(h @ p["w"] + p["b"]), mesh), spec,
+                        into=mg)  # fmt: skip
+    x = torch.randn(2, 2, 4, 3)
+    mixed = {"w": shards[0]["w"], "b": shards[1]["b"]}
+    with pytest.raises(ValueError, match=r"one unit.*\[0\]\['w'\].*\[1\]\['b'\]"):
+        torch.func.grad(lambda s: block(s, x).sum())(mixed)
+    with pytest.raises(ValueError, match=r"one unit.*\[1\]\['w'\].*\[0\]\['b'\]"):
+        torch.func.grad(lambda s: block(s, x).sum())({"w": shards[1]["w"], "b": shards[0]["b"]})
+    torch.func.grad(lambda s: block(s, x).sum())(shards[0])  # the unit as made: accepted
