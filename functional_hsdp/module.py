@@ -318,6 +318,7 @@ def functional_call(
             f"shards: expected shard_module's tree, a dict of the units {sorted(sharded.tree_spec)}"
             f"; got {got}"
         )
+    _check_units(sharded, shards)
     args = args if isinstance(args, tuple) else (args,)
     kwargs = {} if kwargs is None else kwargs
     blocks = _blocks(sharded, into, recompute, reshard_after_forward)
@@ -330,7 +331,8 @@ def functional_call(
         if root is not None:
             root_block = blocks[ROOT]
             if order:  # the first unit's all-gather is issued before the root's is waited
-                root_block.prefetch(shards[sharded.parts[order[0]].key])
+                key = sharded.parts[order[0]].key
+                root_block._prefetch(shards[key], f"shards[{key!r}]")
             params = root_block(shards[ROOT])
         with contextlib.ExitStack() as stack:
             for k, part in enumerate(sharded.parts):
@@ -344,6 +346,37 @@ def functional_call(
     if ran and ran != order:
         sharded.order = ran  # prefetch in the order the units run
     return out
+
+
+def _check_units(sharded: _Sharded, shards: dict) -> None:
+    """Each unit's shards are a dict of exactly its parameters, each a tensor: errors name the
+    unit and the parameter (a wrong shape or dtype is named so by the unit's own lookup)."""
+    parts = [*sharded.parts, *([sharded.root] if sharded.root is not None else [])]
+    for part in parts:
+        path, got = f"shards[{part.key!r}]", shards[part.key]
+        unit = f"unit {part.key!r}" if part.key != ROOT else "the root unit"
+        if not isinstance(got, dict):
+            raise TypeError(
+                f"{path}: expected a dict of {unit}'s parameters {list(part.names)}; got "
+                f"{type(got).__name__}"
+            )
+        missing = [n for n in part.names if n not in got]
+        extra = sorted(set(got) - set(part.names))
+        if missing or extra:
+            raise ValueError(
+                f"{path}: {unit} has the parameters {list(part.names)}; "
+                + "; ".join(
+                    f"{what} {names}"
+                    for what, names in (("missing", missing), ("unknown", extra))
+                    if names
+                )
+            )
+        for n in part.names:
+            if not isinstance(got[n], torch.Tensor):
+                raise TypeError(
+                    f"{path}[{n!r}]: {unit}'s parameter {n!r} must be a tensor (its local "
+                    f"shard); got {type(got[n]).__name__}"
+                )
 
 
 def _blocks(sharded: _Sharded, into: Any, recompute: bool, reshard: bool) -> dict:
@@ -360,6 +393,8 @@ def _blocks(sharded: _Sharded, into: Any, recompute: bool, reshard: bool) -> dic
     if sharded.root is not None:  # the root: its full weights, held until its backward
         root = sharded.root
         blocks[ROOT] = Gathered(_identity, root.spec, False, into, True, mp, "root")
+    for key, block in blocks.items():  # errors name the unit's shards as the caller passed them
+        block.shards_path = f"shards[{key!r}]"
     sharded.blocks = (key, blocks)
     return blocks
 
@@ -394,7 +429,8 @@ def _unit_forward(
         i = len(ran)
         ran.append(k)
         if i + 1 < len(order) and order[i] == k:
-            block.prefetch(shards[sharded.parts[order[i + 1]].key])
+            key = sharded.parts[order[i + 1]].key
+            block._prefetch(shards[key], f"shards[{key!r}]")
         borrowed = {name: params[root_name] for name, root_name in part.borrowed}
         # the module's own forward rides along as a constant argument (a pytree leaf)
         return block(shards[part.key], borrowed, original, *args, **kwargs)

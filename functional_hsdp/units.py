@@ -621,6 +621,8 @@ class Gathered:
         self.param_dtype, self.reduce_dtype = precision.param_dtype, precision.reduce_dtype
         self.output_dtype, self.cast_inputs = precision.output_dtype, precision.cast_inputs
         self.name = name or getattr(fn, "__name__", repr(fn))
+        #: how errors name the shards (``functional_call``'s units: ``shards['layers.0']``)
+        self.shards_path = "shards"
         self._next: tuple | None = None
 
     def __repr__(self) -> str:
@@ -630,8 +632,13 @@ class Gathered:
         """Declare ``shards`` the unit that runs after the next call: that call issues its
         all-gather before computing (forward) and makes its wait node first, so that its
         reduce-scatter overlaps the backward of the unit before it."""
+        self._prefetch(shards, "shards")
+
+    def _prefetch(self, shards: Any, name: str) -> None:
+        """:meth:`prefetch`, errors naming the shards ``name`` (``functional_call``: the
+        next unit's own path)."""
         if not _composed():  # the composable path gathers each unit when it is called
-            self._next = _prepare(self, shards)
+            self._next = _prepare(self, shards, name)
 
     @torch.compiler.disable  # each unit runs eagerly under torch.compile (a graph break)
     def __call__(self, shards: Any, *args: Any, **kwargs: Any) -> Any:
@@ -734,7 +741,7 @@ class Gathered:
             return found[0], found[2]
         if found is not None:  # made ahead for a block that gathers otherwise
             _release_ahead(found[0])
-        call, wrapped = _prepare(self, shards)
+        call, wrapped = _prepare(self, shards, self.shards_path)
         del _FORWARD.prepared[tuple(map(id, leaves))]
         return call, wrapped
 
@@ -749,14 +756,14 @@ def _adopts(block: Gathered, other: Gathered) -> bool:
     )
 
 
-def _prepare(block: Gathered, shards: Any) -> tuple[_Call, list]:
+def _prepare(block: Gathered, shards: Any, name: str) -> tuple[_Call, list]:
     """A call record for ``shards`` and its wait node, made now (so, before the unit that runs
     first): the engine then runs that unit's backward before this wait."""
-    leaves, treedef, paths = flatten(shards, "shards")
+    leaves, treedef, paths = flatten(shards, name)
     if not leaves:
         raise ValueError(f"gathered: {block.name}'s shards are an empty tree")
     plan, _ = find_layout(
-        leaves, treedef, paths, block.spec, None, ("parameter",), ("final", "weights"), "shards"
+        leaves, treedef, paths, block.spec, None, ("parameter",), ("final", "weights"), name
     )
     call = _Call(block, plan, treedef, len(leaves), [], None, [], [])
     wrapped = list(_Wait.apply(call, *leaves))
