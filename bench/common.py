@@ -3,7 +3,7 @@ probes, trees, and writing sections of ``bench/RESULTS.md``.
 
 Gloo runs use :mod:`functional_hsdp.launch`: a benchmark run on its own starts 4 fresh ranks
 with the one-shot :func:`~functional_hsdp.launch.run` (torch's ``elastic_launch``); the smoke
-test passes one :class:`~functional_hsdp.launch.GlooPool` to all benchmarks instead, since
+test passes one :class:`functional_hsdp.testing.GlooPool` to all benchmarks instead, since
 starting ranks once per benchmark would dominate its run time there. Tasks are module-level
 functions of ``bench.*`` modules, run on every rank.
 
@@ -30,11 +30,14 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from functional_hsdp import launch
+
+if TYPE_CHECKING:
+    from functional_hsdp.testing import GlooPool
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
@@ -74,18 +77,22 @@ def _note_worker_library() -> None:
         WORKER_LIBRARY = library_version()
 
 
-def new_pool(world_size: int = WORLD, timeout: float = 900.0) -> launch.GlooPool:
+def new_pool(world_size: int = WORLD, timeout: float = 900.0) -> GlooPool:
     """A started pool of ``world_size`` gloo processes, for running many benchmarks (the
     smoke test). The workers keep glibc's default malloc settings (timings are what users
     get); a memory measurement calls :func:`set_malloc` in the worker, after any timing in
     that process."""
-    pool = launch.GlooPool(world_size, timeout=timeout, start_timeout=180.0, preload=PRELOAD)
+    # Imported here: agreement_scaling loads this file beside a baseline checkout of the
+    # library, which may predate functional_hsdp.testing, and never makes a pool.
+    from functional_hsdp.testing import GlooPool
+
+    pool = GlooPool(world_size, timeout=timeout, start_timeout=180.0, preload=PRELOAD)
     _note_worker_library()
     pool.start()
     return pool
 
 
-def on_ranks(pool: launch.GlooPool | None, task: Callable[..., Any], *args: Any) -> list[Any]:
+def on_ranks(pool: GlooPool | None, task: Callable[..., Any], *args: Any) -> list[Any]:
     """``task(*args)`` on every rank: on ``pool`` if given, else on 4 fresh ranks."""
     if pool is not None:
         return pool.run(task, *args)

@@ -35,6 +35,7 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 import einops
@@ -42,7 +43,6 @@ import optree
 import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, grad_and_value
-from tqdm import tqdm
 
 import functional_hsdp as fh
 
@@ -346,7 +346,7 @@ def train(
     """SGD on local shards; ``x``/``y`` are this process's data with ``mesh.batch_shape`` in front.
 
     Shapes are ``(*mesh.batch_shape, microbatches, batch, feature)``: the full tensor on a
-    SimMesh, one rank's slice on a DistMesh. ``progress`` shows a tqdm bar on stderr.
+    SimMesh, one rank's slice on a DistMesh. ``progress`` shows the steps on stderr.
     """
     spec = make_spec(mesh, cfg.strategy)
     rank_losses = []
@@ -354,7 +354,7 @@ def train(
         phases = _Phases(log)
         loop = (_Whole if cfg.mode == "whole" else _Layerwise)(cfg, mesh, spec, phases)
         desc = f"{cfg.strategy} {cfg.mode} on {cfg.backend}"
-        for _ in tqdm(range(cfg.steps), desc, unit="step", file=sys.stderr, disable=not progress):
+        for _ in _progress(cfg.steps, desc, enabled=progress):
             rank_losses.append(loop.step(x, y).flatten().tolist())
         phases.mark("end")
     full = loop.final_params()
@@ -366,6 +366,29 @@ def train(
         impls={(e.axis, e.op): e.impl for e in log.events},
         spec=repr(spec),
     )
+
+
+def _progress(steps: int, desc: str, *, enabled: bool) -> Iterator[int]:
+    """``range(steps)``, its progress on stderr while ``enabled``: a tqdm bar where tqdm is
+    installed (``pip install -e ".[demo]"``), else a plain line. The library does not need
+    tqdm, so neither does its demo."""
+    if not enabled:
+        return iter(range(steps))
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _plain_progress(steps, desc, sys.stderr)
+    return iter(tqdm(range(steps), desc, unit="step", file=sys.stderr))
+
+
+def _plain_progress(steps: int, desc: str, out: TextIO) -> Iterator[int]:
+    """``desc: i/steps steps`` before each step and after the last: on a terminal one line
+    rewritten in place, elsewhere (a log, a pipe) a line each."""
+    end = "\r" if out.isatty() else "\n"
+    for i in range(steps):
+        print(f"{desc}: {i}/{steps} steps", end=end, file=out, flush=True)
+        yield i
+    print(f"{desc}: {steps}/{steps} steps", file=out, flush=True)
 
 
 def train_sim(cfg: Config) -> Result:
@@ -452,7 +475,7 @@ def run(cfg: Config, out: TextIO | None = None) -> Report:
     """Print what will run, train with ``cfg``, run the reference, print the comparison.
 
     Everything goes to ``out`` (default stdout); the header is flushed before training so it
-    comes before the progress bar (stderr).
+    comes before the progress (stderr).
     """
     _check(cfg)
     out = out or sys.stdout

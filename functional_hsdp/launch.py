@@ -1,54 +1,28 @@
-"""Start N local gloo ranks: a one-shot run via torch's ``elastic_launch`` for the demo and
-benchmarks, and a reusable pool for test modules where start-up cost matters.
+"""Start N local gloo ranks for one task: how ``python -m functional_hsdp demo`` gets its ranks.
 
-Both run a task ``fn(*args, **kwargs)`` on every rank of one gloo process group over loopback
-and return the per-rank return values (index = rank):
+:func:`run` runs a task ``fn(*args, **kwargs)`` on every rank of one gloo process group over
+loopback and returns the per-rank return values (index = rank).
+``torch.distributed.launcher.api.elastic_launch`` (what ``torchrun`` runs) starts
+``world_size`` workers, which rendezvous on a free port (``c10d``, as ``torchrun
+--standalone``), join the process group, run the task once and exit. A rank that raises or
+dies ends the run at once (the agent stops the others, even those blocked in a collective)
+with :class:`WorkerError`. Used by ``python -m functional_hsdp demo``, ``python -m bench`` and
+the tests that need fresh ranks. The training library itself never imports this module.
 
-* :func:`run`, one-shot: ``torch.distributed.launcher.api.elastic_launch`` (what ``torchrun``
-  runs) starts ``world_size`` workers, which rendezvous on a free port (``c10d``, as
-  ``torchrun --standalone``), join the process group, run the task once and exit. A rank that
-  raises or dies ends the run at once (the agent stops the others, even those blocked in a
-  collective) with :class:`WorkerError`. Used by ``python -m functional_hsdp demo`` and
-  ``python -m bench``.
-* :class:`GlooPool`: workers that join one process group and then wait for tasks, so that
-  every ``pool.run(fn, ...)`` after the first costs a round trip instead of a start. Used by
-  the test modules (a module-scoped fixture) and the benchmark smoke test, which run dozens of
-  tasks each.
+In a worker, a task can call :func:`rank`, :func:`world_size` and :func:`device_mesh` (a CPU
+``DeviceMesh`` cached for the life of the worker process).
 
-Workers of both come from the multiprocessing *forkserver*, a fresh interpreter that imports
+Workers that stay up across tasks are :class:`functional_hsdp.testing.GlooPool`'s, for the
+test suite and the benchmarks, which run many short tasks: a one-shot run costs about 0.9 s
+of start-up and teardown, a pool task about 3 ms after a 0.6 s start (``python -m
+bench.startup`` measures both). The pool shares this module's worker set-up, serialization
+and :class:`WorkerError`; this module does not import it.
+
+Workers come from the multiprocessing *forkserver*, a fresh interpreter that imports
 ``preload`` (torch, and ``torch._dynamo``, which the first functional collective imports) once
 per calling process and forks every worker from there: never a fork of the caller, whose
 threads (pytest's, the elastic agent's store) could deadlock a forked child. ``preload`` only
 takes effect for the call that starts the forkserver.
-
-Start-up cost (measured)
-------------------------
-``python -m functional_hsdp.launch`` times each way of getting 4 gloo ranks to run a task, each
-part in a fresh process (so that the first start also starts the forkserver); the "mesh task"
-builds a 2x2 ``DeviceMesh`` (cached in a pool's workers) and runs one functional all-reduce,
-like a typical test. 2-core CPU, torch 2.13 (CPU), 2026-12-03, load average about 6 (other
-jobs were running):
-
-=================================================  ==========
-what (4 ranks)                                      seconds
-=================================================  ==========
-``run(rank)``, first call (starts the forkserver)     3.75
-``run(rank)``, later calls (median of 5)              0.80
-``run(mesh task)``, later calls (median of 5)         0.92
-``elastic_launch``, its default ``spawn`` start      25.9
-``GlooPool.start``, first (starts the forkserver)     3.61
-``GlooPool.start``, later                             0.58
-``pool.run(mesh task)``, first (builds the mesh)      0.21
-``pool.run(rank)`` (median of 21)                     0.0001
-``pool.run(mesh task)``, later (median of 21)         0.0028
-=================================================  ==========
-
-So a one-shot task costs about 0.9 s of start-up and teardown even with the forkserver running
-(spawning each worker instead, torch's default, costs 26 s), and a pool task about 3 ms after a
-0.6 s start. The test suite runs 96 tests on gloo ranks, at least one task each: about 90 s
-one-shot against about 4 s with a pool per test module (6 modules). That is why the test
-modules keep a pool, and the demo and the benchmarks (one to a few tasks of seconds to minutes
-per run) use :func:`run`.
 
 Tasks
 -----
@@ -71,13 +45,10 @@ import copyreg
 import faulthandler
 import io
 import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
-import signal
 import sys
 import tempfile
-import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
@@ -89,9 +60,7 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_PRELOAD",
-    "GlooPool",
     "WorkerError",
-    "WorkerTimeout",
     "device_mesh",
     "rank",
     "run",
@@ -113,7 +82,8 @@ _QUIET_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"}
 
 
 class WorkerError(RuntimeError):
-    """A task failed on at least one rank, or a worker died or did not answer.
+    """A task failed on at least one rank, or a worker died or did not answer (raised by
+    :func:`run` and by the test pool, ``functional_hsdp.testing.GlooPool``).
 
     Attributes:
         errors: ``{rank: (exc_type_name, message, traceback_text)}`` for the ranks whose task
@@ -138,9 +108,8 @@ class WorkerError(RuntimeError):
         self.results = dict(results or {})
 
 
-class WorkerTimeout(WorkerError, TimeoutError):
-    """``GlooPool.run`` exceeded its timeout."""
-
+# The private helpers below (serialization, error reports, worker set-up, the forkserver) are
+# also the pool's (functional_hsdp.testing.gloo_pool): both kinds of worker behave alike.
 
 # -- serialization: standard pickle, tensors by value ----------------------------------------
 
@@ -328,561 +297,49 @@ def run(
     ``join`` are this function's: a task cannot take keyword arguments of those names
     through it.)
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     payload = _dumps((fn, args, kwargs))  # pickling errors raise here, before any start
     with tempfile.TemporaryDirectory(prefix="functional_hsdp_launch_") as tmp, _forkserver(preload):
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=world_size,
-            rdzv_backend="c10d",
-            rdzv_endpoint="127.0.0.1:0",  # a free port, as torchrun --standalone
-            run_id=f"functional_hsdp_{uuid.uuid4().hex[:8]}",
-            max_restarts=0,
-            monitor_interval=0.05,  # the agent polls its workers: short polls end runs sooner
-            logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),
-            start_method="forkserver",
-        )
+        config = _launch_config(world_size, tmp)
         try:
             results = elastic_launch(config, _one_shot_main)(payload, float(timeout), tmp, join)
         except ChildFailedError as exc:
-            errors, dead = {}, {}
-            for r, failure in exc.failures.items():
-                path = os.path.join(tmp, f"rank{r}")
-                if os.path.exists(path):
-                    with open(path, "rb") as f:
-                        errors[r] = pickle.load(f)
-                else:
-                    dead[r] = failure.exitcode
-            name = getattr(fn, "__qualname__", repr(fn))
-            message = _describe(f"task {name} failed", errors, dead, [])
-            raise WorkerError(message, errors=errors, exitcodes=dead) from exc
+            raise _run_failed(fn, exc, tmp) from exc
     return [pickle.loads(results[r]) for r in range(world_size)]
 
 
-# -- the pool ---------------------------------------------------------------------------------
-
-
-def _record_reply(
-    r: int,
-    reply: tuple[str, int, Any],
-    task_id: int,
-    results: dict[int, Any],
-    errors: dict[int, tuple[str, str, str]],
-) -> bool:
-    """File rank ``r``'s reply under ``results`` or ``errors``; False if it is not for
-    ``task_id`` (cannot happen: stale pools are restarted)."""
-    kind, tid, data = reply
-    if tid != task_id:
-        return False
-    if kind == "ok":
-        # A result that does not unpickle here is that rank's failure, not the pool's.
-        try:
-            results[r] = pickle.loads(data)
-        except Exception as exc:
-            errors[r] = _format_exc(exc)
-    else:
-        errors[r] = data
-    return True
-
-
-def _pool_worker_main(
-    rank_: int,
-    world_size_: int,
-    port: int,
-    timeout_s: float,
-    task_conn: multiprocessing.connection.Connection,
-    result_conn: multiprocessing.connection.Connection,
-) -> None:
-    # Ctrl-C in the terminal reaches the whole process group; let the parent handle it and
-    # kill us, instead of printing one KeyboardInterrupt trace per rank.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world_size_, is_master=False)
-        _join_group(timeout_s, store=store, rank=rank_, world_size=world_size_)
-    except BaseException as exc:  # reported to the parent
-        result_conn.send_bytes(pickle.dumps(("start_error", _format_exc(exc))))
-        return
-    result_conn.send_bytes(pickle.dumps(("ready", os.getpid())))
-
-    while True:
-        try:
-            msg = pickle.loads(task_conn.recv_bytes())
-        except (EOFError, OSError):  # parent went away
-            break
-        if msg[0] == "stop":
-            break
-        _, task_id, payload = msg
-        try:
-            fn, args, kwargs = _load_task(payload)
-            reply = ("ok", task_id, _dumps(fn(*args, **kwargs)))
-        except BaseException as exc:  # reported to the parent
-            reply = ("err", task_id, _format_exc(exc))
-        try:
-            result_conn.send_bytes(pickle.dumps(reply))
-        except (BrokenPipeError, OSError):
-            break
-
-    _MESHES.clear()
-    try:
-        dist.destroy_process_group()
-    except Exception:  # best effort at shutdown
-        pass
-    # Skip the slow interpreter teardown of a process that imported torch.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-class GlooPool:
-    """``world_size`` worker processes in one gloo process group, reused across tasks.
-
-    Args:
-        world_size: number of ranks.
-        timeout: default per-``run`` timeout in seconds; also the process group (collective)
-            timeout inside the workers.
-        start_timeout: seconds allowed for starting the workers and joining the group.
-        error_grace: once some rank has raised, how long to wait for the others before
-            declaring them stuck (usually blocked in a collective the failed rank never
-            joined) and breaking the pool.
-        preload: modules the forkserver imports, if this pool starts it.
-
-    Failures: an exception in ``fn`` on any rank makes ``run`` raise :class:`WorkerError`
-    (``.errors[rank] == (exc_type_name, message, traceback_text)``); if all ranks answered,
-    the pool stays as it is. A worker that dies, ranks still busy ``error_grace`` seconds
-    after another raised, or a ``run`` past its timeout (:class:`WorkerTimeout`, also a
-    ``TimeoutError``) break the pool: its processes are killed at once and the next ``run``
-    restarts it (fresh processes and process group). ``close()``, or an interrupt during
-    ``run`` or ``start``, terminates then kills leftover workers. Workers are daemonic (tasks
-    cannot start processes); if the caller is SIGKILLed, idle workers exit (EOF on their
-    task pipe). Not thread-safe: call ``run`` from one thread at a time.
-    """
-
-    def __init__(
-        self,
-        world_size: int = 4,
-        timeout: float = 120.0,
-        *,
-        start_timeout: float = 60.0,
-        error_grace: float = 5.0,
-        preload: tuple[str, ...] = DEFAULT_PRELOAD,
-    ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.world_size = world_size
-        self.timeout = timeout
-        self.start_timeout = start_timeout
-        self.error_grace = error_grace
-        self.preload = tuple(preload)
-        self._ctx = multiprocessing.get_context("forkserver")
-        self._store: dist.TCPStore | None = None
-        self._procs: list[Any] = []
-        self._task_conns: list[multiprocessing.connection.Connection] = []
-        self._result_conns: list[multiprocessing.connection.Connection] = []
-        self._broken = False
-        self._next_task_id = 0
-        self.starts = 0  # how many times worker processes were (re)started
-
-    # ---- lifecycle -------------------------------------------------------
-
-    @property
-    def started(self) -> bool:
-        return bool(self._procs)
-
-    @property
-    def broken(self) -> bool:
-        return self._broken
-
-    @property
-    def pids(self) -> list[int | None]:
-        return [p.pid for p in self._procs]
-
-    def __enter__(self) -> GlooPool:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self._shutdown(graceful=False)
-        except Exception:
-            pass
-
-    def start(self) -> None:
-        """Start the workers (no-op if running and healthy)."""
-        if self.started and not self._broken and self._all_alive():
-            return
-        self._shutdown(graceful=False)
-        try:
-            self._start_once()
-        except BaseException:  # incl. KeyboardInterrupt: leave no workers behind
-            self._shutdown(graceful=False)
-            raise
-        self._broken = False
-        self.starts += 1
-
-    def _start_once(self) -> None:
-        # The group's rendezvous store lives here, on a port the OS picks: no port race.
-        self._store = dist.TCPStore(
-            "127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False
-        )
-        port = self._store.port
-        with _forkserver(self.preload):
-            for r in range(self.world_size):
-                self._spawn_worker(r, port)
-        self._await_ready()
-
-    def _spawn_worker(self, r: int, port: int) -> None:
-        task_recv, task_send = self._ctx.Pipe(duplex=False)
-        result_recv, result_send = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(
-            target=_pool_worker_main,
-            args=(r, self.world_size, port, float(self.timeout), task_recv, result_send),
-            name=f"gloo-pool-rank{r}",
-            daemon=True,
-        )
-        proc.start()
-        # Close our copies of the child's ends so EOF is detectable.
-        task_recv.close()
-        result_send.close()
-        self._procs.append(proc)
-        self._task_conns.append(task_send)
-        self._result_conns.append(result_recv)
-
-    def _await_ready(self) -> None:
-        """Wait until every worker has joined the group; raise if one fails, dies or is late."""
-        deadline = time.monotonic() + self.start_timeout
-        ready: set[int] = set()
-        errors: dict[int, tuple[str, str, str]] = {}
-        while True:
-            self._wait_any(deadline)
-            for r, msg in self._drain(exclude=ready | set(errors)):
-                if msg[0] == "ready":
-                    ready.add(r)
-                else:
-                    errors[r] = msg[1]
-                    # The others usually wait for the failed rank; give them a moment to
-                    # report their own errors, then give up.
-                    deadline = min(deadline, time.monotonic() + 2.0)
-            done = ready | set(errors)
-            if len(done) == self.world_size and not errors:
-                return
-            self._raise_if_start_failed(done, errors, deadline)
-
-    def _raise_if_start_failed(
-        self, done: set[int], errors: dict[int, tuple[str, str, str]], deadline: float
-    ) -> None:
-        dead = self._dead(exclude=done)
-        missing = sorted(set(range(self.world_size)) - done - set(dead))
-        if dead or len(done) == self.world_size or (errors and time.monotonic() >= deadline):
-            raise WorkerError(
-                _describe("starting the gloo pool failed", errors, dead, missing),
-                errors=errors,
-                exitcodes=dead,
-                missing=missing,
-            )
-        if time.monotonic() >= deadline:
-            raise WorkerTimeout(
-                _describe(
-                    f"starting the gloo pool timed out after {self.start_timeout}s",
-                    errors,
-                    {},
-                    missing,
-                ),
-                missing=missing,
-            )
-
-    def close(self) -> None:
-        """Stop the workers; terminate/kill any that do not exit promptly."""
-        self._shutdown(graceful=not self._broken)
-
-    def _break(self) -> None:
-        """Workers may be dead or stuck: kill them all; ``run`` restarts."""
-        self._broken = True
-        self._shutdown(graceful=False)
-
-    def _shutdown(self, graceful: bool) -> None:
-        procs = self._procs
-        if graceful:
-            for conn in self._task_conns:
-                try:
-                    conn.send_bytes(pickle.dumps(("stop",)))
-                except (OSError, ValueError):
-                    pass
-            deadline = time.monotonic() + 5.0
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + 2.0
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(2.0)
-        for conn in self._task_conns + self._result_conns:
-            try:
-                conn.close()
-            except OSError:
-                pass
-        for p in procs:
-            try:
-                p.close()
-            except ValueError:
-                pass
-        self._procs = []
-        self._task_conns = []
-        self._result_conns = []
-        self._store = None
-
-    # ---- running tasks ---------------------------------------------------
-
-    def run(
-        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
-    ) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; return per-rank results.
-
-        Raises ``WorkerError`` if any rank raised or a worker died, and ``WorkerTimeout`` (a
-        ``WorkerError`` and ``TimeoutError``) if not all ranks finished within ``timeout``
-        seconds (default: the pool's).
-        """
-        payload = _dumps((fn, args, kwargs))  # pickling errors raise here
-        if self._broken or not self.started or not self._all_alive():
-            self.start()
-        timeout = self.timeout if timeout is None else timeout
-        task_id = self._next_task_id
-        self._next_task_id += 1
-        msg = pickle.dumps(("task", task_id, payload))
-        for r, conn in enumerate(self._task_conns):
-            try:
-                conn.send_bytes(msg)
-            except OSError as exc:
-                code = self._procs[r].exitcode
-                self._break()
-                raise WorkerError(
-                    f"could not send task to rank {r}: {exc!r} (pool will restart)",
-                    exitcodes={r: code},
-                ) from exc
-
-        name = getattr(fn, "__qualname__", repr(fn))
-        try:
-            return self._collect(task_id, name, timeout)
-        except WorkerError:
-            raise
-        except BaseException:
-            # E.g. KeyboardInterrupt while the task runs: the workers are mid-task, so kill
-            # them now rather than waiting on them later.
-            self._break()
-            raise
-
-    def _collect(self, task_id: int, name: str, timeout: float) -> list[Any]:
-        deadline = time.monotonic() + timeout
-        results: dict[int, Any] = {}
-        errors: dict[int, tuple[str, str, str]] = {}
-        while True:
-            self._wait_any(deadline)
-            for r, reply in self._drain(exclude=set(results) | set(errors)):
-                if not _record_reply(r, reply, task_id, results, errors):
-                    continue
-                # Ranks still busy after another raised are usually blocked in a collective
-                # the failed rank never joined: wait error_grace for them, not the full timeout.
-                if errors and len(results) + len(errors) < self.world_size:
-                    deadline = min(deadline, time.monotonic() + self.error_grace)
-            done = set(results) | set(errors)
-            if len(done) == self.world_size:
-                return self._all_answered(name, results, errors)
-            self._raise_if_died(name, done, results, errors)
-            if time.monotonic() >= deadline:
-                self._raise_overdue(name, timeout, done, results, errors)
-
-    def _all_answered(
-        self, name: str, results: dict[int, Any], errors: dict[int, tuple[str, str, str]]
-    ) -> list[Any]:
-        # Every rank answered, so the pool is still usable: raise without breaking it.
-        if errors:
-            raise WorkerError(
-                _describe(f"task {name} failed", errors, {}, []),
-                errors=errors,
-                results=results,
-            )
-        return [results[r] for r in range(self.world_size)]
-
-    def _raise_if_died(
-        self,
-        name: str,
-        done: set[int],
-        results: dict[int, Any],
-        errors: dict[int, tuple[str, str, str]],
-    ) -> None:
-        dead = self._dead(exclude=done)
-        if not dead:
-            return
-        self._break()
-        missing = sorted(set(range(self.world_size)) - done - set(dead))
-        raise WorkerError(
-            _describe(f"task {name}: worker died", errors, dead, missing),
-            errors=errors,
-            exitcodes=dead,
-            missing=missing,
-            results=results,
-        )
-
-    def _raise_overdue(
-        self,
-        name: str,
-        timeout: float,
-        done: set[int],
-        results: dict[int, Any],
-        errors: dict[int, tuple[str, str, str]],
-    ) -> None:
-        # Ranks that have not answered may be stuck mid-task: only a restart recovers them.
-        self._break()
-        missing = sorted(set(range(self.world_size)) - done)
-        if errors:
-            head = (
-                f"task {name} failed; other ranks still busy "
-                f"{self.error_grace}s later (stuck in a collective?)"
-            )
-            cls: type[WorkerError] = WorkerError
-        else:
-            head = f"task {name} timed out after {timeout}s"
-            cls = WorkerTimeout
-        raise cls(
-            _describe(head, errors, {}, missing),
-            errors=errors,
-            missing=missing,
-            results=results,
-        )
-
-    # ---- helpers ---------------------------------------------------------
-
-    def _all_alive(self) -> bool:
-        return all(p.is_alive() for p in self._procs)
-
-    def _dead(self, exclude: set[int]) -> dict[int, int | None]:
-        return {
-            r: p.exitcode
-            for r, p in enumerate(self._procs)
-            if r not in exclude and not p.is_alive()
-        }
-
-    def _wait_any(self, deadline: float) -> None:
-        """Block until a result arrives, a worker exits, or 0.2 s / deadline."""
-        wait_s = max(0.0, min(0.2, deadline - time.monotonic()))
-        objs = list(self._result_conns) + [p.sentinel for p in self._procs]
-        multiprocessing.connection.wait(objs, timeout=wait_s)
-
-    def _drain(self, exclude: set[int]) -> list[tuple[int, Any]]:
-        out = []
-        for r, conn in enumerate(self._result_conns):
-            if r in exclude:
-                continue
-            try:
-                if conn.poll():
-                    out.append((r, pickle.loads(conn.recv_bytes())))
-            except (EOFError, OSError):
-                pass  # worker gone; reported via its exit code
-        return out
-
-
-# -- measuring the start-up cost: python -m functional_hsdp.launch ----------------------------
-
-
-def _measure(part: str) -> None:
-    """Print the docstring's table rows for ``part`` ("run" or "pool"); call in a fresh
-    process, so that the first start also starts the forkserver."""
-    rows = _measure_run() if part == "run" else _measure_pool()
-    for what, seconds in rows:
-        print(f"{what:<48} {seconds:8.4f} s", flush=True)
-
-
-def _timed(fn: Callable[[], Any], n: int = 1) -> float:
-    """The median of ``n`` calls' wall times, in seconds."""
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[n // 2]
-
-
-def _measure_run() -> list[tuple[str, float]]:
-    # Set up before the first run(), which would otherwise also pay for importing the launcher.
-    with _spawned_launch() as launch:
-        rows = [
-            ("run(rank), first call (starts the forkserver)", _timed(lambda: run(rank))),
-            ("run(rank), later calls (median of 5)", _timed(lambda: run(rank), 5)),
-            ("run(mesh task), later calls (median of 5)", _timed(lambda: run(_mesh_task), 5)),
-            ("elastic_launch, its default spawn start", _timed(launch)),
-        ]
-    return rows
-
-
-@contextlib.contextmanager
-def _spawned_launch() -> Iterator[Callable[[], Any]]:
-    """What ``run`` would cost without the forkserver: elastic_launch as torch configures it."""
+def _launch_config(world_size: int, tmp: str) -> Any:
+    """:func:`run`'s ``LaunchConfig``: one node, a free port, no restarts, forkserver workers."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
-    with tempfile.TemporaryDirectory() as logs:
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=4,
-            rdzv_backend="c10d",
-            rdzv_endpoint="127.0.0.1:0",
-            run_id=f"functional_hsdp_{uuid.uuid4().hex[:8]}",
-            max_restarts=0,
-            logs_specs=DefaultLogsSpecs(log_dir=logs),
-        )  # start_method "spawn": LaunchConfig's default
-        yield lambda: elastic_launch(config, _spawned)()
-
-
-def _measure_pool() -> list[tuple[str, float]]:
-    pool = GlooPool(4)
-    rows = [("GlooPool.start, first (starts the forkserver)", _timed(pool.start))]
-    pool.close()
-    rows.append(("GlooPool.start, later (forkserver running)", _timed(pool.start)))
-    rows.append(
-        ("pool.run(mesh task), first (builds the mesh)", _timed(lambda: pool.run(_mesh_task)))
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # a free port, as torchrun --standalone
+        run_id=f"functional_hsdp_{uuid.uuid4().hex[:8]}",
+        max_restarts=0,
+        monitor_interval=0.05,  # the agent polls its workers: short polls end runs sooner
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),
+        start_method="forkserver",
     )
-    rows.append(("pool.run(rank) (median of 21)", _timed(lambda: pool.run(rank), 21)))
-    rows.append(
-        ("pool.run(mesh task), later (median of 21)", _timed(lambda: pool.run(_mesh_task), 21))
-    )
-    pool.close()
-    return rows
 
 
-def _mesh_task() -> float:
-    """A typical test task: a 2x2 DeviceMesh (cached in a pool) and one functional all-reduce."""
-    import torch.distributed._functional_collectives as funcol
-
-    mesh = device_mesh((2, 2), ("outer", "inner"))
-    return funcol.all_reduce(torch.ones(4), "sum", (mesh, 1)).sum().item()
-
-
-def _spawned() -> int:
-    _join_group(60.0)
-    r = rank()
-    dist.barrier()
-    dist.destroy_process_group()
-    return r
-
-
-if __name__ == "__main__":
-    import subprocess
-
-    print(
-        f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs; torch {torch.__version__}"
-    )
-    for part in ("run", "pool"):  # each in a fresh process; tasks pickled by module name
-        code = f"from functional_hsdp import launch; launch._measure({part!r})"
-        subprocess.run([sys.executable, "-c", code], check=True)
+def _run_failed(fn: Callable[..., Any], exc: Any, tmp: str) -> WorkerError:
+    """The :class:`WorkerError` of a failed :func:`run`: the ranks that raised left their
+    exception in ``tmp`` (see :func:`_one_shot_main`); the others died."""
+    errors, dead = {}, {}
+    for r, failure in exc.failures.items():
+        path = os.path.join(tmp, f"rank{r}")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                errors[r] = pickle.load(f)
+        else:
+            dead[r] = failure.exitcode
+    name = getattr(fn, "__qualname__", repr(fn))
+    message = _describe(f"task {name} failed", errors, dead, [])
+    return WorkerError(message, errors=errors, exitcodes=dead)

@@ -145,7 +145,7 @@ def test_gloo_layerwise_hfsdp_passes_with_the_header_before_progress():
     assert proc.returncode == 0, text
     assert re.search(r"^PASS: .*hfsdp layerwise on gloo", text, re.M), text
     assert text.startswith("functional_hsdp demo: hfsdp on gloo, layerwise mode")
-    assert text.index("global batch") < text.index("hfsdp layerwise on gloo:")  # tqdm's desc
+    assert text.index("global batch") < text.index("hfsdp layerwise on gloo:")  # progress
     table = comm_table(text)
     cfg = demo.Config(strategy="hfsdp", mode="layerwise", steps=2)
     assert {k: c for k, (c, _) in table.items()} == expected_per_step(cfg)

@@ -1,4 +1,5 @@
-"""Tests of ``functional_hsdp.launch``: the one-shot ``run`` and the reusable ``GlooPool``.
+"""Tests of the one-shot ``functional_hsdp.launch.run`` and the reusable
+``functional_hsdp.testing.GlooPool``.
 
 Task functions are module-level (``_task_*``) so the workers can import them from this module
 (pytest imports it as ``test_launch``; tests/ is on sys.path and is not a package).
@@ -17,7 +18,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from functional_hsdp import launch
-from functional_hsdp.launch import GlooPool, WorkerError, WorkerTimeout, device_mesh
+from functional_hsdp.launch import WorkerError, device_mesh
+from functional_hsdp.testing import GlooPool, WorkerTimeout
 from functional_hsdp.torch_releases import funcol_all_gather_single
 
 # A pool that gives up on a task (its timeout of 1 s, or error_grace of 3 s after a rank

@@ -9,7 +9,8 @@ import pytest
 import torch
 from hf_problem import fh_train, fsdp2_train
 
-from functional_hsdp.launch import DEFAULT_PRELOAD, GlooPool
+from functional_hsdp.launch import DEFAULT_PRELOAD
+from functional_hsdp.testing import GlooPool
 
 pytest.importorskip("transformers")
 

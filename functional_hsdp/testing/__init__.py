@@ -1,0 +1,12 @@
+"""What the test suite and the benchmarks run on, beside the library: never imported by it.
+
+:class:`GlooPool` keeps gloo ranks up across tasks (:mod:`functional_hsdp.testing.gloo_pool`).
+It lives in the package, not in ``tests/``, because ``bench/`` uses it too and its worker
+processes import it by module name; ``tests/test_runtime_imports.py`` checks that no other
+module of the package imports this subpackage, so the library runs without it.
+"""
+
+from ..launch import WorkerError
+from .gloo_pool import GlooPool, WorkerTimeout
+
+__all__ = ["GlooPool", "WorkerError", "WorkerTimeout"]
