@@ -165,10 +165,11 @@ def reduce(
     name: str = "grads",
     call: str = "reduce_grads",
     mode: str,
+    units: bool = False,
 ) -> Any:
     """One microbatch: reduce ``grads`` (at role ``at``), add ``acc``, finish on ``last``.
     ``mode``: the validation mode, read by the public call (``validate.current_mode()``), or
-    handed to a backward by its forward (psum, pmean)."""
+    handed to a backward by its forward (psum, pmean). ``units``: see ``Agreement.check``."""
     leaves, treedef, paths = flatten(grads, name)
     refuse_vmap(leaves, call)
     with validate.agreement_in_mode(spec, call, mode) as agreed:  # a local error: all raise
@@ -189,11 +190,10 @@ def reduce(
             legs.append(lambda b, buf: _add(buf, acc_bufs[b]))
         if last:
             legs.append(("gradient", "optimizer"))
-        source, nonfinite = _source(
-            plan, leaves, "input" if at == "input" else "gradient", check_finite
-        )
+        source, nonfinite = _source(plan, leaves, at, check_finite)  # at: "input" or "gradient"
         options = (f"check_finite={check_finite}", f"at={at}")
-        agreed.check(plan, paths, last=last, options=options, nonfinite=nonfinite, defer=True)
+        check = dict(last=last, options=options, nonfinite=nonfinite, defer=True, units=units)
+        agreed.check(plan, paths, **check)
     out_role = "optimizer" if last else "gradient"
     out, bufs = finish(plan, start(plan, source, legs, gate=agreed.settle), out_role)
     tag(out, plan, out_role, "final" if last else "accumulating", None if last else bufs)

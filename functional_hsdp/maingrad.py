@@ -222,7 +222,9 @@ class MainGrad:
             nonfinite = (
                 validate.nonfinite_index(leaves, len(mesh.batch_shape)) if check_finite else None
             )
-            agreed.check(plan, paths, last=last, options=options, nonfinite=nonfinite, defer=True)
+            # on the last microbatch, the step's unit calls too (before its gradient is final)
+            check = dict(options=options, nonfinite=nonfinite, defer=True, units=last is True)
+            agreed.check(plan, paths, last=last, **check)
 
         self._add(leaves, at, agreed.settle)
         if last:
@@ -327,8 +329,17 @@ class MainGrad:
                 raise ValueError("MainGrad.finish: the step is finished already; call zero_grad()")
             if self._empty:
                 raise ValueError("MainGrad.finish: no gradient was accumulated this step")
-            agreed.check(self.plan, paths_of(self.plan.treedef, "grads"), defer=True)
+            # the step's gathered-unit calls too: ranks that ran them otherwise (order,
+            # options, dtypes) would hand the optimizer a wrong gradient
+            agreed.check(self.plan, paths_of(self.plan.treedef, "grads"), defer=True, units=True)
         self._finish(agreed.settle)
+
+    def agree_units(self) -> None:
+        """Check now that every rank ran the same gathered units since the last check (the
+        same order and options), as :meth:`finish` does; raise on every rank otherwise.
+        :func:`microbatches` with ``into=self`` calls it at its end. Every rank must call it."""
+        with validate.agreement(self.mesh, "microbatches") as agreed:
+            agreed.check(self.plan, paths_of(self.plan.treedef, "grads"), units=True)
 
     def buckets_of(self, unit: int) -> list[int]:
         """The buckets of ``unit`` (a leaf of the spec prefix, numbered in prefix order)."""
@@ -600,7 +611,8 @@ def microbatches(
             microbatches (yields ``(batch, last)``, looking one item ahead).
         into: a :class:`MainGrad` that :func:`gathered` units add into: before each item,
             ``into.begin_microbatch(last=last)``, so that the last microbatch's backward
-            issues each unit's deferred reduction as soon as the unit is done.
+            issues each unit's deferred reduction as soon as the unit is done; after the
+            last one, ``into.agree_units()`` (ranks that ran their units differently raise).
 
     Returns:
         An iterator of ``(item, last)`` pairs; ``last`` is True exactly once, at the end.
@@ -631,3 +643,5 @@ def microbatches(
     if into is not None:
         into.begin_microbatch(last=True)
     yield current, True
+    if into is not None:  # the step's unit calls agreed before its gradient can be used
+        into.agree_units()

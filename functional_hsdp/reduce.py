@@ -68,8 +68,10 @@ def reduce_grads(
     if check_finite and torch.compiler.is_compiling():  # its check reads the data: eager
         return _checked_eagerly(grads, spec, last, acc, at)
     mode = validate.current_mode()
+    # the step's last reduction of units' gradients also agrees on the units the ranks ran
+    units = last is True and at == "gradient"
     return engine.reduce(
-        grads, spec, last=last, acc=acc, at=at, check_finite=check_finite, mode=mode
+        grads, spec, last=last, acc=acc, at=at, check_finite=check_finite, mode=mode, units=units
     )
 
 

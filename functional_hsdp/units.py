@@ -68,7 +68,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from . import engine
+from . import engine, validate
 from .autodiff import Move, collecting_norms, move
 from .cache import register
 from .lookup import find_layout
@@ -136,6 +136,10 @@ class _Call:
     kept_storages: frozenset = frozenset()  # of outputs that are gathered weights: never freed
     rng: tuple | None = None  # recompute: the RNG states forward ran with (dropout alike)
     autocast: tuple = ()  # recompute: the autocast state forward ran under (_autocast_state)
+    # the validation mode the call read in forward, for its collectives in backward too (which
+    # may run on another thread, that does not see the caller's context)
+    mode: str = "on"
+    where: str = ""  # the shards' place in the tree they were sharded from, for messages
 
 
 class _Forward(threading.local):
@@ -194,6 +198,8 @@ def _release_ahead(call: _Call) -> None:
 
 
 def _gather_start(call: _Call, pieces: Sequence[torch.Tensor]) -> list:
+    if call.mode == "strict":
+        _agree_before(call, "all-gather")
     plan, dtype = call.plan, call.block.param_dtype
     pack = lambda b: plan.pack(b, list(pieces), "parameter", dtype)  # noqa: E731
     return engine.start(plan, pack, [("parameter", "full")])
@@ -394,7 +400,7 @@ class _Unit(torch.autograd.Function):
         full = _gathered(call, "forward", pieces)
         if call.nxt is not None:  # the next unit's all-gather overlaps this unit's compute
             call.nxt.pieces = tuple(p.detach() for p in nxt)
-            call.nxt.chain = chain
+            call.nxt.chain, call.nxt.mode = chain, call.mode
             _issue_ahead(call.nxt, "forward", nxt)
         call.prev, chain.last = chain.last, weakref.ref(call)
         try:
@@ -478,6 +484,8 @@ class _Unit(torch.autograd.Function):
         # the unit before's reduce-scatter ran during this unit's backward: waited now, before
         # this one packs, so that one gradient-sized buffer is in flight at a time (as FSDP2)
         _settle(chain)
+        if call.mode == "strict":
+            _agree_before(call, "reduce-scatter")
         plan, dtype = call.plan, call.block.reduce_dtype
         pack = lambda b: plan.pack(b, weight_grads, "input", dtype)  # noqa: E731
         call.pending = engine.start(plan, pack, [("input", "gradient")], wire=dtype)
@@ -494,6 +502,7 @@ class _Wait(torch.autograd.Function):
 
     @staticmethod
     def forward(call: _Call, *pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        call.where = _where(pieces, call.where)  # here unwrapped from any transform
         if call.block.into is not None and call.sink is None:
             call.sink = _sink_buckets(call, pieces)
         return tuple(p.view_as(p) for p in pieces)
@@ -624,6 +633,7 @@ class Gathered:
         #: how errors name the shards (``functional_call``'s units: ``shards['layers.0']``)
         self.shards_path = "shards"
         self._next: tuple | None = None
+        self._described: dict = {}  # (plan, where) -> _describe's texts
 
     def __repr__(self) -> str:
         return f"gathered({self.name}, {self.spec!r})"
@@ -658,6 +668,10 @@ class Gathered:
             return self._composable(shards, args, kwargs)
         call, wrapped = self._prepared(shards)
         call.chain = _chain()
+        # read here, in the caller's context, and carried on the record into backward
+        call.mode = validate.current_mode()
+        if call.mode != "off":  # the step's running fingerprint, agreed where it exchanges
+            validate.unit_log(self.spec.mesh).record(*_describe(self, call))
         if call.sink is not None:  # its backward's gradient is one more for the MainGrad
             self.into.unit_called(call.sink, self.name)
         nxt, self._next = self._next, None
@@ -766,6 +780,7 @@ def _prepare(block: Gathered, shards: Any, name: str) -> tuple[_Call, list]:
         leaves, treedef, paths, block.spec, None, ("parameter",), ("final", "weights"), name
     )
     call = _Call(block, plan, treedef, len(leaves), [], None, [], [])
+    call.where = paths[0] if paths else name  # until its wait node finds the shards' tags
     wrapped = list(_Wait.apply(call, *leaves))
     prepared = _FORWARD.prepared
     key = tuple(map(id, leaves))
@@ -824,6 +839,55 @@ def _check_one_unit(call: _Call, pieces: Sequence[torch.Tensor], found: tuple) -
         f"but the unit of {name(first)} is {[name(i) for i in want]} (its gradient would be "
         "added into another unit's buffer)"
     )
+
+
+def _where(pieces: Sequence[torch.Tensor], named: str) -> str:
+    """Where a unit's shards are: the path of its first leaf in the tree ``fh.shard`` made
+    (which tells apart the layers one block runs), else ``named`` (as the caller named it)."""
+    found = state_of(pieces[0])
+    if found is not None and found[1] < len(getattr(found[0].plan, "slot_of", ())):
+        return f"{found[0].plan.slot_of[found[1]].path}"
+    return named
+
+
+def _describe(block: Gathered, call: _Call) -> tuple[str, str]:
+    """The unit a call runs and the options its collectives and gradient depend on, as texts
+    for the cross-rank checks (made once per block, layout and place)."""
+    key = (call.plan, call.where)
+    found = block._described.get(key)
+    if found is None:
+        plan = call.plan
+        options = (
+            f"recompute={block.recompute}",
+            f"reshard_after_forward={block.reshard_after_forward}",
+            f"param_dtype={block.param_dtype}",
+            f"reduce_dtype={block.reduce_dtype}",
+            f"output_dtype={block.output_dtype}",
+            f"shard_dtype={','.join(sorted({str(d) for d in plan.dtypes}))}",
+            f"into={'a MainGrad' if block.into is not None else None}",
+            f"buckets={[b.padded for b in plan.buckets]}",
+        )
+        found = block._described[key] = (f"{block.name} on {call.where}", "; ".join(options))
+    return found
+
+
+def _agree_before(call: _Call, collective: str) -> None:
+    """validation("strict"): every rank agrees on this unit collective before issuing it, so
+    that a unit skipped or gathered otherwise on one rank raises on every rank instead of
+    meeting another rank's collective (a crash or a hang)."""
+    block = call.block
+    unit, options = _describe(block, call)
+    what = f"gathered: {collective} of {unit}"
+    paths = [f"{call.where}[{i}]" for i in range(call.k)]
+    try:  # in a backward under torch.func: the rows are the library's own plain tensors
+        with torch._C._DisableFuncTorch(), torch.no_grad():
+            with validate.agreement_in_mode(block.spec, what, "strict") as agreed:
+                agreed.check(call.plan, paths, options=tuple(options.split("; ")))
+    except ValueError as exc:
+        raise ValueError(
+            f"gathered({block.name}) on {call.where}, before its {collective} "
+            f"(validation('strict')): the ranks differ: {exc}"
+        ) from None
 
 
 class _Resharded:

@@ -12,6 +12,13 @@ specs, ``last`` or options             the same ``ValueError``, naming the first
                                        field or leaf path and the ranks
 a rank's own checks fail (a wrong      it raises its error, and the others raise one that
 ``acc``, a meta leaf, a bad flag)      names it, in the same agreement: nobody waits
+ranks run their gathered units in      the step's running fingerprint of unit calls
+another order, or with other options   (:class:`UnitLog`) rides in the summary of
+or dtypes                              ``microbatches``' end, ``MainGrad.finish`` and the
+                                       last ``reduce_grads(at="gradient")``: every rank
+                                       raises, naming the first unit call that differs
+                                       and how; ``validation("strict")`` agrees before
+                                       each unit collective instead (no mismatched one)
 NaN/Inf in gradients                   ``check_finite=True``: every rank raises a
                                        ``ValueError`` naming the first such leaf and ranks
 a peer dies, hangs or issues another   the collective fails or times out and raises
@@ -35,7 +42,7 @@ call's row costs a list copy.
    rank each field's maximum and minimum over all ranks. It is host data, reduced over a CPU
    (gloo) group, so the agreement never touches device memory and never makes the host wait
    for the device. On a ``DistMesh`` it is recursive doubling in point-to-point messages:
-   log2(ranks) rounds (two more where the count is not a power of two), each one 22-integer
+   log2(ranks) rounds (two more where the count is not a power of two), each one 24-integer
    row each way, so a rank's messages and wait grow with log2 of the mesh's size (the
    all-gather of every rank's row that it replaces moved a row per rank in as many ring
    steps as ranks; bench B10, "Scaling with the number of ranks"). It is *issued* (its first
@@ -95,13 +102,14 @@ from typing import Any
 import optree
 import torch
 
-from .cache import register
+from .cache import Bounded, register
 from .errors import CollectiveError
 
 __all__ = [
     "CollectiveError",
     "Fingerprint",
     "Agreement",
+    "UnitLog",
     "agree",
     "agreement",
     "agreement_in_mode",
@@ -109,13 +117,14 @@ __all__ = [
     "fingerprint",
     "mesh_of",
     "nonfinite_index",
+    "unit_log",
     "validation",
 ]
 
 
 # -- mode -----------------------------------------------------------------------------------
 
-_MODES = ("on", "off", "first", "always")
+_MODES = ("on", "off", "first", "always", "strict")
 _MODE: contextvars.ContextVar[str] = contextvars.ContextVar("fh_validation", default="on")
 
 
@@ -127,9 +136,13 @@ def validation(mode: str) -> Iterator[None]:
         mode: ``"on"`` (the default: every call takes part in one small summary over the
             mesh before any gradient collective), or ``"off"`` (nothing is exchanged, unless
             ``check_finite=True``). ``"first"`` and ``"always"``, the names of earlier
-            versions, mean ``"on"``. Every rank must use the same mode: a rank with
-            validation off while the others exchange makes them wait (bounded by the mesh's
-            timeout).
+            versions, mean ``"on"``. ``"strict"``: ``"on"``, and the ranks also agree
+            before every collective of a :func:`~functional_hsdp.gathered` unit (its
+            all-gathers and its reduce-scatter), so that a unit skipped or called otherwise
+            on one rank is a ``ValueError`` on every rank instead of a mismatched collective
+            (one more small summary per unit collective). Every rank must use the same mode:
+            a rank with validation off while the others exchange makes them wait (bounded by
+            the mesh's timeout).
 
     Example:
         >>> import torch, functional_hsdp as fh
@@ -268,6 +281,9 @@ _DONE: weakref.WeakKeyDictionary = register(weakref.WeakKeyDictionary())
 _LOCAL_ERRORS = (ValueError, TypeError, NotImplementedError)
 # the row every rank contributes on every call
 _ERROR, _NONFINITE, _CALL, _WHOLE, _COUNT, _HEADER0 = range(6)
+# after the header digests: the digest of the unit calls checked by this call (UnitLog), or 0
+_UNITS = _HEADER0 + len(HEADER)
+_WIDTH = _UNITS + 1
 
 
 def _dp_axes(plan: Any) -> tuple[str, ...]:
@@ -312,15 +328,20 @@ class Agreement:
         options: tuple[str, ...] = (),
         nonfinite: torch.Tensor | None = None,
         defer: bool = False,
+        units: bool = False,
     ) -> None:
         """Agree on this call (``plan``: what it will do); raise on any difference.
 
         ``defer=True`` only issues the summary: the caller must call :meth:`settle` before
         its first collective and before it returns (the scheduler does, given this record
-        as its ``gate``)."""
+        as its ``gate``). ``units=True``: also agree on the gathered-unit calls this rank
+        made on the mesh since the last such check (:class:`UnitLog`, taken and reset now),
+        so that units run in another order, skipped or with other options on one rank are
+        an error on every rank before the gradient is used."""
         self.done = True
         if torch.compiler.is_compiling():  # nothing is exchanged while tracing
             return
+        log = unit_log(self.mesh).take() if units else None
         if self.off and nonfinite is None:
             return
         if all(n == 1 for n in self.mesh.sizes) and nonfinite is None:
@@ -331,8 +352,10 @@ class Agreement:
         if fp is None:
             fp = done[key] = fingerprint(plan, self.call, paths, last, options)
         local = _local_row(fp, self.mesh, nonfinite)
+        if log is not None:
+            local[..., _UNITS] = log.digest
         waiter = _start_summary(self.mesh, local)
-        self._pending = (waiter, _dp_axes(plan), fp, paths, local)
+        self._pending = (waiter, _dp_axes(plan), fp, paths, local, log)
         if not defer:
             self.settle()
 
@@ -341,15 +364,15 @@ class Agreement:
         rank agrees, else raises on every rank alike. Idempotent."""
         if self._pending is None:
             return
-        waiter, dp, fp, paths, local = self._pending
+        waiter, dp, fp, paths, local, log = self._pending
         self._pending = None
         if not _healthy(waiter()):  # only now every rank's row, and the exact decision
-            _exact(self.mesh, dp, fp, paths, local)
+            _exact(self.mesh, dp, fp, paths, local, log)
 
     def fail(self, exc: BaseException) -> None:
         """This rank's local checks raised ``exc``: tell the others (who raise too)."""
         self.done = True
-        row = torch.full((len(HEADER) + _HEADER0,), -1, dtype=torch.int64)
+        row = torch.full((_WIDTH,), -1, dtype=torch.int64)
         row[_ERROR] = 1
         local = row.expand(*self.mesh.batch_shape, row.numel()).clone()
         # the others are in this call's summary, which the error flag sends to the exchange
@@ -400,7 +423,7 @@ def agree(
 
 def _local_row(fp: Fingerprint, mesh: Any, nonfinite: torch.Tensor | None) -> torch.Tensor:
     """This rank's row (per simulated rank on a SimMesh: ``(*batch, L)``)."""
-    row = torch.tensor([0, -1, *fp.row()], dtype=torch.int64)
+    row = torch.tensor([0, -1, *fp.row(), 0], dtype=torch.int64)
     local = row.expand(*mesh.batch_shape, row.numel()).clone()
     if nonfinite is not None:
         local[..., _NONFINITE] = nonfinite
@@ -426,16 +449,18 @@ def _healthy(summary: torch.Tensor) -> bool:
     )
 
 
-def _exact(mesh: Any, dp: tuple[str, ...], fp: Fingerprint, paths, local: torch.Tensor) -> None:
+def _exact(
+    mesh: Any, dp: tuple[str, ...], fp: Fingerprint, paths, local: torch.Tensor, log=None
+) -> None:
     """Every rank's row, and the exact decision from them."""
-    _decide(mesh, dp, fp, paths, local, _gather(mesh, mesh.axis_names, local))
+    _decide(mesh, dp, fp, paths, local, _gather(mesh, mesh.axis_names, local), log)
 
 
 def _decide(
-    mesh: Any, dp: tuple[str, ...], fp: Fingerprint, paths, local: torch.Tensor, tables
+    mesh: Any, dp: tuple[str, ...], fp: Fingerprint, paths, local: torch.Tensor, tables, log=None
 ) -> None:
     """Every decision made from the exchanged ``tables`` (B, G, L: G = every rank of the
-    mesh), alike on all ranks."""
+    mesh), alike on all ranks. ``log``: this rank's unit calls, if the call checks them."""
     everyone = mesh.axis_names
     if bool((tables[..., _ERROR] > 0).any()):
         _peer_errors(mesh, tables, None)
@@ -445,6 +470,9 @@ def _decide(
         if bool((column != column[:, :1]).any()):
             texts = _gather_text(mesh, everyone, fp.header[k])
             raise ValueError(f"{field} differs across ranks: {_groups(texts, names)}{_TAIL}")
+    units = tables[..., _UNITS]
+    if bool((units != units[:, :1]).any()):  # every rank must have run the same units
+        raise ValueError(_units_message(mesh, fp.header[0], log or UnitLog()))
     if not _agree_within(mesh, dp, tables[..., _WHOLE]):  # the layout, per data-parallel group
         dp_tables = _gather(mesh, dp, local)
         raise ValueError(_explain(mesh, dp, fp, dp_tables, mesh.diagnostics.members(dp)))
@@ -458,6 +486,105 @@ def _decide(
             f"{paths[i]}: holds NaN or Inf on {_ranks(ranks)} (check_finite=True); no "
             "collective was issued"
         )
+
+
+# -- the gathered units' running fingerprint -------------------------------------------------
+
+_UNIT_LIMIT = 1 << 16  # unit calls whose digests a log keeps for the message (beyond: the digest)
+_PRIME = 1_000_003
+_UNIT_DIGESTS = Bounded(4096)  # (unit, options) -> (digest of the unit, of both)
+_LOGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mesh -> its UnitLog
+
+
+class UnitLog:
+    """The :func:`~functional_hsdp.gathered` unit calls one rank made on a mesh since the last
+    call that checked them (``Agreement.check(units=True)``): a running, order-sensitive
+    digest of every call's unit and options, and each call's digests for the message.
+
+    An explicit record per mesh (not per thread or context), written by a unit call in the
+    caller's thread and read by the checking call: a backward never reads it."""
+
+    def __init__(self) -> None:
+        self.digest, self.count = 0, 0
+        self.entries: list[tuple[int, int]] = []  # per call: (unit digest, unit+options digest)
+        self.texts: dict[int, str] = {}  # unit+options digest -> "unit | options"
+
+    def record(self, unit: str, options: str) -> None:
+        """One more unit call: ``unit`` names it, ``options`` what its collectives depend on."""
+        key = (unit, options)
+        digests = _UNIT_DIGESTS.get(key)
+        if digests is None:
+            digests = _UNIT_DIGESTS[key] = (_digest(unit), _digest(f"{unit} | {options}"))
+        self.digest = (self.digest * _PRIME + digests[1]) & _MASK  # the order counts
+        self.count += 1
+        if len(self.entries) < _UNIT_LIMIT:
+            self.entries.append(digests)
+            self.texts.setdefault(digests[1], f"{unit} | {options}")
+
+    def take(self) -> UnitLog:
+        """What was recorded, handed to a check; this log starts again empty."""
+        taken = UnitLog()
+        taken.digest, taken.count, taken.entries, taken.texts = (
+            self.digest,
+            self.count,
+            self.entries,
+            self.texts,
+        )
+        self.digest, self.count, self.entries, self.texts = 0, 0, [], {}
+        return taken
+
+
+def unit_log(mesh: Any) -> UnitLog:
+    """The :class:`UnitLog` of ``mesh`` (made on first use; it goes with the mesh)."""
+    log = _LOGS.get(mesh)
+    if log is None:
+        log = _LOGS[mesh] = UnitLog()
+    return log
+
+
+def _units_message(mesh: Any, where: str, log: UnitLog) -> str:
+    """The ranks' unit calls differ: the first call where they do, and how (more exchanges,
+    all ranks alike)."""
+    everyone = mesh.axis_names
+    names = mesh.diagnostics.members(everyone)[0]
+    mine = torch.tensor([log.count, len(log.entries)])
+    counts = _gather(mesh, everyone, mine.expand(*mesh.batch_shape, 2))[0]
+    n = max(int(counts[:, 1].max()), 1)
+    flat = [x for entry in log.entries for x in entry] + [_ABSENT] * (2 * (n - len(log.entries)))
+    digests = torch.tensor(flat, dtype=torch.int64).expand(*mesh.batch_shape, 2 * n)
+    lists = _gather(mesh, everyone, digests)[0].view(-1, n, 2)  # (G, n, [unit, unit+options])
+    differs = (lists != lists[:1]).any(-1).any(0)
+    i = int(differs.to(torch.int8).argmax()) if bool(differs.any()) else n
+    text = log.texts[log.entries[i][1]] if i < len(log.entries) else ""
+    texts = _gather_text(mesh, everyone, text)[0]
+    made = counts[:, 0].tolist()
+    values = [t or f"no unit call #{i} (it made {c})" for t, c in zip(texts, made)]
+    how = _how(lists, made, i, texts)
+    return (
+        f"{where}: the ranks ran their gathered units differently ({how}): first at unit call "
+        f"#{i} since the last check: {_groups([values], [names])}. Every rank must call the "
+        "same units, in the same order, with the same options (recompute, "
+        "reshard_after_forward, mp_policy); their gradients would be wrong. Run under "
+        "fh.validation('strict') to stop at the unit's first collective instead"
+    )
+
+
+def _how(lists: torch.Tensor, made: list[int], i: int, texts: list[str]) -> str:
+    """How the ranks' unit calls differ at call ``i``: ``order``, ``skipped``, ``another
+    unit``, ``dtype (...)`` or ``options (...)``."""
+    if i >= lists.shape[1]:
+        return f"beyond the first {lists.shape[1]} calls kept"
+    units = lists[:, i, 0]
+    other = bool((units != units[0]).any())
+    if bool((units == _ABSENT).any()) or (other and len(set(made)) > 1):
+        return "skipped"
+    if other:
+        kept = [sorted(row[:, 0].tolist()) for row in lists]
+        return "order" if all(k == kept[0] for k in kept) else "another unit"
+    fields = [dict(f.split("=", 1) for f in t.split(" | ", 1)[1].split("; ")) for t in texts]
+    keys = [k for k in fields[0] if any(f.get(k) != fields[0][k] for f in fields)]
+    kind = "dtype" if keys and all(k.endswith("dtype") for k in keys) else "options"
+    return f"{kind}: {', '.join(keys)}"
 
 
 def _agree_within(mesh: Any, dp: tuple[str, ...], column: torch.Tensor) -> bool:

@@ -1,0 +1,114 @@
+"""The gathered units' cross-rank checks on a SimMesh: the running fingerprint of each step's
+unit calls (default mode) and the agreement before each unit collective (strict mode) never
+change a healthy result, are taken at the step's checks, and strict mode is read in forward
+and carried into backward (which may run on another thread). The ranks that differ are in
+tests/test_unit_divergence_gloo.py (a SimMesh runs every rank's calls alike)."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from reference import on_device_threads
+
+import functional_hsdp as fh
+from functional_hsdp import units, validate
+
+
+def _layer(p, x):
+    return torch.tanh(x @ p["w"])
+
+
+def _step(mode: str, recompute: bool = False):
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+    gen = torch.Generator().manual_seed(0)
+    shards = fh.shard([{"w": torch.randn(6, 6, generator=gen) / 3} for _ in range(3)], [spec] * 3)
+    mg = fh.MainGrad([spec] * 3, like=shards)
+    block = fh.gathered(fh.per_rank(_layer, mesh), spec, into=mg, recompute=recompute)
+
+    def loss(s, x):
+        return fh.sequence(block, s, x).square().sum()
+
+    with fh.validation(mode):
+        for _m, _ in fh.microbatches(2, into=mg):
+            torch.func.grad(loss)(shards, torch.randn(2, 2, 4, 6, generator=gen))
+        mg.finish()
+    return mesh, optree.tree_map(torch.clone, mg.grads)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_every_mode_gives_the_same_gradients(recompute):
+    _, want = _step("off", recompute)
+    for mode in ("on", "strict"):
+        mesh, got = _step(mode, recompute)
+        for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
+            assert torch.equal(a, b)
+        assert validate.unit_log(mesh).count == 0  # taken by the step's checks
+
+
+def test_the_log_records_each_unit_call_in_order_until_a_check_takes_it():
+    mesh = fh.SimMesh({"dp": 2})
+    spec = fh.fsdp(mesh)
+    shards = fh.shard([{"w": torch.ones(4, 4)}] * 2, [spec] * 2)
+    block = fh.gathered(fh.per_rank(_layer, mesh), spec)
+    x = torch.ones(2, 3, 4)
+    block(shards[1], block(shards[0], x))
+    log = validate.unit_log(mesh)
+    assert log.count == 2 and "_layer on tree[0]" in log.texts[log.entries[0][1]]
+    first = log.digest
+    log.take()
+    block(shards[0], block(shards[1], x))  # the other order: another digest
+    assert log.digest != first
+    with fh.validation("off"):  # not recorded
+        block(shards[0], x)
+    assert log.count == 2
+
+
+def test_strict_is_carried_into_a_backward_on_a_device_thread(monkeypatch):
+    """Every all-gather and reduce-scatter of the units is agreed before it is issued, also
+    when backward runs where the caller's context (its validation mode) is not seen."""
+    seen = []
+    original = units._agree_before
+    monkeypatch.setattr(
+        units, "_agree_before", lambda call, what: (seen.append(what), original(call, what))
+    )
+    _, want = _step("strict")
+    counts = {what: seen.count(what) for what in set(seen)}
+    seen.clear()
+    with on_device_threads() as ran:
+        _, got = _step("strict")
+    assert "_Unit" in ran
+    assert counts["reduce-scatter"] == 6 and {w: seen.count(w) for w in set(seen)} == counts
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
+        assert torch.equal(a, b)
+
+
+def _lists(*ranks):
+    """Per rank, its unit calls as (unit, unit+options) digests, padded with -1."""
+    n = max(map(len, ranks))
+    return torch.tensor([list(r) + [(-1, -1)] * (n - len(r)) for r in ranks])
+
+
+@pytest.mark.parametrize(
+    "ranks, how",
+    [
+        ([[(1, 1), (2, 2), (3, 3)], [(1, 1), (3, 3), (2, 2)]], "order"),
+        ([[(1, 1), (2, 2), (3, 3)], [(1, 1), (3, 3)]], "skipped"),
+        ([[(1, 1), (2, 2)], [(1, 1)]], "skipped"),
+        ([[(1, 1), (2, 2)], [(1, 1), (3, 3)]], "another unit"),
+    ],
+)
+def test_how_the_unit_calls_differ(ranks, how):
+    lists = _lists(*ranks)
+    made = [len(r) for r in ranks]
+    assert validate._how(lists, made, 1, ["", ""]) == how
+
+
+def test_how_names_the_options_or_dtypes_that_differ():
+    lists = _lists([(1, 1)], [(1, 2)])
+    a = "u | recompute=False; param_dtype=None; buckets=[4, 4]"
+    b = "u | recompute=False; param_dtype=torch.bfloat16; buckets=[4, 4]"
+    c = "u | recompute=True; param_dtype=None; buckets=[4, 4]"
+    assert validate._how(lists, [1, 1], 0, [a, b]) == "dtype: param_dtype"
+    assert validate._how(lists, [1, 1], 0, [a, c]) == "options: recompute"

@@ -1,0 +1,166 @@
+"""Ranks that run their gathered units differently, on 4 gloo ranks (2x2 HSDP mesh).
+
+One rank runs the units in another order, skips one, or gathers one with another
+``param_dtype`` or ``recompute``. In the default validation mode every rank raises a
+``ValueError`` naming the first unit call where the ranks differ, and how, before the
+gradient reaches the optimizer (at ``microbatches``' end, ``MainGrad.finish`` or the last
+``reduce_grads(..., at="gradient")``): before, a different order returned gradients silently
+wrong. Under ``fh.validation("strict")`` the ranks agree before each unit collective, so every
+rank raises at the unit's first collective, with no crash (before, gloo aborted the rank whose
+buffer was too small) and no wait.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from reference import dist_mesh
+
+import functional_hsdp as fh
+
+UNITS = 3
+
+
+def _layer(p, x):
+    return torch.tanh(x @ p["w"])
+
+
+def _policy(dtype=torch.bfloat16):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(dtype, torch.float32, torch.float32)
+
+
+def _setup(into: bool):
+    spec = fh.hsdp(dist_mesh(timeout=6), "dp_outer", "dp_inner")
+    gen = torch.Generator().manual_seed(0)
+    full = [{"w": torch.randn(8, 8, generator=gen) / 3} for _ in range(UNITS)]
+    shards = fh.shard(full, [spec] * UNITS)  # one unit per layer
+    mg = fh.MainGrad([spec] * UNITS, like=shards) if into else None
+    return spec, shards, mg
+
+
+def _loss_fn(variant: str, spec, mg):
+    """The model: units 0, 1, 2; rank 1 runs them as ``variant`` says."""
+    odd = dist.get_rank() == 1
+    plain = fh.gathered(_layer, spec, into=mg)
+    policy = {"dtype": None, "fp16": _policy()}.get(variant)  # unit 1's, but on rank 1
+    if odd and variant in ("dtype", "fp16"):
+        policy = _policy(torch.float16 if variant == "fp16" else torch.bfloat16)
+    other = fh.gathered(
+        _layer, spec, into=mg, recompute=odd and variant == "recompute", mp_policy=policy
+    )
+    order = {"order": [0, 2, 1], "skip": [0, 2]}.get(variant, [0, 1, 2]) if odd else [0, 1, 2]
+
+    def loss(shards, x):
+        for i in order:
+            x = (other if i == 1 else plain)(shards[i], x)
+        return x.square().sum()
+
+    return loss
+
+
+def _data(m: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * dist.get_rank() + m))
+
+
+def _step(variant: str, mode: str, api: str):
+    """Two microbatches and an SGD step; returns the gathered gradient (only if no rank
+    raised before the step)."""
+    spec, shards, mg = _setup(into=api != "reduce_grads")
+    grad = torch.func.grad(_loss_fn(variant, spec, mg))
+    start = time.monotonic()
+    try:
+        with fh.validation(mode):
+            if api == "microbatches":
+                for m, _ in fh.microbatches(2, into=mg):
+                    grad(shards, _data(m))
+                mg.finish()
+                g = mg.grads
+            elif api == "finish":
+                for m in range(2):
+                    grad(shards, _data(m))
+                mg.finish()
+                g = mg.grads
+            else:
+                g = None
+                for m in range(2):
+                    g = fh.reduce_grads(
+                        grad(shards, _data(m)), [spec] * UNITS, last=m == 1, at="gradient", acc=g
+                    )
+    except ValueError as exc:
+        raise ValueError(f"{exc} [after {time.monotonic() - start:.1f} s]") from None
+    for s, d in zip(shards, g):  # the optimizer step: reached only with a right gradient
+        s["w"].sub_(0.1 * d["w"])
+    return fh.gather(g, [spec] * UNITS)
+
+
+def _expect(pool, variant, mode, api, *texts) -> list[str]:
+    with pytest.raises(Exception) as info:
+        pool.run(_step, variant, mode, api, timeout=60)
+    errors = getattr(info.value, "errors", None)
+    assert errors is not None, info.value  # not a crash: every worker reported
+    assert sorted(errors) == [0, 1, 2, 3], info.value
+    messages = []
+    for name, message, _ in errors.values():
+        assert name == "ValueError", message
+        for text in texts:
+            assert text in message, message
+        messages.append(message)
+    return messages
+
+
+def test_healthy_steps_agree_in_every_mode(pool):
+    """No false alarm: the same step in each mode gives the same gradient on every rank."""
+    results = {mode: pool.run(_step, "none", mode, "microbatches") for mode in ("on", "strict")}
+    results["off"] = pool.run(_step, "none", "off", "finish")
+    results["reduce_grads"] = pool.run(_step, "none", "on", "reduce_grads")
+    first = results["on"][0]
+    for per_rank in results.values():
+        for g in per_rank:
+            for a, b in zip(g, first):
+                torch.testing.assert_close(a["w"], b["w"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("api", ["microbatches", "finish", "reduce_grads"])
+def test_another_order_on_one_rank_raises_before_the_step(pool, api):
+    """Rank 1 runs units 0, 2, 1: the all-gathers match in size, so the gradients were silently
+    wrong; now every rank raises where the step exchanges, naming the unit call and 'order'."""
+    where = {"microbatches": "microbatches", "finish": "MainGrad.finish"}.get(api, "reduce_grads")
+    messages = _expect(pool, "order", "on", api, where, "(order)", "unit call #1", "rank 1")
+    assert "_layer on tree[1]" in messages[0] and "_layer on tree[2]" in messages[0], messages[0]
+
+
+def test_another_recompute_on_one_rank_raises_before_the_step(pool):
+    """Rank 1 recomputes unit 1: every rank raises at the step's check, naming the option."""
+    _expect(
+        pool, "recompute", "on", "finish", "(options: recompute)", "_layer on tree[1]", "rank 1"
+    )
+
+
+def test_another_param_dtype_of_the_same_size_on_one_rank_raises_before_the_step(pool):
+    """Unit 1 all-gathered in bfloat16, but in float16 on rank 1: the collectives match in
+    bytes, so the weights were silently reinterpreted; now every rank raises, naming 'dtype'."""
+    _expect(pool, "fp16", "on", "microbatches", "(dtype: param_dtype)", "param_dtype=torch.float16")
+
+
+@pytest.mark.parametrize(
+    "variant, texts",
+    [
+        ("order", ["call differs", "all-gather of _layer on tree[2]", "rank 1"]),
+        ("skip", ["call differs", "all-gather of _layer on tree[2]", "rank 1"]),
+        ("dtype", ["options differs", "param_dtype=torch.bfloat16", "rank 1"]),
+        ("recompute", ["options differs", "recompute=True", "rank 1"]),
+    ],
+)
+def test_strict_raises_at_the_units_first_collective(pool, variant, texts):
+    """validation('strict'): the ranks agree before each unit collective, so a skipped unit
+    or another dtype (before: gloo aborted one rank, the others waited) is a ValueError on
+    every rank, at the all-gather of unit 1, at once."""
+    messages = _expect(pool, variant, "strict", "microbatches", "before its all-gather", *texts)
+    for message in messages:
+        assert "gathered(_layer) on tree[1]" in message or "on tree[2]" in message, message
+        assert float(message.rsplit("[after ", 1)[1].split(" s]")[0]) < 3, message
