@@ -22,6 +22,7 @@ from . import (
     overlap,
     rsimpl,
     scaling,
+    unit_checks,
     wire,
 )
 
@@ -43,4 +44,5 @@ BENCHMARKS = {
     "deferred": deferred,
     "dpsgd": dpsgd,
     "alignment": alignment,
+    "unit_checks": unit_checks,
 }
