@@ -7,7 +7,7 @@ gradient reaches the optimizer (at ``microbatches``' end, ``MainGrad.finish`` or
 ``reduce_grads(..., at="gradient")``): before, a different order returned gradients silently
 wrong. Under ``fh.validation("strict")`` the ranks agree before each unit collective, so every
 rank raises at the unit's first collective, with no crash (before, gloo aborted the rank whose
-buffer was too small) and no wait.
+buffer was too small) and no wait. The module path (``fh.functional_call``) is checked alike.
 """
 
 from __future__ import annotations
@@ -98,9 +98,12 @@ def _step(variant: str, mode: str, api: str):
     return fh.gather(g, [spec] * UNITS)
 
 
-def _expect(pool, variant, mode, api, *texts) -> list[str]:
+def _expect(pool, variant, mode, api, *texts, task=None) -> list[str]:
     with pytest.raises(Exception) as info:
-        pool.run(_step, variant, mode, api, timeout=60)
+        if task is None:
+            pool.run(_step, variant, mode, api, timeout=60)
+        else:
+            pool.run(task, mode, timeout=60)
     errors = getattr(info.value, "errors", None)
     assert errors is not None, info.value  # not a crash: every worker reported
     assert sorted(errors) == [0, 1, 2, 3], info.value
@@ -164,3 +167,29 @@ def test_strict_raises_at_the_units_first_collective(pool, variant, texts):
     for message in messages:
         assert "gathered(_layer) on tree[1]" in message or "on tree[2]" in message, message
         assert float(message.rsplit("[after ", 1)[1].split(" s]")[0]) < 3, message
+
+
+def _module_step(mode: str) -> None:
+    """fh.functional_call through an nn.Module; rank 1 asks for recompute=True."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    spec = fh.hsdp(dist_mesh(timeout=6), "dp_outer", "dp_inner")
+    shards, tree_spec = fh.shard_module(model, spec, units=[model[0], model[2]])
+    mg = fh.MainGrad(tree_spec, like=shards)
+    recompute = dist.get_rank() == 1
+
+    def loss(s, x):
+        return fh.functional_call(model, s, (x,), into=mg, recompute=recompute).square().mean()
+
+    with fh.validation(mode):
+        for m, _ in fh.microbatches(2, into=mg):
+            fh.grad(loss)(shards, _data(m)[:, :6])
+        mg.finish()
+
+
+@pytest.mark.parametrize("mode", ["on", "strict"])
+def test_the_module_path_with_another_recompute_on_one_rank_raises(pool, mode):
+    """functional_call's units are checked alike: in the default mode at microbatches' end,
+    under strict at the first unit's all-gather."""
+    where = "before its all-gather" if mode == "strict" else "(options: recompute)"
+    _expect(pool, None, mode, None, where, "recompute=True", "rank 1", task=_module_step)
