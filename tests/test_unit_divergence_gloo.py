@@ -193,3 +193,21 @@ def test_the_module_path_with_another_recompute_on_one_rank_raises(pool, mode):
     under strict at the first unit's all-gather."""
     where = "before its all-gather" if mode == "strict" else "(options: recompute)"
     _expect(pool, None, mode, None, where, "recompute=True", "rank 1", task=_module_step)
+
+
+def _after_a_strict_error(variant: str):
+    """A step that strict mode stops at a unit's collective, then a healthy one."""
+    with pytest.raises(ValueError, match="before its all-gather"):
+        _step(variant, "strict", "microbatches")
+    return _step("none", "on", "microbatches")
+
+
+@pytest.mark.parametrize("variant", ["skip", "recompute"])
+def test_the_next_step_after_a_strict_error_equals_a_clean_one(pool, variant):
+    """Nothing of the stopped step (its chain, a prefetch, a reduce-scatter) is left to change
+    the next one."""
+    want = pool.run(_step, "none", "on", "microbatches")
+    got = pool.run(_after_a_strict_error, variant)
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert torch.equal(a["w"], b["w"])
