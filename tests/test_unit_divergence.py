@@ -19,7 +19,7 @@ def _layer(p, x):
     return torch.tanh(x @ p["w"])
 
 
-def _step(mode: str, recompute: bool = False):
+def _step(mode: str, recompute: bool = False, api: str = "torch.func.grad"):
     mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
     spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
     gen = torch.Generator().manual_seed(0)
@@ -32,7 +32,16 @@ def _step(mode: str, recompute: bool = False):
 
     with fh.validation(mode):
         for _m, _ in fh.microbatches(2, into=mg):
-            torch.func.grad(loss)(shards, torch.randn(2, 2, 4, 6, generator=gen))
+            x = torch.randn(2, 2, 4, 6, generator=gen)
+            if api == "backward":  # plain autograd on the shards (the MainGrad knows them)
+                for t in optree.tree_leaves(shards):
+                    t.requires_grad_(True)
+                loss(shards, x).backward()
+                for t in optree.tree_leaves(shards):
+                    t.requires_grad_(False)
+                    t.grad = None
+            else:
+                (torch.func.grad if api == "torch.func.grad" else fh.grad)(loss)(shards, x)
         mg.finish()
     return mesh, optree.tree_map(torch.clone, mg.grads)
 
@@ -65,7 +74,8 @@ def test_the_log_records_each_unit_call_in_order_until_a_check_takes_it():
     assert log.count == 2
 
 
-def test_strict_is_carried_into_a_backward_on_a_device_thread(monkeypatch):
+@pytest.mark.parametrize("api", ["torch.func.grad", "fh.grad", "backward"])
+def test_strict_is_carried_into_a_backward_on_a_device_thread(monkeypatch, api):
     """Every all-gather and reduce-scatter of the units is agreed before it is issued, also
     when backward runs where the caller's context (its validation mode) is not seen."""
     seen = []
@@ -73,11 +83,11 @@ def test_strict_is_carried_into_a_backward_on_a_device_thread(monkeypatch):
     monkeypatch.setattr(
         units, "_agree_before", lambda call, what: (seen.append(what), original(call, what))
     )
-    _, want = _step("strict")
+    _, want = _step("strict", api=api)
     counts = {what: seen.count(what) for what in set(seen)}
     seen.clear()
     with on_device_threads() as ran:
-        _, got = _step("strict")
+        _, got = _step("strict", api=api)
     assert "_Unit" in ran
     assert counts["reduce-scatter"] == 6 and {w: seen.count(w) for w in set(seen)} == counts
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
