@@ -22,6 +22,8 @@ import torch
 from .cache import Bounded
 from .layout import (
     Bucket,
+    Carve,
+    Gaps,
     Slot,
     build_buckets,
     interleave,
@@ -109,6 +111,10 @@ class Placed:
     # gap), and the shape of one zero tensor every such piece is a view of
     after: tuple[int | None, ...] = ()
     zeros: tuple[int, ...] = ()
+    gaps: Gaps = field(init=False, repr=False, compare=False)  # ``after``, prepared
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gaps", Gaps(self.after))
 
 
 def _gap_pieces(
@@ -176,6 +182,7 @@ class Plan:
         for k, i in enumerate(order):
             position[i] = k
         self._position = position
+        self._in_order = position == list(range(n))  # unpacked leaves already in tree order
         self._reorder = operator.itemgetter(*position) if n > 1 else (lambda xs: tuple(xs))
         self.programs = self._programs()
         self.placed = self._placed()
@@ -198,9 +205,11 @@ class Plan:
 
     def _placed(self) -> list[dict[str, Placed]]:
         out = []
+        #: per bucket and role: how unpacking cuts the leaves' views (None: as it splits)
+        self.carves: list[dict[str, Carve | None]] = []
         for bucket in self.buckets:
-            spec, per_axes = bucket.spec, {}
-            roles = {}
+            spec, per_axes, cut = bucket.spec, {}, {}
+            roles, carves = {}, {}
             for role in ROLES:
                 axes = (
                     spec.sharded_axes(role)
@@ -209,9 +218,29 @@ class Plan:
                 )
                 if axes not in per_axes:
                     per_axes[axes] = self._place(bucket, axes)
-                roles[role] = per_axes[axes]
+                    cut[axes] = self._carve(bucket, per_axes[axes])
+                roles[role], carves[role] = per_axes[axes], cut[axes]
             out.append(roles)
+            self.carves.append(carves)
         return out
+
+    def _carve(self, bucket: Bucket, placed: Placed) -> Carve | None:
+        """A :class:`Carve` for unpacking views of a bucket whose leaves have gaps between
+        them at ``placed`` (None: no gap between them, where one split makes no more views
+        than leaves, and costs less; or not views)."""
+        batch = self.mesh.batch_shape
+        if bucket.shard is not None or not placed.views:
+            return None
+        if not placed.axes:
+            if not bucket.inner:
+                return None
+            return Carve((*batch, bucket.padded), lambda buf: unpack_full(bucket, buf, batch))
+        if not placed.zeros:
+            return None
+        geometry, pieces = self.mesh.geometry, placed.geometry
+        return Carve(
+            (*batch, placed.length), lambda buf: bucket.leaves_of(geometry.split(buf, pieces))
+        )
 
     def _place(self, bucket: Bucket, axes: tuple[str, ...]) -> Placed:
         mesh, batch = self.mesh, self.mesh.batch_shape
@@ -278,7 +307,7 @@ class Plan:
         if bucket.shard is None:
             if placed.zeros:  # the gaps' pieces between the leaves' (geometry.join wants all)
                 zeros = torch.zeros(placed.zeros, dtype=dtype, device=bucket.device)
-                values = interleave(values, placed.after, zeros)
+                values = interleave(values, placed.gaps, zeros)
             geometry = self.mesh.geometry
             return geometry.join(list(values), placed.geometry, dtype, bucket.device)
         nb, flat = len(batch), []
@@ -298,8 +327,11 @@ class Plan:
         they were packed in another than the plan's (zero-size leaves are made in it)."""
         batch, geometry, values = self.mesh.batch_shape, self.mesh.geometry, []
         for b, (bucket, buf) in enumerate(zip(self.buckets, bufs)):
-            placed = self.placed[b][role]
-            if not placed.axes:
+            placed, carve = self.placed[b][role], self.carves[b][role]
+            cut = carve(buf) if carve is not None else None
+            if cut is not None:  # views of the leaves only, none of the gaps
+                values.extend(cut)
+            elif not placed.axes:
                 unpack = unpack_shard_full if bucket.shard else unpack_full
                 values.extend(unpack(bucket, buf, batch))
             elif bucket.shard is None:
@@ -317,6 +349,8 @@ class Plan:
                     shape, dtype=dtype or self.dtypes[s.index], device=self.devices[s.index]
                 )
             )
+        if self._in_order:
+            return values
         if torch.compiler.is_compiling():  # dynamo cannot trace itemgetter
             return [values[k] for k in self._position]
         return list(self._reorder(values))
