@@ -30,6 +30,7 @@ ORDER = [
     "scaling",
     "fsdp",
     "deferred",
+    "unit_checks",
     "module",
     "dpsgd",
     "layerwise",
