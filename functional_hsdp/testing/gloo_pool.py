@@ -302,15 +302,11 @@ class GlooPool:
                     conn.send_bytes(pickle.dumps(("stop",)))
                 except (OSError, ValueError):
                     pass
-            deadline = time.monotonic() + 5.0
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
+            _join_all(procs, 5.0)
         for p in procs:
             if p.is_alive():
                 p.terminate()
-        deadline = time.monotonic() + 2.0
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        _join_all(procs, 2.0)
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -478,3 +474,10 @@ class GlooPool:
             except (EOFError, OSError):
                 pass  # worker gone; reported via its exit code
         return out
+
+
+def _join_all(procs: list, seconds: float) -> None:
+    """Join ``procs``, all of them within ``seconds`` together (not each)."""
+    deadline = time.monotonic() + seconds
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
