@@ -21,10 +21,12 @@ State, all of it on the MainGrad object (it goes with the object, by garbage col
 ``zero_grad()`` with ``persistent=False``), two packing buffers per device (made by the first
 ``accumulate`` of raw gradients), the step's state (``accumulating``/``final``, per bucket
 whether it holds anything of this step), the metadata of the last gradient tree checked, and
-the deferred reduction's bookkeeping (:class:`_Deferred`). The library keeps other state
-elsewhere, each listed by :func:`~functional_hsdp.clear_caches`: bounded plan and check
-caches, result tags, per-model records of ``shard_module`` (whose cached blocks of the last
-``functional_call(into=mg)`` refer to a MainGrad), and per thread the units' forward state.
+the deferred reduction's bookkeeping (:class:`_Deferred`). The library's other state is
+elsewhere (``DESIGN.md`` lists it): bounded plan and check caches, result tags, per model
+given to ``shard_module`` its record (whose cached blocks of the last
+``functional_call(into=mg)`` refer to that MainGrad until :func:`~functional_hsdp.clear_caches`
+or the model goes), per mesh the log of its unit calls, and per thread the units' forward
+state (:mod:`functional_hsdp.units.registry`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """One call of a gathered unit: its record, and the phases it goes through.
 
 A record is made with the call's wait node (:func:`~functional_hsdp.units.block.prepare`):
-by ``prefetch`` before the unit that runs first, or at the call. It lives in the autograd
-graph (the ``ctx`` of its two Functions) and goes with it; a chain and the per-thread
-registry refer to it weakly. Its phase changes only through the transitions below, each of
+by ``prefetch`` before the unit that runs first, or at the call. Until it is called, a
+record made ahead is held by this thread's registry and by the block that declared it; then
+it lives in the autograd graph (the ``ctx`` of its two Functions) and goes with it (its
+chain refers to it weakly). Its phase changes only through the transitions below, each of
 which checks the phase it comes from (a failed check is a bug of this package, not of the
 caller, but for the one documented error of :func:`backward_began`)::
 
@@ -157,7 +158,7 @@ _BACKWARD_FROM = {
 def backward_began(call: Call) -> None:
     """The unit's backward took forward's graph (recompute=False) or is recomputing it.
     With recompute=False the graph is used once: a second backward through it is refused."""
-    graph = call.arguments is not None and call.arguments.graph
+    graph = call.arguments.graph
     if graph and call.phase is not Phase.RAN:
         raise RuntimeError(
             f"gathered({call.block.name}): a second backward through the same forward "
