@@ -13,7 +13,7 @@ from .dtensor import to_dtensor
 from .errors import CollectiveError
 from .first_order import grad, grad_and_value
 from .maingrad import MainGrad, microbatches
-from .mesh import DistMesh, Mesh, SimMesh
+from .mesh import DistMesh, Mesh, SimMesh, per_rank
 from .module import functional_call, shard_module
 from .optim import (
     AdamWState,
@@ -29,7 +29,7 @@ from .placement import Flat, Partial, Placement, Replicate, Shard
 from .reduce import gather, reduce_grads, shard, sync_params
 from .spec import Spec, ddp, fsdp, hfsdp, hsdp
 from .trace import CommLog, Event, comm_log
-from .units import Gathered, gathered, per_rank, sequence
+from .units import Gathered, gathered, sequence
 from .validate import validation
 
 __all__ = [

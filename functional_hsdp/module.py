@@ -38,7 +38,8 @@ from .maingrad import MainGrad
 from .precision import check_mp_policy
 from .reduce import shard
 from .spec import Spec
-from .units import Gathered, start_forward
+from .units import Gathered
+from .units.registry import _start_forward
 
 __all__ = ["functional_call", "shard_module"]
 
@@ -323,7 +324,7 @@ def functional_call(
     kwargs = {} if kwargs is None else kwargs
     blocks = _blocks(sharded, into, recompute, reshard_after_forward)
     order, ran = sharded.order, []
-    start_forward()  # the model's forward begins: its units are one chain
+    _start_forward()  # the model's forward begins: its units are one chain
     sharded.active += 1
     try:
         root = sharded.root
@@ -387,12 +388,28 @@ def _blocks(sharded: _Sharded, into: Any, recompute: bool, reshard: bool) -> dic
         return sharded.blocks[1]
     mp = sharded.mp_policy
     blocks = {
-        part.key: Gathered(_run_unit(part), part.spec, reshard, into, recompute, mp, part.key)
+        part.key: Gathered(
+            _run_unit(part),
+            part.spec,
+            reshard_after_forward=reshard,
+            into=into,
+            recompute=recompute,
+            mp_policy=mp,
+            name=part.key,
+        )
         for part in sharded.parts
     }
     if sharded.root is not None:  # the root: its full weights, held until its backward
         root = sharded.root
-        blocks[ROOT] = Gathered(_identity, root.spec, False, into, True, mp, "root")
+        blocks[ROOT] = Gathered(
+            _identity,
+            root.spec,
+            reshard_after_forward=False,
+            into=into,
+            recompute=True,
+            mp_policy=mp,
+            name="root",
+        )
     for key, block in blocks.items():  # errors name the unit's shards as the caller passed them
         block.shards_path = f"shards[{key!r}]"
     sharded.blocks = (key, blocks)

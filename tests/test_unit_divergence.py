@@ -12,7 +12,8 @@ import torch
 from reference import on_device_threads
 
 import functional_hsdp as fh
-from functional_hsdp import units, validate
+from functional_hsdp import validate
+from functional_hsdp.units import collectives as units
 
 
 def _layer(p, x):

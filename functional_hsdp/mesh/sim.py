@@ -18,7 +18,7 @@ import torch
 
 from .protocol import Flight, MeshAxes
 
-__all__ = ["SimMesh"]
+__all__ = ["SimMesh", "per_rank"]
 
 _EINOPS_REDUCE = {"sum": "sum", "avg": "mean"}
 
@@ -275,3 +275,18 @@ class SimDiagnostics:
                 names.append(str(c[0]) if mesh.ndim == 1 else str(tuple(c)))
             out.append(tuple(names))
         return out
+
+
+def per_rank(fn: Callable, mesh: Any) -> Callable:
+    """``fn`` applied to every rank's values: ``vmap`` over the mesh dims of a SimMesh (all
+    arguments and results carry them), ``fn`` itself on a DistMesh.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> f = fh.per_rank(lambda w, x: w @ x, fh.SimMesh({"dp": 3}))
+        >>> f(torch.ones(3, 2, 2), torch.ones(3, 2)).shape
+        torch.Size([3, 2])
+    """
+    for _ in mesh.batch_shape:
+        fn = torch.func.vmap(fn)
+    return fn
