@@ -174,31 +174,10 @@ def check_local(
     shapes = plan.local_shapes[role]
     for i, (leaf, path) in enumerate(zip(leaves, paths)):
         found = None if compiling else state_of(leaf)
-        if found is not None:
-            state, index = found
-            same = state.plan is plan and state.role == role and index == i
-            if same and state.kind in kinds:
-                continue  # made by this very plan, role and position: dtype and shape are right
-            # else (another position, say): checked by value below, like an untagged tensor
-            # a leaf of another result (a whole tree's, given a unit of it): the same leaf
-            # only if made with the same spec and full shape
-            made = state.plan
-            if made is plan and index != i and made.shapes[index] != plan.shapes[i]:
-                raise ValueError(
-                    f"{path}: holds this tree's leaf {paths[index]} (full shape "
-                    f"{made.shapes[index]}), not its own (full shape {plan.shapes[i]}); it "
-                    f"cannot be used as {what}"
-                )
-            if not same and (
-                made.specs[index] != plan.specs[i] or made.shapes[index] != plan.shapes[i]
-            ):
-                raise ValueError(
-                    f"{path}: was produced for another tree or spec ({made!r}: spec "
-                    f"{made.specs[index]!r}, full shape {made.shapes[index]}); it cannot be used "
-                    f"as {what}"
-                )
-            if state.kind not in kinds:
-                raise ValueError(kind_error(path, state.kind, kinds))
+        if found is not None and _made_here(found, i, plan=plan, role=role, kinds=kinds):
+            continue  # made by this very plan, role and position: dtype and shape are right
+        if found is not None:  # else checked by value below, like an untagged tensor
+            _check_tag(found, i, plan=plan, kinds=kinds, paths=paths, what=what)
         if leaf.dtype != plan.dtypes[i]:
             raise TypeError(
                 f"{path}: expected dtype {plan.dtypes[i]} (as {what}); got {leaf.dtype}"
@@ -208,6 +187,38 @@ def check_local(
                 f"{path}: expected local shape {shapes[i]} at the {role} placement "
                 f"{list(map(str, plan.specs[i].placements(role)))}; got {tuple(leaf.shape)}"
             )
+
+
+def _made_here(found: tuple, i: int, *, plan: Plan, role: str, kinds: tuple[str, ...]) -> bool:
+    """Whether a leaf's tag ``found`` says it is leaf ``i`` of a result of ``plan`` at
+    ``role``, of one of ``kinds``."""
+    state, index = found
+    return state.plan is plan and state.role == role and index == i and state.kind in kinds
+
+
+def _check_tag(
+    found: tuple, i: int, *, plan: Plan, kinds: tuple[str, ...], paths: Sequence[str], what: str
+) -> None:
+    """A tagged leaf ``i`` that is not exactly :func:`_made_here` (another position, say): a
+    leaf of another result (a whole tree's, given a unit of it) is the same leaf only if made
+    with the same spec and full shape, and of one of ``kinds``."""
+    state, index = found
+    path, made = paths[i], state.plan
+    if made is plan and index != i and made.shapes[index] != plan.shapes[i]:
+        raise ValueError(
+            f"{path}: holds this tree's leaf {paths[index]} (full shape "
+            f"{made.shapes[index]}), not its own (full shape {plan.shapes[i]}); it "
+            f"cannot be used as {what}"
+        )
+    same = made is plan and index == i  # its own leaf, at another role or of another kind
+    if not same and (made.specs[index] != plan.specs[i] or made.shapes[index] != plan.shapes[i]):
+        raise ValueError(
+            f"{path}: was produced for another tree or spec ({made!r}: spec "
+            f"{made.specs[index]!r}, full shape {made.shapes[index]}); it cannot be used "
+            f"as {what}"
+        )
+    if state.kind not in kinds:
+        raise ValueError(kind_error(path, state.kind, kinds))
 
 
 def find_layout(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -144,45 +144,64 @@ def run(
     """
     n = len(programs)
     depth = n if depth is None else depth
-    out: list[Any] = [None] * n
-    active: deque[_Bucket] = deque()
-    gates = [gate] if gate is not None else []
-
-    def settle() -> None:
-        if gates:
-            gates.pop()()
-
-    def done(bucket: _Bucket) -> None:
-        if sink is None:
-            out[bucket.index] = bucket.buf
-        else:  # the sink changes state that outlives the call: agree first
-            result = mesh.wait(bucket.buf)
-            settle()
-            sink(bucket.index, result)
-
+    state = _RunState(mesh, sink, out=[None] * n, gates=[gate] if gate is not None else [])
+    active = state.active
     try:
         for b in range(n):
             while len(active) >= depth:  # finish the oldest to make room
-                oldest = active.popleft()
-                while not _advance(mesh, oldest, settle):
-                    pass
-                done(oldest)
+                state.finish(active.popleft())
             bucket = _Bucket(b, source(b), programs[b])
-            if _advance(mesh, bucket, settle):
-                done(bucket)
+            if _advance(mesh, bucket, state.settle):
+                state.done(bucket)
             else:
                 active.append(bucket)
         while active:  # every bucket started: step-major rounds
             for bucket in list(active):
-                if _advance(mesh, bucket, settle):
+                if _advance(mesh, bucket, state.settle):
                     active.remove(bucket)
-                    done(bucket)
-        settle()
+                    state.done(bucket)
+        state.settle()
     except BaseException as exc:
-        for x in [*(bucket.buf for bucket in active), *out]:
-            if x is not None:
-                mesh.abandon(x)
-        if gates and isinstance(exc, Exception):
-            settle()  # an agreement error here is every rank's: raise it instead
+        state.abandon()
+        if state.gates and isinstance(exc, Exception):
+            state.settle()  # an agreement error here is every rank's: raise it instead
         raise
-    return out
+    return state.out
+
+
+@dataclass(eq=False)
+class _RunState:
+    """One :func:`run` call's state: its buckets in flight (oldest first), its results, and
+    the gate while it is not called yet."""
+
+    mesh: Any
+    sink: Callable[[int, torch.Tensor], None] | None
+    out: list[Any]
+    gates: list[Callable[[], None]]
+    active: deque[_Bucket] = field(default_factory=deque)
+
+    def settle(self) -> None:
+        """Call the gate, the first time only."""
+        if self.gates:
+            self.gates.pop()()
+
+    def done(self, bucket: _Bucket) -> None:
+        """A bucket's program ended: keep its result, or hand it to the sink."""
+        if self.sink is None:
+            self.out[bucket.index] = bucket.buf
+        else:  # the sink changes state that outlives the call: agree first
+            result = self.mesh.wait(bucket.buf)
+            self.settle()
+            self.sink(bucket.index, result)
+
+    def finish(self, bucket: _Bucket) -> None:
+        """Run a bucket's program to its end."""
+        while not _advance(self.mesh, bucket, self.settle):
+            pass
+        self.done(bucket)
+
+    def abandon(self) -> None:
+        """Abandon the collectives still in flight (an error leaks no buffers)."""
+        for x in [*(bucket.buf for bucket in self.active), *self.out]:
+            if x is not None:
+                self.mesh.abandon(x)
