@@ -64,7 +64,8 @@ def expand(program: Sequence[Item], wire: torch.dtype) -> list[Item]:
     for item in program:
         if isinstance(item, Step) and item.reduce is not None:
             pre, op, post = divide_factors(item, wire)
-            out += [_divide(pre), Step(item.op, item.axis, op, item.size), _divide(post)]
+            step = Step(op=item.op, axis=item.axis, reduce=op, size=item.size)
+            out += [_divide(pre), step, _divide(post)]
         else:
             out.append(item)
     return out
@@ -76,7 +77,16 @@ def issue(mesh: Any, buf: torch.Tensor, step: Step) -> Any:
         return mesh.geometry.chunk(buf, step.axis)
     if not torch.compiler.is_compiling():  # traced collectives are not logged
         impl = mesh.diagnostics.describe(step.op, step.axis, step.reduce)
-        record(Event(step.op, step.axis, buf.dtype, buf.shape[-1], step.reduce, impl))
+        record(
+            Event(
+                op=step.op,
+                axis=step.axis,
+                dtype=buf.dtype,
+                numel=buf.shape[-1],
+                reduce=step.reduce,
+                impl=impl,
+            )
+        )
     if step.op == "reduce_scatter":
         return mesh.reduce_scatter(buf, step.axis, step.reduce)
     if step.op == "all_reduce":
