@@ -276,12 +276,14 @@ def _package() -> _Index:
 
 @pytest.mark.parametrize("path", FILES)
 def test_no_function_is_long(path: str):
-    assert long_functions(_package()).get(path, []) == []
+    found = long_functions(_package()).get(path, [])
+    assert not found, "\n".join(found)
 
 
 @pytest.mark.parametrize("path", FILES)
 def test_calls_into_the_package_pass_few_positionals_and_no_positional_bool(path: str):
-    assert positional_calls(_package()).get(path, []) == []
+    found = positional_calls(_package()).get(path, [])
+    assert not found, "\n".join(found)
 
 
 def test_the_call_check_reaches_the_package():
@@ -289,6 +291,13 @@ def test_the_call_check_reaches_the_package():
     index = _package()
     assert len(index.modules) == len(FILES)
     assert resolved_calls(index) > 800
+
+
+def _function(name: str, docstring: str, code_lines: int) -> str:
+    """A function of ``code_lines`` lines of code (its ``def`` and ``return`` included) and
+    ``docstring``."""
+    body = "    x += 1\n" * (code_lines - 2)
+    return f'def {name}(x):\n    """{docstring}"""\n{body}    return x\n'
 
 
 _SAMPLE = {
@@ -310,13 +319,8 @@ _SAMPLE = {
         "class L(K):\n"
         "    def __init__(self):\n"
         "        super().__init__(1, 2, 3, 4)\n"
-        "def long(x):\n"
-        '    """One line.\n\n    More lines: not counted.\n    """\n'
-        + "    x += 1\n"
-        * (MAX_LINES - 1)
-        + "    return x\n"
-        "def short(x):\n"
-        '    """One line."""\n' + "    x += 1\n" * (MAX_LINES - 2) + "    return x\n"
+        + _function("long", "One line.\n\n    More lines: not counted.\n    ", MAX_LINES + 1)
+        + _function("short", "One line.", MAX_LINES)
     ),
     "pkg/b.py": (
         "import functools, torch\n"
