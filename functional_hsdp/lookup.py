@@ -194,8 +194,7 @@ def check_local(
 
 
 def _made_here(found: tuple, i: int, *, plan: Plan, role: str, kinds: tuple[str, ...]) -> bool:
-    """Whether a leaf's tag ``found`` says it is leaf ``i`` of a result of ``plan`` at
-    ``role``, of one of ``kinds``."""
+    """Whether tag ``found`` says: leaf ``i`` of a ``plan`` result at ``role``, of ``kinds``."""
     state, index = found
     return state.plan is plan and state.role == role and index == i and state.kind in kinds
 
@@ -203,9 +202,9 @@ def _made_here(found: tuple, i: int, *, plan: Plan, role: str, kinds: tuple[str,
 def _check_tag(
     found: tuple, i: int, *, plan: Plan, kinds: tuple[str, ...], paths: Sequence[str], what: str
 ) -> None:
-    """A tagged leaf ``i`` that is not exactly :func:`_made_here` (another position, say): a
-    leaf of another result (a whole tree's, given a unit of it) is the same leaf only if made
-    with the same spec and full shape, and of one of ``kinds``."""
+    """Refuse tagged leaf ``i``: another leaf, one made for another spec, or of another kind."""
+    # a leaf of another result (a whole tree's, given a unit of it) is the same leaf only if
+    # made with the same spec and full shape
     state, index = found
     path, made = paths[i], state.plan
     if made is plan and index != i and made.shapes[index] != plan.shapes[i]:

@@ -164,8 +164,7 @@ def shard_module(
 
 
 def _unit_keys(model: torch.nn.Module, units: Sequence[torch.nn.Module]) -> list[str]:
-    """The units' names in ``model``, in the order given (``model`` itself left out: the root
-    is a unit anyway); errors for a unit that is no submodule, inside another, or given twice."""
+    """The units' names in ``model``, in the order given, checked (``model`` itself left out)."""
     names = {}
     for name, m in model.named_modules(remove_duplicate=False):
         names.setdefault(id(m), name)
@@ -194,13 +193,12 @@ def _unit_keys(model: torch.nn.Module, units: Sequence[torch.nn.Module]) -> list
 
 @dataclass(eq=False)
 class _Owners:
-    """A model's parameters (by id, each once however often it is tied), their names, and the
-    unit that owns each: the one unit every name of it lies under, else the root."""
+    """A model's parameters by id (a tied one once), each one's names, and its owning unit."""
 
     keys: list[str]  # the units, in the order given
     params: dict[int, torch.nn.Parameter]
     names: dict[int, list[str]]
-    owner: dict[int, str]
+    owner: dict[int, str]  # the one unit every name of the parameter lies under, else the root
 
     def own(self, key: str) -> dict[str, torch.Tensor]:
         """Unit ``key``'s own parameters (detached), by their names relative to it."""
@@ -223,8 +221,7 @@ class _Owners:
 
 
 def _owners(model: torch.nn.Module, keys: list[str]) -> _Owners:
-    """Each parameter of ``model`` with its names and owning unit (see :class:`_Owners`);
-    refuses a parameter on the meta device."""
+    """Each parameter of ``model``, its names and owning unit; a meta parameter is refused."""
     fqns: dict[int, list[str]] = {}
     params: dict[int, torch.nn.Parameter] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -245,8 +242,7 @@ def _owners(model: torch.nn.Module, keys: list[str]) -> _Owners:
 def _parts(
     model: torch.nn.Module, owners: _Owners, spec_of: Callable
 ) -> tuple[_Part | None, list[_Part], dict[str, dict[str, torch.Tensor]]]:
-    """(the root's part or None, the units' parts, each part's full weights by key): a unit
-    that owns no parameter has no part (it runs as it is, on the root's weights if any)."""
+    """(the root's part or None, the units' parts, each part's full weights by unit key)."""
     parts = []
     full: dict[str, dict[str, torch.Tensor]] = {}
     for key, module in [(k, model.get_submodule(k)) for k in owners.keys]:
@@ -274,8 +270,7 @@ def _parts(
 
 
 def _to_meta(model: torch.nn.Module, params: dict[int, torch.nn.Parameter]) -> None:
-    """The module keeps meta stand-ins of its parameters (ties kept: one stand-in per
-    parameter)."""
+    """Replace ``model``'s parameters by meta stand-ins (ties kept: one per parameter)."""
     stand_ins = {
         pid: torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
         for pid, p in params.items()
@@ -401,13 +396,12 @@ def _check_options(into: Any, **flags: Any) -> None:
 
 
 def _root_weights(sharded: _Sharded, shards: dict, blocks: dict) -> dict:
-    """The root unit's full weights (gathered, held until its backward; none without a root),
-    the first unit's all-gather issued before the root's is waited."""
+    """The root's full weights ({} without a root), the first unit's all-gather issued first."""
     root, order = sharded.root, sharded.order
     if root is None:
         return {}
     root_block = blocks[ROOT]
-    if order:
+    if order:  # the first unit's all-gather is issued before the root's is waited
         key = sharded.parts[order[0]].key
         root_block._prefetch(shards[key], f"shards[{key!r}]")
     return root_block(shards[ROOT])

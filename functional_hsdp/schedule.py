@@ -181,8 +181,7 @@ def run(
 
 @dataclass(eq=False)
 class _RunState:
-    """One :func:`run` call's state: its buckets in flight (oldest first), its results, and
-    the gate while it is not called yet."""
+    """One :func:`run` call's state: buckets in flight (oldest first), results, uncalled gate."""
 
     mesh: Any
     sink: Callable[[int, torch.Tensor], None] | None
