@@ -159,22 +159,22 @@ def run(
     try:
         for b in range(n):
             while len(active) >= depth:  # finish the oldest to make room
-                state.finish(active.popleft())
+                state.run_to_end(active.popleft())
             bucket = _Bucket(b, source(b), programs[b])
-            if _advance(mesh, bucket, state.settle):
-                state.done(bucket)
+            if _advance(mesh, bucket, state.call_gate):
+                state.bucket_done(bucket)
             else:
                 active.append(bucket)
         while active:  # every bucket started: step-major rounds
             for bucket in list(active):
-                if _advance(mesh, bucket, state.settle):
+                if _advance(mesh, bucket, state.call_gate):
                     active.remove(bucket)
-                    state.done(bucket)
-        state.settle()
+                    state.bucket_done(bucket)
+        state.call_gate()
     except BaseException as exc:
-        state.abandon()
+        state.abandon_in_flight()
         if state.gates and isinstance(exc, Exception):
-            state.settle()  # an agreement error here is every rank's: raise it instead
+            state.call_gate()  # an agreement error here is every rank's: raise it instead
         raise
     return state.out
 
@@ -189,27 +189,27 @@ class _RunState:
     gates: list[Callable[[], None]]
     active: deque[_Bucket] = field(default_factory=deque)
 
-    def settle(self) -> None:
+    def call_gate(self) -> None:
         """Call the gate, the first time only."""
         if self.gates:
             self.gates.pop()()
 
-    def done(self, bucket: _Bucket) -> None:
+    def bucket_done(self, bucket: _Bucket) -> None:
         """A bucket's program ended: keep its result, or hand it to the sink."""
         if self.sink is None:
             self.out[bucket.index] = bucket.buf
         else:  # the sink changes state that outlives the call: agree first
             result = self.mesh.wait(bucket.buf)
-            self.settle()
+            self.call_gate()
             self.sink(bucket.index, result)
 
-    def finish(self, bucket: _Bucket) -> None:
+    def run_to_end(self, bucket: _Bucket) -> None:
         """Run a bucket's program to its end."""
-        while not _advance(self.mesh, bucket, self.settle):
+        while not _advance(self.mesh, bucket, self.call_gate):
             pass
-        self.done(bucket)
+        self.bucket_done(bucket)
 
-    def abandon(self) -> None:
+    def abandon_in_flight(self) -> None:
         """Abandon the collectives still in flight (an error leaks no buffers)."""
         for x in [*(bucket.buf for bucket in self.active), *self.out]:
             if x is not None:
