@@ -176,7 +176,7 @@ def tag(
         )
     refs = tuple(map(weakref.ref, leaves))
     pointers = tuple(map(_pointer, leaves)) if bufs is not None else ()
-    state = State(plan, role, kind, bufs, refs, pointers)
+    state = State(plan=plan, role=role, kind=kind, bufs=bufs, refs=refs, pointers=pointers)
     firsts, copies = _split(plan, role)
     roots = [leaves[i]._base for i in firsts]
     if any(root is None for root in roots):  # views without a base (inference_mode): per leaf

@@ -138,7 +138,7 @@ class Geometry(Protocol):
         """Every leaf's piece of a chunk ``buf``."""
 
     def join(
-        self, values: list[torch.Tensor], pieces: Any, dtype: torch.dtype, device: Any
+        self, values: list[torch.Tensor], pieces: Any, *, dtype: torch.dtype, device: Any
     ) -> torch.Tensor:
         """The inverse of :meth:`split`: a new chunk (zero tail) holding ``values``, of
         ``dtype`` on ``device`` (the bucket's: ``values`` may be empty)."""

@@ -172,7 +172,13 @@ class SimGeometry:
         valid = index < hi[..., owner]
         index = np.where(valid, index, length)
         views = bool(valid.all())
-        return _Pieces(_OnDevice(index), _OnDevice(valid), tuple(widths.tolist()), length, views)
+        return _Pieces(
+            index=_OnDevice(index),
+            valid=_OnDevice(valid),
+            widths=tuple(widths.tolist()),
+            length=length,
+            views=views,
+        )
 
     def piece_shapes(self, pieces: _Pieces) -> list[tuple[int, ...]]:
         return [(*self._mesh.batch_shape, w) for w in pieces.widths]
@@ -189,7 +195,7 @@ class SimGeometry:
         return list(torch.split(gathered, pieces.widths, dim=-1))
 
     def join(
-        self, values: list[torch.Tensor], pieces: _Pieces, dtype: torch.dtype, device: Any
+        self, values: list[torch.Tensor], pieces: _Pieces, *, dtype: torch.dtype, device: Any
     ) -> torch.Tensor:
         batch = self._mesh.batch_shape
         if pieces.views:  # no fill to drop: concatenate, and zero the chunk's tail
