@@ -121,7 +121,7 @@ def wait(plan: Plan, pending: list[Any]) -> list[torch.Tensor]:
 
 
 def finish(
-    plan: Plan, pending: list[Any], role: str, dtype: torch.dtype | None = None
+    plan: Plan, pending: list[Any], role: str, *, dtype: torch.dtype | None = None
 ) -> tuple[list[torch.Tensor], list]:
     """Wait for ``pending`` bucket results and unpack them at ``role``: (leaves in tree
     order, the bucket buffers they were unpacked from). ``dtype``: the buffers' dtype, if

@@ -280,7 +280,7 @@ def interleave(
 
 
 def spaced(
-    bucket: Bucket, parts: Sequence[torch.Tensor], lead: tuple[int, ...], dtype: torch.dtype
+    bucket: Bucket, parts: Sequence[torch.Tensor], lead: tuple[int, ...], *, dtype: torch.dtype
 ) -> Sequence[torch.Tensor]:
     """A block's flat parts (a leaf's, or a Shard(d) leaf's chunks, each ``(*lead, width)``)
     with the bucket's zeros between and after them: they concatenate to the block."""

@@ -228,6 +228,7 @@ def find_layout(
     leaves: list,
     treedef: optree.PyTreeSpec,
     paths: tuple[str, ...],
+    *,
     spec: Any,
     like: Any,
     roles: Sequence[str],

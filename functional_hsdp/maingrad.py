@@ -108,9 +108,9 @@ class MainGrad:
         self,
         spec: Any,
         like: Any,
+        *,
         dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype | None = None,
-        *,
         persistent: bool = True,
     ):
         check_bool("persistent", persistent)

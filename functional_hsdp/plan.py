@@ -323,7 +323,7 @@ class Plan:
 
     @torch.no_grad()
     def pack(
-        self, b: int, leaves: list[torch.Tensor], role: str, dtype: torch.dtype | None = None
+        self, b: int, leaves: list[torch.Tensor], role: str, *, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """A new buffer holding bucket ``b``'s leaves (local values at ``role``), in
         ``dtype`` (default: the bucket's): mixed precision casts while packing."""

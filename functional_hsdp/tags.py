@@ -161,7 +161,7 @@ def _split(plan: Any, role: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def tag(
-    leaves: list[torch.Tensor], plan: Any, role: str, kind: str, bufs: list | None = None
+    leaves: list[torch.Tensor], plan: Any, role: str, *, kind: str, bufs: list | None = None
 ) -> None:
     """Register ``leaves`` (one result, in tree order) with their state; ``bufs``: the bucket
     buffers they were unpacked from, remembered (weakly) where the leaves are views."""

@@ -363,3 +363,18 @@ def test_the_checks_can_fail():
         "pkg/b.py": ["pkg/b.py:6", "pkg/b.py:9", "pkg/b.py:10", "pkg/b.py:13", "pkg/b.py:18"],
     }
     assert "a positional True/False" in positional_calls(index)["pkg/b.py"][2]
+
+
+def test_maingrads_public_surface_is_what_the_readme_documents():
+    """``MainGrad``'s public methods and properties are those its README API row names, no
+    more (what the units need goes through the private ``mg._units``) and no fewer."""
+    import re
+
+    import functional_hsdp as fh
+
+    row = next(
+        line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `MainGrad(")
+    )
+    documented = set(re.findall(r"`(\w+)(?:\(\))?`", row.split("|")[2]))
+    public = {n for n in vars(fh.MainGrad) if not n.startswith("_")}
+    assert public == documented, (sorted(public - documented), sorted(documented - public))
