@@ -1,0 +1,233 @@
+"""The owner placement and per_matrix on SimMesh: every preset and its owned() form, against
+fn applied to each dense leaf; fn runs once per leaf; collectives per bucket, not per leaf."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import optree
+import pytest
+import torch
+from reference import AXES, STRATEGIES, accumulate, dense_reduce, max_error, preset, random_tree
+
+import functional_hsdp as fh
+from functional_hsdp.owner import balance, owner_of_slot
+
+MESHES = [(2, 2), (1, 4), (2, 3)]
+# matrices of several shapes: some span several Flat chunks, three share a shape, one is a
+# 3-D stack, "big" outweighs the others together on some meshes
+MATRICES = {
+    "a": (7, 3),
+    "z": (13, 11),
+    "l": [(4, 6), (4, 6), (4, 6)],
+    "e": (2, 3, 5),
+    "big": (40, 9),
+}
+
+
+def _mesh(shape) -> fh.SimMesh:
+    return fh.SimMesh(dict(zip(AXES, shape)))
+
+
+def _full(seed=0, shapes=MATRICES):
+    return random_tree((), seed=seed, shapes=shapes)
+
+
+def _fn(x):
+    """Needs the whole matrix: a product and its norm."""
+    return x @ x.mT @ x / (1 + x.norm(dim=(-2, -1), keepdim=True))
+
+
+class Counting:
+    """fn, counting the matrices it is given and recording each call's shape."""
+
+    def __init__(self, fn=_fn):
+        self.fn, self.matrices, self.calls = fn, 0, []
+
+    def __call__(self, x):
+        self.matrices += x.shape[0]
+        self.calls.append(tuple(x.shape))
+        return self.fn(x)
+
+
+def _specs(strategy, shape):
+    spec = preset(strategy, _mesh(shape))
+    return [spec, fh.owned(spec)]
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_per_matrix_equals_fn_of_each_dense_leaf_once(strategy, shape):
+    full = _full()
+    for spec in _specs(strategy, shape):
+        fn = Counting()
+        out = fh.per_matrix(fn, fh.shard(full, spec), spec)
+        ref = optree.tree_map(_fn, full)
+        assert max_error(fh.gather(out, spec), ref) < 1e-5
+        assert fn.matrices == len(optree.tree_leaves(full))  # once per leaf, whole mesh
+        # the three (4, 6) leaves share one call where they share a bucket (here: always)
+        assert (3, 4, 6) in fn.calls
+
+
+def test_per_matrix_on_a_final_reduce_grads_result_and_masked_leaves():
+    shape = (2, 2)
+    spec = preset("hsdp", _mesh(shape))
+    micro = [random_tree(shape, seed=m, shapes=MATRICES) for m in range(3)]
+    final = accumulate(micro, spec)
+    dense = dense_reduce(micro, len(shape))
+    tree = dict(final, a=fh.masked(final["a"]))
+    fn = Counting()
+    out = fh.per_matrix(fn, tree, spec)
+    assert isinstance(out["a"], fh.Masked) and fn.matrices == len(optree.tree_leaves(dense)) - 1
+    out["a"] = final["a"]  # (unchanged by per_matrix: only to gather the rest)
+    got = fh.gather(out, spec)
+    ref = optree.tree_map(lambda x: _fn(x.float()), dense)
+    assert (
+        max_error(
+            {k: v for k, v in got.items() if k != "a"}, {k: v for k, v in ref.items() if k != "a"}
+        )
+        < 1e-4
+    )
+
+
+@pytest.mark.parametrize("owned", [False, True], ids=["hsdp", "owned"])
+def test_collectives_per_bucket_not_per_leaf(owned):
+    spec = fh.hsdp(_mesh((2, 2)), *AXES, bucket_cap_mb=2000 * 4 / 2**20)  # ~2000 elements
+    spec = fh.owned(spec) if owned else spec
+    for n in (8, 32):
+        full = {f"w{k}": torch.randn(10, 12) for k in range(n)}
+        params = fh.shard(full, spec)
+        with fh.comm_log() as log:
+            fh.per_matrix(Counting(), params, spec)
+        buckets = math.ceil(n * 120 / (2000 * (4 if owned else 1)))
+        if owned:
+            assert log.events == []  # the leaves are at their owners already
+        else:  # one all-to-all there and one back per bucket, one all-gather over outer
+            assert log.count("all_to_all", "dp_inner") == 2 * buckets
+            assert log.count("all_gather", "dp_outer") == buckets
+            assert log.count() == 3 * buckets
+
+
+def test_a_leaf_of_fewer_than_two_dims_is_refused_with_its_path():
+    spec = fh.hsdp(_mesh((2, 2)), *AXES)
+    params = fh.shard({"w": torch.ones(3, 3), "norm": {"bias": torch.ones(3)}}, spec)
+    with pytest.raises(ValueError, match=re.escape("tree['norm']['bias']: per_matrix needs")):
+        fh.per_matrix(_fn, params, spec)
+
+
+def test_fn_must_return_the_shape_it_was_given():
+    spec = fh.ddp(_mesh((2, 2)))
+    params = fh.shard({"w": torch.ones(3, 4)}, spec)
+    with pytest.raises(ValueError, match=re.escape("tree['w']: per_matrix's fn must return")):
+        fh.per_matrix(lambda x: x.mT, params, spec)
+
+
+def test_on_a_non_data_parallel_axis_each_coordinate_runs_its_own():
+    mesh = fh.SimMesh({"tp": 2, "dp": 2})
+    for spec in (fh.fsdp(mesh, "dp"), fh.owned(fh.fsdp(mesh, "dp"))):
+        full = {"w": torch.randn(2, 1, 5, 4).expand(2, 2, 5, 4).contiguous()}  # per tp rank
+        fn = Counting()
+        out = fh.gather(fh.per_matrix(fn, fh.shard(full, spec, stacked=True), spec), spec)
+        assert fn.matrices == 2  # one per tp coordinate
+        torch.testing.assert_close(out["w"], _fn(full["w"]))
+
+
+# -- the owner layout ---------------------------------------------------------------------------
+
+
+def test_balance_gives_largest_first_to_the_least_loaded():
+    assert balance([4, 1, 3, 2], 2) == [0, 0, 1, 1]
+    sizes = [9, 7, 6, 5, 5, 4, 3, 2, 2, 1]
+    owner = balance(sizes, 3)
+    loads = [sum(s for s, k in zip(sizes, owner) if k == r) for r in range(3)]
+    assert max(loads) - min(loads) <= max(sizes)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_owned_spec_holds_each_leaf_whole_on_one_rank(strategy):
+    shape = (2, 3)
+    spec = fh.owned(preset(strategy, _mesh(shape)))
+    full = _full()
+    params = fh.shard(full, spec)
+    for leaf, ref in zip(optree.tree_leaves(params), optree.tree_leaves(full)):
+        rows = leaf.reshape(-1, leaf.shape[-1])
+        holders = [r for r in range(rows.shape[0]) if rows[r].abs().sum() > 0]
+        assert len(holders) == 1  # whole on one rank (zero fill on the others)
+        torch.testing.assert_close(rows[holders[0], : ref.numel()], ref.reshape(-1))
+
+
+def test_owner_buckets_are_balanced_and_start_at_their_chunks():
+    mesh = _mesh((2, 2))
+    spec = fh.owned(fh.hsdp(mesh, *AXES))
+    from functional_hsdp.lookup import plan_for
+
+    full = {f"w{k}": torch.zeros(8 * (k + 1), 16) for k in range(6)}
+    leaves, treedef = optree.tree_flatten(full)
+    paths = tuple(f"t{p}" for p in treedef.paths())
+    plan = plan_for(leaves, treedef, paths, (spec,) * 6, (0,) * 6, [x.shape for x in leaves])
+    (bucket,) = plan.buckets
+    chunk = bucket.padded // 4
+    loads = [0] * 4
+    for s in bucket.slots:
+        owner = owner_of_slot(bucket, s)
+        k = owner["dp_inner"] * 2 + owner["dp_outer"]  # split order (dp_inner, dp_outer)
+        assert k * chunk <= s.offset and s.offset + s.numel <= (k + 1) * chunk
+        loads[k] += s.numel
+    assert bucket.slots[0].offset == 0
+    assert max(loads) <= sum(loads) / 4 + max(s.numel for s in bucket.slots)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_owned_specs_reduce_grads_equal_the_dense_mean(strategy):
+    shape = (2, 2)
+    spec = fh.owned(preset(strategy, _mesh(shape)))
+    micro = [random_tree(shape, seed=m, shapes=MATRICES) for m in range(3)]
+    final = accumulate(micro, spec)
+    assert max_error(fh.gather(final, spec), dense_reduce(micro, 2)) < 1e-5
+    params = fh.sync_params(fh.shard(_full(), spec), spec)
+    assert max_error(fh.gather(params, spec), _full()) == 0
+
+
+def test_owned_hsdp_reduce_scatters_over_outer_where_hsdp_all_reduces():
+    """The cheap route: the last microbatch's outer collective is a reduce-scatter of the
+    inner chunk (HSDP: an all-reduce of it), sync_params an all-gather: an all-reduce's
+    wire bytes. Here the 8 leaves of one size split evenly: no padding."""
+    shape = (2, 2)
+    mesh = _mesh(shape)
+    shapes = {f"w{k}": (16, 16) for k in range(8)}
+    logs = {}
+    for name, spec in (("hsdp", fh.hsdp(mesh, *AXES)), ("owned", fh.owned(fh.hsdp(mesh, *AXES)))):
+        micro = [random_tree(shape, seed=m, shapes=shapes) for m in range(3)]
+        params = fh.shard(_full(shapes=shapes), spec)
+        with fh.comm_log() as log:
+            final = accumulate(micro, spec)
+            new = fh.sync_params(optree.tree_map(lambda p, g: p - g, params, final), spec)
+        logs[name] = log
+        assert (
+            max_error(
+                fh.gather(new, spec),
+                optree.tree_map(lambda p, g: p - g, _full(shapes=shapes), dense_reduce(micro, 2)),
+            )
+            < 1e-5
+        )
+    hsdp, owned = logs["hsdp"], logs["owned"]
+    assert hsdp.count("reduce_scatter", "dp_inner") == owned.count("reduce_scatter", "dp_inner")
+    assert hsdp.nbytes("reduce_scatter", "dp_inner") == owned.nbytes("reduce_scatter", "dp_inner")
+    assert [e.op for e in hsdp.events if e.axis == "dp_outer"] == ["all_reduce"]
+    assert [e.op for e in owned.events if e.axis == "dp_outer"] == ["reduce_scatter", "all_gather"]
+    chunk = hsdp.nbytes("all_reduce", "dp_outer")
+    assert owned.nbytes("reduce_scatter", "dp_outer") == chunk  # the inner chunk
+    assert owned.nbytes("all_gather", "dp_outer") == chunk // 2  # the owner's half of it
+
+
+def test_owner_only_in_the_optimizer_and_on_every_data_parallel_axis():
+    mesh = _mesh((2, 2))
+    R, F, P, Own = fh.Replicate(), fh.Flat(), fh.Partial("avg"), fh.Owner()
+    with pytest.raises(ValueError, match="every data-parallel axis"):
+        fh.Spec(mesh, [R, F], [P, F], [R, Own])
+    with pytest.raises(ValueError, match="optimizer placement only"):
+        fh.Spec(mesh, [R, Own], [P, F], [Own, Own])
+    with pytest.raises(NotImplementedError, match="Shard"):
+        fh.owned(fh.Spec(mesh, [R, fh.Shard(0)], [P, fh.Shard(0)], [R, fh.Shard(0)]))
+    assert fh.owned(fh.ddp(mesh)) == fh.owned(fh.ddp(mesh))
