@@ -9,7 +9,20 @@ import re
 import optree
 import pytest
 import torch
-from reference import AXES, STRATEGIES, accumulate, dense_reduce, max_error, preset, random_tree
+from reference import (
+    AXES,
+    MUON_SHAPES,
+    STRATEGIES,
+    accumulate,
+    dense_reduce,
+    fh_muon_adamw,
+    hidden,
+    max_error,
+    preset,
+    random_tree,
+    torch_muon_adamw,
+    torch_muon_in,
+)
 
 import functional_hsdp as fh
 from functional_hsdp.owner import balance, owner_of_slot
@@ -231,3 +244,117 @@ def test_owner_only_in_the_optimizer_and_on_every_data_parallel_axis():
     with pytest.raises(NotImplementedError, match="Shard"):
         fh.owned(fh.Spec(mesh, [R, fh.Shard(0)], [P, fh.Shard(0)], [R, fh.Shard(0)]))
     assert fh.owned(fh.ddp(mesh)) == fh.owned(fh.ddp(mesh))
+
+
+# -- muon and partition against torch.optim.Muon + torch.optim.AdamW -------------------------------
+
+MUON_KW, ADAMW_KW = {"lr": 0.02}, {"lr": 1e-3, "weight_decay": 0.01}
+NS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _muon_run(spec, microbatches, muon_kw, steps=3, shapes=MUON_SHAPES):
+    """fh.partition(muon, adamw) on ``spec`` and torch's Muon + AdamW on the dense mean
+    gradient, ``steps`` steps of ``microbatches``; returns both final parameter trees."""
+    shape = spec.mesh.batch_shape
+    full = random_tree((), seed=20, shapes=shapes)
+    params = fh.shard(full, spec)
+    opt = fh_muon_adamw(spec, muon_kw, ADAMW_KW)
+    state = opt.init(params)
+    torch_kw = {k: v for k, v in muon_kw.items() if k != "ns_dtype"}
+    dense, torch_step = torch_muon_adamw(full, torch_kw, ADAMW_KW)
+    for step in range(steps):
+        micro = [
+            random_tree(shape, seed=100 * step + m, shapes=shapes) for m in range(microbatches)
+        ]
+        micro = [optree.tree_map(lambda g: g / microbatches, g) for g in micro]
+        mean = dense_reduce(micro, len(shape))
+        for k, p in dense.items():
+            p.grad = mean[k].float()
+        updates, state = opt.update(accumulate(micro, spec), state, params)
+        params = fh.apply_updates(params, updates)
+        with torch_muon_in(muon_kw.get("ns_dtype", torch.bfloat16)):
+            torch_step()
+    assert state.inner["muon"].count == steps
+    return fh.gather(params, spec), {k: p.detach().double() for k, p in dense.items()}
+
+
+@pytest.mark.parametrize("ns", NS)
+@pytest.mark.parametrize("microbatches", [1, 3])
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp", "owned"])
+def test_muon_and_adamw_equal_torch_on_the_dense_mean_gradient(strategy, microbatches, ns):
+    mesh = _mesh((2, 2))
+    spec = fh.owned(preset("hsdp", mesh)) if strategy == "owned" else preset(strategy, mesh)
+    got, ref = _muon_run(spec, microbatches, dict(MUON_KW, ns_dtype=NS[ns]))
+    # bf16 Newton-Schulz sees the same bf16 inputs as torch's: both agree to fp32 roundoff
+    assert max_error(got, ref) < 5e-6
+
+
+def test_muon_options_equal_torch():
+    spec = preset("hfsdp", _mesh((2, 3)))
+    kw = dict(
+        lr=0.05,
+        weight_decay=0.2,
+        momentum=0.9,
+        nesterov=False,
+        ns_steps=4,
+        adjust_lr_fn="match_rms_adamw",
+        ns_coefficients=(3.0, -4.0, 2.0),
+        eps=1e-6,
+    )
+    got, ref = _muon_run(spec, 2, kw)
+    assert max_error(got, ref) < 5e-6
+
+
+def test_muon_orthogonalizes_a_stack_of_matrices_each_on_its_own():
+    """A 3-D leaf [E, M, N] is E matrices: as torch's Muon on each expert's matrix."""
+    spec = fh.owned(preset("hsdp", _mesh((2, 2))))
+    full = {"experts": torch.randn(3, 8, 12, generator=torch.Generator().manual_seed(1))}
+    params = fh.shard(full, spec)
+    opt = fh.muon(spec, lr=0.1, ns_dtype=torch.float32)
+    g = random_tree((2, 2), seed=5, shapes={"experts": (3, 8, 12)})
+    updates, _ = opt.update(fh.reduce_grads(g, spec, last=True), opt.init(params), params)
+    got = fh.gather(fh.apply_updates(params, updates), spec)["experts"][0, 0]
+    mean = dense_reduce([g], 2)["experts"].float()
+    experts = [e.clone().requires_grad_() for e in full["experts"]]
+    with torch_muon_in(torch.float32):
+        torch_opt = torch.optim.Muon(experts, lr=0.1)
+        for e, ge in zip(experts, mean):
+            e.grad = ge
+        torch_opt.step()
+    torch.testing.assert_close(got, torch.stack(experts).detach(), rtol=0, atol=5e-6)
+
+
+def test_muon_update_is_pure_and_refuses_a_bias():
+    spec = preset("hsdp", _mesh((2, 2)))
+    params = fh.shard({"w": torch.randn(6, 4)}, spec)
+    g = fh.reduce_grads({"w": torch.randn(2, 2, 6, 4)}, spec, last=True)
+    opt = fh.muon(spec)
+    state = opt.init(params)
+    inputs = optree.tree_leaves((g, state.momentum, params))
+    before = [x.clone() for x in inputs]
+    opt.update(g, state, params)
+    assert all(torch.equal(a, b) for a, b in zip(before, inputs))
+    bias = fh.shard({"b": torch.ones(6)}, spec)
+    gb = fh.reduce_grads({"b": torch.ones(2, 2, 6)}, spec, last=True)
+    with pytest.raises(ValueError, match=re.escape("tree['b']: per_matrix needs matrices")):
+        opt.update(gb, opt.init(bias), bias)
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        fh.muon(spec, adjust_lr_fn="other")
+
+
+def test_partition_labels_as_a_tree_equal_labels_as_a_callable():
+    spec = preset("hsdp", _mesh((2, 2)))
+    full = random_tree((), seed=3, shapes=MUON_SHAPES)
+    params = fh.shard(full, spec)
+    g = fh.reduce_grads(random_tree((2, 2), seed=4, shapes=MUON_SHAPES), spec, last=True)
+    by_tree = {k: hidden((k,)) for k in full}
+    results = []
+    for labels in (hidden, by_tree):
+        opt = fh.partition(
+            {"muon": fh.muon(spec, **MUON_KW), "adamw": fh.adamw(**ADAMW_KW)}, labels
+        )
+        results.append(opt.update(g, opt.init(params), params)[0])
+    assert all(torch.equal(a, b) for a, b in zip(*map(optree.tree_leaves, results)))
+    opt = fh.partition({"muon": fh.muon(spec)}, hidden)
+    with pytest.raises(ValueError, match=re.escape("params['b1']: label 'adamw' has no")):
+        opt.init(params)
