@@ -388,12 +388,13 @@ def _like_plan(like: Any, spec: Any) -> tuple[Plan, tuple[str, ...]]:
 
 
 def _loaded(
-    state: dict, plan: Plan, shapes: list[Form], name: str, present: list[bool]
+    state: dict, plan: Plan, shapes: list[Form], name: str, present: list[bool] | None = None
 ) -> list[torch.Tensor]:
     """Each leaf's loaded local tensor from ``state``, checked against ``plan`` (a masked
     leaf: zeros of its checkpoint shape, never read)."""
     paths = _paths(plan)
     keys = _keys(plan.treedef, paths)
+    present = [True] * len(keys) if present is None else present
     for key, path, kept in zip(keys, paths, present):
         if kept and key not in state:
             raise ValueError(f"{name}: has no entry {key!r} for {path}")
