@@ -80,9 +80,10 @@ def owner_bucket(run: list[Slot], spec: Spec, unit: int, dtype: torch.dtype, dev
     """A bucket of ``run`` laid out owner-major over ``spec``'s split order.
 
     Owner k's chunk is ``[k C, (k + 1) C)``, C the largest owner's leaves (each at an aligned
-    offset); the bucket is ``n C`` long. Chunk 0 is never empty (a bucket's first leaf is at
-    offset 0); the others are rotated by the run's first leaf index, so that the heaviest
-    chunk of every bucket is not always the same rank's.
+    offset); the bucket is ``n C`` long. Owners are numbered heaviest first, so chunk 0 is
+    never empty (a bucket's first leaf is at offset 0). The layout depends on the run's
+    leaves alone (their sizes and order), never on where they sit in a larger tree: a unit's
+    buckets are the same seen alone (as a gathered unit looks them up) or in the whole tree.
     """
     n = math.prod(spec.mesh.size(a) for a in spec.split_order)
     widths = [_aligned(s.numel) for s in run]
@@ -90,9 +91,7 @@ def owner_bucket(run: list[Slot], spec: Spec, unit: int, dtype: torch.dtype, dev
     loads = [0] * n
     for k, w in zip(owner, widths):
         loads[k] += w
-    full = sorted((k for k in range(n) if loads[k]), key=lambda k: (-loads[k], k))
-    shift = run[0].index % len(full)
-    order = full[shift:] + full[:shift] + [k for k in range(n) if not loads[k]]
+    order = sorted(range(n), key=lambda k: (-loads[k], k))
     label = {k: r for r, k in enumerate(order)}
     chunk, cursor, slots = max(loads), [0] * n, []
     for s, k, w in zip(run, owner, widths):
@@ -196,15 +195,17 @@ def _merged(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 class Rearrange:
     """A local step ``(bucket, buf) -> buf``: every rank's new buffer made of runs of its
-    old one (and zeros), ``length`` long; one ``torch.cat`` for all the ranks held."""
+    old one (``source`` long) and zeros, ``length`` long; one ``torch.cat`` for all the ranks
+    held. ``identity``: it would return its input as it is (then it is left out)."""
 
-    def __init__(self, mesh: Any, runs: dict[Rank, list], length: int):
+    def __init__(self, mesh: Any, runs: dict[Rank, list], length: int, *, source: int):
         self.batch, self.length = mesh.batch_shape, length
         self.items = [(i, _merged(r)) for i, r in local_items(mesh, runs)]
         tails = [length - sum(n for _, n in r) for _, r in self.items]
         fills = [n for _, r in self.items for s, n in r if s < 0]
         self.zeros = max([*tails, *fills, 0])
-        self.identity = all(r in ((), ((0, length),)) for _, r in self.items) and not any(tails)
+        whole = all(r in ((), ((0, length),)) for _, r in self.items) and not any(tails)
+        self.identity = whole and source == length
 
     def __call__(self, b: int, buf: torch.Tensor) -> torch.Tensor:
         zeros = buf.new_zeros(self.zeros)
@@ -287,13 +288,14 @@ class _Planner:
             ]
             for r in self.ranks
         }
-        there, stages, held = [], [], keep
+        there, stages, held, source = [], [], keep, self.placed.length
         for a in self.flat:
-            stage = self._exchange(a, held)
+            stage = self._exchange(a, held, source)
             there += [stage["pre"], stage["step"]]
             stages.append(stage)
             held = {r: _packed(segs) for r, segs in stage["recv"].items()}
-        leaves, length, final = self._final(held)
+            source = stage["step"].length
+        leaves, length, final = self._final(held, source)
         there.append(final)
         back, base = self._back(stages, held, leaves, length)
         back += self._merge(base)
@@ -302,7 +304,7 @@ class _Planner:
         routed = frozenset(j for j, o in enumerate(self.owner) if o is not None)
         return BucketRoute(there, back, leaves, length, routed)
 
-    def _exchange(self, a: str, held: dict) -> dict:
+    def _exchange(self, a: str, held: dict, source: int) -> dict:
         """Stage of axis ``a``: order each rank's pieces by their owner's coordinate on ``a``
         (a Rearrange), send them there (an Exchange)."""
         d, n = self.dim[a], self.mesh.size(a)
@@ -322,12 +324,12 @@ class _Planner:
         length_in = int(counts.sum(-1).max(initial=0))
         length_out = max((sum(hi - lo for _, lo, hi in g) for g in recv.values()), default=0)
         runs = {r: [(p, g[2] - g[1]) for g, p in segs] for r, segs in send.items()}
-        pre = Rearrange(self.mesh, runs, length_in)
+        pre = Rearrange(self.mesh, runs, length_in, source=source)
         step = Exchange("all_to_all", a, None, n, counts=counts, length=length_out)
         sent = {r: [g for g, _ in segs] for r, segs in send.items()}
         return {"pre": pre, "step": step, "send": sent, "recv": recv, "in": length_in}
 
-    def _final(self, held: dict) -> tuple[dict, int, Rearrange]:
+    def _final(self, held: dict, source: int) -> tuple[dict, int, Rearrange]:
         """Each owner's pieces joined into its whole leaves, at aligned offsets."""
         slots, leaves, runs = self.bucket.slots, {}, {}
         for r in self.ranks:
@@ -344,7 +346,7 @@ class _Planner:
                 leaves[r].append((j, offset))
                 offset += _aligned(slots[j].numel)
         length = max((sum(n for _, n in x) for x in runs.values()), default=0)
-        return leaves, length, Rearrange(self.mesh, runs, length)
+        return leaves, length, Rearrange(self.mesh, runs, length, source=source)
 
     def _back(self, stages: list, held: dict, leaves: dict, length: int) -> tuple[list, dict]:
         """The reverse exchanges, from the owners' buffers; returns the items and the
@@ -354,11 +356,8 @@ class _Planner:
             return [], {"at": at, "length": length}
         offsets = {r: dict(leaves[r]) for r in self.ranks}
         runs = {r: [(offsets[r][j] + lo, hi - lo) for (j, lo, hi), _ in held[r]] for r in held}
-        items = [
-            Rearrange(
-                self.mesh, runs, max((sum(n for _, n in x) for x in runs.values()), default=0)
-            )
-        ]
+        longest = max((sum(n for _, n in x) for x in runs.values()), default=0)
+        items = [Rearrange(self.mesh, runs, longest, source=length)]
         for t in range(len(stages) - 1, -1, -1):
             stage, a = stages[t], stages[t].get("step").axis
             d = self.dim[a]
@@ -379,7 +378,9 @@ class _Planner:
                     r: [(position[r][(j, lo)], hi - lo) for j, lo, hi in prev[r]]
                     for r in self.ranks
                 }
-                items.append(Rearrange(self.mesh, runs, stages[t - 1]["step"].length))
+                items.append(
+                    Rearrange(self.mesh, runs, stages[t - 1]["step"].length, source=stage["in"])
+                )
         return items, {"at": position, "length": stages[0]["in"]}
 
     def _merge(self, base: dict) -> list:
@@ -400,7 +401,8 @@ class _Planner:
                 src = block * base["length"] + base["at"][tuple(member)][(j, lo)]
                 runs[r] += [(-1, p - end), (src, hi - lo)]
                 end = p + hi - lo
-        return [*items, Rearrange(mesh, runs, self.placed.length)]
+        source = math.prod(mesh.size(a) for a in self.rep) * base["length"]
+        return [*items, Rearrange(mesh, runs, self.placed.length, source=source)]
 
 
 def _packed(segs: list[Seg]) -> list[tuple[Seg, int]]:

@@ -358,3 +358,147 @@ def test_partition_labels_as_a_tree_equal_labels_as_a_callable():
     opt = fh.partition({"muon": fh.muon(spec)}, hidden)
     with pytest.raises(ValueError, match=re.escape("params['b1']: label 'adamw' has no")):
         opt.init(params)
+
+
+# -- every loop: MainGrad, the layer-wise loop with into=MainGrad --------------------------------
+
+
+def test_muon_on_a_maingrad_equals_torch():
+    """The whole-tree loop with persistent main grads: MainGrad.accumulate, then the
+    optimizer on mg.grads, on the cheap route."""
+    shape = (2, 2)
+    spec = fh.owned(preset("hsdp", _mesh(shape)))
+    full = random_tree((), seed=20, shapes=MUON_SHAPES)
+    params = fh.shard(full, spec)
+    mg = fh.MainGrad(spec, like=full)
+    opt = fh_muon_adamw(spec, MUON_KW, ADAMW_KW)
+    state = opt.init(params)
+    dense, torch_step = torch_muon_adamw(full, MUON_KW, ADAMW_KW)
+    for step in range(2):
+        micro = [random_tree(shape, seed=100 * step + m, shapes=MUON_SHAPES) for m in range(3)]
+        micro = [optree.tree_map(lambda g: g / 3, g) for g in micro]
+        for g, last in fh.microbatches(micro):
+            mg.accumulate(g, last=last)
+        updates, state = opt.update(mg.grads, state, params)
+        params = fh.apply_updates(params, updates)
+        mg.zero_grad()
+        mean = dense_reduce(micro, 2)
+        for k, p in dense.items():
+            p.grad = mean[k].float()
+        torch_step()
+    ref = {k: p.detach().double() for k, p in dense.items()}
+    assert max_error(fh.gather(params, spec), ref) < 5e-6
+
+
+def _lw_label(path, leaf=None) -> str:
+    return "muon" if path[-1] in ("qkv", "o", "up", "down") else "adamw"
+
+
+def _lw_dense(steps: int, microbatches: int, ranks: int) -> dict:
+    """torch.optim.Muon (block matrices) + AdamW (tied embedding, norms) on the dense mean
+    gradient of lw_problem's transformer."""
+    import lw_problem as lw
+
+    params = lw.init()
+    leaves, treedef = optree.tree_flatten(params)
+    dense = [x.clone().requires_grad_() for x in leaves]
+    labels = [_lw_label(p) for p in treedef.paths()]
+    muon = torch.optim.Muon([p for p, k in zip(dense, labels) if k == "muon"], **MUON_KW)
+    adamw = torch.optim.AdamW([p for p, k in zip(dense, labels) if k == "adamw"], **ADAMW_KW)
+    for step in range(steps):
+        tree = optree.tree_unflatten(treedef, dense)
+        loss = sum(
+            lw.dense_loss(tree, ids, targets) / microbatches / ranks
+            for r in range(ranks)
+            for ids, targets in lw.batches(r, microbatches, step)
+        )
+        loss.backward()
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+    return optree.tree_unflatten(treedef, [p.detach().double() for p in dense])
+
+
+@pytest.mark.parametrize("owned", [False, True], ids=["hsdp", "owned"])
+def test_muon_in_the_layerwise_loop_into_a_maingrad_equals_torch(owned):
+    """Units gathered inside the loss, gradients reduced into a MainGrad in backward, the
+    optimizer on mg.grads; main weights at the optimizer placement, the forward's shards
+    from sync_params (owned: an all-gather over the outer axis, as hfsdp)."""
+    import lw_problem as lw
+
+    shape, steps, microbatches = (2, 2), 2, 2
+    mesh = _mesh(shape)
+    spec = fh.hsdp(mesh, *AXES)
+    spec = fh.owned(spec) if owned else spec
+    tree_spec = {"embed": spec, "blocks": [spec] * 2}
+    full = lw.init()
+    main = fh.shard(full, tree_spec)
+    mg = fh.MainGrad(tree_spec, like=full)
+    emb, out, blk = (
+        fh.gathered(fh.per_rank(f, mesh), spec, into=mg) for f in (lw.embed, lw.head, lw.block)
+    )
+    ce = fh.per_rank(lw.ce, mesh)
+
+    def loss_fn(shards, ids, targets):
+        h = fh.sequence(blk, shards["blocks"], emb(shards["embed"], ids))
+        return ce(out(shards["embed"], h), targets).sum() / microbatches
+
+    opt = fh.partition(
+        {"muon": fh.muon(tree_spec, **MUON_KW), "adamw": fh.adamw(**ADAMW_KW)}, _lw_label
+    )
+    state = opt.init(main)
+    for step in range(steps):
+        shards = fh.sync_params(main, tree_spec)
+        batches = lw.mesh_batches(mesh, microbatches, step)
+        for (ids, targets), _ in fh.microbatches(batches, into=mg):
+            torch.func.grad(loss_fn)(shards, ids, targets)
+        mg.finish()
+        updates, state = opt.update(mg.grads, state, main)
+        main = fh.apply_updates(main, updates)
+        mg.zero_grad()
+    ref = _lw_dense(steps, microbatches, math.prod(shape))
+    assert lw.max_rel_error(fh.gather(main, tree_spec), ref, shape) < 2e-5
+
+
+def _wire(event: fh.Event, n: int) -> float:
+    """Bytes a rank sends for one collective over n ranks (ring algorithms): an all-reduce
+    2 (n - 1) / n of its input, a reduce-scatter (n - 1) / n, an all-gather (n - 1) times."""
+    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1}
+    return event.nbytes * factor[event.op]
+
+
+def test_a_muon_step_on_owned_hsdp_moves_adamw_hsdps_bytes_over_outer():
+    """The whole step (3 microbatches, the optimizer, the weights back to the parameter
+    placement): Muon on owned(hsdp) sends over dp_outer what AdamW on hsdp sends (a
+    reduce-scatter and an all-gather where HSDP all-reduces), and over dp_inner the same
+    reduce-scatters; its optimizer itself communicates nothing."""
+    shape = (2, 2)
+    mesh = _mesh(shape)
+    shapes = {f"w{k}": (32, 16) for k in range(8)}  # 8 equal matrices: no owner padding
+    micro = [random_tree(shape, seed=m, shapes=shapes) for m in range(3)]
+    logs = {}
+    for name in ("adamw", "muon"):
+        spec = fh.hsdp(mesh, *AXES)
+        spec, opt = (
+            (fh.owned(spec), fh.muon(fh.owned(spec)))
+            if name == "muon"
+            else (spec, fh.adamw(lr=1e-3))
+        )
+        params = fh.shard(_full(shapes=shapes), spec)
+        state = opt.init(params)
+        with fh.comm_log() as log:
+            grads = accumulate(micro, spec)
+            with fh.comm_log() as in_update:
+                updates, state = opt.update(grads, state, params)
+            fh.sync_params(fh.apply_updates(params, updates), spec)
+        assert in_update.events == []
+        logs[name] = log
+    outer = {
+        k: sum(_wire(e, 2) for e in log.events if e.axis == "dp_outer") for k, log in logs.items()
+    }
+    assert outer["muon"] == outer["adamw"] > 0
+    inner = {
+        k: [(e.op, e.numel) for e in log.events if e.axis == "dp_inner"] for k, log in logs.items()
+    }
+    assert inner["muon"] == inner["adamw"] == [("reduce_scatter", 8 * 512)] * 3

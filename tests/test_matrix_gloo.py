@@ -179,3 +179,78 @@ def test_partition_state_checkpoints_and_resumes_on_another_mesh(pool, tmp_path)
         for k in ref:
             assert torch.equal(out[(2, 2)][k], ref[k]), k
             torch.testing.assert_close(out[(1, 4)][k], ref[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+# -- an existing nn.Module: shard_module + functional_call into a MainGrad ------------------------
+
+
+def _net():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(16, 1))
+
+
+def _net_batches(step: int, rank: int) -> list:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(2, 5, 6, generator=gen)
+    return [(xm, torch.sin(xm.sum(-1, keepdim=True))) for xm in x]
+
+
+def _module_task(owned: bool):
+    """The module's own forward through fh.functional_call, gradients into a MainGrad, Muon
+    on the Linear weights (but the last, a row) and AdamW on the rest; main weights at the
+    optimizer placement, the forward's shards from sync_params."""
+    import torch.distributed as dist
+
+    net = _net()
+    spec = fh.hsdp(dist_mesh(), *AXES)
+    spec = fh.owned(spec) if owned else spec
+    main, tree_spec = fh.shard_module(net, spec, units=[net[0], net[2]])
+    mg = fh.MainGrad(tree_spec, like=main)
+    labels = lambda path, leaf: "muon" if path[-1] == "weight" and path[0] else "adamw"  # noqa: E731
+    opt = fh.partition(
+        {"muon": fh.muon(tree_spec, **MUON_KW), "adamw": fh.adamw(**ADAMW_KW)}, labels
+    )
+    state = opt.init(main)
+    loss = lambda s, x, y: (
+        torch.nn.functional.mse_loss(  # noqa: E731
+            fh.functional_call(net, s, (x,), into=mg), y
+        )
+        / 2
+    )
+    for step in range(2):
+        shards = fh.sync_params(main, tree_spec)
+        for (x, y), _ in fh.microbatches(_net_batches(step, dist.get_rank()), into=mg):
+            torch.func.grad(loss)(shards, x, y)
+        mg.finish()
+        updates, state = opt.update(mg.grads, state, main)
+        main = fh.apply_updates(main, updates)
+        mg.zero_grad()
+    full = fh.gather(main, tree_spec)
+    return {f"{unit}.{k}" if unit else k: v for unit, ps in full.items() for k, v in ps.items()}
+
+
+def _module_dense() -> dict:
+    net = _net()
+    named = dict(net.named_parameters())
+    hidden = [p for k, p in named.items() if k in ("0.weight", "2.weight")]
+    rest = [p for k, p in named.items() if k not in ("0.weight", "2.weight")]
+    muon, adamw = torch.optim.Muon(hidden, **MUON_KW), torch.optim.AdamW(rest, **ADAMW_KW)
+    for step in range(2):
+        for r in range(4):
+            for x, y in _net_batches(step, r):
+                (torch.nn.functional.mse_loss(net(x), y) / 2 / 4).backward()
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+    return {k: p.detach() for k, p in named.items()}
+
+
+@pytest.mark.parametrize("owned", [False, True], ids=["hsdp", "owned"])
+def test_muon_through_shard_module_and_functional_call_equals_torch(pool, owned):
+    ref = _module_dense()
+    for got in pool.run(_module_task, owned):
+        assert sorted(got) == sorted(ref)
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=0, atol=5e-6, msg=k)
