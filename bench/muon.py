@@ -40,23 +40,11 @@ from . import common as C
 from . import module as B13
 from .module import _data, _loss, _warm_modules
 
+# B13's sizes; the MLP tiny with 8 blocks (two units of 4), full with batch 256 (tokens per
+# step for Newton-Schulz to be amortized over, as in training); 3 timed repetitions
 SIZES = {
-    "tiny": {
-        "llama": {"V": 128, "D": 32, "L": 2, "heads": 4, "T": 16, "B": 2},
-        "mlp": {"D": 64, "L": 8, "B": 4},
-        "M": 2,
-        "warmup": 1,
-        "reps": 1,
-        "fresh": False,
-    },
-    "full": {
-        "llama": {"V": 2048, "D": 256, "L": 4, "heads": 8, "T": 64, "B": 4},
-        "mlp": {"D": 1024, "L": 8, "B": 256},
-        "M": 2,
-        "warmup": 1,
-        "reps": 3,
-        "fresh": True,
-    },
+    "tiny": {**B13.SIZES["tiny"], "mlp": {"D": 64, "L": 8, "B": 4}},
+    "full": {**B13.SIZES["full"], "mlp": {"D": 1024, "L": 8, "B": 256}, "reps": 3},
 }
 MODELS = ("llama", "mlp")
 VARIANTS = ("adamw", "muon", "naive")
