@@ -327,18 +327,10 @@ def _goals(res: dict) -> dict:
     return goals
 
 
-def report(res: dict, command: str, when: str) -> str:
+def _intro(res: dict) -> str:
     cfg = res["cfg"]
-    lines = [
-        C.section_header(
-            "(B16) Matrix optimizers: fh.muon on the owner placement versus fh.adamw and the "
-            "naive route (4 gloo processes, 2x2 mesh)",
-            command,
-            when,
-        )
-    ]
     ll, mlp = cfg["llama"], cfg["mlp"]
-    lines.append(
+    return (
         f"Models (B13's): `llama` = `LlamaForCausalLM` (vocab {ll['V']}, hidden {ll['D']}, "
         f"{ll['L']} layers, {res['numel']['llama']:,} parameters), batch {ll['B']} x {ll['T']} "
         f"tokens per microbatch, units = the decoder layers; `mlp` = {mlp['L']} x "
@@ -351,52 +343,54 @@ def report(res: dict, command: str, when: str) -> str:
         "the timed steps); *dense* is the naive route's (every rank orthogonalizes every "
         "matrix). Bytes: one untimed step under `fh.comm_log`, per axis: each op's input "
         "bytes per rank, and the bytes a rank sends with ring algorithms. Memory: as B13."
+        f"\n\n1-minute load average (4 busy ranks make about 4): time "
+        f"{res['load']['time'][0]:.2f} / {res['load']['time'][1]:.2f}, memory "
+        f"{res['load']['memory'][0]:.2f} / {res['load']['memory'][1]:.2f}.\n"
     )
-    lines.append(
-        f"\n1-minute load average (4 busy ranks make about 4): time {res['load']['time'][0]:.2f}"
-        f" / {res['load']['time'][1]:.2f}, memory {res['load']['memory'][0]:.2f} / "
-        f"{res['load']['memory'][1]:.2f}.\n"
-    )
-    for k in MODELS:
-        rows = []
-        for v in VARIANTS:
-            key = f"{k}/{v}"
-            axes = res["wire"][key]
-            ns = res["ns"][key]
-            rows.append(
-                [
-                    f"`{v}`",
-                    _LABEL[v],
-                    res["median"][key],
-                    f"{res['median'][key] / res['median'][f'{k}/adamw']:.2f}",
-                    f"{max(ns):.3f} / {min(ns):.3f}" if v != "adamw" else "-",
-                    *(
-                        ", ".join(
-                            f"{op} {C.mib(b)}"
-                            for op, b in sorted(axes.get(a, {}).get("input", {}).items())
-                        )
-                        + f" (sends {C.mib(axes.get(a, {}).get('wire', 0.0))})"
-                        for a in C.AXES
-                    ),
-                    C.mib(res["mem"][key]),
-                ]
-            )
-        lines.append(f"\n**{k}**\n")
-        lines.append(
-            C.table(
-                [
-                    "variant",
-                    "what",
-                    "median step (s)",
-                    "vs adamw",
-                    "Newton-Schulz s/step, slowest / fastest rank",
-                    "dp_outer MiB per rank (sent)",
-                    "dp_inner MiB per rank (sent)",
-                    "peak above idle (MiB)",
-                ],
-                rows,
-            )
+
+
+def _bytes(axes: dict, axis: str) -> str:
+    """An axis's input MiB per op, and what a rank sends."""
+    per_op = axes.get(axis, {}).get("input", {})
+    text = ", ".join(f"{op} {C.mib(b)}" for op, b in sorted(per_op.items()))
+    return f"{text} (sends {C.mib(axes.get(axis, {}).get('wire', 0.0))})"
+
+
+def _table(res: dict, k: str) -> str:
+    rows = []
+    for v in VARIANTS:
+        key, ns = f"{k}/{v}", res["ns"][f"{k}/{v}"]
+        rows.append(
+            [
+                f"`{v}`",
+                _LABEL[v],
+                res["median"][key],
+                f"{res['median'][key] / res['median'][f'{k}/adamw']:.2f}",
+                f"{max(ns):.3f} / {min(ns):.3f}" if v != "adamw" else "-",
+                *(_bytes(res["wire"][key], a) for a in C.AXES),
+                C.mib(res["mem"][key]),
+            ]
         )
+    header = [
+        "variant",
+        "what",
+        "median step (s)",
+        "vs adamw",
+        "Newton-Schulz s/step, slowest / fastest rank",
+        "dp_outer MiB per rank (sent)",
+        "dp_inner MiB per rank (sent)",
+        "peak above idle (MiB)",
+    ]
+    return f"\n**{k}**\n\n" + C.table(header, rows)
+
+
+def report(res: dict, command: str, when: str) -> str:
+    title = (
+        "(B16) Matrix optimizers: fh.muon on the owner placement versus fh.adamw and the "
+        "naive route (4 gloo processes, 2x2 mesh)"
+    )
+    lines = [C.section_header(title, command, when), _intro(res)]
+    lines += [_table(res, k) for k in MODELS]
     lines.append("")
     for name, (value, goal) in res["goals"].items():
         met = abs(value - goal) < 1e-9 if "=" in name and "<=" not in name else value <= goal
