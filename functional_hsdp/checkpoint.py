@@ -388,7 +388,7 @@ def _like_plan(like: Any, spec: Any) -> tuple[Plan, tuple[str, ...]]:
 
 
 def _loaded(
-    state: dict, plan: Plan, shapes: list[Form], name: str, present: list[bool] | None = None
+    state: dict, plan: Plan, shapes: list[Form], name: str, *, present: list[bool] | None = None
 ) -> list[torch.Tensor]:
     """Each leaf's loaded local tensor from ``state``, checked against ``plan`` (a masked
     leaf: zeros of its checkpoint shape, never read)."""
@@ -454,7 +454,7 @@ def _load_tree(state: dict, spec: Any, like: Any, name: str) -> Any:
     with validate.agreement(spec, "load_state_dict") as agreed:
         plan, paths = _like_plan(like, spec)
         shapes = forms(plan)
-        local = _loaded(state, plan, shapes, name, present)
+        local = _loaded(state, plan, shapes, name, present=present)
         agreed.check(plan, paths)
     out = from_checkpoint(plan, local, shapes)
     tag(out, plan, ROLE, "weights")

@@ -243,7 +243,7 @@ def find_layout(
         # first, since local shapes alone may fit several layouts (a rank holding no piece
         # of a unit: every local shape is (0,))
         hint = None if None in found else tuple(f[0].plan.shapes[f[1]] for f in found)
-        return _by_shapes(leaves, treedef, paths, specs, units, like, roles, kinds, name, hint)
+        return _by_shapes(leaves, treedef, paths, specs, units, like, roles, kinds, name, hint=hint)
     # untagged local shards (an optimizer's new tensors, say): found once per metadata
     key = (treedef, tuple(map(_META, leaves)), specs, units, tuple(roles), kinds, name)
     if key not in _FOUND:
@@ -276,7 +276,7 @@ def _matches(state: Any, treedef, specs, units, roles: Sequence[str]) -> bool:
 
 
 def _by_shapes(
-    leaves, treedef, paths, specs, units, like, roles, kinds, name, hint=None
+    leaves, treedef, paths, specs, units, like, roles, kinds, name, *, hint=None
 ) -> tuple[Plan, str]:
     """The first layout whose local shapes the leaves have: from ``like``'s full shapes, or
     from ``hint`` and then the full shapes of trees of this structure this process has

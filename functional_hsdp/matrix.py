@@ -173,10 +173,13 @@ def per_matrix(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any, spec: Any)
     in_owner = tuple(p and plan.specs[i].owner_axes != () for i, p in enumerate(present))
     elsewhere = tuple(p and not o for p, o in zip(present, in_owner))
     if any(elsewhere):
-        _routed(fn, plan, leaves, paths, route(plan, elsewhere), out, gate=agreed.settle)
+        routes = route(plan, elsewhere)
+        _routed(
+            fn, plan=plan, leaves=leaves, paths=paths, routes=routes, out=out, gate=agreed.settle
+        )
     agreed.settle()
     if any(in_owner):
-        _in_place(fn, plan, leaves, paths, in_owner, out)
+        _in_place(fn, plan=plan, leaves=leaves, paths=paths, which=in_owner, out=out)
     leaves_in = optree.tree_flatten(tree, is_leaf=_is_masked)[0]
     out = [x if p else m for x, p, m in zip(out, present, leaves_in)]
     return optree.tree_unflatten(treedef, out)
@@ -218,7 +221,7 @@ def _apply(fn: Callable, items: list[tuple[torch.Tensor, torch.Tensor, str]]) ->
             dst.copy_(r)
 
 
-def _in_place(fn, plan: Plan, leaves: list, paths, which: tuple, out: list) -> None:
+def _in_place(fn, *, plan: Plan, leaves: list, paths, which: tuple, out: list) -> None:
     """Leaves of Owner specs: each is whole on its owner already."""
     mesh, items = plan.mesh, []
     names = mesh.axis_names
@@ -243,13 +246,13 @@ def _ranks(mesh: Any) -> list[tuple]:
     return list(np.ndindex(*mesh.sizes))
 
 
-def _routed(fn, plan: Plan, leaves: list, paths, routes: list, out: list, *, gate) -> None:
+def _routed(fn, *, plan: Plan, leaves: list, paths, routes: list, out: list, gate) -> None:
     """Leaves of other specs: to their owners and back, bucket by bucket (fn runs on a
     bucket as soon as it arrived, while later buckets are in flight)."""
     chosen = [b for b, r in enumerate(routes) if r is not None]
     programs = []
     for b in chosen:
-        at_owner = functools.partial(_at_owner, fn, plan, b, routes[b], paths)
+        at_owner = functools.partial(_at_owner, fn=fn, plan=plan, b=b, r=routes[b], paths=paths)
         programs.append([*routes[b].there, at_owner, *routes[b].back])
     source = lambda k: plan.pack(chosen[k], leaves, "optimizer")  # noqa: E731
     results = run(plan.mesh, programs, source, gate=gate)
@@ -267,7 +270,7 @@ def _routed(fn, plan: Plan, leaves: list, paths, routes: list, out: list, *, gat
                 out[bucket.slots[j].index] = piece
 
 
-def _at_owner(fn, plan: Plan, b: int, r: BucketRoute, paths, _k: int, buf: torch.Tensor):
+def _at_owner(_k: int, buf: torch.Tensor, *, fn, plan: Plan, b: int, r: BucketRoute, paths):
     bucket, items = plan.buckets[b], []
     for idx, mine in local_items(plan.mesh, r.leaves):
         row = buf[idx]
@@ -357,7 +360,7 @@ def _orthogonalized(x: torch.Tensor, *, ns: dict, adjust_lr_fn: str | None) -> t
     return newton_schulz(x, **ns).to(x.dtype) * ratio
 
 
-def _check_muon(lr, weight_decay, momentum, ns_coefficients, eps, ns_steps, adjust_lr_fn):
+def _check_muon(*, lr, weight_decay, momentum, ns_coefficients, eps, ns_steps, adjust_lr_fn):
     for name, value in (
         ("lr", lr),
         ("weight_decay", weight_decay),
@@ -377,6 +380,7 @@ def _check_muon(lr, weight_decay, momentum, ns_coefficients, eps, ns_steps, adju
 def muon(
     spec: Any,
     lr: float = 1e-3,
+    *,
     weight_decay: float = 0.1,
     momentum: float = 0.95,
     nesterov: bool = True,
@@ -422,7 +426,15 @@ def muon(
         >>> fh.gather(new, spec)["w"].shape, isinstance(state, fh.MuonState), state.count
         (torch.Size([2, 2, 4, 4]), True, 1)
     """
-    _check_muon(lr, weight_decay, momentum, ns_coefficients, eps, ns_steps, adjust_lr_fn)
+    _check_muon(
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        ns_coefficients=ns_coefficients,
+        eps=eps,
+        ns_steps=ns_steps,
+        adjust_lr_fn=adjust_lr_fn,
+    )
     ns = dict(coefficients=tuple(ns_coefficients), steps=ns_steps, eps=eps, dtype=ns_dtype)
     orthogonalize = functools.partial(_orthogonalized, ns=ns, adjust_lr_fn=adjust_lr_fn)
 

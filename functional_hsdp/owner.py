@@ -297,7 +297,7 @@ class _Planner:
             source = stage["step"].length
         leaves, length, final = self._final(held, source)
         there.append(final)
-        back, base = self._back(stages, held, leaves, length)
+        back, base = self._back(stages, held=held, leaves=leaves, length=length)
         back += self._merge(base)
         there = [x for x in there if not (isinstance(x, Rearrange) and x.identity)]
         back = [x for x in back if not (isinstance(x, Rearrange) and x.identity)]
@@ -348,7 +348,7 @@ class _Planner:
         length = max((sum(n for _, n in x) for x in runs.values()), default=0)
         return leaves, length, Rearrange(self.mesh, runs, length, source=source)
 
-    def _back(self, stages: list, held: dict, leaves: dict, length: int) -> tuple[list, dict]:
+    def _back(self, stages: list, *, held: dict, leaves: dict, length: int) -> tuple[list, dict]:
         """The reverse exchanges, from the owners' buffers; returns the items and the
         buffer they end in (each rank's kept pieces, as positions of ``(j, lo)``)."""
         if not stages:  # the owners' buffer is the base
