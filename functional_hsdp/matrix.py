@@ -67,7 +67,8 @@ class Masked(NamedTuple):
         return (masked_like, type(self).meta)
 
 
-@functools.cache
+@functools.cache  # kept, never cleared: a class is a tree node type, and a state masked before
+# must have the structure of the trees masked after (one small class per local shape and dtype)
 def _masked_class(shape: tuple[int, ...], dtype: torch.dtype) -> type:
     return type("Masked", (Masked,), {"__slots__": (), "meta": (shape, dtype)})
 
@@ -527,16 +528,20 @@ def partition(transforms: dict[str, GradientTransformation], labels: Any) -> Gra
 
     def init(params: Any) -> PartitionState:
         of = _labels(labels, params, transforms)
-        return PartitionState({k: tx.init(_mask(params, of, k)) for k, tx in transforms.items()})
+        marks = [masked(x) for x in optree.tree_leaves(params)]
+        inner = {k: tx.init(_mask(params, of, k, marks)) for k, tx in transforms.items()}
+        return PartitionState(inner)
 
     def update(grads: Any, state: PartitionState, params: Any) -> tuple[Any, PartitionState]:
         if not isinstance(state, PartitionState) or set(state.inner) != set(transforms):
             raise TypeError("state: expected the PartitionState this partition's init made")
         of = _labels(labels, params, transforms)
         leaves, treedef = optree.tree_flatten(params)
+        marks = [masked(x) for x in leaves]  # the params' metadata: one tree structure for all
         out, inner = list(leaves), {}
         for k, tx in transforms.items():
-            u, inner[k] = tx.update(_mask(grads, of, k), state.inner[k], _mask(params, of, k))
+            masked_grads, masked_params = _mask(grads, of, k, marks), _mask(params, of, k, marks)
+            u, inner[k] = tx.update(masked_grads, state.inner[k], masked_params)
             for i, x in enumerate(optree.tree_flatten(u, is_leaf=_is_masked)[0]):
                 if of[i] == k:
                     out[i] = x
@@ -565,11 +570,15 @@ def _labels(labels: Any, params: Any, transforms: dict) -> list[str]:
     return out
 
 
-def _mask(tree: Any, of: list[str], keep: str) -> Any:
+def _mask(tree: Any, of: list[str], keep: str, marks: list[Masked]) -> Any:
+    """``tree`` with the leaves of other labels than ``keep`` replaced by ``marks`` (the
+    params', so that the params, gradients and states of one label have one structure)."""
     leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_masked)
     if len(leaves) != len(of):
         raise ValueError(
             f"partition: a tree of {len(leaves)} leaves where the params have {len(of)}"
         )
-    kept = [x if label == keep or _is_masked(x) else masked(x) for x, label in zip(leaves, of)]
+    kept = [
+        x if label == keep or _is_masked(x) else mark for x, label, mark in zip(leaves, of, marks)
+    ]
     return optree.tree_unflatten(treedef, kept)

@@ -502,3 +502,16 @@ def test_a_muon_step_on_owned_hsdp_moves_adamw_hsdps_bytes_over_outer():
         k: [(e.op, e.numel) for e in log.events if e.axis == "dp_inner"] for k, log in logs.items()
     }
     assert inner["muon"] == inner["adamw"] == [("reduce_scatter", 8 * 512)] * 3
+
+
+def test_partition_takes_gradients_of_another_dtype_than_the_params():
+    """bf16 gradients for fp32 params (cast by each optimizer): every label's trees share
+    the params' Masked leaves."""
+    spec = preset("hsdp", _mesh((2, 2)))
+    params = fh.shard(random_tree((), seed=3, shapes=MUON_SHAPES), spec)
+    g = fh.reduce_grads(random_tree((2, 2), seed=4, shapes=MUON_SHAPES), spec, last=True)
+    opt = fh_muon_adamw(spec, MUON_KW, ADAMW_KW)
+    state = opt.init(params)
+    want, _ = opt.update(g, state, params)
+    got, _ = opt.update(optree.tree_map(lambda x: x.to(torch.bfloat16), g), state, params)
+    assert max_error(got, optree.tree_map(lambda x: x.double(), want)) < 1e-3
