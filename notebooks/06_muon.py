@@ -42,7 +42,7 @@ import functional_hsdp as fh
 
 OUTER, INNER, M, B = 2, 2, 2, 2  # mesh, microbatches, sequences per microbatch per rank
 V, D, T, LAYERS = 32, 32, 8, 2  # vocab, width, sequence length, blocks
-STEPS, MUON_LR, ADAMW_LR = 20, 0.02, 3e-3
+STEPS, MUON_LR, ADAMW_LR = 12, 0.02, 3e-3
 
 mesh = fh.SimMesh({"dp_outer": OUTER, "dp_inner": INNER})
 hsdp = fh.hsdp(mesh, "dp_outer", "dp_inner")
