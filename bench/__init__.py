@@ -18,6 +18,7 @@ from . import (
     limit,
     memory,
     module,
+    muon,
     overhead,
     overlap,
     rsimpl,
@@ -45,4 +46,5 @@ BENCHMARKS = {
     "dpsgd": dpsgd,
     "alignment": alignment,
     "unit_checks": unit_checks,
+    "muon": muon,
 }

@@ -13,6 +13,16 @@ from .dtensor import to_dtensor
 from .errors import CollectiveError
 from .first_order import grad, grad_and_value
 from .maingrad import MainGrad, microbatches
+from .matrix import (
+    Masked,
+    MuonState,
+    PartitionState,
+    masked,
+    muon,
+    newton_schulz,
+    partition,
+    per_matrix,
+)
 from .mesh import DistMesh, Mesh, SimMesh, per_rank
 from .module import functional_call, shard_module
 from .optim import (
@@ -25,7 +35,8 @@ from .optim import (
     global_norm,
     sgd,
 )
-from .placement import Flat, Partial, Placement, Replicate, Shard
+from .owner import owned
+from .placement import Flat, Owner, Partial, Placement, Replicate, Shard
 from .reduce import gather, reduce_grads, shard, sync_params
 from .spec import Spec, ddp, fsdp, hfsdp, hsdp
 from .trace import CommLog, Event, comm_log
@@ -42,8 +53,12 @@ __all__ = [
     "Gathered",
     "GradientTransformation",
     "MainGrad",
+    "Masked",
     "Mesh",
+    "MuonState",
+    "Owner",
     "Partial",
+    "PartitionState",
     "Placement",
     "Replicate",
     "SGDState",
@@ -68,8 +83,14 @@ __all__ = [
     "hfsdp",
     "hsdp",
     "load_state_dict",
+    "masked",
     "microbatches",
+    "muon",
+    "newton_schulz",
+    "owned",
+    "partition",
     "per_example_grad_norms",
+    "per_matrix",
     "per_rank",
     "pmean",
     "psum",

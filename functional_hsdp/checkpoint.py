@@ -39,6 +39,7 @@ from .engine import remember_units
 from .layout import unpack_full
 from .lookup import find_layout
 from .maingrad import MainGrad
+from .matrix import MuonState, PartitionState, masked_like, unmask
 from .optim import AdamWState, SGDState
 from .plan import Plan, Step, TreeMeta, get_plan
 from .schedule import run
@@ -49,7 +50,7 @@ from .tree import flatten, paths_of
 __all__ = ["empty_state_dict", "load_state_dict", "state_dict"]
 
 #: Optimizer states saved field by field: trees like the params, host scalars, None.
-OPTIMIZER_STATES = (AdamWState, SGDState)
+OPTIMIZER_STATES = (AdamWState, SGDState, MuonState)
 ROLE = "optimizer"  # checkpoints hold (and loading returns) the optimizer placement
 
 
@@ -64,8 +65,10 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
             * local shards laid out like the params (``shard``/``reduce_grads`` results,
               optimizer moments, any elementwise function of those), at the optimizer
               (or parameter) placement of ``spec``;
-            * an :class:`AdamWState` / :class:`SGDState`: its moment trees as above, its
-              ``count`` saved as a host int;
+            * an :class:`AdamWState` / :class:`SGDState` / :class:`MuonState`: its trees as
+              above, its ``count`` saved as a host int; a :class:`PartitionState`: each
+              label's state (its trees' :class:`Masked` leaves are another label's, saved
+              there);
             * a :class:`MainGrad` whose step is final (or zeroed); mid-accumulation it is
               refused (a Partial state has no mesh-independent form).
         spec: the :class:`Spec` or spec tree the shards were made with (optional for a
@@ -76,9 +79,10 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
     Returns:
         For a tree: ``{key: DTensor}``, one DTensor of the leaf's full shape per leaf, keyed
         by its path joined with ``"."`` (``"blocks.0.qkv"``). For an optimizer state:
-        ``{"count": int, "mu": {...}, "nu": {...}}``. For a MainGrad: ``{"state": str,
-        "grads": {...}}``. Nest them in one dict for ``dcp.save``. Collective: every rank
-        calls it (Flat trees all-gather one bucket at a time).
+        ``{"count": int, "mu": {...}, "nu": {...}}``; for a PartitionState ``{label: ...}``.
+        For a MainGrad: ``{"state": str, "grads": {...}}``. Nest them in one dict for
+        ``dcp.save``. Collective: every rank calls it (Flat trees all-gather one bucket at a
+        time).
 
     Example (every rank; tested in tests/test_checkpoint.py)::
 
@@ -88,6 +92,9 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
     """
     if isinstance(tree, MainGrad):
         return _maingrad_state(tree, spec)
+    if isinstance(tree, PartitionState):
+        inner = lambda k: None if like is None else like.inner[k]  # noqa: E731
+        return {k: state_dict(x, spec, like=inner(k)) for k, x in tree.inner.items()}
     if isinstance(tree, OPTIMIZER_STATES):
         return _by_field(tree, like, lambda sub, sub_like: _tree_state(sub, spec, sub_like))
     return _tree_state(tree, spec, like)
@@ -118,6 +125,8 @@ def empty_state_dict(like: Any, spec: Any = None) -> dict[str, Any]:
     if isinstance(like, MainGrad):
         _check_maingrad_spec(like, spec)
         return {"state": "final", "grads": _placeholders(like.plan)}
+    if isinstance(like, PartitionState):
+        return {k: empty_state_dict(x, spec) for k, x in like.inner.items()}
     if isinstance(like, OPTIMIZER_STATES):
         return _by_field(like, None, lambda sub, _: _tree_placeholders(sub, spec))
     return _tree_placeholders(like, spec)
@@ -145,6 +154,13 @@ def load_state_dict(state: dict[str, Any], spec: Any, like: Any) -> Any:
         raise TypeError(f"state: expected the dict empty_state_dict made; got {type(state)}")
     if isinstance(like, MainGrad):
         return _load_maingrad(state, spec, like)
+    if isinstance(like, PartitionState):
+        for k in like.inner:
+            if k not in state:
+                raise ValueError(f"state: has no entry {k!r} (for the PartitionState's label)")
+        return PartitionState(
+            {k: load_state_dict(state[k], spec, x) for k, x in like.inner.items()}
+        )
     if isinstance(like, OPTIMIZER_STATES):
         return _load_fields(state, spec, like)
     return _load_tree(state, spec, like, name="state")
@@ -275,20 +291,29 @@ def _piece_range(plan: Plan, b: int, role: str) -> tuple[int, int]:
 
 
 def _tree_state(tree: Any, spec: Any, like: Any) -> dict[str, DTensor]:
-    leaves, treedef, paths = flatten(tree, "tree")
-    if not leaves:
+    # Masked leaves (another label's, in a PartitionState) stand in as zeros: not saved
+    leaves, present, treedef, paths = unmask(tree, "tree")
+    if not any(present):
         return {}
     with validate.agreement(spec, "state_dict") as agreed:
         if spec is None:
             raise TypeError("state_dict: spec is required (the Spec the tree was made with)")
         roles, kinds = (ROLE, "parameter"), ("final", "weights")
+        like = None if like is None else _with_stand_ins(like)
         plan, role = find_layout(
             leaves, treedef, paths, spec=spec, like=like, roles=roles, kinds=kinds, name="tree"
         )
         _device_mesh(plan)
         keys = _keys(treedef, paths)
         agreed.check(plan, paths, options=(f"from {role}",))
-    return dict(zip(keys, to_checkpoint(plan, leaves, role)))
+    saved = zip(keys, to_checkpoint(plan, leaves, role), present)
+    return {key: x for key, x, kept in saved if kept}
+
+
+def _with_stand_ins(tree: Any) -> Any:
+    """``tree`` with its Masked leaves as zero stand-ins (see :func:`unmask`)."""
+    leaves, _, treedef, _ = unmask(tree, "tree")
+    return optree.tree_unflatten(treedef, leaves)
 
 
 def to_checkpoint(plan: Plan, leaves: list, role: str = ROLE) -> list[DTensor]:
@@ -319,15 +344,19 @@ def to_checkpoint(plan: Plan, leaves: list, role: str = ROLE) -> list[DTensor]:
 
 
 def _tree_placeholders(like: Any, spec: Any) -> dict[str, DTensor]:
-    return _placeholders(_like_plan(like, spec)[0]) if optree.tree_leaves(like) else {}
+    _, present, _, _ = unmask(like, "like")
+    if not any(present):
+        return {}
+    return _placeholders(_like_plan(_with_stand_ins(like), spec)[0], present)
 
 
-def _placeholders(plan: Plan) -> dict[str, DTensor]:
+def _placeholders(plan: Plan, present: list[bool] | None = None) -> dict[str, DTensor]:
     keys = _keys(plan.treedef, _paths(plan))
     out = {}
     for i, (key, form) in enumerate(zip(keys, forms(plan))):
-        local = torch.empty(form.shape, dtype=plan.dtypes[i], device=plan.devices[i])
-        out[key] = _dtensor(plan, i, local, form=form)
+        if present is None or present[i]:
+            local = torch.empty(form.shape, dtype=plan.dtypes[i], device=plan.devices[i])
+            out[key] = _dtensor(plan, i, local, form=form)
     return out
 
 
@@ -368,19 +397,26 @@ def _like_plan(like: Any, spec: Any) -> tuple[Plan, tuple[str, ...]]:
     return get_plan(meta, paths), paths
 
 
-def _loaded(state: dict, plan: Plan, shapes: list[Form], *, name: str) -> list[torch.Tensor]:
-    """Each leaf's loaded local tensor from ``state``, checked against ``plan``."""
+def _loaded(
+    state: dict, plan: Plan, shapes: list[Form], *, name: str, present: list[bool] | None = None
+) -> list[torch.Tensor]:
+    """Each leaf's loaded local tensor from ``state``, checked against ``plan`` (a masked
+    leaf: zeros of its checkpoint shape, never read)."""
     paths = _paths(plan)
     keys = _keys(plan.treedef, paths)
-    for key, path in zip(keys, paths):
-        if key not in state:
+    present = [True] * len(keys) if present is None else present
+    for key, path, kept in zip(keys, paths, present):
+        if kept and key not in state:
             raise ValueError(f"{name}: has no entry {key!r} for {path}")
-    known = set(keys)
+    known = {key for key, kept in zip(keys, present) if kept}
     for key in state:
         if key not in known:
             raise ValueError(f"{name}[{key!r}]: is not a leaf of like")
     out = []
     for i, (key, path, form) in enumerate(zip(keys, paths, shapes)):
+        if not present[i]:
+            out.append(torch.zeros(form.shape, dtype=plan.dtypes[i], device=plan.devices[i]))
+            continue
         x, where = state[key], f"{name}[{key!r}]"
         if not isinstance(x, DTensor):
             raise TypeError(f"{where}: expected a DTensor; got {type(x).__name__}")
@@ -421,18 +457,24 @@ def _own_local(x: DTensor) -> torch.Tensor:
 
 
 def _load_tree(state: dict, spec: Any, like: Any, *, name: str) -> Any:
-    leaves, treedef, _ = flatten(like, "like")
-    if not leaves:
-        return optree.tree_unflatten(treedef, [])
+    _, present, treedef, _ = unmask(like, "like")
+    if not any(present):
+        return like
+    like = _with_stand_ins(like)  # Masked leaves: loaded as Masked at their local shapes
     with validate.agreement(spec, "load_state_dict") as agreed:
         plan, paths = _like_plan(like, spec)
         shapes = forms(plan)
-        local = _loaded(state, plan, shapes, name=name)
+        local = _loaded(state, plan, shapes, name=name, present=present)
         agreed.check(plan, paths)
     out = from_checkpoint(plan, local, shapes)
     tag(out, plan, ROLE, kind="weights")
     if not isinstance(spec, Spec):
         remember_units(like, spec, plan)
+    local_shapes = plan.local_shapes[ROLE]
+    out = [
+        x if kept else masked_like(local_shapes[i], plan.dtypes[i])
+        for i, (x, kept) in enumerate(zip(out, present))
+    ]
     return optree.tree_unflatten(treedef, out)
 
 

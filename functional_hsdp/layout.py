@@ -209,8 +209,13 @@ def build_buckets(
     empty: list[Slot] = []
     for (unit, _, device), members in groups.items():
         spec, dtype = specs[members[0]], dtypes[members[0]]
+        make = _bucket
+        if spec.owner_axes:  # an Owner spec: owner-major buckets (owner.py builds on this one)
+            from .owner import owner_bucket
+
+            make = owner_bucket
         for run in _runs(members, paths, shapes, spec=spec, empty=empty):
-            buckets.append(_bucket(run, spec, unit=unit, dtype=dtype, device=device))
+            buckets.append(make(run, spec, unit=unit, dtype=dtype, device=device))
     return tuple(buckets), tuple(empty)
 
 
@@ -222,9 +227,11 @@ def _runs(
     spec: Spec,
     empty: list[Slot],
 ) -> list[list[Slot]]:
-    """A group's leaves in runs of at most the cap (counted in data, not padding), each
-    leaf at the first aligned offset after the previous one; zero-size ones go to ``empty``."""
+    """A group's leaves in runs of at most the cap (counted in data, not padding; an Owner
+    spec's cap is per owner), each leaf at the first aligned offset after the previous one;
+    zero-size ones go to ``empty``."""
     cap, shard = bucket_elements(spec), spec.shard
+    cap *= math.prod(spec.mesh.size(a) for a in spec.owner_axes)
     runs: list[list[Slot]] = [[]]
     end = total = 0
     for i in members:

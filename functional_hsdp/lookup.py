@@ -244,7 +244,7 @@ def find_layout(
         if state.kind in kinds:  # exactly a result of this library at a known layout
             return state.plan, state.role
     check_tensors(leaves, paths, specs[0].mesh, floating=False, batched=True)
-    found = [state_of(x) for x in leaves]
+    found = [state_of(_unwrapped(x)) for x in leaves]
     for f, path in zip(found, paths):
         if f is not None and f[0].kind not in kinds:
             raise ValueError(kind_error(path, f[0].kind, kinds))
@@ -258,12 +258,25 @@ def find_layout(
             return state.plan, state.role
     search = dict(specs=specs, units=units, like=like, roles=roles, kinds=kinds, name=name)
     if like is not None or any(f is not None for f in found):
-        return _by_shapes(leaves, treedef, paths, **search)
+        # every leaf tagged (a unit of a tagged tree, say): the full shapes its tags name come
+        # first, since local shapes alone may fit several layouts (a rank holding no piece
+        # of a unit: every local shape is (0,))
+        hint = None if None in found else tuple(f[0].plan.shapes[f[1]] for f in found)
+        return _by_shapes(leaves, treedef, paths, hint=hint, **search)
     # untagged local shards (an optimizer's new tensors, say): found once per metadata
     key = (treedef, tuple(map(_META, leaves)), specs, units, tuple(roles), kinds, name)
     if key not in _FOUND:
         _FOUND[key] = _by_shapes(leaves, treedef, paths, **search)
     return _FOUND[key]
+
+
+def _unwrapped(x: Any) -> Any:
+    """``x`` seen through any torch.func transform's wrappers (a unit's shards under
+    ``grad``), whose tags are the wrapped tensor's."""
+    functorch = torch._C._functorch
+    while isinstance(x, torch.Tensor) and functorch.is_functorch_wrapped_tensor(x):
+        x = functorch.get_unwrapped(x)
+    return x
 
 
 # (structure, leaf metadata, specs, units, roles, kinds, name) -> (plan, role) of untagged
@@ -282,10 +295,11 @@ def _matches(state: Any, treedef, *, specs, units, roles: Sequence[str]) -> bool
 
 
 def _by_shapes(
-    leaves, treedef, paths, *, specs, units, like, roles, kinds, name
+    leaves, treedef, paths, *, specs, units, like, roles, kinds, name, hint=None
 ) -> tuple[Plan, str]:
     """The first layout whose local shapes the leaves have: from ``like``'s full shapes, or
-    from the full shapes of trees of this structure this process has seen."""
+    from ``hint`` and then the full shapes of trees of this structure this process has
+    seen."""
     nb = len(specs[0].mesh.batch_shape)
     if like is not None:
         like_leaves, like_def = optree.tree_flatten(like)
@@ -294,6 +308,7 @@ def _by_shapes(
         known = [tuple(tuple(x.shape) for x in like_leaves)]
     else:
         known = layouts_for(treedef, specs, units)
+        known = [hint, *(k for k in known if k != hint)] if hint is not None else known
     first_error = None
     for role in roles:
         candidates = list(known)

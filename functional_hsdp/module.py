@@ -402,8 +402,10 @@ def _root_weights(sharded: _Sharded, shards: dict, blocks: dict) -> dict:
     if root is None:
         return {}
     root_block = blocks[ROOT]
-    if order:  # the first unit's all-gather is issued before the root's is waited
-        key = sharded.parts[order[0]].key
+    key = sharded.parts[order[0]].key if order else None
+    # the first unit's all-gather is issued before the root's is waited (where they gather
+    # alike: a block prefetches with its own spec)
+    if key is not None and blocks[key].spec == root_block.spec:
         root_block._prefetch(shards[key], f"shards[{key!r}]")
     return root_block(shards[ROOT])
 
@@ -513,7 +515,8 @@ def _unit_forward(
         ran.append(k)
         if i + 1 < len(order) and order[i] == k:
             key = sharded.parts[order[i + 1]].key
-            block._prefetch(shards[key], f"shards[{key!r}]")
+            if blocks[key].spec == block.spec:  # gathered alike (a unit of another spec: not)
+                block._prefetch(shards[key], f"shards[{key!r}]")
         borrowed = {name: params[root_name] for name, root_name in part.borrowed}
         # the module's own forward rides along as a constant argument (a pytree leaf)
         return block(shards[part.key], borrowed, original, *args, **kwargs)

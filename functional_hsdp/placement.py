@@ -7,21 +7,33 @@ each rank along the axis holds one contiguous, equal-size chunk of the bucket (z
 between leaves and at the bucket's tail, never inside a leaf's range). ``Shard(d)`` is FSDP2's:
 each leaf is chunked on dim ``d`` with ``torch.chunk`` semantics and padded to equal chunks;
 its buckets are laid out rank-major (every leaf's chunk for rank 0, then for rank 1, ...), so
-the collectives are the same as for Flat.
+the collectives are the same as for Flat. ``Owner`` (an optimizer placement, on every
+data-parallel axis at once) keeps each leaf whole on one rank: a bucket's leaves are assigned
+to the ranks balanced by size, and a rank's chunk is the whole leaves it owns, padded to the
+largest chunk (see :mod:`functional_hsdp.owner`). Such a spec lays its buckets out
+owner-major, so that its chunks are the owners' leaves; the collectives are then Flat's.
 
 One mesh axis at a time:
 
-=================  ==================  ==========================================
-from               to                  operation
-=================  ==================  ==========================================
-Partial(op)        Flat / Shard(d)     reduce-scatter with ``op``
-Partial(op)        Replicate           all-reduce with ``op``
-Flat / Shard(d)    Replicate           all-gather
-Replicate          Flat / Shard(d)     local slice, no communication
-Partial(op)        Partial(op)         nothing (the axis stays deferred)
-X                  X                   nothing
-Replicate / Flat   Partial             impossible: a reduced value cannot become a summand
-=================  ==================  ==========================================
+===================  ===================  =============================================
+from                 to                   operation
+===================  ===================  =============================================
+Partial(op)          Flat / Shard(d)      reduce-scatter with ``op``
+Partial(op)          Owner                reduce-scatter with ``op`` in the owner layout
+Partial(op)          Replicate            all-reduce with ``op``
+Flat / Shard(d)      Replicate            all-gather
+Owner                Replicate            all-gather
+Replicate            Flat / Shard(d)      local slice, no communication
+Replicate            Owner                local slice, no communication
+Flat                 Owner, same spec     nothing: that spec's Flat chunks are owned
+Flat (other layout)  Owner                all-to-all (``per_matrix`` of a spec without
+                                          Owner: its buckets to the owner layout)
+Owner                Flat (other layout)  all-to-all (back)
+Partial(op)          Partial(op)          nothing (the axis stays deferred)
+X                    X                    nothing
+Replicate / Flat     Partial              impossible: a reduced value cannot become a
+                                          summand
+===================  ===================  =============================================
 
 Within one multi-axis move, reduce-scatters (and slices) come first, in the bucket's split
 order, then all-reduces on the already-scattered chunk, then all-gathers in reverse split
@@ -39,6 +51,7 @@ from .torch_releases import placement_class
 
 __all__ = [
     "Flat",
+    "Owner",
     "Partial",
     "Placement",
     "Replicate",
@@ -48,7 +61,7 @@ __all__ = [
     "transition",
 ]
 
-Collective = Literal["reduce_scatter", "all_reduce", "all_gather", "slice"]
+Collective = Literal["reduce_scatter", "all_reduce", "all_gather", "all_to_all", "slice"]
 
 #: Reduce ops a ``Partial`` placement may carry here.
 REDUCE_OPS = ("avg", "sum")
@@ -86,6 +99,44 @@ class Flat(Placement):
         return (Flat, ())
 
 
+@placement_class
+class Owner(Placement):
+    """Each leaf whole on one rank: an optimizer placement for matrix optimizers.
+
+    Along the axes it is given on (every data-parallel axis of a spec), a bucket's leaves are
+    assigned to the ranks balanced by size, and a rank's chunk of the bucket is the whole
+    leaves it owns, padded to the largest chunk. A spec with Owner lays its buckets out
+    owner-major (the leaves of rank 0's chunk, then rank 1's, ...), so that its Flat chunks
+    on the same axes are the owners' leaves too: Partial -> Owner is a reduce-scatter, Owner
+    -> Replicate an all-gather. :func:`~functional_hsdp.owned` makes such a spec from a
+    preset.
+
+    Example:
+        >>> import functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+        >>> fh.owned(fh.hsdp(mesh, "dp_outer", "dp_inner")).optimizer
+        (Owner(), Owner())
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # see Flat
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Owner
+
+    def __hash__(self) -> int:
+        return hash(Owner)
+
+    def __repr__(self) -> str:
+        return "Owner()"
+
+    def __str__(self) -> str:
+        return "O"
+
+    def __reduce__(self):
+        return (Owner, ())
+
+
 def reduce_op(p: Placement) -> str:
     """The reduce op of a Partial placement (``"avg"`` or ``"sum"``)."""
     op = p.reduce_op
@@ -98,8 +149,9 @@ def reduce_op(p: Placement) -> str:
 
 
 def is_sharded(p: Placement) -> bool:
-    """Flat or Shard(d): each rank along the axis holds one equal-size chunk of a bucket."""
-    return isinstance(p, (Flat, Shard))
+    """Flat, Shard(d) or Owner: each rank along the axis holds one equal-size chunk of a
+    bucket."""
+    return isinstance(p, (Flat, Shard, Owner))
 
 
 def transition(frm: Placement, to: Placement, axis: str) -> Collective | None:
@@ -126,9 +178,9 @@ def transition(frm: Placement, to: Placement, axis: str) -> Collective | None:
         return "reduce_scatter" if is_sharded(to) else "all_reduce"
     if is_sharded(frm):
         if is_sharded(to):
-            if frm != to:
+            if frm != to and {type(frm), type(to)} != {Flat, Owner}:
                 raise NotImplementedError(f"axis {axis!r}: moving {frm!r} to {to!r}")
-            return None
+            return None  # Flat and Owner of one spec: the same owner-major chunks
         return "all_gather"
     if isinstance(frm, Replicate):
         return "slice" if is_sharded(to) else None

@@ -18,7 +18,7 @@ import optree
 
 from .cache import lru
 from .mesh import Mesh
-from .placement import REDUCE_OPS, Flat, Partial, Placement, Replicate, Shard, is_sharded
+from .placement import REDUCE_OPS, Flat, Owner, Partial, Placement, Replicate, Shard, is_sharded
 from .tree import format_path
 
 __all__ = ["Spec", "ddp", "fsdp", "hsdp", "hfsdp", "resolve_specs"]
@@ -111,7 +111,34 @@ class Spec:
         for axis, p, g, o in zip(mesh.axis_names, self.parameter, self.gradient, self.optimizer):
             _check_axis(axis, dp=axis in axes, axes=axes, p=p, g=g, o=o)
         self._check_shard()
+        self._check_owner()
         self._check_split()
+
+    def _check_owner(self) -> None:
+        names = self.mesh.axis_names
+        for role in ("parameter", "gradient"):
+            if any(isinstance(x, Owner) for x in getattr(self, role)):
+                raise ValueError(f"Spec.{role}: Owner() is an optimizer placement only")
+        owned = {a for a, x in zip(names, self.optimizer) if isinstance(x, Owner)}
+        if owned and owned != set(self.dp_axes):
+            raise ValueError(
+                f"Spec.optimizer: Owner() must be on every data-parallel axis {self.dp_axes} "
+                f"(each leaf whole on one rank of the data-parallel mesh); got it on "
+                f"{sorted(owned)}"
+            )
+
+    @property
+    def owner_axes(self) -> tuple[str, ...]:
+        """The axes of the optimizer's Owner placement, in split order (empty: none): a
+        bucket of this spec is laid out owner-major over them."""
+        return self._memo(
+            "owner_axes",
+            lambda: tuple(
+                a
+                for a in self.split_order
+                if isinstance(self.optimizer[self.mesh.axis_names.index(a)], Owner)
+            ),
+        )
 
     def _check_split(self) -> None:
         order = self.split_order
@@ -141,11 +168,13 @@ class Spec:
                 "Shard(d) takes one mesh axis, use Flat() to shard over several"
             )
         if any(
-            isinstance(x, Flat) for r in (self.parameter, self.gradient, self.optimizer) for x in r
+            isinstance(x, (Flat, Owner))
+            for r in (self.parameter, self.gradient, self.optimizer)
+            for x in r
         ):
             raise NotImplementedError(
-                "Spec: Flat and Shard(d) in one spec is not supported; give the subtrees "
-                "different specs (a spec may be a pytree prefix)"
+                "Spec: Flat and Shard(d) (or Owner and Shard(d)) in one spec is not supported; "
+                "give the subtrees different specs (a spec may be a pytree prefix)"
             )
 
     @property
@@ -259,7 +288,7 @@ def _check_axis(
                 "fully reduced (Replicate, Flat or Shard)"
             )
     for role, x in (("gradient", g), ("parameter", p)):
-        if is_sharded(x) and x != o:
+        if is_sharded(x) and x != o and not (isinstance(x, Flat) and isinstance(o, Owner)):
             raise NotImplementedError(
                 f"Spec on axis {axis!r}: {role} {x!r} with optimizer {o!r} is not "
                 f"supported; a sharded {role} axis keeps its placement in the optimizer"

@@ -22,7 +22,8 @@ class Event:
     """One collective on one axis.
 
     Attributes:
-        op: ``"reduce_scatter"``, ``"all_reduce"`` or ``"all_gather"``.
+        op: ``"reduce_scatter"``, ``"all_reduce"``, ``"all_gather"`` or ``"all_to_all"``
+            (its ``numel``: the rank's buffer, as long as its group's longest).
         axis: the mesh axis name.
         dtype: dtype of one rank's input.
         numel: number of elements of one rank's input.

@@ -377,3 +377,67 @@ def on_device_threads() -> Iterator[list[str]]:
     finally:
         for cls, backward in originals.items():
             cls.backward = backward
+
+
+# -- Muon: torch.optim.Muon on the hidden matrices, torch.optim.AdamW on the rest ---------------
+
+MUON_SHAPES = {
+    "w1": (16, 24),
+    "w2": (24, 24),
+    "w3": (40, 24),
+    "embed": (32, 16),
+    "b1": (24,),
+    "norm": (24,),
+}
+
+
+def hidden(path, leaf=None) -> str:
+    """The usual recipe's label: Muon for the hidden matrices (``w*``), AdamW for the rest."""
+    return "muon" if str(path[0]).startswith("w") else "adamw"
+
+
+def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+    """``torch.optim.Muon``'s orthogonalization of one matrix, in float32 instead of bf16: the
+    quintic iteration as its documentation states it (for the fp32 parity test)."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = grad.size(0) > grad.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+@contextlib.contextmanager
+def torch_muon_in(dtype) -> Iterator[None]:
+    """``torch.optim.Muon`` with its Newton-Schulz in ``dtype`` (bf16: as it is)."""
+    import torch.optim._muon as torch_muon
+
+    own = torch_muon._zeropower_via_newtonschulz
+    if dtype == torch.float32:
+        torch_muon._zeropower_via_newtonschulz = newton_schulz_fp32
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz = own
+
+
+def torch_muon_adamw(full: dict, muon_kw: dict, adamw_kw: dict):
+    """(dense params requiring grad, step()): torch.optim.Muon on the hidden matrices and
+    torch.optim.AdamW on the rest (``hidden``'s labels)."""
+    dense = {k: v.detach().clone().requires_grad_() for k, v in full.items()}
+    muon = torch.optim.Muon([p for k, p in dense.items() if hidden((k,)) == "muon"], **muon_kw)
+    adamw = torch.optim.AdamW([p for k, p in dense.items() if hidden((k,)) == "adamw"], **adamw_kw)
+
+    def step():
+        muon.step()
+        adamw.step()
+
+    return dense, step
+
+
+def fh_muon_adamw(spec, muon_kw: dict, adamw_kw: dict):
+    """fh.partition of fh.muon (hidden matrices) and fh.adamw (the rest)."""
+    return fh.partition({"muon": fh.muon(spec, **muon_kw), "adamw": fh.adamw(**adamw_kw)}, hidden)

@@ -32,6 +32,7 @@ ORDER = [
     "deferred",
     "unit_checks",
     "module",
+    "muon",
     "dpsgd",
     "layerwise",
     "memory",
@@ -109,6 +110,9 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
         for key, ratio in res["ratio"].items():
             assert ratio["loss"] < (2e-2 if key.endswith("bf16") else 1e-4), (key, ratio)
         assert res["reduce_dtypes_bf16"] == ["float32"]
+    if name == "muon":  # Muon on the owners is the naive route's math; adamw trains too
+        assert all(x < 1e-3 for x in res["agree"].values()), res["losses"]
+        assert all(x == x for x in res["median"].values()) and "(B16)" in md
     if name in ("limit", "overhead", "rsimpl"):
         assert "nan" not in md and not any(
             isinstance(v, float) and math.isnan(v) for v in res.get("median", {}).values()

@@ -41,8 +41,9 @@ class Carriage:
         in_place: reductions are asynchronous in-place c10d all-reduces of the library's own
             buffers (a reduce-scatter keeps this rank's chunk) instead of functional
             collectives.
-        c10d_gather: all-gathers are c10d ``all_gather_single(async_op=True)`` with the output,
-            input and Work held until waited, instead of the functional all-gather.
+        c10d_gather: all-gathers (and all-to-alls) are c10d ``all_gather_single`` (and
+            ``all_to_all_single``) with ``async_op=True``, the output, input and Work held
+            until waited, instead of the functional collectives.
     """
 
     native_avg: bool
@@ -258,6 +259,29 @@ class DistMesh(MeshAxes):
             return out
         return self._issued(_functional(Flight("all_gather", axis, out)))
 
+    def all_to_all(
+        self, buf: torch.Tensor, axis: str, *, counts: Any, length: int
+    ) -> torch.Tensor | Flight:
+        """All-to-all over ``axis`` with uneven blocks (c10d's ``all_to_all_single`` on gloo,
+        the functional collective elsewhere; see :class:`~functional_hsdp.Mesh`)."""
+        d, me = self._dim(axis), self._coords
+        send = [int(c) for c in counts[me]]
+        recv = [int(counts[(*me[:d], s, *me[d + 1 :])][me[d]]) for s in range(self.sizes[d])]
+        src = buf.narrow(-1, 0, sum(send))
+        if self.carriage(axis).c10d_gather and not torch.compiler.is_compiling():
+            out = buf.new_empty(length)
+            out.narrow(0, sum(recv), length - sum(recv)).zero_()
+            with self.guard("all_to_all", axis):
+                work = dist.all_to_all_single(
+                    out.narrow(0, 0, sum(recv)), src, recv, send, self.group(axis), True
+                )
+            return self._issued(Flight("all_to_all", axis, out, work=work, source=buf))
+        with self.guard("all_to_all", axis):  # its result ends after the blocks
+            out = funcol.all_to_all_single(src, recv, send, (self.device_mesh, d))
+        if torch.compiler.is_compiling():
+            return torch.nn.functional.pad(out, (0, length - sum(recv)))
+        return self._issued(_functional(Flight("all_to_all", axis, out, length=length)))
+
     def _issue_in_place(self, buf: torch.Tensor, axis: str, *, op: str, name: str) -> Flight:
         # ``buf`` is always one of the library's own buffers (a fresh packing buffer, a
         # collective's result or MainGrad's buffer), never a caller's tensor.
@@ -293,6 +317,8 @@ class DistMesh(MeshAxes):
         x.source = None
         if x.divide:  # AVG emulated: the sum arrived; the buffer is the collective's own
             buf = buf.div_(x.divide)
+        if x.length is not None and buf.shape[-1] < x.length:  # an all-to-all's blocks only
+            buf = torch.nn.functional.pad(buf, (0, x.length - buf.shape[-1]))
         if x.chunk:
             n = self.size(x.axis)
             return buf.view(n, buf.shape[-1] // n).select(0, self.coordinate(x.axis))
@@ -448,8 +474,8 @@ class DistDiagnostics:
 
     def describe(self, op: str, axis: str, reduce: str | None) -> str:
         carriage = self._mesh.carriage(axis)
-        if op == "all_gather":
-            return "c10d all_gather_single" if carriage.c10d_gather else "native"
+        if op in ("all_gather", "all_to_all"):
+            return f"c10d {op}_single" if carriage.c10d_gather else "native"
         if carriage.in_place:
             return "c10d in-place " + ("all_reduce+slice" if op == "reduce_scatter" else op)
         if reduce == "avg" and not carriage.native_avg:

@@ -1,9 +1,10 @@
 """The mesh protocol: everything library code asks of a mesh.
 
-Library code is written once against :class:`Mesh` and never asks which mesh it has. A mesh
-is ten members: its axes (``axis_names``, ``sizes``, ``size``, ``batch_shape``), this rank's
-``coordinate``, the three bucket collectives, ``wait`` and ``abandon``. Two companions live
-beside it: ``mesh.geometry`` (a :class:`Geometry`: where each rank's piece of a bucket lies,
+Library code is written once against :class:`Mesh` and never asks which mesh it has.
+:class:`Mesh` declares thirteen members: its axes (``axis_names``, ``sizes``, ``size``,
+``batch_shape``), this rank's ``coordinate``, the four bucket collectives (``all_reduce``,
+``reduce_scatter``, ``all_gather``, ``all_to_all``), ``wait`` and ``abandon``, and two
+companions: ``mesh.geometry`` (a :class:`Geometry`: where each rank's piece of a bucket lies,
 and slicing and joining pieces) and ``mesh.diagnostics`` (a :class:`Diagnostics`: how a
 collective was carried out, and the uncounted host-side exchanges the cross-rank checks use).
 
@@ -35,7 +36,8 @@ class Flight:
     """A collective in flight on one axis.
 
     Attributes:
-        op: the collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``).
+        op: the collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,
+            ``"all_to_all"``).
         axis: the mesh axis.
         buffer: the tensor the collective writes (the result, or for a reduce-scatter done as
             an in-place all-reduce, the whole buffer whose chunk is the result).
@@ -47,6 +49,8 @@ class Flight:
         divide: for an AVG emulated as SUM, the group size the waited sum is divided by.
         release: for a functional collective, what waits for it if it is abandoned or
             dropped unwaited (a ``weakref.finalize``), so that torch's registry lets it go.
+        length: for an all-to-all whose result may end early (a functional one), the length
+            its waited result is zero-padded to.
     """
 
     op: str
@@ -57,6 +61,7 @@ class Flight:
     source: torch.Tensor | None = None
     divide: int | None = None
     release: Any = None
+    length: int | None = None
 
 
 @runtime_checkable
@@ -98,6 +103,18 @@ class Mesh(Protocol):
 
     def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor | Flight:
         """Concatenate every rank's ``buf`` along the last dim, in coordinate order."""
+
+    def all_to_all(
+        self, buf: torch.Tensor, axis: str, *, counts: Any, length: int
+    ) -> torch.Tensor | Flight:
+        """Exchange blocks of uneven sizes between the ranks of each group along ``axis``.
+
+        ``counts`` is an int64 numpy array ``(*sizes, n)`` of the whole mesh (``sizes`` the
+        mesh shape, ``n`` the axis size): ``counts[r][d]`` elements go from rank ``r`` to the
+        member of its group whose coordinate along ``axis`` is ``d``, taken from the front of
+        ``r``'s buffer in the order of ``d``. Each rank receives its blocks in the order of
+        their sources at the front of a buffer of ``length`` elements: the waited result
+        (zeros after the blocks)."""
 
     def wait(self, x: torch.Tensor | Flight) -> torch.Tensor:
         """The result of a collective (a tensor passes through). Raises

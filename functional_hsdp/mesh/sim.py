@@ -91,6 +91,23 @@ class SimMesh(MeshAxes):
         )
         return out.contiguous()
 
+    def all_to_all(
+        self, buf: torch.Tensor, axis: str, *, counts: np.ndarray, length: int
+    ) -> torch.Tensor:
+        """Every rank gets the blocks its group's members send it (``counts``), in order."""
+        d, n = self._dim(axis), self.sizes[self._dim(axis)]
+        offsets = np.cumsum(counts, -1) - counts  # where each block starts in its sender
+        parts = []
+        for rank in np.ndindex(*self.sizes):
+            got = 0
+            for s in range(n):
+                src = (*rank[:d], s, *rank[d + 1 :])
+                count = int(counts[src][rank[d]])
+                parts.append(buf[src].narrow(-1, int(offsets[src][rank[d]]), count))
+                got += count
+            parts.append(buf.new_zeros(length - got))
+        return torch.cat(parts).view(*self.sizes, length)
+
     def wait(self, x: torch.Tensor | Flight) -> torch.Tensor:
         """SimMesh collectives finish at once: ``x`` is already the result."""
         return x

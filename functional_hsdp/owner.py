@@ -1,0 +1,469 @@
+"""The owner placement: each leaf whole on one rank, and the moves to and from it.
+
+A tree reaches the owner placement in one of two ways:
+
+* **An Owner spec** (:func:`owned`; optimizer placement ``Owner`` on every data-parallel
+  axis) lays its buckets out *owner-major* (:func:`owner_bucket`): a bucket's leaves are
+  assigned to the ranks balanced by size (largest first, each to the least loaded), and rank
+  k's chunk of the bucket (k in the spec's split order, as a Flat chunk) holds the whole
+  leaves it owns, padded to the largest chunk. Its Flat chunks on those axes are then the
+  owners' leaves, so the spec moves as a Flat one: Partial -> Owner is a reduce-scatter (in
+  HSDP, the last microbatch's over the outer axis, instead of an all-reduce), Owner ->
+  Replicate an all-gather (``sync_params``, ``gather``), Flat -> Owner nothing at all.
+* **Any other spec** keeps its own layout; :func:`route` plans, once per tree and set of
+  leaves, each bucket's moves from the optimizer placement to the owners and back. There:
+  a local selection for each Replicate axis (a rank keeps the pieces whose owner shares its
+  coordinate on it) and one all-to-all per Flat axis (each piece to its owner's coordinate
+  on that axis); then each owner's pieces are joined into whole leaves. Back: the reverse
+  all-to-alls, and one all-gather per Replicate axis. Blocks are uneven (nothing padded on
+  the wire); a rank's buffer is as long as the longest of the mesh, so that both meshes log
+  the same events. ``Shard(d)`` specs are not routed.
+
+Owners are ranks of the data-parallel axes that move (size > 1); a leaf's owner coordinate
+on every other axis is the rank's own (other axes hold other values: each does its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .cache import Bounded
+from .layout import ALIGN, Bucket, Slot
+from .placement import Owner
+from .plan import Plan, Step
+from .spec import Spec
+
+__all__ = [
+    "BucketRoute",
+    "Exchange",
+    "Rearrange",
+    "balance",
+    "local_items",
+    "owned",
+    "owner_bucket",
+    "owner_of_slot",
+    "route",
+]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def balance(sizes: Sequence[int], n: int) -> list[int]:
+    """Each item's owner among ``n``: largest first, each to the least loaded (ties: the
+    lowest index). Every load is then within the largest item of every other.
+
+    Example:
+        >>> from functional_hsdp.owner import balance
+        >>> balance([4, 1, 3, 2], 2)
+        [0, 0, 1, 1]
+    """
+    heap = [(0, k) for k in range(n)]
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, k = heapq.heappop(heap)
+        owner[i] = k
+        heapq.heappush(heap, (load + sizes[i], k))
+    return owner
+
+
+def owner_bucket(run: list[Slot], spec: Spec, unit: int, dtype: torch.dtype, device) -> Bucket:
+    """A bucket of ``run`` laid out owner-major over ``spec``'s split order.
+
+    Owner k's chunk is ``[k C, (k + 1) C)``, C the largest owner's leaves (each at an aligned
+    offset); the bucket is ``n C`` long. Owners are numbered heaviest first, so chunk 0 is
+    never empty (a bucket's first leaf is at offset 0). The layout depends on the run's
+    leaves alone (their sizes and order), never on where they sit in a larger tree: a unit's
+    buckets are the same seen alone (as a gathered unit looks them up) or in the whole tree.
+    """
+    n = math.prod(spec.mesh.size(a) for a in spec.split_order)
+    widths = [_aligned(s.numel) for s in run]
+    owner = balance(widths, n)
+    loads = [0] * n
+    for k, w in zip(owner, widths):
+        loads[k] += w
+    order = sorted(range(n), key=lambda k: (-loads[k], k))
+    label = {k: r for r, k in enumerate(order)}
+    chunk, cursor, slots = max(loads), [0] * n, []
+    for s, k, w in zip(run, owner, widths):
+        r = label[k]
+        slots.append(dataclasses.replace(s, offset=r * chunk + cursor[r]))
+        cursor[r] += w
+    slots.sort(key=lambda s: s.offset)
+    numel = sum(s.numel for s in run)
+    return Bucket(
+        spec=spec,
+        unit=unit,
+        dtype=dtype,
+        device=device,
+        slots=tuple(slots),
+        numel=numel,
+        padded=n * chunk,
+    )
+
+
+def owner_of_slot(bucket: Bucket, slot: Slot) -> dict[str, int]:
+    """The coordinates (over the spec's split order) of the rank owning ``slot`` in an
+    owner-major bucket."""
+    mesh, axes = bucket.spec.mesh, bucket.spec.split_order
+    k = slot.offset // (bucket.padded // math.prod(mesh.size(a) for a in axes))
+    out = {}
+    for a in reversed(axes):
+        k, out[a] = divmod(k, mesh.size(a))
+    return out
+
+
+def owned(spec: Spec) -> Spec:
+    """``spec`` with its optimizer placement ``Owner`` on every data-parallel axis.
+
+    The spec's parameter and gradient placements stay; its buckets are laid out
+    owner-major, so every leaf's final gradient, main weight and optimizer state lives whole
+    on one rank of the data-parallel mesh. For HSDP that is the cheap route to matrix
+    optimizers: the last microbatch reduce-scatters over the outer axis (where HSDP
+    all-reduces), :func:`~functional_hsdp.per_matrix` runs where the leaves are, with no
+    communication, and :func:`~functional_hsdp.sync_params` all-gathers the new weights over
+    the outer axis: the outer axis carries AdamW-HSDP's bytes (a reduce-scatter and an
+    all-gather are an all-reduce), plus each bucket's padding to its largest owner.
+
+    Args:
+        spec: a :class:`~functional_hsdp.Spec` without ``Shard(d)``.
+
+    Returns:
+        A new Spec (equal for equal inputs).
+
+    Example:
+        >>> import functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+        >>> fh.owned(fh.hsdp(mesh, "dp_outer", "dp_inner")).optimizer
+        (Owner(), Owner())
+    """
+    if not isinstance(spec, Spec):
+        raise TypeError(f"owned: expected a Spec; got {type(spec).__name__}")
+    if spec.shard is not None:
+        raise NotImplementedError("owned: a Shard(d) spec has no owner layout; use Flat()")
+    names = spec.mesh.axis_names
+    optimizer = [Owner() if a in spec.dp_axes else x for a, x in zip(names, spec.optimizer)]
+    return Spec(
+        spec.mesh,
+        parameter=spec.parameter,
+        gradient=spec.gradient,
+        optimizer=optimizer,
+        dp_axes=spec.dp_axes,
+        reduce_op=spec.reduce_op,
+        bucket_cap_mb=spec.bucket_cap_mb,
+    )
+
+
+# -- routing a bucket of another layout -------------------------------------------------------
+
+Rank = tuple  # a rank's coordinates over every mesh axis
+Seg = tuple  # (slot position j in the bucket, lo, hi): elements [lo, hi) of that leaf
+
+
+@dataclass(frozen=True, eq=False)
+class Exchange(Step):
+    """An all-to-all step: ``counts`` and ``length`` as ``Mesh.all_to_all`` takes them."""
+
+    counts: Any = None
+    length: int = 0
+
+
+def local_items(mesh: Any, per_rank: dict) -> list[tuple[tuple, Any]]:
+    """``(index of the rank's value in a local tensor, its entry of per_rank)`` for every rank
+    this process holds: its own on a DistMesh (index ``()``), every one on a SimMesh."""
+    coords = [np.asarray(mesh.coordinate(a)) for a in mesh.axis_names]
+    return [
+        (idx, per_rank[tuple(int(c[idx]) for c in coords)]) for idx in np.ndindex(*mesh.batch_shape)
+    ]
+
+
+def _merged(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Runs ``(source, length)`` (source -1: zeros) with neighbours joined."""
+    out: list[list[int]] = []
+    for src, n in runs:
+        if n == 0:
+            continue
+        if out and (
+            (src < 0 and out[-1][0] < 0) or (src >= 0 and out[-1][0] >= 0 and src == sum(out[-1]))
+        ):
+            out[-1][1] += n
+        else:
+            out.append([src, n])
+    return tuple((s, n) for s, n in out)
+
+
+class Rearrange:
+    """A local step ``(bucket, buf) -> buf``: every rank's new buffer made of runs of its
+    old one (``source`` long) and zeros, ``length`` long; one ``torch.cat`` for all the ranks
+    held. ``identity``: it would return its input as it is (then it is left out)."""
+
+    def __init__(self, mesh: Any, runs: dict[Rank, list], length: int, *, source: int):
+        self.batch, self.length = mesh.batch_shape, length
+        self.items = [(i, _merged(r)) for i, r in local_items(mesh, runs)]
+        tails = [length - sum(n for _, n in r) for _, r in self.items]
+        fills = [n for _, r in self.items for s, n in r if s < 0]
+        self.zeros = max([*tails, *fills, 0])
+        whole = all(r in ((), ((0, length),)) for _, r in self.items) and not any(tails)
+        self.identity = whole and source == length
+
+    def __call__(self, b: int, buf: torch.Tensor) -> torch.Tensor:
+        zeros = buf.new_zeros(self.zeros)
+        parts = []
+        for idx, runs in self.items:
+            row, got = buf[idx], 0
+            for src, n in runs:
+                parts.append(row.narrow(-1, src, n) if src >= 0 else zeros.narrow(0, 0, n))
+                got += n
+            if got < self.length:
+                parts.append(zeros.narrow(0, 0, self.length - got))
+        if not parts:
+            return buf.new_zeros((*self.batch, self.length))
+        return torch.cat(parts).view(*self.batch, self.length)
+
+
+@dataclass
+class BucketRoute:
+    """One bucket's way to its owners and back.
+
+    Attributes:
+        there: program items from the optimizer placement's chunk to the owners' buffers.
+        back: program items from the owners' buffers back to the chunk.
+        leaves: per rank, ``(slot position, offset)`` of each leaf it owns in its buffer.
+        length: the owners' buffer length.
+        routed: the slot positions routed (the others come back as zeros).
+    """
+
+    there: list
+    back: list
+    leaves: dict[Rank, list[tuple[int, int]]]
+    length: int
+    routed: frozenset = frozenset()
+
+
+class _Planner:
+    """Builds a :class:`BucketRoute` for bucket ``b`` of ``plan``; ``owner[j]``: the owner
+    coordinates of slot j (-1 on axes where every rank is its own), None if not routed."""
+
+    def __init__(self, plan: Plan, b: int, owner: list):
+        self.mesh, self.bucket, self.owner = plan.mesh, plan.buckets[b], owner
+        self.placed = plan.placed[b]["optimizer"]
+        mesh, spec, axes = self.mesh, self.bucket.spec, self.placed.axes
+        moving = [a for a in mesh.axis_names if a in spec.dp_axes and mesh.moves(a)]
+        self.flat = [a for a in axes if a in moving]
+        self.rep = [a for a in moving if a not in axes]
+        self.dim = {a: k for k, a in enumerate(mesh.axis_names)}
+        self.ranks = list(np.ndindex(*mesh.sizes))
+        self.chunk = {r: self._chunk(r) for r in self.ranks}
+
+    def _chunk(self, r: Rank) -> list[tuple[Seg, int]]:
+        """The routed leaves' pieces in rank r's chunk, with their positions in it."""
+        mesh, length = self.mesh, self.placed.length
+        start, stride = 0, self.bucket.padded
+        for a in self.placed.axes:
+            stride //= mesh.size(a)
+            start += r[self.dim[a]] * stride
+        out = []
+        for j, s in enumerate(self.bucket.slots):
+            if self.owner[j] is None:
+                continue
+            lo = min(max(start - s.offset, 0), s.numel)
+            hi = min(max(start + length - s.offset, 0), s.numel)
+            if lo < hi:
+                out.append(((j, lo, hi), s.offset + lo - start))
+        return out
+
+    def _at(self, j: int, a: str) -> int:
+        return self.owner[j][self.dim[a]]
+
+    def _owns(self, r: Rank, j: int) -> bool:
+        return all(o < 0 or o == c for o, c in zip(self.owner[j], r))
+
+    def build(self) -> BucketRoute:
+        keep = {
+            r: [
+                (g, p)
+                for g, p in self.chunk[r]
+                if all(self._at(g[0], a) == r[self.dim[a]] for a in self.rep)
+            ]
+            for r in self.ranks
+        }
+        there, stages, held, source = [], [], keep, self.placed.length
+        for a in self.flat:
+            stage = self._exchange(a, held, source)
+            there += [stage["pre"], stage["step"]]
+            stages.append(stage)
+            held = {r: _packed(segs) for r, segs in stage["recv"].items()}
+            source = stage["step"].length
+        leaves, length, final = self._final(held, source)
+        there.append(final)
+        back, base = self._back(stages, held=held, leaves=leaves, length=length)
+        back += self._merge(base)
+        there = [x for x in there if not (isinstance(x, Rearrange) and x.identity)]
+        back = [x for x in back if not (isinstance(x, Rearrange) and x.identity)]
+        routed = frozenset(j for j, o in enumerate(self.owner) if o is not None)
+        return BucketRoute(there=there, back=back, leaves=leaves, length=length, routed=routed)
+
+    def _exchange(self, a: str, held: dict, source: int) -> dict:
+        """Stage of axis ``a``: order each rank's pieces by their owner's coordinate on ``a``
+        (a Rearrange), send them there (an Exchange)."""
+        d, n = self.dim[a], self.mesh.size(a)
+        send = {r: sorted(held[r], key=lambda gp: self._at(gp[0][0], a)) for r in self.ranks}
+        counts = np.zeros((*self.mesh.sizes, n), dtype=np.int64)
+        for r, segs in send.items():
+            for (j, lo, hi), _ in segs:
+                counts[r][self._at(j, a)] += hi - lo
+        recv = {}
+        for r in self.ranks:
+            recv[r] = [
+                g
+                for s in range(n)
+                for g, _ in send[(*r[:d], s, *r[d + 1 :])]
+                if self._at(g[0], a) == r[d]
+            ]
+        length_in = int(counts.sum(-1).max(initial=0))
+        length_out = max((sum(hi - lo for _, lo, hi in g) for g in recv.values()), default=0)
+        runs = {r: [(p, g[2] - g[1]) for g, p in segs] for r, segs in send.items()}
+        pre = Rearrange(self.mesh, runs, length_in, source=source)
+        step = Exchange(
+            op="all_to_all", axis=a, reduce=None, size=n, counts=counts, length=length_out
+        )
+        sent = {r: [g for g, _ in segs] for r, segs in send.items()}
+        return {"pre": pre, "step": step, "send": sent, "recv": recv, "in": length_in}
+
+    def _final(self, held: dict, source: int) -> tuple[dict, int, Rearrange]:
+        """Each owner's pieces joined into its whole leaves, at aligned offsets."""
+        slots, leaves, runs = self.bucket.slots, {}, {}
+        for r in self.ranks:
+            mine = [j for j in range(len(slots)) if self.owner[j] is not None and self._owns(r, j)]
+            pieces = {}
+            for (j, lo, hi), p in held[r]:
+                pieces.setdefault(j, []).append((lo, hi, p))
+            offset, leaves[r], runs[r] = 0, [], []
+            for j in mine:
+                parts = sorted(pieces.get(j, []))
+                assert sum(hi - lo for lo, hi, _ in parts) == slots[j].numel, "a leaf lost"
+                runs[r] += [(-1, offset - sum(n for _, n in runs[r]))]
+                runs[r] += [(p, hi - lo) for lo, hi, p in parts]
+                leaves[r].append((j, offset))
+                offset += _aligned(slots[j].numel)
+        length = max((sum(n for _, n in x) for x in runs.values()), default=0)
+        return leaves, length, Rearrange(self.mesh, runs, length, source=source)
+
+    def _back(self, stages: list, *, held: dict, leaves: dict, length: int) -> tuple[list, dict]:
+        """The reverse exchanges, from the owners' buffers; returns the items and the
+        buffer they end in (each rank's kept pieces, as positions of ``(j, lo)``)."""
+        if not stages:  # the owners' buffer is the base
+            at = {r: {(j, 0): off for j, off in leaves[r]} for r in self.ranks}
+            return [], {"at": at, "length": length}
+        offsets = {r: dict(leaves[r]) for r in self.ranks}
+        runs = {r: [(offsets[r][j] + lo, hi - lo) for (j, lo, hi), _ in held[r]] for r in held}
+        longest = max((sum(n for _, n in x) for x in runs.values()), default=0)
+        items = [Rearrange(self.mesh, runs, longest, source=length)]
+        for t in range(len(stages) - 1, -1, -1):
+            stage, a = stages[t], stages[t].get("step").axis
+            d = self.dim[a]
+            fwd = stage["step"].counts
+            counts = np.zeros_like(fwd)
+            for r in self.ranks:
+                for s in range(self.mesh.size(a)):
+                    counts[r][s] = fwd[(*r[:d], s, *r[d + 1 :])][r[d]]
+            items.append(
+                Exchange(
+                    op="all_to_all",
+                    axis=a,
+                    reduce=None,
+                    size=self.mesh.size(a),
+                    counts=counts,
+                    length=stage["in"],
+                )
+            )
+            position = {r: _positions(stage["send"][r]) for r in self.ranks}
+            if t:
+                prev = stages[t - 1]["recv"]
+                runs = {
+                    r: [(position[r][(j, lo)], hi - lo) for j, lo, hi in prev[r]]
+                    for r in self.ranks
+                }
+                items.append(
+                    Rearrange(self.mesh, runs, stages[t - 1]["step"].length, source=stage["in"])
+                )
+        return items, {"at": position, "length": stages[0]["in"]}
+
+    def _merge(self, base: dict) -> list:
+        """All-gathers over the Replicate axes (innermost first), then every rank's chunk
+        from the blocks: each piece from the member that kept it."""
+        mesh, items = self.mesh, []
+        for a in reversed(self.rep):
+            items.append(Step(op="all_gather", axis=a, reduce=None, size=mesh.size(a)))
+        runs = {}
+        for r in self.ranks:
+            runs[r], end = [], 0
+            for (j, lo, hi), p in self.chunk[r]:
+                member, block = list(r), 0
+                for a in self.rep:  # the last gathered axis is the most significant
+                    member[self.dim[a]] = self._at(j, a)
+                for a in self.rep:
+                    block = block * mesh.size(a) + self._at(j, a)
+                src = block * base["length"] + base["at"][tuple(member)][(j, lo)]
+                runs[r] += [(-1, p - end), (src, hi - lo)]
+                end = p + hi - lo
+        source = math.prod(mesh.size(a) for a in self.rep) * base["length"]
+        return [*items, Rearrange(mesh, runs, self.placed.length, source=source)]
+
+
+def _packed(segs: list[Seg]) -> list[tuple[Seg, int]]:
+    """Pieces laid end to end from 0: ``(piece, position)``."""
+    out, at = [], 0
+    for g in segs:
+        out.append((g, at))
+        at += g[2] - g[1]
+    return out
+
+
+def _positions(segs: list[Seg]) -> dict[tuple[int, int], int]:
+    """``(j, lo) -> position`` of pieces laid end to end from 0."""
+    return {(j, lo): p for (j, lo, _), p in _packed(segs)}
+
+
+# (plan, routed leaf mask) -> per bucket its BucketRoute (None: nothing routed there)
+_ROUTES: Bounded = Bounded(64)
+
+
+def route(plan: Plan, routed: tuple[bool, ...]) -> list[BucketRoute | None]:
+    """Every bucket's :class:`BucketRoute` for the leaves ``routed`` (by tree index), built
+    once. Owners are balanced over the whole tree (largest leaf first, each to the least
+    loaded rank), among the data-parallel axes that move of each spec."""
+    key = (plan, routed)
+    known = _ROUTES.get(key)
+    if known is None:
+        known = _ROUTES[key] = _build(plan, routed)
+    return known
+
+
+def _build(plan: Plan, routed: tuple[bool, ...]) -> list[BucketRoute | None]:
+    mesh, groups = plan.mesh, {}
+    for b, bucket in enumerate(plan.buckets):
+        axes = tuple(a for a in mesh.axis_names if a in bucket.spec.dp_axes and mesh.moves(a))
+        for j, s in enumerate(bucket.slots):
+            if routed[s.index]:
+                groups.setdefault(axes, []).append((b, j, s.numel))
+    owners: dict[tuple[int, int], tuple] = {}
+    for axes, items in groups.items():
+        sizes = [mesh.size(a) for a in axes]
+        for (b, j, _), k in zip(items, balance([n for *_, n in items], math.prod(sizes))):
+            coord = dict(zip(axes, np.unravel_index(k, sizes))) if sizes else {}
+            owners[(b, j)] = tuple(int(coord.get(a, -1)) for a in mesh.axis_names)
+    out: list[BucketRoute | None] = []
+    for b, bucket in enumerate(plan.buckets):
+        owner = [owners.get((b, j)) for j in range(len(bucket.slots))]
+        out.append(_Planner(plan, b, owner).build() if any(o is not None for o in owner) else None)
+    return out

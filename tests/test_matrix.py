@@ -1,0 +1,517 @@
+"""The owner placement and per_matrix on SimMesh: every preset and its owned() form, against
+fn applied to each dense leaf; fn runs once per leaf; collectives per bucket, not per leaf."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import optree
+import pytest
+import torch
+from reference import (
+    AXES,
+    MUON_SHAPES,
+    STRATEGIES,
+    accumulate,
+    dense_reduce,
+    fh_muon_adamw,
+    hidden,
+    max_error,
+    preset,
+    random_tree,
+    torch_muon_adamw,
+    torch_muon_in,
+)
+
+import functional_hsdp as fh
+from functional_hsdp.owner import balance, owner_of_slot
+
+MESHES = [(2, 2), (1, 4), (2, 3)]
+# matrices of several shapes: some span several Flat chunks, three share a shape, one is a
+# 3-D stack, "big" outweighs the others together on some meshes
+MATRICES = {
+    "a": (7, 3),
+    "z": (13, 11),
+    "l": [(4, 6), (4, 6), (4, 6)],
+    "e": (2, 3, 5),
+    "big": (40, 9),
+}
+
+
+def _mesh(shape) -> fh.SimMesh:
+    return fh.SimMesh(dict(zip(AXES, shape)))
+
+
+def _full(seed=0, shapes=MATRICES):
+    return random_tree((), seed=seed, shapes=shapes)
+
+
+def _fn(x):
+    """Needs the whole matrix: a product and its norm."""
+    return x @ x.mT @ x / (1 + x.norm(dim=(-2, -1), keepdim=True))
+
+
+class Counting:
+    """fn, counting the matrices it is given and recording each call's shape."""
+
+    def __init__(self, fn=_fn):
+        self.fn, self.matrices, self.calls = fn, 0, []
+
+    def __call__(self, x):
+        self.matrices += x.shape[0]
+        self.calls.append(tuple(x.shape))
+        return self.fn(x)
+
+
+def _specs(strategy, shape):
+    spec = preset(strategy, _mesh(shape))
+    return [spec, fh.owned(spec)]
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_per_matrix_equals_fn_of_each_dense_leaf_once(strategy, shape):
+    full = _full()
+    for spec in _specs(strategy, shape):
+        fn = Counting()
+        out = fh.per_matrix(fn, fh.shard(full, spec), spec)
+        ref = optree.tree_map(_fn, full)
+        assert max_error(fh.gather(out, spec), ref) < 1e-5
+        assert fn.matrices == len(optree.tree_leaves(full))  # once per leaf, whole mesh
+        # the three (4, 6) leaves share one call where they share a bucket (here: always)
+        assert (3, 4, 6) in fn.calls
+
+
+def test_per_matrix_on_a_final_reduce_grads_result_and_masked_leaves():
+    shape = (2, 2)
+    spec = preset("hsdp", _mesh(shape))
+    micro = [random_tree(shape, seed=m, shapes=MATRICES) for m in range(3)]
+    final = accumulate(micro, spec)
+    dense = dense_reduce(micro, len(shape))
+    tree = dict(final, a=fh.masked(final["a"]))
+    fn = Counting()
+    out = fh.per_matrix(fn, tree, spec)
+    assert isinstance(out["a"], fh.Masked) and fn.matrices == len(optree.tree_leaves(dense)) - 1
+    out["a"] = final["a"]  # (unchanged by per_matrix: only to gather the rest)
+    got = fh.gather(out, spec)
+    ref = optree.tree_map(lambda x: _fn(x.float()), dense)
+    assert (
+        max_error(
+            {k: v for k, v in got.items() if k != "a"}, {k: v for k, v in ref.items() if k != "a"}
+        )
+        < 1e-4
+    )
+
+
+@pytest.mark.parametrize("owned", [False, True], ids=["hsdp", "owned"])
+def test_collectives_per_bucket_not_per_leaf(owned):
+    spec = fh.hsdp(_mesh((2, 2)), *AXES, bucket_cap_mb=2000 * 4 / 2**20)  # ~2000 elements
+    spec = fh.owned(spec) if owned else spec
+    for n in (8, 32):
+        full = {f"w{k}": torch.randn(10, 12) for k in range(n)}
+        params = fh.shard(full, spec)
+        with fh.comm_log() as log:
+            fh.per_matrix(Counting(), params, spec)
+        buckets = math.ceil(n * 120 / (2000 * (4 if owned else 1)))
+        if owned:
+            assert log.events == []  # the leaves are at their owners already
+        else:  # one all-to-all there and one back per bucket, one all-gather over outer
+            assert log.count("all_to_all", "dp_inner") == 2 * buckets
+            assert log.count("all_gather", "dp_outer") == buckets
+            assert log.count() == 3 * buckets
+
+
+def test_a_leaf_of_fewer_than_two_dims_is_refused_with_its_path():
+    spec = fh.hsdp(_mesh((2, 2)), *AXES)
+    params = fh.shard({"w": torch.ones(3, 3), "norm": {"bias": torch.ones(3)}}, spec)
+    with pytest.raises(ValueError, match=re.escape("tree['norm']['bias']: per_matrix needs")):
+        fh.per_matrix(_fn, params, spec)
+
+
+def test_fn_must_return_the_shape_it_was_given():
+    spec = fh.ddp(_mesh((2, 2)))
+    params = fh.shard({"w": torch.ones(3, 4)}, spec)
+    with pytest.raises(ValueError, match=re.escape("tree['w']: per_matrix's fn must return")):
+        fh.per_matrix(lambda x: x.mT, params, spec)
+
+
+def test_on_a_non_data_parallel_axis_each_coordinate_runs_its_own():
+    mesh = fh.SimMesh({"tp": 2, "dp": 2})
+    for spec in (fh.fsdp(mesh, "dp"), fh.owned(fh.fsdp(mesh, "dp"))):
+        full = {"w": torch.randn(2, 1, 5, 4).expand(2, 2, 5, 4).contiguous()}  # per tp rank
+        fn = Counting()
+        out = fh.gather(fh.per_matrix(fn, fh.shard(full, spec, stacked=True), spec), spec)
+        assert fn.matrices == 2  # one per tp coordinate
+        torch.testing.assert_close(out["w"], _fn(full["w"]))
+
+
+# -- the owner layout ---------------------------------------------------------------------------
+
+
+def test_balance_gives_largest_first_to_the_least_loaded():
+    assert balance([4, 1, 3, 2], 2) == [0, 0, 1, 1]
+    sizes = [9, 7, 6, 5, 5, 4, 3, 2, 2, 1]
+    owner = balance(sizes, 3)
+    loads = [sum(s for s, k in zip(sizes, owner) if k == r) for r in range(3)]
+    assert max(loads) - min(loads) <= max(sizes)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_owned_spec_holds_each_leaf_whole_on_one_rank(strategy):
+    shape = (2, 3)
+    spec = fh.owned(preset(strategy, _mesh(shape)))
+    full = _full()
+    params = fh.shard(full, spec)
+    for leaf, ref in zip(optree.tree_leaves(params), optree.tree_leaves(full)):
+        rows = leaf.reshape(-1, leaf.shape[-1])
+        holders = [r for r in range(rows.shape[0]) if rows[r].abs().sum() > 0]
+        assert len(holders) == 1  # whole on one rank (zero fill on the others)
+        torch.testing.assert_close(rows[holders[0], : ref.numel()], ref.reshape(-1))
+
+
+def test_owner_buckets_are_balanced_and_start_at_their_chunks():
+    mesh = _mesh((2, 2))
+    spec = fh.owned(fh.hsdp(mesh, *AXES))
+    from functional_hsdp.lookup import plan_for
+
+    full = {f"w{k}": torch.zeros(8 * (k + 1), 16) for k in range(6)}
+    leaves, treedef = optree.tree_flatten(full)
+    paths = tuple(f"t{p}" for p in treedef.paths())
+    plan = plan_for(leaves, treedef, paths, (spec,) * 6, (0,) * 6, [x.shape for x in leaves])
+    (bucket,) = plan.buckets
+    chunk = bucket.padded // 4
+    loads = [0] * 4
+    for s in bucket.slots:
+        owner = owner_of_slot(bucket, s)
+        k = owner["dp_inner"] * 2 + owner["dp_outer"]  # split order (dp_inner, dp_outer)
+        assert k * chunk <= s.offset and s.offset + s.numel <= (k + 1) * chunk
+        loads[k] += s.numel
+    assert bucket.slots[0].offset == 0
+    assert max(loads) <= sum(loads) / 4 + max(s.numel for s in bucket.slots)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_owned_specs_reduce_grads_equal_the_dense_mean(strategy):
+    shape = (2, 2)
+    spec = fh.owned(preset(strategy, _mesh(shape)))
+    micro = [random_tree(shape, seed=m, shapes=MATRICES) for m in range(3)]
+    final = accumulate(micro, spec)
+    assert max_error(fh.gather(final, spec), dense_reduce(micro, 2)) < 1e-5
+    params = fh.sync_params(fh.shard(_full(), spec), spec)
+    assert max_error(fh.gather(params, spec), _full()) == 0
+
+
+def test_owned_hsdp_reduce_scatters_over_outer_where_hsdp_all_reduces():
+    """The cheap route: the last microbatch's outer collective is a reduce-scatter of the
+    inner chunk (HSDP: an all-reduce of it), sync_params an all-gather: an all-reduce's
+    wire bytes. Here the 8 leaves of one size split evenly: no padding."""
+    shape = (2, 2)
+    mesh = _mesh(shape)
+    shapes = {f"w{k}": (16, 16) for k in range(8)}
+    logs = {}
+    for name, spec in (("hsdp", fh.hsdp(mesh, *AXES)), ("owned", fh.owned(fh.hsdp(mesh, *AXES)))):
+        micro = [random_tree(shape, seed=m, shapes=shapes) for m in range(3)]
+        params = fh.shard(_full(shapes=shapes), spec)
+        with fh.comm_log() as log:
+            final = accumulate(micro, spec)
+            new = fh.sync_params(optree.tree_map(lambda p, g: p - g, params, final), spec)
+        logs[name] = log
+        assert (
+            max_error(
+                fh.gather(new, spec),
+                optree.tree_map(lambda p, g: p - g, _full(shapes=shapes), dense_reduce(micro, 2)),
+            )
+            < 1e-5
+        )
+    hsdp, owned = logs["hsdp"], logs["owned"]
+    assert hsdp.count("reduce_scatter", "dp_inner") == owned.count("reduce_scatter", "dp_inner")
+    assert hsdp.nbytes("reduce_scatter", "dp_inner") == owned.nbytes("reduce_scatter", "dp_inner")
+    assert [e.op for e in hsdp.events if e.axis == "dp_outer"] == ["all_reduce"]
+    assert [e.op for e in owned.events if e.axis == "dp_outer"] == ["reduce_scatter", "all_gather"]
+    chunk = hsdp.nbytes("all_reduce", "dp_outer")
+    assert owned.nbytes("reduce_scatter", "dp_outer") == chunk  # the inner chunk
+    assert owned.nbytes("all_gather", "dp_outer") == chunk // 2  # the owner's half of it
+
+
+def test_owner_only_in_the_optimizer_and_on_every_data_parallel_axis():
+    mesh = _mesh((2, 2))
+    R, F, P, Own = fh.Replicate(), fh.Flat(), fh.Partial("avg"), fh.Owner()
+    with pytest.raises(ValueError, match="every data-parallel axis"):
+        fh.Spec(mesh, [R, F], [P, F], [R, Own])
+    with pytest.raises(ValueError, match="optimizer placement only"):
+        fh.Spec(mesh, [R, Own], [P, F], [Own, Own])
+    with pytest.raises(NotImplementedError, match="Shard"):
+        fh.owned(fh.Spec(mesh, [R, fh.Shard(0)], [P, fh.Shard(0)], [R, fh.Shard(0)]))
+    assert fh.owned(fh.ddp(mesh)) == fh.owned(fh.ddp(mesh))
+
+
+# -- muon and partition against torch.optim.Muon + torch.optim.AdamW -------------------------------
+
+MUON_KW, ADAMW_KW = {"lr": 0.02}, {"lr": 1e-3, "weight_decay": 0.01}
+NS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _muon_run(spec, microbatches, muon_kw, steps=3, shapes=MUON_SHAPES):
+    """fh.partition(muon, adamw) on ``spec`` and torch's Muon + AdamW on the dense mean
+    gradient, ``steps`` steps of ``microbatches``; returns both final parameter trees."""
+    shape = spec.mesh.batch_shape
+    full = random_tree((), seed=20, shapes=shapes)
+    params = fh.shard(full, spec)
+    opt = fh_muon_adamw(spec, muon_kw, ADAMW_KW)
+    state = opt.init(params)
+    torch_kw = {k: v for k, v in muon_kw.items() if k != "ns_dtype"}
+    dense, torch_step = torch_muon_adamw(full, torch_kw, ADAMW_KW)
+    for step in range(steps):
+        micro = [
+            random_tree(shape, seed=100 * step + m, shapes=shapes) for m in range(microbatches)
+        ]
+        micro = [optree.tree_map(lambda g: g / microbatches, g) for g in micro]
+        mean = dense_reduce(micro, len(shape))
+        for k, p in dense.items():
+            p.grad = mean[k].float()
+        updates, state = opt.update(accumulate(micro, spec), state, params)
+        params = fh.apply_updates(params, updates)
+        with torch_muon_in(muon_kw.get("ns_dtype", torch.bfloat16)):
+            torch_step()
+    assert state.inner["muon"].count == steps
+    return fh.gather(params, spec), {k: p.detach().double() for k, p in dense.items()}
+
+
+@pytest.mark.parametrize("ns", NS)
+@pytest.mark.parametrize("microbatches", [1, 3])
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp", "owned"])
+def test_muon_and_adamw_equal_torch_on_the_dense_mean_gradient(strategy, microbatches, ns):
+    mesh = _mesh((2, 2))
+    spec = fh.owned(preset("hsdp", mesh)) if strategy == "owned" else preset(strategy, mesh)
+    got, ref = _muon_run(spec, microbatches, dict(MUON_KW, ns_dtype=NS[ns]))
+    # bf16 Newton-Schulz sees the same bf16 inputs as torch's: both agree to fp32 roundoff
+    assert max_error(got, ref) < 5e-6
+
+
+def test_muon_options_equal_torch():
+    spec = preset("hfsdp", _mesh((2, 3)))
+    kw = dict(
+        lr=0.05,
+        weight_decay=0.2,
+        momentum=0.9,
+        nesterov=False,
+        ns_steps=4,
+        adjust_lr_fn="match_rms_adamw",
+        ns_coefficients=(3.0, -4.0, 2.0),
+        eps=1e-6,
+    )
+    got, ref = _muon_run(spec, 2, kw)
+    assert max_error(got, ref) < 5e-6
+
+
+def test_muon_orthogonalizes_a_stack_of_matrices_each_on_its_own():
+    """A 3-D leaf [E, M, N] is E matrices: as torch's Muon on each expert's matrix."""
+    spec = fh.owned(preset("hsdp", _mesh((2, 2))))
+    full = {"experts": torch.randn(3, 8, 12, generator=torch.Generator().manual_seed(1))}
+    params = fh.shard(full, spec)
+    opt = fh.muon(spec, lr=0.1, ns_dtype=torch.float32)
+    g = random_tree((2, 2), seed=5, shapes={"experts": (3, 8, 12)})
+    updates, _ = opt.update(fh.reduce_grads(g, spec, last=True), opt.init(params), params)
+    got = fh.gather(fh.apply_updates(params, updates), spec)["experts"][0, 0]
+    mean = dense_reduce([g], 2)["experts"].float()
+    experts = [e.clone().requires_grad_() for e in full["experts"]]
+    with torch_muon_in(torch.float32):
+        torch_opt = torch.optim.Muon(experts, lr=0.1)
+        for e, ge in zip(experts, mean):
+            e.grad = ge
+        torch_opt.step()
+    torch.testing.assert_close(got, torch.stack(experts).detach(), rtol=0, atol=5e-6)
+
+
+def test_muon_update_is_pure_and_refuses_a_bias():
+    spec = preset("hsdp", _mesh((2, 2)))
+    params = fh.shard({"w": torch.randn(6, 4)}, spec)
+    g = fh.reduce_grads({"w": torch.randn(2, 2, 6, 4)}, spec, last=True)
+    opt = fh.muon(spec)
+    state = opt.init(params)
+    inputs = optree.tree_leaves((g, state.momentum, params))
+    before = [x.clone() for x in inputs]
+    opt.update(g, state, params)
+    assert all(torch.equal(a, b) for a, b in zip(before, inputs))
+    bias = fh.shard({"b": torch.ones(6)}, spec)
+    gb = fh.reduce_grads({"b": torch.ones(2, 2, 6)}, spec, last=True)
+    with pytest.raises(ValueError, match=re.escape("tree['b']: per_matrix needs matrices")):
+        opt.update(gb, opt.init(bias), bias)
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        fh.muon(spec, adjust_lr_fn="other")
+
+
+def test_partition_labels_as_a_tree_equal_labels_as_a_callable():
+    spec = preset("hsdp", _mesh((2, 2)))
+    full = random_tree((), seed=3, shapes=MUON_SHAPES)
+    params = fh.shard(full, spec)
+    g = fh.reduce_grads(random_tree((2, 2), seed=4, shapes=MUON_SHAPES), spec, last=True)
+    by_tree = {k: hidden((k,)) for k in full}
+    results = []
+    for labels in (hidden, by_tree):
+        opt = fh.partition(
+            {"muon": fh.muon(spec, **MUON_KW), "adamw": fh.adamw(**ADAMW_KW)}, labels
+        )
+        results.append(opt.update(g, opt.init(params), params)[0])
+    assert all(torch.equal(a, b) for a, b in zip(*map(optree.tree_leaves, results)))
+    opt = fh.partition({"muon": fh.muon(spec)}, hidden)
+    with pytest.raises(ValueError, match=re.escape("params['b1']: label 'adamw' has no")):
+        opt.init(params)
+
+
+# -- every loop: MainGrad, the layer-wise loop with into=MainGrad --------------------------------
+
+
+def test_muon_on_a_maingrad_equals_torch():
+    """The whole-tree loop with persistent main grads: MainGrad.accumulate, then the
+    optimizer on mg.grads, on the cheap route."""
+    shape = (2, 2)
+    spec = fh.owned(preset("hsdp", _mesh(shape)))
+    full = random_tree((), seed=20, shapes=MUON_SHAPES)
+    params = fh.shard(full, spec)
+    mg = fh.MainGrad(spec, like=full)
+    opt = fh_muon_adamw(spec, MUON_KW, ADAMW_KW)
+    state = opt.init(params)
+    dense, torch_step = torch_muon_adamw(full, MUON_KW, ADAMW_KW)
+    for step in range(2):
+        micro = [random_tree(shape, seed=100 * step + m, shapes=MUON_SHAPES) for m in range(3)]
+        micro = [optree.tree_map(lambda g: g / 3, g) for g in micro]
+        for g, last in fh.microbatches(micro):
+            mg.accumulate(g, last=last)
+        updates, state = opt.update(mg.grads, state, params)
+        params = fh.apply_updates(params, updates)
+        mg.zero_grad()
+        mean = dense_reduce(micro, 2)
+        for k, p in dense.items():
+            p.grad = mean[k].float()
+        torch_step()
+    ref = {k: p.detach().double() for k, p in dense.items()}
+    assert max_error(fh.gather(params, spec), ref) < 5e-6
+
+
+def _lw_label(path, leaf=None) -> str:
+    return "muon" if path[-1] in ("qkv", "o", "up", "down") else "adamw"
+
+
+def _lw_dense(steps: int, microbatches: int, ranks: int) -> dict:
+    """torch.optim.Muon (block matrices) + AdamW (tied embedding, norms) on the dense mean
+    gradient of lw_problem's transformer."""
+    import lw_problem as lw
+
+    params = lw.init()
+    leaves, treedef = optree.tree_flatten(params)
+    dense = [x.clone().requires_grad_() for x in leaves]
+    labels = [_lw_label(p) for p in treedef.paths()]
+    muon = torch.optim.Muon([p for p, k in zip(dense, labels) if k == "muon"], **MUON_KW)
+    adamw = torch.optim.AdamW([p for p, k in zip(dense, labels) if k == "adamw"], **ADAMW_KW)
+    for step in range(steps):
+        tree = optree.tree_unflatten(treedef, dense)
+        loss = sum(
+            lw.dense_loss(tree, ids, targets) / microbatches / ranks
+            for r in range(ranks)
+            for ids, targets in lw.batches(r, microbatches, step)
+        )
+        loss.backward()
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+    return optree.tree_unflatten(treedef, [p.detach().double() for p in dense])
+
+
+@pytest.mark.parametrize("owned", [False, True], ids=["hsdp", "owned"])
+def test_muon_in_the_layerwise_loop_into_a_maingrad_equals_torch(owned):
+    """Units gathered inside the loss, gradients reduced into a MainGrad in backward, the
+    optimizer on mg.grads; main weights at the optimizer placement, the forward's shards
+    from sync_params (owned: an all-gather over the outer axis, as hfsdp)."""
+    import lw_problem as lw
+
+    shape, steps, microbatches = (2, 2), 2, 2
+    mesh = _mesh(shape)
+    spec = fh.hsdp(mesh, *AXES)
+    spec = fh.owned(spec) if owned else spec
+    tree_spec = {"embed": spec, "blocks": [spec] * 2}
+    full = lw.init()
+    main = fh.shard(full, tree_spec)
+    mg = fh.MainGrad(tree_spec, like=full)
+    emb, out, blk = (
+        fh.gathered(fh.per_rank(f, mesh), spec, into=mg) for f in (lw.embed, lw.head, lw.block)
+    )
+    ce = fh.per_rank(lw.ce, mesh)
+
+    def loss_fn(shards, ids, targets):
+        h = fh.sequence(blk, shards["blocks"], emb(shards["embed"], ids))
+        return ce(out(shards["embed"], h), targets).sum() / microbatches
+
+    opt = fh.partition(
+        {"muon": fh.muon(tree_spec, **MUON_KW), "adamw": fh.adamw(**ADAMW_KW)}, _lw_label
+    )
+    state = opt.init(main)
+    for step in range(steps):
+        shards = fh.sync_params(main, tree_spec)
+        batches = lw.mesh_batches(mesh, microbatches, step)
+        for (ids, targets), _ in fh.microbatches(batches, into=mg):
+            torch.func.grad(loss_fn)(shards, ids, targets)
+        mg.finish()
+        updates, state = opt.update(mg.grads, state, main)
+        main = fh.apply_updates(main, updates)
+        mg.zero_grad()
+    ref = _lw_dense(steps, microbatches, math.prod(shape))
+    assert lw.max_rel_error(fh.gather(main, tree_spec), ref, shape) < 2e-5
+
+
+def _wire(event: fh.Event, n: int) -> float:
+    """Bytes a rank sends for one collective over n ranks (ring algorithms): an all-reduce
+    2 (n - 1) / n of its input, a reduce-scatter (n - 1) / n, an all-gather (n - 1) times."""
+    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1}
+    return event.nbytes * factor[event.op]
+
+
+def test_a_muon_step_on_owned_hsdp_moves_adamw_hsdps_bytes_over_outer():
+    """The whole step (3 microbatches, the optimizer, the weights back to the parameter
+    placement): Muon on owned(hsdp) sends over dp_outer what AdamW on hsdp sends (a
+    reduce-scatter and an all-gather where HSDP all-reduces), and over dp_inner the same
+    reduce-scatters; its optimizer itself communicates nothing."""
+    shape = (2, 2)
+    mesh = _mesh(shape)
+    shapes = {f"w{k}": (32, 16) for k in range(8)}  # 8 equal matrices: no owner padding
+    micro = [random_tree(shape, seed=m, shapes=shapes) for m in range(3)]
+    logs = {}
+    for name in ("adamw", "muon"):
+        spec = fh.hsdp(mesh, *AXES)
+        spec, opt = (
+            (fh.owned(spec), fh.muon(fh.owned(spec)))
+            if name == "muon"
+            else (spec, fh.adamw(lr=1e-3))
+        )
+        params = fh.shard(_full(shapes=shapes), spec)
+        state = opt.init(params)
+        with fh.comm_log() as log:
+            grads = accumulate(micro, spec)
+            with fh.comm_log() as in_update:
+                updates, state = opt.update(grads, state, params)
+            fh.sync_params(fh.apply_updates(params, updates), spec)
+        assert in_update.events == []
+        logs[name] = log
+    outer = {
+        k: sum(_wire(e, 2) for e in log.events if e.axis == "dp_outer") for k, log in logs.items()
+    }
+    assert outer["muon"] == outer["adamw"] > 0
+    inner = {
+        k: [(e.op, e.numel) for e in log.events if e.axis == "dp_inner"] for k, log in logs.items()
+    }
+    assert inner["muon"] == inner["adamw"] == [("reduce_scatter", 8 * 512)] * 3
+
+
+def test_partition_takes_gradients_of_another_dtype_than_the_params():
+    """bf16 gradients for fp32 params (cast by each optimizer): every label's trees share
+    the params' Masked leaves."""
+    spec = preset("hsdp", _mesh((2, 2)))
+    params = fh.shard(random_tree((), seed=3, shapes=MUON_SHAPES), spec)
+    g = fh.reduce_grads(random_tree((2, 2), seed=4, shapes=MUON_SHAPES), spec, last=True)
+    opt = fh_muon_adamw(spec, MUON_KW, ADAMW_KW)
+    state = opt.init(params)
+    want, _ = opt.update(g, state, params)
+    got, _ = opt.update(optree.tree_map(lambda x: x.to(torch.bfloat16), g), state, params)
+    assert max_error(got, optree.tree_map(lambda x: x.double(), want)) < 1e-3
