@@ -90,7 +90,7 @@ def task(cfg: dict) -> dict:
     tree = {f"p{i:05d}": torch.randn(20) for i in range(cfg["leaves"])}
     call = partial(fh.reduce_grads, tree, spec, last=True)
     leaves, treedef, paths = flatten(tree, "grads")
-    plan = grads_plan(leaves, treedef, paths, spec, "grads")
+    plan = grads_plan(leaves, treedef, paths, spec=spec, name="grads")
     row = torch.zeros(len(validate.HEADER) + 5, dtype=torch.int64)  # the agreement's row
     bare = partial(_bare_exchange, row, [torch.empty_like(row) for _ in range(C.WORLD)])
     ops = {

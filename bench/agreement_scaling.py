@@ -67,7 +67,7 @@ def task(cfg: dict) -> dict:
     tree = {f"p{i}": torch.randn(TREE["numel"]) for i in range(TREE["leaves"])}
     call = partial(fh.reduce_grads, tree, spec, last=True)
     leaves, treedef, paths = flatten(tree, "grads")
-    plan = grads_plan(leaves, treedef, paths, spec, "grads")
+    plan = grads_plan(leaves, treedef, paths, spec=spec, name="grads")
     ops = {
         "on": call,
         "off": partial(validation_off, call),

@@ -150,8 +150,8 @@ def measure(shapes: dict, units: list[int], preset: str) -> dict:
     n = len(shapes)
     cpu = torch.device("cpu")
     buckets, _ = build_buckets(
-        tuple(shapes), tuple(shapes.values()), (torch.float32,) * n, (cpu,) * n, (sp,) * n,
-        tuple(units),
+        tuple(shapes), shapes=tuple(shapes.values()), dtypes=(torch.float32,) * n,
+        devices=(cpu,) * n, specs=(sp,) * n, units=tuple(units),
     )  # fmt: skip
     multiple = math.prod(sp.mesh.size(a) for a in sp.split_order)
     out = {"buckets": len(buckets), "data": 0, "padded": {}, "misaligned": {4: 0, 2: 0}}

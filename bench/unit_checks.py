@@ -7,7 +7,7 @@ B13's ``fh`` variant (``bench/module.py``: ``fh.functional_call(into=MainGrad)``
 ``fh.grad_and_value``, ``fh.microbatches(..., into=mg)``, ``mg.finish()``, SGD in place) for
 both of its models, built once per mode in one group of 4 gloo ranks (2x2 mesh), the steps of
 the three modes interleaved. Also timed alone, per step, with less noise: the default mode's
-one extra summary (``mg.agree_units()``, which ``microbatches`` runs at its end) and the
+one extra summary (``mg._units.agree()``, which ``microbatches`` runs at its end) and the
 recording of the step's unit calls.
 """
 
@@ -52,7 +52,7 @@ def _alone(runner, data, calls: int) -> dict:
     C.barrier()
     t0 = time.perf_counter()
     for _ in range(calls):
-        mg.agree_units()
+        mg._units.agree()
     summary = (time.perf_counter() - t0) / calls
     log, units = validate.UnitLog(), 2 * len(runner.shards)  # each unit once per microbatch
     t0 = time.perf_counter()

@@ -23,7 +23,7 @@ from .matrix import (
     partition,
     per_matrix,
 )
-from .mesh import DistMesh, Mesh, SimMesh
+from .mesh import DistMesh, Mesh, SimMesh, per_rank
 from .module import functional_call, shard_module
 from .optim import (
     AdamWState,
@@ -40,7 +40,7 @@ from .placement import Flat, Owner, Partial, Placement, Replicate, Shard
 from .reduce import gather, reduce_grads, shard, sync_params
 from .spec import Spec, ddp, fsdp, hfsdp, hsdp
 from .trace import CommLog, Event, comm_log
-from .units import Gathered, gathered, per_rank, sequence
+from .units import Gathered, gathered, sequence
 from .validate import validation
 
 __all__ = [

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any
 
 import einops
@@ -58,6 +58,7 @@ class Move:
     plan: Plan
     frm: str
     to: str
+    _: KW_ONLY
     dtype: torch.dtype | None = None
     grad_dtype: torch.dtype | None = None
     #: if given, the forward appends ``(plain inputs, plain outputs)`` to it (a unit that
@@ -72,15 +73,17 @@ class Move:
     @property
     def adjoint(self) -> Move:
         frm, to = ADJOINT[(self.frm, self.to)]
-        return Move(self.plan, frm, to, self.grad_dtype, self.dtype, norms=self.norms)
+        return Move(
+            self.plan, frm, to, dtype=self.grad_dtype, grad_dtype=self.dtype, norms=self.norms
+        )
 
     def run(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The move on plain tensors (one collective per bucket per axis, through the
         engine)."""
         plan, dtype = self.plan, self.dtype
-        pack = lambda b: plan.pack(b, leaves, self.frm, dtype)  # noqa: E731
+        pack = lambda b: plan.pack(b, leaves, self.frm, dtype=dtype)  # noqa: E731
         pending = engine.start(plan, pack, [(self.frm, self.to)], wire=dtype)
-        out, _ = engine.finish(plan, pending, self.to, dtype)
+        out, _ = engine.finish(plan, pending, self.to, dtype=dtype)
         return out
 
     def run_batched(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -90,7 +93,9 @@ class Move:
         mesh = plan.mesh
         bufs = []
         for b, bucket in enumerate(plan.buckets):
-            packed = torch.stack([plan.pack(b, list(xs), self.frm, dtype) for xs in zip(*leaves)])
+            packed = torch.stack(
+                [plan.pack(b, list(xs), self.frm, dtype=dtype) for xs in zip(*leaves)]
+            )
             program = expand(plan.program(b, self.frm, self.to), dtype or bucket.dtype)
             for item in program:
                 packed = (

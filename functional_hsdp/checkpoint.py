@@ -163,7 +163,7 @@ def load_state_dict(state: dict[str, Any], spec: Any, like: Any) -> Any:
         )
     if isinstance(like, OPTIMIZER_STATES):
         return _load_fields(state, spec, like)
-    return _load_tree(state, spec, like, "state")
+    return _load_tree(state, spec, like, name="state")
 
 
 # -- the per-leaf form ------------------------------------------------------------------------
@@ -220,7 +220,15 @@ def forms(plan: Plan, role: str = ROLE) -> list[Form]:
                 mine = mine * mesh.size(a) + mesh.coordinate(a)
             lo, hi = chunks[mine]
             placed = tuple(Shard(0) if a in axes else Replicate() for a in names)
-            out.append(Form("rows", placed, (hi - lo, *shape[1:]), tuple(chunks), mine))
+            out.append(
+                Form(
+                    kind="rows",
+                    placements=placed,
+                    shape=(hi - lo, *shape[1:]),
+                    chunks=tuple(chunks),
+                    mine=mine,
+                )
+            )
     return out
 
 
@@ -234,7 +242,7 @@ def _device_mesh(plan_or_mesh: Any) -> Any:
     return device_mesh
 
 
-def _dtensor(plan: Plan, i: int, local: torch.Tensor, form: Form) -> DTensor:
+def _dtensor(plan: Plan, i: int, local: torch.Tensor, *, form: Form) -> DTensor:
     shape = tuple(plan.shapes[i])
     return DTensor.from_local(
         local,
@@ -292,7 +300,9 @@ def _tree_state(tree: Any, spec: Any, like: Any) -> dict[str, DTensor]:
             raise TypeError("state_dict: spec is required (the Spec the tree was made with)")
         roles, kinds = (ROLE, "parameter"), ("final", "weights")
         like = None if like is None else _with_stand_ins(like)
-        plan, role = find_layout(leaves, treedef, paths, spec, like, roles, kinds, "tree")
+        plan, role = find_layout(
+            leaves, treedef, paths, spec=spec, like=like, roles=roles, kinds=kinds, name="tree"
+        )
         _device_mesh(plan)
         keys = _keys(treedef, paths)
         agreed.check(plan, paths, options=(f"from {role}",))
@@ -327,7 +337,7 @@ def to_checkpoint(plan: Plan, leaves: list, role: str = ROLE) -> list[DTensor]:
     programs = [plan.program(b, role, "full") for b in flat]
     source = lambda j: plan.pack(flat[j], leaves, role)  # noqa: E731
     run(plan.mesh, programs, source, depth=1, sink=sink)
-    return [_dtensor(plan, i, x, f) for i, (x, f) in enumerate(zip(local, shapes))]
+    return [_dtensor(plan, i, x, form=f) for i, (x, f) in enumerate(zip(local, shapes))]
 
 
 # -- loading: even chunks -> local pieces -----------------------------------------------------
@@ -346,7 +356,7 @@ def _placeholders(plan: Plan, present: list[bool] | None = None) -> dict[str, DT
     for i, (key, form) in enumerate(zip(keys, forms(plan))):
         if present is None or present[i]:
             local = torch.empty(form.shape, dtype=plan.dtypes[i], device=plan.devices[i])
-            out[key] = _dtensor(plan, i, local, form)
+            out[key] = _dtensor(plan, i, local, form=form)
     return out
 
 
@@ -377,18 +387,18 @@ def _like_plan(like: Any, spec: Any) -> tuple[Plan, tuple[str, ...]]:
             )
     device = _device(specs[0].mesh)
     meta = TreeMeta(
-        treedef,
-        tuple(tuple(x.shape) for x in leaves),
-        tuple(x.dtype for x in leaves),
-        tuple(device if x.is_meta else x.device for x in leaves),
-        specs,
-        units,
+        treedef=treedef,
+        shapes=tuple(tuple(x.shape) for x in leaves),
+        dtypes=tuple(x.dtype for x in leaves),
+        devices=tuple(device if x.is_meta else x.device for x in leaves),
+        specs=specs,
+        units=units,
     )
     return get_plan(meta, paths), paths
 
 
 def _loaded(
-    state: dict, plan: Plan, shapes: list[Form], name: str, *, present: list[bool] | None = None
+    state: dict, plan: Plan, shapes: list[Form], *, name: str, present: list[bool] | None = None
 ) -> list[torch.Tensor]:
     """Each leaf's loaded local tensor from ``state``, checked against ``plan`` (a masked
     leaf: zeros of its checkpoint shape, never read)."""
@@ -417,12 +427,12 @@ def _loaded(
             )
         if x.dtype != plan.dtypes[i]:
             raise TypeError(f"{where}: holds {x.dtype}, but {path} is {plan.dtypes[i]}")
-        _check_placed(x, plan, form, where)
+        _check_placed(x, plan, form, where=where)
         out.append(_own_local(x))
     return out
 
 
-def _check_placed(x: DTensor, plan: Plan, form: Form, where: str) -> None:
+def _check_placed(x: DTensor, plan: Plan, form: Form, *, where: str) -> None:
     local = x.to_local()
     if (
         x.device_mesh != _device_mesh(plan)
@@ -446,7 +456,7 @@ def _own_local(x: DTensor) -> torch.Tensor:
     return local
 
 
-def _load_tree(state: dict, spec: Any, like: Any, name: str) -> Any:
+def _load_tree(state: dict, spec: Any, like: Any, *, name: str) -> Any:
     _, present, treedef, _ = unmask(like, "like")
     if not any(present):
         return like
@@ -454,10 +464,10 @@ def _load_tree(state: dict, spec: Any, like: Any, name: str) -> Any:
     with validate.agreement(spec, "load_state_dict") as agreed:
         plan, paths = _like_plan(like, spec)
         shapes = forms(plan)
-        local = _loaded(state, plan, shapes, name, present=present)
+        local = _loaded(state, plan, shapes, name=name, present=present)
         agreed.check(plan, paths)
     out = from_checkpoint(plan, local, shapes)
-    tag(out, plan, ROLE, "weights")
+    tag(out, plan, ROLE, kind="weights")
     if not isinstance(spec, Spec):
         remember_units(like, spec, plan)
     local_shapes = plan.local_shapes[ROLE]
@@ -480,10 +490,11 @@ def from_checkpoint(plan: Plan, local: list, shapes: list[Form]) -> list[torch.T
     programs = [_gather_program(plan, b, shapes) for b in flat]
 
     def sink(j: int, gathered: torch.Tensor) -> None:
-        for i, piece in _pieces(plan, flat[j], gathered, local, shapes):
+        for i, piece in _pieces(plan, flat[j], gathered, local=local, shapes=shapes):
             out[i] = piece
 
-    run(plan.mesh, programs, lambda j: _blocks(plan, flat[j], local, shapes), depth=1, sink=sink)
+    source = lambda j: _blocks(plan, flat[j], local=local, shapes=shapes)  # noqa: E731
+    run(plan.mesh, programs, source, depth=1, sink=sink)
     return out
 
 
@@ -505,10 +516,12 @@ def _gather_program(plan: Plan, b: int, shapes: list[Form]) -> tuple[Step, ...]:
         return ()
     mesh, axes = plan.mesh, plan.placed[b][ROLE].axes
     ordered = [a for a in mesh.axis_names if a in axes and mesh.size(a) > 1]
-    return tuple(Step("all_gather", a, None, mesh.size(a)) for a in reversed(ordered))
+    return tuple(
+        Step(op="all_gather", axis=a, reduce=None, size=mesh.size(a)) for a in reversed(ordered)
+    )
 
 
-def _blocks(plan: Plan, b: int, local: list, shapes: list[Form]) -> torch.Tensor:
+def _blocks(plan: Plan, b: int, *, local: list, shapes: list[Form]) -> torch.Tensor:
     """This rank's block of bucket ``b``: each chunked leaf's chunk, zero-padded to its
     width."""
     bucket, parts = plan.buckets[b], []
@@ -521,7 +534,7 @@ def _blocks(plan: Plan, b: int, local: list, shapes: list[Form]) -> torch.Tensor
     return torch.cat(parts)
 
 
-def _pieces(plan: Plan, b: int, gathered: torch.Tensor, local: list, shapes: list[Form]):
+def _pieces(plan: Plan, b: int, gathered: torch.Tensor, *, local: list, shapes: list[Form]):
     """(leaf index, this rank's Flat piece) for the leaves of bucket ``b``, from the gathered
     blocks (or the whole leaf)."""
     bucket, widths = plan.buckets[b], _block_widths(plan, b, shapes)
@@ -534,14 +547,16 @@ def _pieces(plan: Plan, b: int, gathered: torch.Tensor, local: list, shapes: lis
         hi = min(max(start + length - s.offset, 0), s.numel)
         if width:
             row = math.prod(plan.shapes[s.index][1:])
-            piece = _piece(blocks[:, offset : offset + width], row, shapes[s.index].chunks, lo, hi)
+            piece = _piece(
+                blocks[:, offset : offset + width], row, shapes[s.index].chunks, lo=lo, hi=hi
+            )
         else:
             piece = local[s.index].reshape(-1)[lo:hi].clone()
         offset += width
         yield s.index, piece
 
 
-def _piece(blocks: torch.Tensor, row: int, chunks: Sequence, lo: int, hi: int) -> torch.Tensor:
+def _piece(blocks: torch.Tensor, row: int, chunks: Sequence, *, lo: int, hi: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of a flattened leaf whose k-th row chunk is at the front of
     ``blocks[k]`` (a new tensor)."""
     parts = []
@@ -584,7 +599,7 @@ def _load_fields(state: dict, spec: Any, like: Any) -> Any:
         if _is_scalar(value):
             values[name] = state[name]
         else:
-            values[name] = _load_tree(state[name], spec, value, f"state[{name!r}]")
+            values[name] = _load_tree(state[name], spec, value, name=f"state[{name!r}]")
     return type(like)(**values)
 
 
@@ -653,7 +668,7 @@ def _load_maingrad(state: dict, spec: Any, mg: MainGrad) -> MainGrad:
     with validate.agreement(mg.mesh, "load_state_dict") as agreed:
         _check_maingrad_spec(mg, spec)
         shapes = forms(plan)
-        local = _loaded(state.get("grads", {}), plan, shapes, "state['grads']")
+        local = _loaded(state.get("grads", {}), plan, shapes, name="state['grads']")
         agreed.check(plan, _paths(plan, "grads"), options=("MainGrad",))
     pieces = from_checkpoint(plan, local, shapes)
     for b, buf in enumerate(mg.buffers):

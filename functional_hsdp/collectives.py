@@ -24,7 +24,7 @@ __all__ = ["psum", "pmean", "psum_scatter", "all_gather"]
 
 
 @lru(maxsize=256)
-def _axis_spec(mesh: Mesh, axis: str, target: str, op: str, bucket_cap_mb: float) -> Spec:
+def _axis_spec(mesh: Mesh, axis: str, *, target: str, op: str, bucket_cap_mb: float) -> Spec:
     if axis not in mesh.axis_names:
         raise ValueError(f"axis {axis!r} is not in the mesh; its axes are {mesh.axis_names}")
     place = Flat() if target == "flat" else Replicate()
@@ -59,7 +59,7 @@ def psum(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> An
         tensor([[3.],
                 [3.]])
     """
-    spec = _axis_spec(mesh, axis, "replicate", "sum", bucket_cap_mb)
+    spec = _axis_spec(mesh, axis, target="replicate", op="sum", bucket_cap_mb=bucket_cap_mb)
     return _differentiable_reduce(tree, spec, "psum")
 
 
@@ -78,7 +78,7 @@ def pmean(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> A
         tensor([[1.5000],
                 [1.5000]])
     """
-    spec = _axis_spec(mesh, axis, "replicate", "avg", bucket_cap_mb)
+    spec = _axis_spec(mesh, axis, target="replicate", op="avg", bucket_cap_mb=bucket_cap_mb)
     return _differentiable_reduce(tree, spec, "pmean")
 
 
@@ -104,8 +104,8 @@ def psum_scatter(
         tensor([[2., 2.],
                 [2., 2.]])
     """
-    spec = _axis_spec(mesh, axis, "flat", op, bucket_cap_mb)
-    return _reduce(tree, spec, "psum_scatter", validate.current_mode())
+    spec = _axis_spec(mesh, axis, target="flat", op=op, bucket_cap_mb=bucket_cap_mb)
+    return _reduce(tree, spec, call="psum_scatter", mode=validate.current_mode())
 
 
 def all_gather(
@@ -132,11 +132,13 @@ def all_gather(
         tensor([[2., 2., 2.],
                 [2., 2., 2.]])
     """
-    spec = _axis_spec(mesh, axis, "flat", "sum", bucket_cap_mb)
-    return engine.move(tree, spec, "full", "optimizer", like, "tree", "all_gather")
+    spec = _axis_spec(mesh, axis, target="flat", op="sum", bucket_cap_mb=bucket_cap_mb)
+    return engine.move(
+        tree, spec, "full", source="optimizer", like=like, name="tree", call="all_gather"
+    )
 
 
-def _reduce(tree: Any, spec: Spec, call: str, mode: str) -> Any:
+def _reduce(tree: Any, spec: Spec, *, call: str, mode: str) -> Any:
     return engine.reduce(tree, spec, last=True, acc=None, name="tree", call=call, mode=mode)
 
 
@@ -153,7 +155,7 @@ def _differentiable_reduce(tree: Any, spec: Spec, call: str) -> Any:
     leaves, treedef = optree.tree_flatten(tree)
     mode = validate.current_mode()
     if not any(tracked(x) for x in leaves):
-        return _reduce(tree, spec, call, mode)
+        return _reduce(tree, spec, call=call, mode=mode)
     out = _SelfAdjoint.apply(spec, call, mode, treedef, *leaves)
     return optree.tree_unflatten(treedef, list(out))
 
@@ -162,7 +164,7 @@ class _SelfAdjoint(torch.autograd.Function):
     @staticmethod
     def forward(spec: Spec, call: str, mode: str, treedef: Any, *leaves: torch.Tensor) -> tuple:
         tree = optree.tree_unflatten(treedef, list(leaves))
-        return tuple(optree.tree_leaves(_reduce(tree, spec, call, mode)))
+        return tuple(optree.tree_leaves(_reduce(tree, spec, call=call, mode=mode)))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

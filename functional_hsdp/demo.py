@@ -249,7 +249,7 @@ class _Phases:
 class _Loop:
     """State shared by both loops: main weights at the optimizer placement, and the phases."""
 
-    def __init__(self, cfg: Config, mesh: fh.Mesh, spec: fh.Spec, full: Any, phases: _Phases):
+    def __init__(self, cfg: Config, mesh: fh.Mesh, spec: fh.Spec, *, full: Any, phases: _Phases):
         self.cfg, self.mesh, self.phases = cfg, mesh, phases
         # the whole tree's spec: one Spec (whole), or one per unit (layerwise)
         self.spec = spec if isinstance(full, dict) else [spec] * len(full)
@@ -265,8 +265,8 @@ class _Loop:
 class _Whole(_Loop):
     """Gather the whole tree, ``grad`` per rank, ``reduce_grads`` every microbatch."""
 
-    def __init__(self, cfg: Config, mesh: fh.Mesh, spec: fh.Spec, phases: _Phases):
-        super().__init__(cfg, mesh, spec, init_params(cfg), phases)
+    def __init__(self, cfg: Config, mesh: fh.Mesh, spec: fh.Spec, *, phases: _Phases):
+        super().__init__(cfg, mesh, spec, full=init_params(cfg), phases=phases)
         model, M = make_model(cfg), cfg.microbatches
 
         def loss(params: Params, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
@@ -301,9 +301,9 @@ def _linear(p: Params, x: torch.Tensor) -> torch.Tensor:
 class _Layerwise(_Loop):
     """One ``fh.gathered`` unit per Linear, gradients reduce-scattered into a MainGrad."""
 
-    def __init__(self, cfg: Config, mesh: fh.Mesh, spec: fh.Spec, phases: _Phases):
+    def __init__(self, cfg: Config, mesh: fh.Mesh, spec: fh.Spec, *, phases: _Phases):
         full = to_units(init_params(cfg))
-        super().__init__(cfg, mesh, spec, full, phases)
+        super().__init__(cfg, mesh, spec, full=full, phases=phases)
         self.mg = fh.MainGrad(self.spec, like=full)
         self.linear = fh.gathered(fh.per_rank(_linear, mesh), spec, into=self.mg)
         self.mse = fh.per_rank(nn.functional.mse_loss, mesh)
@@ -341,7 +341,7 @@ class _Layerwise(_Loop):
 
 
 def train(
-    cfg: Config, mesh: fh.Mesh, x: torch.Tensor, y: torch.Tensor, *, progress: bool
+    cfg: Config, mesh: fh.Mesh, *, x: torch.Tensor, y: torch.Tensor, progress: bool
 ) -> Result:
     """SGD on local shards; ``x``/``y`` are this process's data with ``mesh.batch_shape`` in front.
 
@@ -352,7 +352,7 @@ def train(
     rank_losses = []
     with fh.comm_log() as log:
         phases = _Phases(log)
-        loop = (_Whole if cfg.mode == "whole" else _Layerwise)(cfg, mesh, spec, phases)
+        loop = (_Whole if cfg.mode == "whole" else _Layerwise)(cfg, mesh, spec, phases=phases)
         desc = f"{cfg.strategy} {cfg.mode} on {cfg.backend}"
         for _ in _progress(cfg.steps, desc, enabled=progress):
             rank_losses.append(loop.step(x, y).flatten().tolist())
@@ -395,7 +395,7 @@ def train_sim(cfg: Config) -> Result:
     """Every rank in this process, on a SimMesh."""
     mesh = fh.SimMesh(dict(zip(AXES, (cfg.outer, cfg.inner))))
     x, y = make_data(cfg)
-    return train(cfg, mesh, x, y, progress=True)
+    return train(cfg, mesh, x=x, y=y, progress=True)
 
 
 def _worker(cfg: Config) -> Result:
@@ -407,7 +407,7 @@ def _worker(cfg: Config) -> Result:
     mesh = fh.DistMesh(dm)
     o, i = (mesh.coordinate(a) for a in AXES)
     x, y = make_data(cfg)
-    return train(cfg, mesh, x[o, i], y[o, i], progress=dist.get_rank() == 0)
+    return train(cfg, mesh, x=x[o, i], y=y[o, i], progress=dist.get_rank() == 0)
 
 
 def train_gloo(cfg: Config) -> Result:

@@ -66,13 +66,20 @@ def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = 
         return [] if per == "bucket" else optree.tree_unflatten(treedef, [])
     roles = (source,) if source else ("optimizer", "parameter")
     plan, role = find_layout(
-        leaves, treedef, paths, spec, None, roles, ("final", "weights"), "tree"
+        leaves,
+        treedef,
+        paths,
+        spec=spec,
+        like=None,
+        roles=roles,
+        kinds=("final", "weights"),
+        name="tree",
     )
     device_mesh = getattr(plan.mesh, "device_mesh", None)
     if device_mesh is None:
         raise TypeError(f"to_dtensor needs a DistMesh (a real DeviceMesh); got {plan.mesh!r}")
     if per == "bucket":
-        return _buckets(plan, role, leaves, device_mesh)
+        return _buckets(plan, role, leaves, device_mesh=device_mesh)
     out = []
     for slot, leaf, path in zip(plan.slot_of, leaves, paths):
         placements = plan.specs[slot.index].placements(role)
@@ -102,7 +109,7 @@ def _plain(p: Any) -> Any:
     return Replicate()
 
 
-def _buckets(plan: Plan, role: str, leaves: list, device_mesh: Any) -> list[DTensor]:
+def _buckets(plan: Plan, role: str, leaves: list, *, device_mesh: Any) -> list[DTensor]:
     mesh, out = plan.mesh, []
     names = mesh.axis_names
     for b, bucket in enumerate(plan.buckets):

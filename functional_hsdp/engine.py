@@ -121,7 +121,7 @@ def wait(plan: Plan, pending: list[Any]) -> list[torch.Tensor]:
 
 
 def finish(
-    plan: Plan, pending: list[Any], role: str, dtype: torch.dtype | None = None
+    plan: Plan, pending: list[Any], role: str, *, dtype: torch.dtype | None = None
 ) -> tuple[list[torch.Tensor], list]:
     """Wait for ``pending`` bucket results and unpack them at ``role``: (leaves in tree
     order, the bucket buffers they were unpacked from). ``dtype``: the buffers' dtype, if
@@ -181,26 +181,28 @@ def reduce(
         if not leaves:
             resolve_specs(spec, treedef, name)
             if acc is not None and optree.tree_structure(acc) != treedef:
-                raise structure_error(treedef, acc, "acc", name)
+                raise structure_error(treedef, acc, "acc", what=name)
             return optree.tree_unflatten(treedef, [])
-        plan = _input_plan(grads, leaves, treedef, paths, spec, at, name)
+        plan = _input_plan(grads, leaves, treedef, paths=paths, spec=spec, at=at, name=name)
         legs: list = [("input", "gradient")] if at == "input" else []
         if acc is not None:  # checked before any collective
-            acc_bufs = _acc_buffers(plan, acc, treedef, name)
+            acc_bufs = _acc_buffers(plan, acc, treedef, name=name)
             legs.append(lambda b, buf: _add(buf, acc_bufs[b]))
         if last:
             legs.append(("gradient", "optimizer"))
-        source, nonfinite = _source(plan, leaves, at, check_finite)  # at: "input" or "gradient"
+        source, nonfinite = _source(
+            plan, leaves, at, check_finite=check_finite
+        )  # at: "input" or "gradient"
         options = (f"check_finite={check_finite}", f"at={at}")
         check = dict(last=last, options=options, nonfinite=nonfinite, defer=True, units=units)
         agreed.check(plan, paths, **check)
     out_role = "optimizer" if last else "gradient"
     out, bufs = finish(plan, start(plan, source, legs, gate=agreed.settle), out_role)
-    tag(out, plan, out_role, "final" if last else "accumulating", None if last else bufs)
+    tag(out, plan, out_role, kind="final" if last else "accumulating", bufs=None if last else bufs)
     return optree.tree_unflatten(treedef, out)
 
 
-def _source(plan: Plan, leaves: list, role: str, check_finite: bool) -> tuple[Any, Any]:
+def _source(plan: Plan, leaves: list, role: str, *, check_finite: bool) -> tuple[Any, Any]:
     """(bucket index -> packed buffer, per-rank first non-finite leaf or None). Buckets are
     packed one by one just before their first collective, unless every one is needed first
     to look for NaN/Inf."""
@@ -211,23 +213,30 @@ def _source(plan: Plan, leaves: list, role: str, check_finite: bool) -> tuple[An
     return packed.__getitem__, nonfinite
 
 
-def _input_plan(grads, leaves, treedef, paths, spec, at: str, name: str) -> Plan:
+def _input_plan(grads, leaves, treedef, *, paths, spec, at: str, name: str) -> Plan:
     if at == "gradient":  # local shards at the gradient placement (layer-wise backward)
         plan, _ = find_layout(
-            leaves, treedef, paths, spec, None, ("gradient",), ("accumulating",), name
+            leaves,
+            treedef,
+            paths,
+            spec=spec,
+            like=None,
+            roles=("gradient",),
+            kinds=("accumulating",),
+            name=name,
         )
         return plan
     if torch.compiler.is_compiling():
-        return traced_grads_plan(grads, leaves, spec, name)
-    return grads_plan(leaves, treedef, paths, spec, name)
+        return traced_grads_plan(grads, leaves, spec, name=name)
+    return grads_plan(leaves, treedef, paths, spec=spec, name=name)
 
 
-def _acc_buffers(plan: Plan, acc: Any, treedef: Any, name: str) -> list[torch.Tensor]:
+def _acc_buffers(plan: Plan, acc: Any, treedef: Any, *, name: str) -> list[torch.Tensor]:
     """``acc``'s bucket buffers at the gradient role: read from the previous result's own
     buffers when ``acc`` is exactly that result, untouched; else checked and packed."""
     acc_leaves, acc_def, acc_paths = flatten(acc, "acc")
     if acc_def != treedef:
-        raise structure_error(treedef, acc, "acc", name)
+        raise structure_error(treedef, acc, "acc", what=name)
     state = result_state(acc_leaves)
     if not (
         state is not None
@@ -239,7 +248,12 @@ def _acc_buffers(plan: Plan, acc: Any, treedef: Any, name: str) -> list[torch.Te
         state = None  # not the previous call's result as it was returned: check it all
         check_tensors(acc_leaves, acc_paths, plan.mesh, floating=True, batched=True)
         check_local(
-            acc_leaves, acc_paths, plan, "gradient", ("accumulating",), "a running accumulation"
+            acc_leaves,
+            acc_paths,
+            plan,
+            role="gradient",
+            kinds=("accumulating",),
+            what="a running accumulation",
         )
     known = state.bufs if state is not None and state.bufs else (None,) * len(plan.buckets)
     out = []
@@ -266,12 +280,13 @@ def shard(tree: Any, spec: Any, *, to: str, stacked: bool | None) -> Any:
     check_tensors(leaves, paths, mesh, floating=False, batched=stacked)
     if not stacked:
         leaves = [x.expand(*batch, *x.shape) for x in leaves]
-    plan = plan_for(leaves, treedef, paths, specs, units, (x.shape[nb:] for x in leaves))
+    shapes = (x.shape[nb:] for x in leaves)
+    plan = plan_for(leaves, treedef, paths, specs=specs, units=units, shapes=shapes)
     if not isinstance(spec, Spec):
         remember_units(tree, spec, plan)
     source = functools.partial(plan.pack, leaves=leaves, role="full")
     out, _ = finish(plan, start(plan, source, [("full", to)]), to)
-    tag(out, plan, to, "weights")
+    tag(out, plan, to, kind="weights")
     return optree.tree_unflatten(treedef, out)
 
 
@@ -289,7 +304,7 @@ def remember_units(tree: Any, spec: Any, plan: Plan) -> None:
         sub_def = optree.tree_structure(subtree)
         n = sub_def.num_leaves
         shapes = plan.shapes[first : first + n]
-        remember_layout(sub_def, (unit_spec,) * n, (0,) * n, shapes)
+        remember_layout(sub_def, (unit_spec,) * n, (0,) * n, shapes=shapes)
         first += n
 
 
@@ -310,6 +325,7 @@ def move(
     tree: Any,
     spec: Any,
     to: str,
+    *,
     source: str | None,
     like: Any,
     name: str,
@@ -329,10 +345,13 @@ def move(
     with validate.agreement(spec, call) as agreed:
         refuse_tracked(leaves, paths, call)
         kinds = ("final", "weights")
-        plan, role = find_layout(leaves, treedef, paths, spec, like, roles, kinds, name)
+        plan, role = find_layout(
+            leaves, treedef, paths, spec=spec, like=like, roles=roles, kinds=kinds, name=name
+        )
         agreed.check(plan, paths, options=(f"from {role}", f"dtype={dtype}"), defer=True)
     pack = functools.partial(plan.pack, leaves=leaves, role=role, dtype=dtype)
-    out, _ = finish(plan, start(plan, pack, [(role, to)], gate=agreed.settle), to, dtype)
+    pending = start(plan, pack, [(role, to)], gate=agreed.settle)
+    out, _ = finish(plan, pending, to, dtype=dtype)
     if to != "full":
-        tag(out, plan, to, "weights")
+        tag(out, plan, to, kind="weights")
     return optree.tree_unflatten(treedef, out)

@@ -28,7 +28,7 @@ class CollectiveError(RuntimeError):
 
 
 def collective_error(
-    op: str, axis: Any, mesh: Any, exc: BaseException, *, rank: Any = None, timeout=None
+    op: str, axis: Any, mesh: Any, *, exc: BaseException, rank: Any = None, timeout=None
 ) -> CollectiveError:
     """The :class:`CollectiveError` for ``exc`` raised by collective ``op`` on ``axis``."""
     if isinstance(axis, tuple):

@@ -99,7 +99,7 @@ def _detached(tree: Any) -> Any:
 
 
 def grad_and_value(
-    fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False
+    fn: Callable, argnums: int | Sequence[int] = 0, *, has_aux: bool = False
 ) -> Callable:
     """``torch.func.grad_and_value(fn, argnums, has_aux)``, differentiated once, as
     ``loss.backward()`` does: each backward node's saved tensors and intermediates are freed
@@ -110,7 +110,8 @@ def grad_and_value(
             tuple ``(scalar, aux)``).
         argnums: which positional argument (an int) or arguments (a tuple of ints) to
             differentiate with respect to; each a pytree of floating tensors.
-        has_aux: ``fn`` returns ``(value, aux)``; ``aux`` is returned, not differentiated.
+        has_aux: (by keyword) ``fn`` returns ``(value, aux)``; ``aux`` is returned, not
+            differentiated.
 
     Returns:
         A function of ``fn``'s arguments that returns ``(grads, value)``, or
@@ -166,7 +167,7 @@ def grad_and_value(
     return run
 
 
-def grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:
+def grad(fn: Callable, argnums: int | Sequence[int] = 0, *, has_aux: bool = False) -> Callable:
     """``torch.func.grad(fn, argnums, has_aux)`` with :func:`grad_and_value`'s memory.
 
     Args:
@@ -181,7 +182,7 @@ def grad(fn: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) 
         >>> fh.grad(lambda w: (w**2).sum())(torch.tensor([1.0, -3.0]))
         tensor([ 2., -6.])
     """
-    both = grad_and_value(fn, argnums, has_aux)
+    both = grad_and_value(fn, argnums, has_aux=has_aux)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:

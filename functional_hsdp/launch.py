@@ -166,6 +166,7 @@ def _format_exc(exc: BaseException) -> tuple[str, str, str]:
 def _describe(
     head: str,
     errors: dict[int, tuple[str, str, str]],
+    *,
     dead: dict[int, int | None],
     missing: list[int],
 ) -> str:
@@ -341,5 +342,5 @@ def _run_failed(fn: Callable[..., Any], exc: Any, tmp: str) -> WorkerError:
         else:
             dead[r] = failure.exitcode
     name = getattr(fn, "__qualname__", repr(fn))
-    message = _describe(f"task {name} failed", errors, dead, [])
+    message = _describe(f"task {name} failed", errors, dead=dead, missing=[])
     return WorkerError(message, errors=errors, exitcodes=dead)

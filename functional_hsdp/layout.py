@@ -187,6 +187,7 @@ def bucket_elements(spec: Spec) -> int:
 
 def build_buckets(
     paths: tuple[str, ...],
+    *,
     shapes: tuple[tuple[int, ...], ...],
     dtypes: tuple[torch.dtype, ...],
     devices: tuple[torch.device, ...],
@@ -213,8 +214,8 @@ def build_buckets(
             from .owner import owner_bucket
 
             make = owner_bucket
-        for run in _runs(members, paths, shapes, spec, empty):
-            buckets.append(make(run, spec, unit, dtype, device))
+        for run in _runs(members, paths, shapes, spec=spec, empty=empty):
+            buckets.append(make(run, spec, unit=unit, dtype=dtype, device=device))
     return tuple(buckets), tuple(empty)
 
 
@@ -222,6 +223,7 @@ def _runs(
     members: list[int],
     paths: tuple[str, ...],
     shapes: tuple[tuple[int, ...], ...],
+    *,
     spec: Spec,
     empty: list[Slot],
 ) -> list[list[Slot]]:
@@ -235,12 +237,12 @@ def _runs(
     for i in members:
         numel = math.prod(shapes[i])
         if numel == 0:
-            empty.append(Slot(i, paths[i], shapes[i], 0, 0))
+            empty.append(Slot(index=i, path=paths[i], shape=shapes[i], offset=0, numel=0))
             continue
         if runs[-1] and total + numel > cap:
             runs.append([])
             end = total = 0
-        slot = Slot(i, paths[i], shapes[i], _align(end), numel)
+        slot = Slot(index=i, path=paths[i], shape=shapes[i], offset=_align(end), numel=numel)
         if shard is not None:
             slot = _shard_slot(slot, shard, spec.mesh.size(shard[0]))
         runs[-1].append(slot)
@@ -249,7 +251,7 @@ def _runs(
     return [run for run in runs if run]
 
 
-def _bucket(run: list[Slot], spec: Spec, unit: int, dtype: torch.dtype, device) -> Bucket:
+def _bucket(run: list[Slot], spec: Spec, *, unit: int, dtype: torch.dtype, device) -> Bucket:
     """A bucket of ``run``, its tail padded so that every Flat chunk is as long (a multiple
     of the product of the Flat axes' sizes), or every Shard(d) block: a multiple of ALIGN,
     so that the leaves of every block of the gathered bucket are aligned."""
@@ -259,7 +261,16 @@ def _bucket(run: list[Slot], spec: Spec, unit: int, dtype: torch.dtype, device) 
     else:
         padded = _align(end, math.prod(spec.mesh.size(a) for a in spec.split_order))
     total = sum(s.numel for s in run)
-    return Bucket(spec, unit, dtype, device, tuple(run), total, padded, shard)
+    return Bucket(
+        spec=spec,
+        unit=unit,
+        dtype=dtype,
+        device=device,
+        slots=tuple(run),
+        numel=total,
+        padded=padded,
+        shard=shard,
+    )
 
 
 def interleave(
@@ -276,7 +287,7 @@ def interleave(
 
 
 def spaced(
-    bucket: Bucket, parts: Sequence[torch.Tensor], lead: tuple[int, ...], dtype: torch.dtype
+    bucket: Bucket, parts: Sequence[torch.Tensor], lead: tuple[int, ...], *, dtype: torch.dtype
 ) -> Sequence[torch.Tensor]:
     """A block's flat parts (a leaf's, or a Shard(d) leaf's chunks, each ``(*lead, width)``)
     with the bucket's zeros between and after them: they concatenate to the block."""
@@ -291,6 +302,7 @@ def pack_full(
     bucket: Bucket,
     leaves: list[torch.Tensor],
     batch: tuple[int, ...],
+    *,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Concatenate full-shape leaves (and the zeros between and after them) into one new
@@ -311,22 +323,22 @@ def pack_full(
     # torch.cat promotes mixed dtypes, so a result in ``dtype`` holds every leaf cast to it,
     # as the casting path below would; another result dtype is redone by that path.
     if parts[0].dtype == dtype:
-        out = _concat(bucket, parts, batch, dtype)
+        out = _concat(bucket, parts, batch, dtype=dtype)
         if out.dtype == dtype:
             return out
     out = torch.empty((*batch, bucket.padded), dtype=dtype, device=bucket.device)
     flat = [x.reshape(*batch, -1) for x in parts]
-    torch.cat(spaced(bucket, flat, batch, dtype), dim=-1, out=out)
+    torch.cat(spaced(bucket, flat, batch, dtype=dtype), dim=-1, out=out)
     return out
 
 
 def _concat(
-    bucket: Bucket, parts: Sequence[torch.Tensor], batch: tuple[int, ...], dtype: torch.dtype
+    bucket: Bucket, parts: Sequence[torch.Tensor], batch: tuple[int, ...], *, dtype: torch.dtype
 ) -> torch.Tensor:
     """:func:`pack_full` of leaves of ``dtype`` (others promote the result's dtype)."""
     if batch and not bucket.flat_shapes:
         parts = [x.reshape(*batch, -1) for x in parts]
-    parts = spaced(bucket, parts, batch, dtype)
+    parts = spaced(bucket, parts, batch, dtype=dtype)
     if not batch and len(parts) > 1 and _FLATTEN is not None:
         return _FLATTEN(parts)
     if bucket.flat_shapes or batch:  # every part is (*batch, n) already
@@ -415,7 +427,15 @@ def _shard_slot(slot: Slot, shard: tuple[str, int], n: int) -> Slot:
         )
     dim %= ndim
     size = -(-slot.shape[dim] // n)  # torch.chunk's chunk length
-    return Slot(slot.index, slot.path, slot.shape, slot.offset, slot.numel, dim, size)
+    return Slot(
+        index=slot.index,
+        path=slot.path,
+        shape=slot.shape,
+        offset=slot.offset,
+        numel=slot.numel,
+        dim=dim,
+        size=size,
+    )
 
 
 def _dims(ndim: int, dim: int) -> tuple[str, str]:
@@ -429,6 +449,7 @@ def pack_shard_full(
     bucket: Bucket,
     leaves: list[torch.Tensor],
     batch: tuple[int, ...],
+    *,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Full-shape leaves -> a new rank-major ``(*batch, padded)`` Shard(d) bucket of ``dtype``
@@ -445,7 +466,7 @@ def pack_shard_full(
         parts.append(
             einops.rearrange(x, f"{names} {pre} (n c) {post} -> {names} n ({pre} c {post})", n=n)
         )
-    blocks = torch.cat(spaced(bucket, parts, (*batch, n), dtype or bucket.dtype), dim=-1)
+    blocks = torch.cat(spaced(bucket, parts, (*batch, n), dtype=dtype or bucket.dtype), dim=-1)
     return einops.rearrange(blocks, f"{names} n p -> {names} (n p)")
 
 

@@ -40,18 +40,19 @@ def plan_for(
     leaves: Sequence[torch.Tensor],
     treedef: optree.PyTreeSpec,
     paths: tuple[str, ...],
+    *,
     specs: tuple[Spec, ...],
     units: tuple[int, ...],
     shapes: Any,
 ) -> Plan:
     """The plan of a tree with these leaves' dtypes and devices and per-rank ``shapes``."""
     meta = TreeMeta(
-        treedef,
-        tuple(map(tuple, shapes)),
-        tuple(x.dtype for x in leaves),
-        tuple(x.device for x in leaves),
-        specs,
-        units,
+        treedef=treedef,
+        shapes=tuple(map(tuple, shapes)),
+        dtypes=tuple(x.dtype for x in leaves),
+        devices=tuple(x.device for x in leaves),
+        specs=specs,
+        units=units,
     )
     return get_plan(meta, paths)
 
@@ -73,7 +74,7 @@ def _spec_key(spec: Any) -> Any:
 
 
 def grads_plan(
-    leaves: list, treedef: optree.PyTreeSpec, paths: tuple, spec: Any, name: str
+    leaves: list, treedef: optree.PyTreeSpec, paths: tuple, *, spec: Any, name: str
 ) -> Plan:
     """The plan of a tree of per-rank full gradients, its leaves checked on first use."""
     try:
@@ -92,7 +93,7 @@ def grads_plan(
     nb = len(mesh.batch_shape)
     shapes = tuple(tuple(x.shape[nb:]) for x in leaves)
     _refuse_per_example(shapes, layouts_for(treedef, specs, units), paths)
-    plan = plan_for(leaves, treedef, paths, specs, units, shapes)
+    plan = plan_for(leaves, treedef, paths, specs=specs, units=units, shapes=shapes)
     if key is not None:
         entries = [m for m in (known or ()) if m[1] is not plan]
         _CHECKED[key] = [(meta, plan), *entries][:_KNOWN_PER_KEY]
@@ -130,21 +131,22 @@ def _refuse_per_example(shapes: tuple, known: list, paths: Sequence[str]) -> Non
 _TRACED_PLANS: Bounded = Bounded(256)
 
 
-def traced_grads_plan(grads: Any, leaves: list, spec: Any, name: str) -> Plan:
+def traced_grads_plan(grads: Any, leaves: list, spec: Any, *, name: str) -> Plan:
     """:func:`grads_plan` under torch.compile."""
     # A plan is per shape: operator.index specializes any dynamic dim (with a guard).
     metas = tuple((tuple(map(operator.index, x.shape)), x.dtype, x.device) for x in leaves)
     skeleton = optree.tree_map(lambda _: 0, grads)
     if isinstance(spec, Spec):
-        return _TRACED_PLANS[_traced_plan_key(skeleton, metas, name, None, spec)]
+        return _TRACED_PLANS[_traced_plan_key(skeleton, metas, spec, name=name, spec_skeleton=None)]
     # Specs only pass one by one (dynamo cannot make a constant of a container of them).
     specs = optree.tree_leaves(spec, is_leaf=_is_spec)
     spec_skeleton = optree.tree_map(lambda _: 0, spec, is_leaf=_is_spec)
-    return _TRACED_PLANS[_traced_plan_key(skeleton, metas, name, spec_skeleton, *specs)]
+    key = _traced_plan_key(skeleton, metas, *specs, name=name, spec_skeleton=spec_skeleton)
+    return _TRACED_PLANS[key]
 
 
 @torch._dynamo.assume_constant_result
-def _traced_plan_key(skeleton: Any, metas: tuple, name: str, spec_skeleton: Any, *specs) -> int:
+def _traced_plan_key(skeleton: Any, metas: tuple, *specs, name: str, spec_skeleton: Any) -> int:
     # Runs as plain Python at trace time (is_compiling() is still true, so this calls the
     # uncached helpers directly).
     treedef = optree.tree_structure(skeleton)
@@ -153,7 +155,8 @@ def _traced_plan_key(skeleton: Any, metas: tuple, name: str, spec_skeleton: Any,
     else:
         spec = optree.tree_unflatten(optree.tree_structure(spec_skeleton), specs)
     stand_ins = [torch.empty((), dtype=d, device=v).expand(s) for s, d, v in metas]
-    plan = grads_plan(stand_ins, treedef, paths_of.__wrapped__(treedef, name), spec, name)
+    paths = paths_of.__wrapped__(treedef, name)
+    plan = grads_plan(stand_ins, treedef, paths, spec=spec, name=name)
     _TRACED_PLANS[id(plan)] = plan
     return id(plan)
 
@@ -165,6 +168,7 @@ def check_local(
     leaves: Sequence[Any],
     paths: Sequence[str],
     plan: Plan,
+    *,
     role: str,
     kinds: tuple[str, ...],
     what: str,
@@ -174,31 +178,10 @@ def check_local(
     shapes = plan.local_shapes[role]
     for i, (leaf, path) in enumerate(zip(leaves, paths)):
         found = None if compiling else state_of(leaf)
-        if found is not None:
-            state, index = found
-            same = state.plan is plan and state.role == role and index == i
-            if same and state.kind in kinds:
-                continue  # made by this very plan, role and position: dtype and shape are right
-            # else (another position, say): checked by value below, like an untagged tensor
-            # a leaf of another result (a whole tree's, given a unit of it): the same leaf
-            # only if made with the same spec and full shape
-            made = state.plan
-            if made is plan and index != i and made.shapes[index] != plan.shapes[i]:
-                raise ValueError(
-                    f"{path}: holds this tree's leaf {paths[index]} (full shape "
-                    f"{made.shapes[index]}), not its own (full shape {plan.shapes[i]}); it "
-                    f"cannot be used as {what}"
-                )
-            if not same and (
-                made.specs[index] != plan.specs[i] or made.shapes[index] != plan.shapes[i]
-            ):
-                raise ValueError(
-                    f"{path}: was produced for another tree or spec ({made!r}: spec "
-                    f"{made.specs[index]!r}, full shape {made.shapes[index]}); it cannot be used "
-                    f"as {what}"
-                )
-            if state.kind not in kinds:
-                raise ValueError(kind_error(path, state.kind, kinds))
+        if found is not None and _made_here(found, i, plan=plan, role=role, kinds=kinds):
+            continue  # made by this very plan, role and position: dtype and shape are right
+        if found is not None:  # else checked by value below, like an untagged tensor
+            _check_tag(found, i, plan=plan, kinds=kinds, paths=paths, what=what)
         if leaf.dtype != plan.dtypes[i]:
             raise TypeError(
                 f"{path}: expected dtype {plan.dtypes[i]} (as {what}); got {leaf.dtype}"
@@ -210,10 +193,42 @@ def check_local(
             )
 
 
+def _made_here(found: tuple, i: int, *, plan: Plan, role: str, kinds: tuple[str, ...]) -> bool:
+    """Whether tag ``found`` says: leaf ``i`` of a ``plan`` result at ``role``, of ``kinds``."""
+    state, index = found
+    return state.plan is plan and state.role == role and index == i and state.kind in kinds
+
+
+def _check_tag(
+    found: tuple, i: int, *, plan: Plan, kinds: tuple[str, ...], paths: Sequence[str], what: str
+) -> None:
+    """Refuse tagged leaf ``i``: another leaf, one made for another spec, or of another kind."""
+    # a leaf of another result (a whole tree's, given a unit of it) is the same leaf only if
+    # made with the same spec and full shape
+    state, index = found
+    path, made = paths[i], state.plan
+    if made is plan and index != i and made.shapes[index] != plan.shapes[i]:
+        raise ValueError(
+            f"{path}: holds this tree's leaf {paths[index]} (full shape "
+            f"{made.shapes[index]}), not its own (full shape {plan.shapes[i]}); it "
+            f"cannot be used as {what}"
+        )
+    same = made is plan and index == i  # its own leaf, at another role or of another kind
+    if not same and (made.specs[index] != plan.specs[i] or made.shapes[index] != plan.shapes[i]):
+        raise ValueError(
+            f"{path}: was produced for another tree or spec ({made!r}: spec "
+            f"{made.specs[index]!r}, full shape {made.shapes[index]}); it cannot be used "
+            f"as {what}"
+        )
+    if state.kind not in kinds:
+        raise ValueError(kind_error(path, state.kind, kinds))
+
+
 def find_layout(
     leaves: list,
     treedef: optree.PyTreeSpec,
     paths: tuple[str, ...],
+    *,
     spec: Any,
     like: Any,
     roles: Sequence[str],
@@ -224,7 +239,8 @@ def find_layout(
     checks them (dtype, shape, state)."""
     specs, units = resolve_specs(spec, treedef, name)
     state = result_state(leaves)
-    if like is None and state is not None and _matches(state, treedef, specs, units, roles):
+    known = like is None and state is not None
+    if known and _matches(state, treedef, specs=specs, units=units, roles=roles):
         if state.kind in kinds:  # exactly a result of this library at a known layout
             return state.plan, state.role
     check_tensors(leaves, paths, specs[0].mesh, floating=False, batched=True)
@@ -235,19 +251,22 @@ def find_layout(
     states = {id(f[0].plan): f[0] for f in found if f is not None}
     if len(states) == 1 and None not in found:  # every leaf from results of one plan
         state = next(iter(states.values()))
-        if _matches(state, treedef, specs, units, roles):
-            check_local(leaves, paths, state.plan, state.role, kinds, "local shards")
+        if _matches(state, treedef, specs=specs, units=units, roles=roles):
+            check_local(
+                leaves, paths, state.plan, role=state.role, kinds=kinds, what="local shards"
+            )
             return state.plan, state.role
+    search = dict(specs=specs, units=units, like=like, roles=roles, kinds=kinds, name=name)
     if like is not None or any(f is not None for f in found):
         # every leaf tagged (a unit of a tagged tree, say): the full shapes its tags name come
         # first, since local shapes alone may fit several layouts (a rank holding no piece
         # of a unit: every local shape is (0,))
         hint = None if None in found else tuple(f[0].plan.shapes[f[1]] for f in found)
-        return _by_shapes(leaves, treedef, paths, specs, units, like, roles, kinds, name, hint=hint)
+        return _by_shapes(leaves, treedef, paths, **search, hint=hint)
     # untagged local shards (an optimizer's new tensors, say): found once per metadata
     key = (treedef, tuple(map(_META, leaves)), specs, units, tuple(roles), kinds, name)
     if key not in _FOUND:
-        _FOUND[key] = _by_shapes(leaves, treedef, paths, specs, units, like, roles, kinds, name)
+        _FOUND[key] = _by_shapes(leaves, treedef, paths, **search)
     return _FOUND[key]
 
 
@@ -265,7 +284,7 @@ def _unwrapped(x: Any) -> Any:
 _FOUND: Bounded = Bounded(256)
 
 
-def _matches(state: Any, treedef, specs, units, roles: Sequence[str]) -> bool:
+def _matches(state: Any, treedef, *, specs, units, roles: Sequence[str]) -> bool:
     meta = state.plan.meta
     return (
         state.role in roles
@@ -276,7 +295,7 @@ def _matches(state: Any, treedef, specs, units, roles: Sequence[str]) -> bool:
 
 
 def _by_shapes(
-    leaves, treedef, paths, specs, units, like, roles, kinds, name, *, hint=None
+    leaves, treedef, paths, *, specs, units, like, roles, kinds, name, hint=None
 ) -> tuple[Plan, str]:
     """The first layout whose local shapes the leaves have: from ``like``'s full shapes, or
     from ``hint`` and then the full shapes of trees of this structure this process has
@@ -285,7 +304,7 @@ def _by_shapes(
     if like is not None:
         like_leaves, like_def = optree.tree_flatten(like)
         if like_def != treedef:
-            raise structure_error(treedef, like, "like", name)
+            raise structure_error(treedef, like, "like", what=name)
         known = [tuple(tuple(x.shape) for x in like_leaves)]
     else:
         known = layouts_for(treedef, specs, units)
@@ -296,9 +315,9 @@ def _by_shapes(
         if like is None and not any(s.sharded_axes(role) for s in specs):
             candidates.append(tuple(tuple(x.shape[nb:]) for x in leaves))  # local == full
         for shapes in candidates:
-            plan = plan_for(leaves, treedef, paths, specs, units, shapes)
+            plan = plan_for(leaves, treedef, paths, specs=specs, units=units, shapes=shapes)
             try:
-                check_local(leaves, paths, plan, role, kinds, "local shards")
+                check_local(leaves, paths, plan, role=role, kinds=kinds, what="local shards")
             except ValueError as e:
                 first_error = first_error or e
                 continue

@@ -1,14 +1,32 @@
 """MainGrad: persistent main-gradient buffers, the zero-allocation path for real training.
 
-The pure :func:`~functional_hsdp.reduce_grads` returns a new tree on every call. ``MainGrad``
-is the one stateful piece of the library (Megatron-FSDP's persistent ``main_grad``): flat
-bucket buffers allocated once at the gradient placement, that every microbatch reduces into
-and the last microbatch finishes in place. The bucket layout is the parameters' own, so
-``mg.grads`` lines up leaf by leaf with ``shard(params, spec)``. It runs on the same
-scheduler as ``reduce_grads``, two buckets deep.
+The pure :func:`~functional_hsdp.reduce_grads` returns a new tree on every call. A ``MainGrad``
+instead keeps state the caller owns (Megatron-FSDP's persistent ``main_grad``): flat bucket
+buffers allocated once at the gradient placement, that every microbatch reduces into and the
+last microbatch finishes in place. The bucket layout is the parameters' own, so ``mg.grads``
+lines up leaf by leaf with ``shard(params, spec)``. It runs on the same scheduler as
+``reduce_grads``, two buckets deep.
 
 Mixed precision: gradients may arrive in bf16/fp16 and accumulate in the buffers' dtype
 (fp32 by default); ``reduce_dtype`` is the dtype on the wire (default: the buffers' dtype).
+
+Gathered units with ``into=mg`` (:mod:`functional_hsdp.units`) add each unit's reduced
+gradient into the buffers during backward, and on the declared last microbatch start the
+unit's deferred reduction (the ``dp_outer`` all-reduce of HSDP) as soon as its gradient is
+complete. They do so through a private interface, ``mg._units`` (:class:`_Units`), not the
+public methods; the deferred reduction has one owner, :class:`_Deferred`.
+
+State, all of it on the MainGrad object (it goes with the object, by garbage collection;
+``fh.clear_caches()`` does not touch it): the buffers (their memory given back at
+``zero_grad()`` with ``persistent=False``), two packing buffers per device (made by the first
+``accumulate`` of raw gradients), the step's state (``accumulating``/``final``, per bucket
+whether it holds anything of this step), the metadata of the last gradient tree checked, and
+the deferred reduction's bookkeeping (:class:`_Deferred`). The library's other state is
+elsewhere (``DESIGN.md`` lists it): bounded plan and check caches, result tags, per model
+given to ``shard_module`` its record (whose cached blocks of the last
+``functional_call(into=mg)`` refer to that MainGrad until :func:`~functional_hsdp.clear_caches`
+or the model goes), per mesh the log of its unit calls, and per thread the units' forward
+state (:mod:`functional_hsdp.units.registry`).
 """
 
 from __future__ import annotations
@@ -16,7 +34,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import optree
 import torch
@@ -90,9 +108,9 @@ class MainGrad:
         self,
         spec: Any,
         like: Any,
+        *,
         dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype | None = None,
-        *,
         persistent: bool = True,
     ):
         check_bool("persistent", persistent)
@@ -103,39 +121,21 @@ class MainGrad:
         specs, units = resolve_specs(spec, treedef, "like")
         if not leaves:
             raise ValueError("MainGrad: like has no tensor leaves")
-        self.mesh = mesh = specs[0].mesh
-        made = result_state(leaves)  # like = shards: their full shapes are their plan's
-        if made is not None and (made.kind, made.plan.treedef, made.plan.specs) == (
-            "weights",
-            treedef,
-            specs,
-        ):
-            shapes = made.plan.shapes
-        else:
-            check_tensors(leaves, paths, mesh, floating=True, batched=False)
-            shapes = tuple(tuple(x.shape) for x in leaves)
+        self.mesh = specs[0].mesh
+        shapes = _full_shapes(leaves, paths, treedef=treedef, specs=specs)
         self.dtype, self.reduce_dtype = dtype, reduce_dtype or dtype
         meta = TreeMeta(
-            treedef,
-            shapes,
-            (dtype,) * len(leaves),
-            tuple(x.device for x in leaves),
-            specs,
-            units,
+            treedef=treedef,
+            shapes=shapes,
+            dtypes=(dtype,) * len(leaves),
+            devices=tuple(x.device for x in leaves),
+            specs=specs,
+            units=units,
             kinds=tuple(x.dtype for x in leaves),
         )
         self.plan: Plan = get_plan(meta, paths)
         self.persistent = persistent
-        self._buffers = [
-            torch.zeros(
-                (*mesh.batch_shape, placed["gradient"].length), dtype=dtype, device=bucket.device
-            )
-            for bucket, placed in zip(self.plan.buckets, self.plan.placed)
-        ]
-        self._nbytes = [buf.untyped_storage().nbytes() for buf in self._buffers]
-        self._alive = [True] * len(self._buffers)  # a bucket's memory is held
-        if not persistent:
-            self._release()
+        self._allocate()
         # made on the first accumulate of raw gradients: units adding into the MainGrad in
         # backward (gathered(into=...)) pack their own buffers and never need them
         self._scratch: dict | None = None
@@ -144,11 +144,23 @@ class MainGrad:
         self._fresh = [True] * len(self._buffers)
         self._empty = True  # grads are None: nothing was accumulated since zero_grad()
         self._checked: tuple | None = None  # metadata of the last gradient tree that passed
-        # The deferred reductions that gathered units start in backward (begin_microbatch):
-        self._last = False  # the next backward is the step's last
-        self._uses: dict[tuple[int, ...], int] = {}  # per unit: calls whose gradient is due
-        self._issued: set[int] = set()  # buckets whose deferred reduction was issued
-        self._inflight: deque[tuple[int, Any]] = deque()  # (bucket, its reduction in flight)
+        # the deferred reductions that gathered units start in backward (begin_microbatch)
+        self._deferred = _Deferred(
+            self.plan, self._buffers, reduce_dtype=self.reduce_dtype, mesh=self.mesh
+        )
+
+    def _allocate(self) -> None:
+        """The buffers, one per bucket at the gradient placement (released at once with
+        ``persistent=False``: each bucket takes its memory when first written)."""
+        batch = self.mesh.batch_shape
+        self._buffers = [
+            torch.zeros((*batch, placed["gradient"].length), dtype=self.dtype, device=bucket.device)
+            for bucket, placed in zip(self.plan.buckets, self.plan.placed)
+        ]
+        self._nbytes = [buf.untyped_storage().nbytes() for buf in self._buffers]
+        self._alive = [True] * len(self._buffers)  # a bucket's memory is held
+        if not self.persistent:
+            self._release()
 
     # -- public ---------------------------------------------------------------------------
 
@@ -169,12 +181,12 @@ class MainGrad:
         """Local gradient shards: views of the buffers, or None after ``zero_grad()``."""
         if self._empty:
             return None
-        self._land_all()
+        self._deferred.land_all()
         self._zero_fresh()
         role = "optimizer" if self._state == "final" else "gradient"
         bufs = [buf[..., : p[role].length] for buf, p in zip(self._buffers, self.plan.placed)]
         leaves = self.plan.unpack(bufs, role)
-        tag(leaves, self.plan, role, "final" if self._state == "final" else "accumulating")
+        tag(leaves, self.plan, role, kind="final" if self._state == "final" else "accumulating")
         return optree.tree_unflatten(self.plan.treedef, leaves)
 
     @torch.compiler.disable  # under torch.compile: run eagerly, a clean graph break
@@ -212,7 +224,7 @@ class MainGrad:
                 )
             self._check_accumulating("grads")
             if treedef != plan.treedef:
-                raise structure_error(plan.treedef, grads, "grads", "MainGrad's like tree")
+                raise structure_error(plan.treedef, grads, "grads", what="MainGrad's like tree")
             self._check(leaves, paths, at)
             options = (
                 f"reduce_dtype={self.reduce_dtype}",
@@ -295,28 +307,7 @@ class MainGrad:
         """
         check_bool("last", last, " (True before the final microbatch)")
         self._check_accumulating("begin_microbatch")
-        self._last, self._uses = last, {}
-
-    def unit_called(self, buckets: list[int], name: str) -> None:
-        """A gathered unit holding ``buckets`` was called (forward): one more gradient of it
-        is due in this backward."""
-        key = tuple(buckets)
-        if self._last and not self._issued.intersection(key):
-            self._uses[key] = self._uses.get(key, 0) + 1
-
-    def unit_done(self, buckets: list[int]) -> None:
-        """A call of the unit holding ``buckets`` added its gradient (backward): on the
-        declared last microbatch, its deferred reduction starts once none is due."""
-        key = tuple(buckets)
-        if key not in self._uses:
-            return
-        self._uses[key] -= 1
-        if not self._uses[key]:
-            del self._uses[key]
-            # In a backward under torch.func: the buffers are plain tensors of the library's,
-            # reduced and written as such, not as values of the transform being run
-            with torch._C._DisableFuncTorch(), torch.no_grad():
-                self._issue_deferred(buckets)
+        self._deferred.begin(last)
 
     @torch.compiler.disable
     def finish(self) -> None:
@@ -334,36 +325,6 @@ class MainGrad:
             agreed.check(self.plan, paths_of(self.plan.treedef, "grads"), defer=True, units=True)
         self._finish(agreed.settle)
 
-    def agree_units(self) -> None:
-        """Check now that every rank ran the same gathered units since the last check (the
-        same order and options), as :meth:`finish` does; raise on every rank otherwise.
-        :func:`microbatches` with ``into=self`` calls it at its end. Every rank must call it."""
-        with validate.agreement(self.mesh, "microbatches") as agreed:
-            agreed.check(self.plan, paths_of(self.plan.treedef, "grads"), units=True)
-
-    def buckets_of(self, unit: int) -> list[int]:
-        """The buckets of ``unit`` (a leaf of the spec prefix, numbered in prefix order)."""
-        return [b for b, bucket in enumerate(self.plan.buckets) if bucket.unit == unit]
-
-    def add_chunks(self, buckets: list[int], chunks: list[torch.Tensor]) -> None:
-        """Add reduced chunks at the gradient placement into ``buckets`` (overwriting a
-        bucket that holds nothing of this step). Safe inside a backward under ``torch.func``:
-        the add is a custom op that declares its mutation."""
-        self._check_accumulating("gradients")
-        if self._issued.intersection(buckets):
-            raise ValueError(
-                f"gradients: MainGrad buckets {sorted(self._issued.intersection(buckets))} "
-                "were reduced over the deferred axes already in this step (their unit's "
-                "backward ran after begin_microbatch(last=True)); a unit's gradient cannot "
-                "arrive after that: declare last=True only before the step's final "
-                "microbatch, and call finish() and zero_grad() before the next step"
-            )
-        for b, chunk in zip(buckets, chunks):
-            self._hold(b)
-            _accumulate(self._buffers[b], chunk, self._fresh[b])
-            self._fresh[b] = False
-        self._empty = False
-
     def _check_accumulating(self, what: str) -> None:
         if self._state == "final":
             raise ValueError(
@@ -380,9 +341,8 @@ class MainGrad:
                 their memory is released now and taken again when the step writes each
                 bucket). False: the buffers are zeroed and :attr:`grads` are zeros.
         """
-        self._land_all()
-        self._last, self._uses = False, {}
-        self._issued.clear()
+        self._deferred.land_all()
+        self._deferred.reset()
         if set_to_none:
             self._fresh = [True] * len(self._buffers)
             self._empty = True
@@ -398,7 +358,7 @@ class MainGrad:
 
     def state_dict(self) -> dict[str, Any]:
         """A copy of the buffers and state, valid mid-accumulation (resume loses nothing)."""
-        self._land_all()
+        self._deferred.land_all()
         return {
             "layout": self.layout(),
             "state": self._state,
@@ -479,7 +439,7 @@ class MainGrad:
         out = scratch.narrow(0, 0, math.prod(batch) * bucket.padded).view(*batch, bucket.padded)
         # one C++ call copies (and casts) every leaf, and the zeros between and after them
         parts = [x.reshape(*batch, -1) for x in bucket.take(leaves)]
-        torch.cat(spaced(bucket, parts, batch, self.reduce_dtype), dim=-1, out=out)
+        torch.cat(spaced(bucket, parts, batch, dtype=self.reduce_dtype), dim=-1, out=out)
         return out
 
     def _zero_fresh(self) -> None:
@@ -504,47 +464,6 @@ class MainGrad:
             buf.untyped_storage().resize_(0)
             self._alive[b] = False
 
-    _DEFERRED = ("gradient", "optimizer")
-
-    def _deferred_source(self, b: int) -> torch.Tensor:
-        # nothing deferred: the buffer is final as it is (no rounding to the wire dtype); else
-        # the buffer itself when the wire dtype is its own
-        buf = self._buffers[b]
-        return buf.to(self.reduce_dtype) if self.plan.program(b, *self._DEFERRED) else buf
-
-    def _landed(self, b: int, result: torch.Tensor) -> None:
-        """Bucket ``b``'s deferred reduction finished with ``result``: into its buffer."""
-        buf = self._buffers[b]
-        if result.data_ptr() != buf.data_ptr():  # else the result is in place already
-            buf.narrow(-1, 0, result.shape[-1]).copy_(result)
-
-    def _issue_deferred(self, buckets: list[int]) -> None:
-        """Issue the deferred reduction of ``buckets`` now (their gradient of the step is
-        complete); at most DEPTH stay in flight, so the memory bound of :meth:`_finish`
-        holds (a reduction that is not in place holds a bucket-sized result)."""
-        self._issued.update(buckets)
-        todo = [b for b in buckets if self.plan.program(b, *self._DEFERRED)]
-        if not todo:
-            return
-        pending = engine.start(
-            self.plan,
-            self._deferred_source,
-            [self._DEFERRED],
-            wire=self.reduce_dtype,
-            buckets=todo,
-        )
-        self._inflight.extend(zip(todo, pending))
-        while len(self._inflight) > DEPTH:
-            self._land_oldest()
-
-    def _land_oldest(self) -> None:
-        b, pending = self._inflight.popleft()
-        self._landed(b, self.mesh.wait(pending))
-
-    def _land_all(self) -> None:
-        while self._inflight:
-            self._land_oldest()
-
     def _finish(self, gate: Any = None) -> None:
         """Reduce the deferred axes of each bucket in place, DEPTH buckets at a time: the
         extra memory stays within DEPTH buckets' reductions however many buckets there are.
@@ -552,21 +471,17 @@ class MainGrad:
         call's agreement, if not settled yet."""
         if gate is not None:
             gate()
-        self._land_all()
+        self._deferred.land_all()
         self._zero_fresh()
-        rest = [b for b in range(len(self._buffers)) if b not in self._issued]
-        engine.start(
-            self.plan,
-            self._deferred_source,
-            [self._DEFERRED],
-            depth=DEPTH,
-            wire=self.reduce_dtype,
-            sink=self._landed,
-            buckets=rest,
-        )
+        self._deferred.finish()
         self._state = "final"
-        self._last, self._uses = False, {}
-        self._issued.clear()
+        self._deferred.reset()
+
+    @property
+    def _units(self) -> _Units:
+        """What gathered units with ``into=self`` may do to this MainGrad (made per use: it
+        holds the MainGrad, which does not hold it)."""
+        return _Units(self)
 
     def layout(self) -> dict[str, Any]:
         """What this MainGrad's buffers depend on (mesh, tree, shapes, dtypes, specs, buffer
@@ -582,6 +497,187 @@ class MainGrad:
             "reduce_dtype": str(self.reduce_dtype),
             "buffers": [list(buf.shape) for buf in self._buffers],
         }
+
+
+def _full_shapes(leaves: list, paths: tuple[str, ...], *, treedef: Any, specs: tuple) -> tuple:
+    """The per-rank full shapes of ``like``'s leaves: their plan's when ``like`` are the
+    shards ``fh.shard`` made of this tree and specs, else the leaves' own (checked)."""
+    made = result_state(leaves)  # like = shards: their full shapes are their plan's
+    if made is not None and (made.kind, made.plan.treedef, made.plan.specs) == (
+        "weights",
+        treedef,
+        specs,
+    ):
+        return made.plan.shapes
+    check_tensors(leaves, paths, specs[0].mesh, floating=True, batched=False)
+    return tuple(tuple(x.shape) for x in leaves)
+
+
+class DeferredReduction(NamedTuple):
+    """One bucket's deferred reduction (to the optimizer placement: the ``dp_outer``
+    all-reduce of HSDP) issued in backward, once every gathered unit holding the bucket has
+    added its gradient of the step.
+
+    Invariant: at most DEPTH are in flight; each lands in its bucket's buffer, in the order
+    issued, before the buffers are read (``grads``), zeroed, saved or finished; a bucket's
+    reduction is issued once per step.
+    """
+
+    bucket: int
+    pending: Any  # the mesh's collective in flight (Mesh.wait gives the result)
+
+
+class _Deferred:
+    """The deferred reduction of a MainGrad's buckets, its one owner: when it is issued for
+    each bucket (in backward, as soon as the bucket's gradient of the step is complete, or
+    by ``finish`` for the rest) and what of it is in flight.
+
+    It shares the MainGrad's buffer list and plan, and refers to no MainGrad (so none refers
+    to itself through it).
+    """
+
+    #: the role change of the deferred reduction
+    LEG = ("gradient", "optimizer")
+
+    def __init__(self, plan: Plan, buffers: list, *, reduce_dtype: torch.dtype, mesh: Any):
+        self.plan, self.buffers, self.reduce_dtype, self.mesh = plan, buffers, reduce_dtype, mesh
+        self.last = False  # the next backward is the step's last (begin_microbatch)
+        self.uses: dict[tuple[int, ...], int] = {}  # per unit: calls whose gradient is due
+        self.issued: set[int] = set()  # buckets whose deferred reduction was issued
+        self.inflight: deque[DeferredReduction] = deque()
+
+    def begin(self, last: bool) -> None:
+        """A microbatch begins; ``last``: it is the step's last."""
+        self.last, self.uses = last, {}
+
+    def reset(self) -> None:
+        """The step is finished or started again: nothing declared, nothing issued."""
+        self.last, self.uses = False, {}
+        self.issued.clear()
+
+    def called(self, buckets: list[int]) -> None:
+        """A unit holding ``buckets`` was called (forward): on the declared last microbatch,
+        one more gradient of it is due in this backward."""
+        key = tuple(buckets)
+        if self.last and not self.issued.intersection(key):
+            self.uses[key] = self.uses.get(key, 0) + 1
+
+    def done(self, buckets: list[int]) -> None:
+        """A call of the unit holding ``buckets`` added its gradient (backward): its
+        deferred reduction starts once none is due."""
+        key = tuple(buckets)
+        if key not in self.uses:
+            return
+        self.uses[key] -= 1
+        if not self.uses[key]:
+            del self.uses[key]
+            # In a backward under torch.func: the buffers are plain tensors of the library's,
+            # reduced and written as such, not as values of the transform being run
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                self._issue(buckets)
+
+    def _issue(self, buckets: list[int]) -> None:
+        """Issue the deferred reduction of ``buckets`` now (their gradient of the step is
+        complete); at most DEPTH stay in flight, so the memory bound of ``finish`` holds (a
+        reduction that is not in place holds a bucket-sized result)."""
+        self.issued.update(buckets)
+        todo = [b for b in buckets if self.plan.program(b, *self.LEG)]
+        if not todo:
+            return
+        pending = engine.start(
+            self.plan, self._source, [self.LEG], wire=self.reduce_dtype, buckets=todo
+        )
+        self.inflight.extend(DeferredReduction(b, p) for b, p in zip(todo, pending))
+        while len(self.inflight) > DEPTH:
+            self._land_oldest()
+
+    def _source(self, b: int) -> torch.Tensor:
+        # nothing deferred: the buffer is final as it is (no rounding to the wire dtype); else
+        # the buffer itself when the wire dtype is its own
+        buf = self.buffers[b]
+        return buf.to(self.reduce_dtype) if self.plan.program(b, *self.LEG) else buf
+
+    def _landed(self, b: int, result: torch.Tensor) -> None:
+        """Bucket ``b``'s deferred reduction finished with ``result``: into its buffer."""
+        buf = self.buffers[b]
+        if result.data_ptr() != buf.data_ptr():  # else the result is in place already
+            buf.narrow(-1, 0, result.shape[-1]).copy_(result)
+
+    def _land_oldest(self) -> None:
+        b, pending = self.inflight.popleft()
+        self._landed(b, self.mesh.wait(pending))
+
+    def land_all(self) -> None:
+        """Wait for every reduction in flight, each into its buffer."""
+        while self.inflight:
+            self._land_oldest()
+
+    def finish(self) -> None:
+        """The reduction of every bucket not issued in backward, DEPTH at a time (those in
+        flight landed first, by the caller)."""
+        rest = [b for b in range(len(self.buffers)) if b not in self.issued]
+        engine.start(
+            self.plan,
+            self._source,
+            [self.LEG],
+            depth=DEPTH,
+            wire=self.reduce_dtype,
+            sink=self._landed,
+            buckets=rest,
+        )
+
+
+class _Units:
+    """The private interface of gathered units (``gathered(..., into=mg)``, in
+    :mod:`functional_hsdp.units`) to a MainGrad: what they do to it and nothing else. Made
+    per use by ``mg._units``."""
+
+    __slots__ = ("_mg",)
+
+    def __init__(self, mg: MainGrad):
+        self._mg = mg
+
+    def buckets_of(self, unit: int) -> list[int]:
+        """The buckets of ``unit`` (a leaf of the spec prefix, numbered in prefix order)."""
+        return [b for b, bucket in enumerate(self._mg.plan.buckets) if bucket.unit == unit]
+
+    def called(self, buckets: list[int]) -> None:
+        """A unit holding ``buckets`` was called (forward)."""
+        self._mg._deferred.called(buckets)
+
+    def add(self, buckets: list[int], chunks: list[torch.Tensor]) -> None:
+        """Add reduced chunks at the gradient placement into ``buckets`` (overwriting a
+        bucket that holds nothing of this step). Safe inside a backward under ``torch.func``:
+        the add is a custom op that declares its mutation."""
+        mg = self._mg
+        mg._check_accumulating("gradients")
+        issued = mg._deferred.issued.intersection(buckets)
+        if issued:
+            raise ValueError(
+                f"gradients: MainGrad buckets {sorted(issued)} were reduced over the deferred "
+                "axes already in this step (their unit's backward ran after "
+                "begin_microbatch(last=True)); a unit's gradient cannot arrive after that: "
+                "declare last=True only before the step's final microbatch, and call finish() "
+                "and zero_grad() before the next step"
+            )
+        for b, chunk in zip(buckets, chunks):
+            mg._hold(b)
+            _accumulate(mg._buffers[b], chunk, mg._fresh[b])
+            mg._fresh[b] = False
+        mg._empty = False
+
+    def done(self, buckets: list[int]) -> None:
+        """A call of the unit holding ``buckets`` added its gradient (backward): on the
+        declared last microbatch, its deferred reduction may start."""
+        self._mg._deferred.done(buckets)
+
+    def agree(self) -> None:
+        """Check now that every rank ran the same gathered units since the last check (the
+        same order and options), as ``finish`` does; raise on every rank otherwise.
+        :func:`microbatches` with ``into=`` calls it at its end. Every rank must call it."""
+        mg = self._mg
+        with validate.agreement(mg.mesh, "microbatches") as agreed:
+            agreed.check(mg.plan, paths_of(mg.plan.treedef, "grads"), units=True)
 
 
 @torch.library.custom_op("functional_hsdp::accumulate_", mutates_args=("buf",))
@@ -612,7 +708,8 @@ def microbatches(
         into: a :class:`MainGrad` that :func:`gathered` units add into: before each item,
             ``into.begin_microbatch(last=last)``, so that the last microbatch's backward
             issues each unit's deferred reduction as soon as the unit is done; after the
-            last one, ``into.agree_units()`` (ranks that ran their units differently raise).
+            last one, the check that every rank ran the same units (as :meth:`MainGrad.finish`
+            does; ranks that ran their units differently raise).
 
     Returns:
         An iterator of ``(item, last)`` pairs; ``last`` is True exactly once, at the end.
@@ -644,4 +741,4 @@ def microbatches(
         into.begin_microbatch(last=True)
     yield current, True
     if into is not None:  # the step's unit calls agreed before its gradient can be used
-        into.agree_units()
+        into._units.agree()

@@ -166,7 +166,14 @@ def per_matrix(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any, spec: Any)
             return tree
         refuse_tracked(leaves, paths, "per_matrix")
         plan, _ = find_layout(
-            leaves, treedef, paths, spec, None, ("optimizer",), ("final", "weights"), "tree"
+            leaves,
+            treedef,
+            paths,
+            spec=spec,
+            like=None,
+            roles=("optimizer",),
+            kinds=("final", "weights"),
+            name="tree",
         )
         _check_matrices(plan, present, paths)
         agreed.check(plan, paths, options=("per_matrix", str(tuple(present))), defer=True)
@@ -529,7 +536,7 @@ def partition(transforms: dict[str, GradientTransformation], labels: Any) -> Gra
     def init(params: Any) -> PartitionState:
         of = _labels(labels, params, transforms)
         marks = [masked(x) for x in optree.tree_leaves(params)]
-        inner = {k: tx.init(_mask(params, of, k, marks)) for k, tx in transforms.items()}
+        inner = {k: tx.init(_mask(params, of, k, marks=marks)) for k, tx in transforms.items()}
         return PartitionState(inner)
 
     def update(grads: Any, state: PartitionState, params: Any) -> tuple[Any, PartitionState]:
@@ -540,7 +547,10 @@ def partition(transforms: dict[str, GradientTransformation], labels: Any) -> Gra
         marks = [masked(x) for x in leaves]  # the params' metadata: one tree structure for all
         out, inner = list(leaves), {}
         for k, tx in transforms.items():
-            masked_grads, masked_params = _mask(grads, of, k, marks), _mask(params, of, k, marks)
+            masked_grads, masked_params = (
+                _mask(grads, of, k, marks=marks),
+                _mask(params, of, k, marks=marks),
+            )
             u, inner[k] = tx.update(masked_grads, state.inner[k], masked_params)
             for i, x in enumerate(optree.tree_flatten(u, is_leaf=_is_masked)[0]):
                 if of[i] == k:
@@ -570,7 +580,7 @@ def _labels(labels: Any, params: Any, transforms: dict) -> list[str]:
     return out
 
 
-def _mask(tree: Any, of: list[str], keep: str, marks: list[Masked]) -> Any:
+def _mask(tree: Any, of: list[str], keep: str, *, marks: list[Masked]) -> Any:
     """``tree`` with the leaves of other labels than ``keep`` replaced by ``marks`` (the
     params', so that the params, gradients and states of one label have one structure)."""
     leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_masked)

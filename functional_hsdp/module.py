@@ -38,7 +38,8 @@ from .maingrad import MainGrad
 from .precision import check_mp_policy
 from .reduce import shard
 from .spec import Spec
-from .units import Gathered, start_forward
+from .units import Gathered
+from .units.registry import _start_forward
 
 __all__ = ["functional_call", "shard_module"]
 
@@ -143,6 +144,28 @@ def shard_module(
         raise ValueError("shard_module: this model's parameters are sharded already")
     check_mp_policy(mp_policy, "shard_module")
     spec_of = spec if callable(spec) and not isinstance(spec, Spec) else (lambda _m: spec)
+    owners = _owners(model, _unit_keys(model, units))
+    root, parts, full = _parts(model, owners, spec_of)
+    if not full:
+        raise ValueError("shard_module: model has no parameters")
+    tree_spec = {key: (root if key == ROOT else _by_key(parts, key)).spec for key in full}
+    shards = shard(full, tree_spec)
+    del full
+    _to_meta(model, owners.params)
+    sharded = _Sharded(
+        root=root,
+        parts=parts,
+        tree_spec=tree_spec,
+        mp_policy=mp_policy,
+        order=list(range(len(parts))),
+    )
+    _SHARDED[model] = sharded
+    model.register_forward_pre_hook(_outside_functional_call)
+    return shards, tree_spec
+
+
+def _unit_keys(model: torch.nn.Module, units: Sequence[torch.nn.Module]) -> list[str]:
+    """The units' names in ``model``, in the order given, checked (``model`` itself left out)."""
     names = {}
     for name, m in model.named_modules(remove_duplicate=False):
         names.setdefault(id(m), name)
@@ -166,8 +189,40 @@ def shard_module(
                 )
     if len(set(keys)) != len(keys):
         raise ValueError("shard_module: a unit is given twice")
+    return keys
 
-    # each parameter's owner: the one unit every name of it lies under, else the root
+
+@dataclass(eq=False)
+class _Owners:
+    """A model's parameters by id (a tied one once), each one's names, and its owning unit."""
+
+    keys: list[str]  # the units, in the order given
+    params: dict[int, torch.nn.Parameter]
+    names: dict[int, list[str]]
+    owner: dict[int, str]  # the one unit every name of the parameter lies under, else the root
+
+    def own(self, key: str) -> dict[str, torch.Tensor]:
+        """Unit ``key``'s own parameters (detached), by their names relative to it."""
+        cut = len(key) + 1 if key else 0
+        return {
+            self.names[pid][0][cut:]: self.params[pid].detach()
+            for pid in self.names
+            if self.owner[pid] == key
+        }
+
+    def borrowed(self, key: str) -> tuple[tuple[str, str], ...]:
+        """The root's parameters unit ``key`` uses: (name in the unit, name in the root)."""
+        return tuple(
+            (n[len(key) + 1 :], self.names[pid][0])
+            for pid in self.names
+            if self.owner[pid] == ROOT
+            for n in self.names[pid]
+            if n.startswith(key + ".")
+        )
+
+
+def _owners(model: torch.nn.Module, keys: list[str]) -> _Owners:
+    """Each parameter of ``model``, its names and owning unit; a meta parameter is refused."""
     fqns: dict[int, list[str]] = {}
     params: dict[int, torch.nn.Parameter] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -182,37 +237,41 @@ def shard_module(
             )
         under = [k for k in keys if all(n.startswith(k + ".") for n in pnames)]
         owner[pid] = under[0] if under else ROOT
+    return _Owners(keys=keys, params=params, names=fqns, owner=owner)
 
+
+def _parts(
+    model: torch.nn.Module, owners: _Owners, spec_of: Callable
+) -> tuple[_Part | None, list[_Part], dict[str, dict[str, torch.Tensor]]]:
+    """(the root's part or None, the units' parts, each part's full weights by unit key)."""
     parts = []
     full: dict[str, dict[str, torch.Tensor]] = {}
-    for key, module in [(k, model.get_submodule(k)) for k in keys]:
-        own = {
-            fqns[pid][0][len(key) + 1 :]: params[pid].detach() for pid in fqns if owner[pid] == key
-        }
-        borrowed = tuple(
-            (n[len(key) + 1 :], fqns[pid][0])
-            for pid in fqns
-            if owner[pid] == ROOT
-            for n in fqns[pid]
-            if n.startswith(key + ".")
-        )
+    for key, module in [(k, model.get_submodule(k)) for k in owners.keys]:
+        own = owners.own(key)
+        borrowed = owners.borrowed(key)
         if not own:  # nothing to gather: it runs as it is (on the root's weights, if any)
             continue
         full[key] = own
         unit_spec = _spec(spec_of, module, key)
-        parts.append(_Part(key, weakref.ref(module), unit_spec, tuple(own), borrowed))
-    root_own = {fqns[pid][0]: params[pid].detach() for pid in fqns if owner[pid] == ROOT}
+        part = _Part(
+            key=key,
+            module_ref=weakref.ref(module),
+            spec=unit_spec,
+            names=tuple(own),
+            borrowed=borrowed,
+        )
+        parts.append(part)
+    root_own = owners.own(ROOT)
     root = None
     if root_own:
-        root = _Part(ROOT, weakref.ref(model), _spec(spec_of, model, "the root"), tuple(root_own))
+        root_spec = _spec(spec_of, model, "the root")
+        root = _Part(key=ROOT, module_ref=weakref.ref(model), spec=root_spec, names=tuple(root_own))
         full[ROOT] = root_own
-    if not full:
-        raise ValueError("shard_module: model has no parameters")
-    tree_spec = {key: (root if key == ROOT else _by_key(parts, key)).spec for key in full}
-    shards = shard(full, tree_spec)
-    del full, root_own
+    return root, parts, full
 
-    # the module keeps meta stand-ins (ties kept: one stand-in per parameter)
+
+def _to_meta(model: torch.nn.Module, params: dict[int, torch.nn.Parameter]) -> None:
+    """Replace ``model``'s parameters by meta stand-ins (ties kept: one per parameter)."""
     stand_ins = {
         pid: torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
         for pid, p in params.items()
@@ -221,10 +280,6 @@ def shard_module(
         for name, p in list(m._parameters.items()):
             if p is not None:
                 m._parameters[name] = stand_ins[id(p)]
-    sharded = _Sharded(root, parts, tree_spec, mp_policy, list(range(len(parts))))
-    _SHARDED[model] = sharded
-    model.register_forward_pre_hook(_outside_functional_call)
-    return shards, tree_spec
 
 
 def _spec(spec_of: Callable, module: torch.nn.Module, what: str) -> Spec:
@@ -305,42 +360,22 @@ def functional_call(
             "functional_call: model must be a module sharded by fh.shard_module; got "
             f"{type(model).__name__}"
         )
-    if into is not None and not isinstance(into, MainGrad):
-        raise TypeError(
-            f"functional_call: into must be a MainGrad or None; got {type(into).__name__}"
-        )
-    for name, flag in (("recompute", recompute), ("reshard_after_forward", reshard_after_forward)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"functional_call: {name} must be a bool; got {flag!r}")
-    if not isinstance(shards, dict) or set(shards) != set(sharded.tree_spec):
-        got = sorted(shards) if isinstance(shards, dict) else type(shards).__name__
-        raise ValueError(
-            f"shards: expected shard_module's tree, a dict of the units {sorted(sharded.tree_spec)}"
-            f"; got {got}"
-        )
+    _check_options(into, recompute=recompute, reshard_after_forward=reshard_after_forward)
     _check_units(sharded, shards)
     args = args if isinstance(args, tuple) else (args,)
     kwargs = {} if kwargs is None else kwargs
-    blocks = _blocks(sharded, into, recompute, reshard_after_forward)
+    blocks = _blocks(sharded, into=into, recompute=recompute, reshard=reshard_after_forward)
     order, ran = sharded.order, []
-    start_forward()  # the model's forward begins: its units are one chain
+    _start_forward()  # the model's forward begins: its units are one chain
     sharded.active += 1
     try:
-        root = sharded.root
-        params: dict = {}
-        if root is not None:
-            root_block = blocks[ROOT]
-            key = sharded.parts[order[0]].key if order else None
-            # the first unit's all-gather is issued before the root's is waited (where they
-            # gather alike: a block prefetches with its own spec)
-            if key is not None and blocks[key].spec == root_block.spec:
-                root_block._prefetch(shards[key], f"shards[{key!r}]")
-            params = root_block(shards[ROOT])
+        params = _root_weights(sharded, shards, blocks)
         with contextlib.ExitStack() as stack:
             for k, part in enumerate(sharded.parts):
-                stack.enter_context(
-                    _forward_replaced(part, _unit_forward(k, sharded, shards, blocks, params, ran))
+                forward = _unit_forward(
+                    k, sharded, shards=shards, blocks=blocks, params=params, ran=ran
                 )
+                stack.enter_context(_forward_replaced(part, forward))
             stack.enter_context(_reparametrize_module(model, params, tie_weights=True))
             out = model(*args, **kwargs)
     finally:
@@ -350,9 +385,41 @@ def functional_call(
     return out
 
 
+def _check_options(into: Any, **flags: Any) -> None:
+    """``into`` is a MainGrad or None, and each flag a bool."""
+    if into is not None and not isinstance(into, MainGrad):
+        raise TypeError(
+            f"functional_call: into must be a MainGrad or None; got {type(into).__name__}"
+        )
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"functional_call: {name} must be a bool; got {flag!r}")
+
+
+def _root_weights(sharded: _Sharded, shards: dict, blocks: dict) -> dict:
+    """The root's full weights ({} without a root), the first unit's all-gather issued first."""
+    root, order = sharded.root, sharded.order
+    if root is None:
+        return {}
+    root_block = blocks[ROOT]
+    key = sharded.parts[order[0]].key if order else None
+    # the first unit's all-gather is issued before the root's is waited (where they gather
+    # alike: a block prefetches with its own spec)
+    if key is not None and blocks[key].spec == root_block.spec:
+        root_block._prefetch(shards[key], f"shards[{key!r}]")
+    return root_block(shards[ROOT])
+
+
 def _check_units(sharded: _Sharded, shards: dict) -> None:
-    """Each unit's shards are a dict of exactly its parameters, each a tensor: errors name the
-    unit and the parameter (a wrong shape or dtype is named so by the unit's own lookup)."""
+    """``shards`` is a dict of exactly the units, each unit's a dict of exactly its
+    parameters, each a tensor: errors name the unit and the parameter (a wrong shape or dtype
+    is named so by the unit's own lookup)."""
+    if not isinstance(shards, dict) or set(shards) != set(sharded.tree_spec):
+        got = sorted(shards) if isinstance(shards, dict) else type(shards).__name__
+        raise ValueError(
+            f"shards: expected shard_module's tree, a dict of the units {sorted(sharded.tree_spec)}"
+            f"; got {got}"
+        )
     parts = [*sharded.parts, *([sharded.root] if sharded.root is not None else [])]
     for part in parts:
         path, got = f"shards[{part.key!r}]", shards[part.key]
@@ -381,7 +448,7 @@ def _check_units(sharded: _Sharded, shards: dict) -> None:
                 )
 
 
-def _blocks(sharded: _Sharded, into: Any, recompute: bool, reshard: bool) -> dict:
+def _blocks(sharded: _Sharded, *, into: Any, recompute: bool, reshard: bool) -> dict:
     """The gathered block of every unit for these options (made once, kept for the next
     calls with the same options)."""
     key = (into, recompute, reshard)
@@ -389,12 +456,28 @@ def _blocks(sharded: _Sharded, into: Any, recompute: bool, reshard: bool) -> dic
         return sharded.blocks[1]
     mp = sharded.mp_policy
     blocks = {
-        part.key: Gathered(_run_unit(part), part.spec, reshard, into, recompute, mp, part.key)
+        part.key: Gathered(
+            _run_unit(part),
+            part.spec,
+            reshard_after_forward=reshard,
+            into=into,
+            recompute=recompute,
+            mp_policy=mp,
+            name=part.key,
+        )
         for part in sharded.parts
     }
     if sharded.root is not None:  # the root: its full weights, held until its backward
         root = sharded.root
-        blocks[ROOT] = Gathered(_identity, root.spec, False, into, True, mp, "root")
+        blocks[ROOT] = Gathered(
+            _identity,
+            root.spec,
+            reshard_after_forward=False,
+            into=into,
+            recompute=True,
+            mp_policy=mp,
+            name="root",
+        )
     for key, block in blocks.items():  # errors name the unit's shards as the caller passed them
         block.shards_path = f"shards[{key!r}]"
     sharded.blocks = (key, blocks)
@@ -417,7 +500,7 @@ def _run_unit(part: _Part) -> Callable:
 
 
 def _unit_forward(
-    k: int, sharded: _Sharded, shards: dict, blocks: dict, params: dict, ran: list
+    k: int, sharded: _Sharded, *, shards: dict, blocks: dict, params: dict, ran: list
 ) -> Callable:
     """What runs as unit ``k``'s forward inside a call: its gathered block, the next unit in
     the recorded order prefetched."""

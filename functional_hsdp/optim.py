@@ -81,7 +81,13 @@ def _spec_mesh(spec: Any) -> Mesh:
 
 
 def _check_tagged(
-    leaf: Any, index: int, treedef: optree.PyTreeSpec, path: str, axes: tuple[str, ...], spec: Spec
+    leaf: Any,
+    index: int,
+    treedef: optree.PyTreeSpec,
+    *,
+    path: str,
+    axes: tuple[str, ...],
+    spec: Spec,
 ) -> None:
     """Refuse a leaf whose state tag says it is Partial, or split over other axes than ``axes``."""
     found = state_of(leaf)
@@ -147,8 +153,8 @@ def global_norm(tree: Any, spec: Any) -> torch.Tensor:
         for i, (leaf, s, path) in enumerate(zip(leaves, specs, names)):
             axes = s.sharded_axes("optimizer")
             flat = any(isinstance(p, Flat) for p in s.optimizer)
-            _check_leaf(leaf, path, mesh, axes if flat else ())
-            _check_tagged(leaf, i, treedef, path, axes, s)
+            _check_leaf(leaf, path, mesh, axes=axes if flat else ())
+            _check_tagged(leaf, i, treedef, path=path, axes=axes, spec=s)
             v = torch.view_as_real(leaf) if leaf.is_complex() else leaf
             v = v.reshape(*batch, math.prod(v.shape[nb:])).to(acc)
             groups.setdefault(axes, []).append(torch.linalg.vecdot(v, v))
@@ -175,7 +181,7 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def _check_leaf(leaf: Any, path: str, mesh: Mesh, axes: tuple[str, ...]) -> None:
+def _check_leaf(leaf: Any, path: str, mesh: Mesh, *, axes: tuple[str, ...]) -> None:
     if not _is_tensor(leaf):
         raise TypeError(f"{path}: expected a torch.Tensor leaf; got {type(leaf).__name__}")
     if not (leaf.is_floating_point() or leaf.is_complex()):
@@ -288,12 +294,13 @@ def _flat(tree: Any, name: str) -> tuple[list, optree.PyTreeSpec, tuple[str, ...
 
 
 def _like(
-    tree: Any, name: str, params: list, params_def: optree.PyTreeSpec, hint: str
+    tree: Any, name: str, *, params: list, params_def: optree.PyTreeSpec, hint: str
 ) -> tuple[list, list[str]]:
     """``tree``'s leaves and paths, checked to have the structure and local shapes of params."""
     leaves, treedef, names = _flat(tree, name)
     if treedef != params_def:
-        raise ValueError(f"{structure_error(params_def, tree, name, 'params')}; {hint}")
+        error = structure_error(params_def, tree, name, what="params")
+        raise ValueError(f"{error}; {hint}")
     for leaf, p, path in zip(leaves, params, names):
         if leaf.shape != p.shape:
             raise ValueError(
@@ -318,12 +325,12 @@ def _grads(grads: Any, params: list, params_def: optree.PyTreeSpec) -> list[torc
         found = state_of(leaf)
         if found is not None and found[0].kind == "accumulating":
             raise ValueError(still_partial(path))
-    leaves, _ = _like(grads, "grads", params, params_def, _GRAD_HINT)
+    leaves, _ = _like(grads, "grads", params=params, params_def=params_def, hint=_GRAD_HINT)
     return [g.to(p.dtype) for g, p in zip(leaves, params)]
 
 
-def _moments(tree: Any, name: str, params: list, params_def: optree.PyTreeSpec) -> list:
-    leaves, names = _like(tree, name, params, params_def, _STATE_HINT)
+def _moments(tree: Any, name: str, *, params: list, params_def: optree.PyTreeSpec) -> list:
+    leaves, names = _like(tree, name, params=params, params_def=params_def, hint=_STATE_HINT)
     for leaf, p, path in zip(leaves, params, names):
         if leaf.dtype != p.dtype:
             raise TypeError(f"{path}: expected dtype {p.dtype} (as params); got {leaf.dtype}")
@@ -387,7 +394,7 @@ def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> Gradient
                     "state.momentum is None: this state was made without momentum; "
                     "call init(params) with this optimizer"
                 )
-            buf = _moments(state.momentum, "state.momentum", p, treedef)
+            buf = _moments(state.momentum, "state.momentum", params=p, params_def=treedef)
             # zero buffers make the first step buf = d, as torch's clone
             d = [momentum * b + di for b, di in zip(buf, d)]
             new_momentum = optree.tree_unflatten(treedef, d)
@@ -445,8 +452,8 @@ def adamw(
         _check_state(state, AdamWState)
         p, treedef, _ = _flat(params, "params")
         g = _grads(grads, p, treedef)
-        mu = _moments(state.mu, "state.mu", p, treedef)
-        nu = _moments(state.nu, "state.nu", p, treedef)
+        mu = _moments(state.mu, "state.mu", params=p, params_def=treedef)
+        nu = _moments(state.nu, "state.nu", params=p, params_def=treedef)
         count = state.count + 1
         # Host scalars, as torch's single-tensor AdamW computes them.
         step_size = lr / (1 - b1**count)
@@ -484,7 +491,6 @@ def apply_updates(params: Any, updates: Any) -> Any:
         {'w': tensor([1.5000, 0.0000])}
     """
     p, treedef, _ = _flat(params, "params")
-    u, _ = _like(
-        updates, "updates", p, treedef, "pass the updates that update() returned for params"
-    )
+    hint = "pass the updates that update() returned for params"
+    u, _ = _like(updates, "updates", params=p, params_def=treedef, hint=hint)
     return optree.tree_unflatten(treedef, [(pi + ui).to(pi.dtype) for pi, ui in zip(p, u)])

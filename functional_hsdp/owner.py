@@ -76,7 +76,7 @@ def balance(sizes: Sequence[int], n: int) -> list[int]:
     return owner
 
 
-def owner_bucket(run: list[Slot], spec: Spec, unit: int, dtype: torch.dtype, device) -> Bucket:
+def owner_bucket(run: list[Slot], spec: Spec, *, unit: int, dtype: torch.dtype, device) -> Bucket:
     """A bucket of ``run`` laid out owner-major over ``spec``'s split order.
 
     Owner k's chunk is ``[k C, (k + 1) C)``, C the largest owner's leaves (each at an aligned
@@ -100,7 +100,15 @@ def owner_bucket(run: list[Slot], spec: Spec, unit: int, dtype: torch.dtype, dev
         cursor[r] += w
     slots.sort(key=lambda s: s.offset)
     numel = sum(s.numel for s in run)
-    return Bucket(spec, unit, dtype, device, tuple(slots), numel, n * chunk)
+    return Bucket(
+        spec=spec,
+        unit=unit,
+        dtype=dtype,
+        device=device,
+        slots=tuple(slots),
+        numel=numel,
+        padded=n * chunk,
+    )
 
 
 def owner_of_slot(bucket: Bucket, slot: Slot) -> dict[str, int]:
@@ -146,9 +154,9 @@ def owned(spec: Spec) -> Spec:
     optimizer = [Owner() if a in spec.dp_axes else x for a, x in zip(names, spec.optimizer)]
     return Spec(
         spec.mesh,
-        spec.parameter,
-        spec.gradient,
-        optimizer,
+        parameter=spec.parameter,
+        gradient=spec.gradient,
+        optimizer=optimizer,
         dp_axes=spec.dp_axes,
         reduce_op=spec.reduce_op,
         bucket_cap_mb=spec.bucket_cap_mb,
@@ -302,7 +310,7 @@ class _Planner:
         there = [x for x in there if not (isinstance(x, Rearrange) and x.identity)]
         back = [x for x in back if not (isinstance(x, Rearrange) and x.identity)]
         routed = frozenset(j for j, o in enumerate(self.owner) if o is not None)
-        return BucketRoute(there, back, leaves, length, routed)
+        return BucketRoute(there=there, back=back, leaves=leaves, length=length, routed=routed)
 
     def _exchange(self, a: str, held: dict, source: int) -> dict:
         """Stage of axis ``a``: order each rank's pieces by their owner's coordinate on ``a``
@@ -325,7 +333,9 @@ class _Planner:
         length_out = max((sum(hi - lo for _, lo, hi in g) for g in recv.values()), default=0)
         runs = {r: [(p, g[2] - g[1]) for g, p in segs] for r, segs in send.items()}
         pre = Rearrange(self.mesh, runs, length_in, source=source)
-        step = Exchange("all_to_all", a, None, n, counts=counts, length=length_out)
+        step = Exchange(
+            op="all_to_all", axis=a, reduce=None, size=n, counts=counts, length=length_out
+        )
         sent = {r: [g for g, _ in segs] for r, segs in send.items()}
         return {"pre": pre, "step": step, "send": sent, "recv": recv, "in": length_in}
 
@@ -368,7 +378,12 @@ class _Planner:
                     counts[r][s] = fwd[(*r[:d], s, *r[d + 1 :])][r[d]]
             items.append(
                 Exchange(
-                    "all_to_all", a, None, self.mesh.size(a), counts=counts, length=stage["in"]
+                    op="all_to_all",
+                    axis=a,
+                    reduce=None,
+                    size=self.mesh.size(a),
+                    counts=counts,
+                    length=stage["in"],
                 )
             )
             position = {r: _positions(stage["send"][r]) for r in self.ranks}
@@ -388,7 +403,7 @@ class _Planner:
         from the blocks: each piece from the member that kept it."""
         mesh, items = self.mesh, []
         for a in reversed(self.rep):
-            items.append(Step("all_gather", a, None, mesh.size(a)))
+            items.append(Step(op="all_gather", axis=a, reduce=None, size=mesh.size(a)))
         runs = {}
         for r in self.ranks:
             runs[r], end = [], 0

@@ -146,9 +146,21 @@ def _steps(spec: Spec, frm: str, to: str) -> tuple[Step, ...]:
     }
     order = [a for a in spec.split_order if a in kinds]
     n = mesh.size
-    out = [Step(kinds[a], a, op[a], n(a)) for a in order if kinds[a] in ("reduce_scatter", "slice")]
-    out += [Step("all_reduce", a, op[a], n(a)) for a in reversed(names) if kinds[a] == "all_reduce"]
-    out += [Step("all_gather", a, None, n(a)) for a in reversed(order) if kinds[a] == "all_gather"]
+    out = [
+        Step(op=kinds[a], axis=a, reduce=op[a], size=n(a))
+        for a in order
+        if kinds[a] in ("reduce_scatter", "slice")
+    ]
+    out += [
+        Step(op="all_reduce", axis=a, reduce=op[a], size=n(a))
+        for a in reversed(names)
+        if kinds[a] == "all_reduce"
+    ]
+    out += [
+        Step(op="all_gather", axis=a, reduce=None, size=n(a))
+        for a in reversed(order)
+        if kinds[a] == "all_gather"
+    ]
     return tuple(out)
 
 
@@ -165,7 +177,13 @@ class Plan:
         #: the data-parallel axes of the specs, in mesh order
         self.dp_axes = tuple(a for a in self.mesh.axis_names if a in names)
         self.buckets, self.empty = build_buckets(
-            paths, meta.shapes, meta.dtypes, meta.devices, meta.specs, meta.units, meta.kinds
+            paths,
+            shapes=meta.shapes,
+            dtypes=meta.dtypes,
+            devices=meta.devices,
+            specs=meta.specs,
+            units=meta.units,
+            kinds=meta.kinds,
         )
         n = len(meta.shapes)
         self.bucket_of: list[int | None] = [None] * n  # per leaf: its bucket (None: zero-size)
@@ -246,7 +264,13 @@ class Plan:
         mesh, batch = self.mesh, self.mesh.batch_shape
         if not axes:
             shapes = tuple((*batch, *s.shape) for s in bucket.slots)
-            return Placed((), bucket.padded, None, shapes, bucket.shard is None)
+            return Placed(
+                axes=(),
+                length=bucket.padded,
+                geometry=None,
+                shapes=shapes,
+                views=bucket.shard is None,
+            )
         start, stride = 0, bucket.padded
         for a in axes:
             stride //= mesh.size(a)
@@ -259,7 +283,7 @@ class Plan:
                 geometry.narrow_shape(s.chunk_shape, s.dim, g)
                 for s, g in zip(bucket.slots, lengths)
             )
-            return Placed(axes, stride, lengths, shapes, False)
+            return Placed(axes=axes, length=stride, geometry=lengths, shapes=shapes, views=False)
         # the gaps between leaves are ranges too: the geometry sees consecutive ranges
         pieces = geometry.pieces(start, bucket.ranges, stride)
         every = [tuple(shape) for shape in geometry.piece_shapes(pieces)]
@@ -267,7 +291,15 @@ class Plan:
         after, zeros = _gap_pieces(bucket, every)
         # a geometry may know per bucket that its pieces are views (SimMesh: no rank has fill)
         views = getattr(pieces, "views", geometry.views)
-        return Placed(axes, stride, pieces, shapes, views, after, zeros)
+        return Placed(
+            axes=axes,
+            length=stride,
+            geometry=pieces,
+            shapes=shapes,
+            views=views,
+            after=after,
+            zeros=zeros,
+        )
 
     def _local_shapes(self, role: str) -> tuple[tuple[int, ...], ...]:
         batch, out = self.mesh.batch_shape, [None] * len(self.shapes)
@@ -291,7 +323,7 @@ class Plan:
 
     @torch.no_grad()
     def pack(
-        self, b: int, leaves: list[torch.Tensor], role: str, dtype: torch.dtype | None = None
+        self, b: int, leaves: list[torch.Tensor], role: str, *, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """A new buffer holding bucket ``b``'s leaves (local values at ``role``), in
         ``dtype`` (default: the bucket's): mixed precision casts while packing."""
@@ -299,8 +331,8 @@ class Plan:
         dtype = dtype or bucket.dtype
         if not placed.axes:
             if bucket.shard:
-                return pack_shard_full(bucket, leaves, batch, dtype)
-            return pack_full(bucket, leaves, batch, dtype)
+                return pack_shard_full(bucket, leaves, batch, dtype=dtype)
+            return pack_full(bucket, leaves, batch, dtype=dtype)
         values = bucket.take(leaves)
         if dtype != bucket.dtype:  # a shard-sized cast, then one packing copy
             values = tuple(x.to(dtype) for x in values)
@@ -309,7 +341,7 @@ class Plan:
                 zeros = torch.zeros(placed.zeros, dtype=dtype, device=bucket.device)
                 values = interleave(values, placed.gaps, zeros)
             geometry = self.mesh.geometry
-            return geometry.join(list(values), placed.geometry, dtype, bucket.device)
+            return geometry.join(list(values), placed.geometry, dtype=dtype, device=bucket.device)
         nb, flat = len(batch), []
         for s, x, length in zip(bucket.slots, values, placed.geometry):
             x = self.mesh.geometry.narrow(x, nb + s.dim, length)  # ignore fill past the chunk
@@ -317,7 +349,7 @@ class Plan:
             if pad:
                 x = torch.nn.functional.pad(x, (0, 0) * (len(s.shape) - s.dim - 1) + (0, pad))
             flat.append(x.reshape(*batch, -1))
-        return torch.cat(spaced(bucket, flat, batch, dtype), dim=-1)
+        return torch.cat(spaced(bucket, flat, batch, dtype=dtype), dim=-1)
 
     def unpack(
         self, bufs: list[torch.Tensor], role: str, dtype: torch.dtype | None = None
@@ -369,12 +401,12 @@ def get_plan(meta: TreeMeta, paths: tuple[str, ...]) -> Plan:
     plan = _PLANS.get(meta)
     if plan is None:
         plan = _PLANS[meta] = Plan(meta, paths)
-        remember_layout(meta.treedef, meta.specs, meta.units, meta.shapes)
+        remember_layout(meta.treedef, meta.specs, meta.units, shapes=meta.shapes)
     return plan
 
 
 def remember_layout(
-    treedef: optree.PyTreeSpec, specs: tuple[Spec, ...], units: tuple[int, ...], shapes: tuple
+    treedef: optree.PyTreeSpec, specs: tuple[Spec, ...], units: tuple[int, ...], *, shapes: tuple
 ) -> None:
     """Record the per-rank full shapes of a tree of this structure and spec (newest last)."""
     key = (treedef, specs, units)

@@ -41,10 +41,10 @@ class Precision:
             return cls()
         param = mp_policy.param_dtype
         return cls(
-            param,
-            mp_policy.reduce_dtype or param,
-            mp_policy.output_dtype,
-            param is not None and mp_policy.cast_forward_inputs,
+            param_dtype=param,
+            reduce_dtype=mp_policy.reduce_dtype or param,
+            output_dtype=mp_policy.output_dtype,
+            cast_inputs=param is not None and mp_policy.cast_forward_inputs,
         )
 
 

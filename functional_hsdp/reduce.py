@@ -66,7 +66,7 @@ def reduce_grads(
         tensor([2., 2., 2.])
     """
     if check_finite and torch.compiler.is_compiling():  # its check reads the data: eager
-        return _checked_eagerly(grads, spec, last, acc, at)
+        return _checked_eagerly(grads, spec, last=last, acc=acc, at=at)
     mode = validate.current_mode()
     # the step's last reduction of units' gradients also agrees on the units the ranks ran
     units = last is True and at == "gradient"
@@ -76,7 +76,7 @@ def reduce_grads(
 
 
 @torch.compiler.disable
-def _checked_eagerly(grads: Any, spec: Any, last: Any, acc: Any, at: str) -> Any:
+def _checked_eagerly(grads: Any, spec: Any, *, last: Any, acc: Any, at: str) -> Any:
     """``reduce_grads(..., check_finite=True)`` inside a function ``torch.compile`` traces:
     run eagerly, at a graph break (under ``fullgraph=True`` that break is dynamo's error),
     since the check reads the gradients' values on the host."""
@@ -142,7 +142,9 @@ def gather(
     """
     check_mp_policy(mp_policy, "gather")
     dtype = getattr(mp_policy, "param_dtype", None)
-    return engine.move(tree, spec, "full", source, like, "tree", "gather", dtype)
+    return engine.move(
+        tree, spec, "full", source=source, like=like, name="tree", call="gather", dtype=dtype
+    )
 
 
 def sync_params(tree: Any, spec: Any, *, like: Any = None) -> Any:
@@ -167,4 +169,6 @@ def sync_params(tree: Any, spec: Any, *, like: Any = None) -> Any:
         >>> fh.sync_params(w, spec)["w"][0, 1]
         tensor([4., 5., 6., 7.])
     """
-    return engine.move(tree, spec, "parameter", "optimizer", like, "tree", "sync_params")
+    return engine.move(
+        tree, spec, "parameter", source="optimizer", like=like, name="tree", call="sync_params"
+    )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -64,7 +64,8 @@ def expand(program: Sequence[Item], wire: torch.dtype) -> list[Item]:
     for item in program:
         if isinstance(item, Step) and item.reduce is not None:
             pre, op, post = divide_factors(item, wire)
-            out += [_divide(pre), Step(item.op, item.axis, op, item.size), _divide(post)]
+            step = Step(op=item.op, axis=item.axis, reduce=op, size=item.size)
+            out += [_divide(pre), step, _divide(post)]
         else:
             out.append(item)
     return out
@@ -76,13 +77,22 @@ def issue(mesh: Any, buf: torch.Tensor, step: Step) -> Any:
         return mesh.geometry.chunk(buf, step.axis)
     if not torch.compiler.is_compiling():  # traced collectives are not logged
         impl = mesh.diagnostics.describe(step.op, step.axis, step.reduce)
-        record(Event(step.op, step.axis, buf.dtype, buf.shape[-1], step.reduce, impl))
+        record(
+            Event(
+                op=step.op,
+                axis=step.axis,
+                dtype=buf.dtype,
+                numel=buf.shape[-1],
+                reduce=step.reduce,
+                impl=impl,
+            )
+        )
     if step.op == "reduce_scatter":
         return mesh.reduce_scatter(buf, step.axis, step.reduce)
     if step.op == "all_reduce":
         return mesh.all_reduce(buf, step.axis, step.reduce)
     if step.op == "all_to_all":  # an Exchange step (functional_hsdp.owner): it carries counts
-        return mesh.all_to_all(buf, step.axis, step.counts, step.length)
+        return mesh.all_to_all(buf, step.axis, counts=step.counts, length=step.length)
     return mesh.all_gather(buf, step.axis)
 
 
@@ -146,45 +156,63 @@ def run(
     """
     n = len(programs)
     depth = n if depth is None else depth
-    out: list[Any] = [None] * n
-    active: deque[_Bucket] = deque()
-    gates = [gate] if gate is not None else []
-
-    def settle() -> None:
-        if gates:
-            gates.pop()()
-
-    def done(bucket: _Bucket) -> None:
-        if sink is None:
-            out[bucket.index] = bucket.buf
-        else:  # the sink changes state that outlives the call: agree first
-            result = mesh.wait(bucket.buf)
-            settle()
-            sink(bucket.index, result)
-
+    state = _RunState(mesh, sink, out=[None] * n, gates=[gate] if gate is not None else [])
+    active = state.active
     try:
         for b in range(n):
             while len(active) >= depth:  # finish the oldest to make room
-                oldest = active.popleft()
-                while not _advance(mesh, oldest, settle):
-                    pass
-                done(oldest)
+                state.run_to_end(active.popleft())
             bucket = _Bucket(b, source(b), programs[b])
-            if _advance(mesh, bucket, settle):
-                done(bucket)
+            if _advance(mesh, bucket, state.call_gate):
+                state.bucket_done(bucket)
             else:
                 active.append(bucket)
         while active:  # every bucket started: step-major rounds
             for bucket in list(active):
-                if _advance(mesh, bucket, settle):
+                if _advance(mesh, bucket, state.call_gate):
                     active.remove(bucket)
-                    done(bucket)
-        settle()
+                    state.bucket_done(bucket)
+        state.call_gate()
     except BaseException as exc:
-        for x in [*(bucket.buf for bucket in active), *out]:
-            if x is not None:
-                mesh.abandon(x)
-        if gates and isinstance(exc, Exception):
-            settle()  # an agreement error here is every rank's: raise it instead
+        state.abandon_in_flight()
+        if state.gates and isinstance(exc, Exception):
+            state.call_gate()  # an agreement error here is every rank's: raise it instead
         raise
-    return out
+    return state.out
+
+
+@dataclass(eq=False)
+class _RunState:
+    """One :func:`run` call's state: buckets in flight (oldest first), results, uncalled gate."""
+
+    mesh: Any
+    sink: Callable[[int, torch.Tensor], None] | None
+    out: list[Any]
+    gates: list[Callable[[], None]]
+    active: deque[_Bucket] = field(default_factory=deque)
+
+    def call_gate(self) -> None:
+        """Call the gate, the first time only."""
+        if self.gates:
+            self.gates.pop()()
+
+    def bucket_done(self, bucket: _Bucket) -> None:
+        """A bucket's program ended: keep its result, or hand it to the sink."""
+        if self.sink is None:
+            self.out[bucket.index] = bucket.buf
+        else:  # the sink changes state that outlives the call: agree first
+            result = self.mesh.wait(bucket.buf)
+            self.call_gate()
+            self.sink(bucket.index, result)
+
+    def run_to_end(self, bucket: _Bucket) -> None:
+        """Run a bucket's program to its end."""
+        while not _advance(self.mesh, bucket, self.call_gate):
+            pass
+        self.bucket_done(bucket)
+
+    def abandon_in_flight(self) -> None:
+        """Abandon the collectives still in flight (an error leaks no buffers)."""
+        for x in [*(bucket.buf for bucket in self.active), *self.out]:
+            if x is not None:
+                self.mesh.abandon(x)

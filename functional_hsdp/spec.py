@@ -109,7 +109,7 @@ class Spec:
                 f"Spec.bucket_cap_mb: expected a positive number; got {self.bucket_cap_mb!r}"
             )
         for axis, p, g, o in zip(mesh.axis_names, self.parameter, self.gradient, self.optimizer):
-            _check_axis(axis, axis in axes, axes, p, g, o)
+            _check_axis(axis, dp=axis in axes, axes=axes, p=p, g=g, o=o)
         self._check_shard()
         self._check_owner()
         self._check_split()
@@ -269,7 +269,9 @@ class Spec:
         )
 
 
-def _check_axis(axis: str, dp: bool, axes: tuple, p: Placement, g: Placement, o: Placement) -> None:
+def _check_axis(
+    axis: str, *, dp: bool, axes: tuple, p: Placement, g: Placement, o: Placement
+) -> None:
     """One axis's three placements (parameter, gradient, optimizer) make a valid spec."""
     if not dp:
         if not all(isinstance(x, Replicate) for x in (p, g, o)):
@@ -311,7 +313,14 @@ def _preset(mesh: Mesh, roles: dict[str, dict[str, Placement]], dp: tuple[str, .
     def row(role: str) -> list[Placement]:
         return [roles[role].get(a, Replicate()) for a in mesh.axis_names]
 
-    return Spec(mesh, row("parameter"), row("gradient"), row("optimizer"), dp_axes=dp, **kw)
+    return Spec(
+        mesh,
+        parameter=row("parameter"),
+        gradient=row("gradient"),
+        optimizer=row("optimizer"),
+        dp_axes=dp,
+        **kw,
+    )
 
 
 def ddp(
@@ -375,6 +384,7 @@ def fsdp(
 def _hybrid(
     name: str,
     mesh: Mesh,
+    *,
     outer: str,
     inner: str,
     opt_outer: Placement,
@@ -415,7 +425,15 @@ def hsdp(
         >>> spec.gradient
         (Partial(avg), Flat())
     """
-    return _hybrid("hsdp", mesh, outer, inner, Replicate(), reduce_op, bucket_cap_mb)
+    return _hybrid(
+        "hsdp",
+        mesh,
+        outer=outer,
+        inner=inner,
+        opt_outer=Replicate(),
+        reduce_op=reduce_op,
+        bucket_cap_mb=bucket_cap_mb,
+    )
 
 
 def hfsdp(
@@ -437,7 +455,15 @@ def hfsdp(
         >>> fh.hfsdp(fh.SimMesh({"dp_outer": 2, "dp_inner": 2}), "dp_outer", "dp_inner").split_order
         ('dp_inner', 'dp_outer')
     """
-    return _hybrid("hfsdp", mesh, outer, inner, Flat(), reduce_op, bucket_cap_mb)
+    return _hybrid(
+        "hfsdp",
+        mesh,
+        outer=outer,
+        inner=inner,
+        opt_outer=Flat(),
+        reduce_op=reduce_op,
+        bucket_cap_mb=bucket_cap_mb,
+    )
 
 
 def _is_spec(x: Any) -> bool:
@@ -446,7 +472,7 @@ def _is_spec(x: Any) -> bool:
 
 @lru(maxsize=1024)
 def _broadcast(
-    spec_def: optree.PyTreeSpec, specs: tuple[Spec, ...], tree_def: optree.PyTreeSpec, name: str
+    spec_def: optree.PyTreeSpec, specs: tuple[Spec, ...], tree_def: optree.PyTreeSpec, *, name: str
 ) -> tuple[tuple[Spec, ...], tuple[int, ...]]:
     units = optree.tree_unflatten(spec_def, list(range(len(specs))))
     full = optree.tree_unflatten(tree_def, list(range(tree_def.num_leaves)))
@@ -481,4 +507,4 @@ def resolve_specs(
                 f"spec{path}: uses {leaf.mesh!r}, but spec{paths[0]} uses "
                 f"{spec_leaves[0].mesh!r}; every Spec of a spec tree must use the same mesh"
             )
-    return _broadcast(spec_def, tuple(spec_leaves), tree_def, name)
+    return _broadcast(spec_def, tuple(spec_leaves), tree_def, name=name)

@@ -161,7 +161,7 @@ def _split(plan: Any, role: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def tag(
-    leaves: list[torch.Tensor], plan: Any, role: str, kind: str, bufs: list | None = None
+    leaves: list[torch.Tensor], plan: Any, role: str, *, kind: str, bufs: list | None = None
 ) -> None:
     """Register ``leaves`` (one result, in tree order) with their state; ``bufs``: the bucket
     buffers they were unpacked from, remembered (weakly) where the leaves are views."""
@@ -176,7 +176,7 @@ def tag(
         )
     refs = tuple(map(weakref.ref, leaves))
     pointers = tuple(map(_pointer, leaves)) if bufs is not None else ()
-    state = State(plan, role, kind, bufs, refs, pointers)
+    state = State(plan=plan, role=role, kind=kind, bufs=bufs, refs=refs, pointers=pointers)
     firsts, copies = _split(plan, role)
     roots = [leaves[i]._base for i in firsts]
     if any(root is None for root in roots):  # views without a base (inference_mode): per leaf

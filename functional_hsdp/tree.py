@@ -143,7 +143,7 @@ def refuse_vmap(leaves: Sequence[Any], call: str) -> None:
         )
 
 
-def structure_error(expected: optree.PyTreeSpec, tree: Any, name: str, what: str) -> ValueError:
+def structure_error(expected: optree.PyTreeSpec, tree: Any, name: str, *, what: str) -> ValueError:
     """The error for ``tree`` (called ``name``) not having the structure ``expected``."""
     reference = optree.tree_unflatten(expected, [0] * expected.num_leaves)
     errors = optree.prefix_errors(reference, tree) or optree.prefix_errors(tree, reference)

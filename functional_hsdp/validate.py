@@ -221,7 +221,7 @@ def _spec_text(spec: Any) -> str:
 
 
 def fingerprint(
-    plan: Any, op: str, paths: Sequence[str], last: Any = None, options: tuple[str, ...] = ()
+    plan: Any, op: str, paths: Sequence[str], *, last: Any = None, options: tuple[str, ...] = ()
 ) -> Fingerprint:
     """Describe a call of ``op`` with ``plan`` (full per-rank shapes, not local pieces)."""
     mesh = plan.mesh
@@ -350,7 +350,7 @@ class Agreement:
         done = _DONE.setdefault(plan, {})
         fp = done.get(key)
         if fp is None:
-            fp = done[key] = fingerprint(plan, self.call, paths, last, options)
+            fp = done[key] = fingerprint(plan, self.call, paths, last=last, options=options)
         local = _local_row(fp, self.mesh, nonfinite)
         if log is not None:
             local[..., _UNITS] = log.digest
@@ -367,7 +367,7 @@ class Agreement:
         waiter, dp, fp, paths, local, log = self._pending
         self._pending = None
         if not _healthy(waiter()):  # only now every rank's row, and the exact decision
-            _exact(self.mesh, dp, fp, paths, local, log)
+            _exact(self.mesh, dp, fp, paths=paths, local=local, log=log)
 
     def fail(self, exc: BaseException) -> None:
         """This rank's local checks raised ``exc``: tell the others (who raise too)."""
@@ -418,7 +418,7 @@ def agree(
     back to when the summary shows a difference): exchange ``fp``'s row over every axis of
     ``mesh``; raise on any difference (the call's header across all ranks, the layout within
     each group over ``dp``), or a non-finite leaf."""
-    _exact(mesh, dp, fp, paths, _local_row(fp, mesh, nonfinite))
+    _exact(mesh, dp, fp, paths=paths, local=_local_row(fp, mesh, nonfinite))
 
 
 def _local_row(fp: Fingerprint, mesh: Any, nonfinite: torch.Tensor | None) -> torch.Tensor:
@@ -450,14 +450,22 @@ def _healthy(summary: torch.Tensor) -> bool:
 
 
 def _exact(
-    mesh: Any, dp: tuple[str, ...], fp: Fingerprint, paths, local: torch.Tensor, log=None
+    mesh: Any, dp: tuple[str, ...], fp: Fingerprint, *, paths, local: torch.Tensor, log=None
 ) -> None:
     """Every rank's row, and the exact decision from them."""
-    _decide(mesh, dp, fp, paths, local, _gather(mesh, mesh.axis_names, local), log)
+    tables = _gather(mesh, mesh.axis_names, local)
+    _decide(mesh, dp, fp, paths=paths, local=local, tables=tables, log=log)
 
 
 def _decide(
-    mesh: Any, dp: tuple[str, ...], fp: Fingerprint, paths, local: torch.Tensor, tables, log=None
+    mesh: Any,
+    dp: tuple[str, ...],
+    fp: Fingerprint,
+    *,
+    paths,
+    local: torch.Tensor,
+    tables,
+    log=None,
 ) -> None:
     """Every decision made from the exchanged ``tables`` (B, G, L: G = every rank of the
     mesh), alike on all ranks. ``log``: this rank's unit calls, if the call checks them."""
@@ -475,7 +483,8 @@ def _decide(
         raise ValueError(_units_message(mesh, fp.header[0], log or UnitLog()))
     if not _agree_within(mesh, dp, tables[..., _WHOLE]):  # the layout, per data-parallel group
         dp_tables = _gather(mesh, dp, local)
-        raise ValueError(_explain(mesh, dp, fp, dp_tables, mesh.diagnostics.members(dp)))
+        members = mesh.diagnostics.members(dp)
+        raise ValueError(_explain(mesh, dp, fp, tables=dp_tables, names=members))
     bad = tables[..., _NONFINITE]
     if bool((bad >= 0).any()):
         i = int(bad[bad >= 0].min())
@@ -559,7 +568,7 @@ def _units_message(mesh: Any, where: str, log: UnitLog) -> str:
     texts = _gather_text(mesh, everyone, text)[0]
     made = counts[:, 0].tolist()
     values = [t or f"no unit call #{i} (it made {c})" for t, c in zip(texts, made)]
-    how = _how(lists, made, i, texts)
+    how = _how(lists, made, i, texts=texts)
     return (
         f"{where}: the ranks ran their gathered units differently ({how}): first at unit call "
         f"#{i} since the last check: {_groups([values], [names])}. Every rank must call the "
@@ -569,7 +578,7 @@ def _units_message(mesh: Any, where: str, log: UnitLog) -> str:
     )
 
 
-def _how(lists: torch.Tensor, made: list[int], i: int, texts: list[str]) -> str:
+def _how(lists: torch.Tensor, made: list[int], i: int, *, texts: list[str]) -> str:
     """How the ranks' unit calls differ at call ``i``: ``order``, ``skipped``, ``another
     unit``, ``dtype (...)`` or ``options (...)``."""
     if i >= lists.shape[1]:
@@ -634,7 +643,7 @@ def _table(mesh: Any, out: torch.Tensor) -> torch.Tensor:
     return out.reshape(-1, *out.shape[-2:])
 
 
-def _explain(mesh, axes, fp: Fingerprint, tables: torch.Tensor, names) -> str:
+def _explain(mesh, axes, fp: Fingerprint, *, tables: torch.Tensor, names) -> str:
     """The error message for differing fingerprints (more exchanges, all ranks alike)."""
     tail = _TAIL
     # the first leaf whose digests differ, over the longest tree of any rank

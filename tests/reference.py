@@ -349,23 +349,23 @@ def _library_functions() -> list[type]:
 def on_device_threads() -> Iterator[list[str]]:
     """Every library ``autograd.Function``'s backward runs as on autograd's CUDA device
     thread: in a fresh ``contextvars.Context()`` (none of the caller's ContextVars) and with
-    a fresh thread-local state of the units (``units._FORWARD``), and so do the vmap and jvp
-    rules that backward reaches. Yields the names of the backwards run so, for the caller to
+    a fresh thread-local state of the units (``units.registry._FORWARD``), and so do the vmap
+    and jvp rules that backward reaches. Yields the names of the backwards run so, for the caller to
     check that some ran."""
     import contextvars
 
-    from functional_hsdp import units
+    from functional_hsdp.units import registry
 
     ran: list[str] = []
 
     def fresh(cls: type, backward):
         def run(ctx, *grads):
             ran.append(cls.__name__)
-            saved, units._FORWARD = units._FORWARD, units._Forward()
+            saved, registry._FORWARD = registry._FORWARD, registry._Forward()
             try:
                 return contextvars.Context().run(backward, ctx, *grads)
             finally:
-                units._FORWARD = saved
+                registry._FORWARD = saved
 
         return staticmethod(run)
 

@@ -71,11 +71,11 @@ def buckets_of(spec: fh.Spec, tree: dict, batch_ndim: int) -> tuple:
     n = len(leaves)
     buckets, _ = build_buckets(
         tuple(map(str, paths)),
-        tuple(tuple(x.shape[batch_ndim:]) for x in leaves),
-        tuple(x.dtype for x in leaves),
-        tuple(x.device for x in leaves),
-        (spec,) * n,
-        (0,) * n,
+        shapes=tuple(tuple(x.shape[batch_ndim:]) for x in leaves),
+        dtypes=tuple(x.dtype for x in leaves),
+        devices=tuple(x.device for x in leaves),
+        specs=(spec,) * n,
+        units=(0,) * n,
     )
     return buckets
 

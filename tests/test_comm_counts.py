@@ -29,11 +29,11 @@ def n_buckets(spec, tree) -> int:
     nb = len(spec.mesh.batch_shape)
     buckets, _ = build_buckets(
         tuple(map(str, paths)),
-        tuple(tuple(x.shape[nb:]) for x in leaves),
-        tuple(x.dtype for x in leaves),
-        tuple(x.device for x in leaves),
-        (spec,) * len(leaves),
-        (0,) * len(leaves),
+        shapes=tuple(tuple(x.shape[nb:]) for x in leaves),
+        dtypes=tuple(x.dtype for x in leaves),
+        devices=tuple(x.device for x in leaves),
+        specs=(spec,) * len(leaves),
+        units=(0,) * len(leaves),
     )
     return len(buckets)
 

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from reference import AXES, STRATEGIES, accumulate, dist_mesh, preset, random_tree
 
 import functional_hsdp as fh
-from functional_hsdp import units as units_module
 from functional_hsdp.mesh import dist as dist_module
 from functional_hsdp.mesh.dist import Carriage
+from functional_hsdp.units import registry as units_module
 
 WORLD = 4
 

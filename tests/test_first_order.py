@@ -29,10 +29,10 @@ def test_equals_torch_func(argnums, has_aux):
         loss = _loss(p, x, scale)
         return (loss, {"h": loss * 2}) if has_aux else loss
 
-    ours = fh.grad_and_value(f, argnums, has_aux)(p, x, scale=0.5)
+    ours = fh.grad_and_value(f, argnums, has_aux=has_aux)(p, x, scale=0.5)
     theirs = torch.func.grad_and_value(f, argnums, has_aux)(p, x, scale=0.5)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
-    g_ours = fh.grad(f, argnums, has_aux)(p, x, scale=0.5)
+    g_ours = fh.grad(f, argnums, has_aux=has_aux)(p, x, scale=0.5)
     g_theirs = torch.func.grad(f, argnums, has_aux)(p, x, scale=0.5)
     torch.testing.assert_close(g_ours, g_theirs, rtol=0, atol=0)
     value = ours[1][0] if has_aux else ours[1]

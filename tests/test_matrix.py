@@ -178,7 +178,8 @@ def test_owner_buckets_are_balanced_and_start_at_their_chunks():
     full = {f"w{k}": torch.zeros(8 * (k + 1), 16) for k in range(6)}
     leaves, treedef = optree.tree_flatten(full)
     paths = tuple(f"t{p}" for p in treedef.paths())
-    plan = plan_for(leaves, treedef, paths, (spec,) * 6, (0,) * 6, [x.shape for x in leaves])
+    shapes = [x.shape for x in leaves]
+    plan = plan_for(leaves, treedef, paths, specs=(spec,) * 6, units=(0,) * 6, shapes=shapes)
     (bucket,) = plan.buckets
     chunk = bucket.padded // 4
     loads = [0] * 4

@@ -38,11 +38,11 @@ def _bucket(shapes, dtypes):
     n = len(shapes)
     buckets, _ = build_buckets(
         tuple(f"p{i}" for i in range(n)),
-        tuple(shapes),
-        tuple(dtypes),
-        (torch.device("cpu"),) * n,
-        (spec,) * n,
-        (0,) * n,
+        shapes=tuple(shapes),
+        dtypes=tuple(dtypes),
+        devices=(torch.device("cpu"),) * n,
+        specs=(spec,) * n,
+        units=(0,) * n,
         kinds=("one",) * n,  # one bucket, whatever the dtypes
     )
     (bucket,) = buckets
@@ -80,7 +80,7 @@ def test_pack_full_casts_every_leaf_to_the_wire_dtype(kind, batch, dtypes, wire)
         for shape, dt in zip(shapes, dtypes)
     ]
     dtype = wire or bucket.dtype
-    buf = pack_full(bucket, leaves, batch, wire)
+    buf = pack_full(bucket, leaves, batch, dtype=wire)
     assert buf.dtype == dtype and buf.shape == (*batch, bucket.padded)
     assert torch.equal(buf, _expected(bucket, leaves, batch, dtype))
     for x, y in zip(unpack_full(bucket, buf, batch), leaves):

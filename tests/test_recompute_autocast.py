@@ -101,7 +101,8 @@ def test_the_autocast_state_of_each_device_type_of_the_unit_is_replayed(monkeypa
     Only the capture and its replay, not a whole gathered unit: on torch's CPU wheel autograd
     cannot make the gradient edge of a fake CUDA tensor (its ``AccumulateGrad`` asks for a
     CUDA device guard, which the build lacks), so no backward runs on them here."""
-    from functional_hsdp.units import _autocast_state, _replaying
+    from functional_hsdp.units.replay import autocast_state as _autocast_state
+    from functional_hsdp.units.replay import replaying as _replaying
 
     monkeypatch.setattr(torch.cuda.amp.common, "amp_definitely_not_available", lambda: False)
     with FakeTensorMode():

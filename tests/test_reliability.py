@@ -270,7 +270,7 @@ def _fingerprint(grads: dict, spec: fh.Spec, last: bool, name: str = "grads"):
         ),
         paths,
     )
-    return validate.fingerprint(plan, "reduce_grads", paths, last, ()), paths
+    return validate.fingerprint(plan, "reduce_grads", paths, last=last, options=()), paths
 
 
 def _agree_on_threads(per_rank: list, nonfinite: list | None = None) -> list:
@@ -409,7 +409,7 @@ def test_validation_is_not_a_logged_collective(mesh, spec):
 
 def test_collective_error_names_the_collective_and_chains_the_cause(mesh):
     cause = RuntimeError("Connection closed by peer")
-    err = collective_error("all_reduce", "dp_outer", mesh, cause, rank=3, timeout=5)
+    err = collective_error("all_reduce", "dp_outer", mesh, exc=cause, rank=3, timeout=5)
     assert issubclass(CollectiveError, RuntimeError)
     assert isinstance(err, RuntimeError) and isinstance(err, CollectiveError)
     assert (err.op, err.axis) == ("all_reduce", "dp_outer")

@@ -12,7 +12,8 @@ import torch
 from reference import on_device_threads
 
 import functional_hsdp as fh
-from functional_hsdp import units, validate
+from functional_hsdp import validate
+from functional_hsdp.units import collectives as units
 
 
 def _layer(p, x):
@@ -112,7 +113,7 @@ def _lists(*ranks):
 def test_how_the_unit_calls_differ(ranks, how):
     lists = _lists(*ranks)
     made = [len(r) for r in ranks]
-    assert validate._how(lists, made, 1, ["", ""]) == how
+    assert validate._how(lists, made, 1, texts=["", ""]) == how
 
 
 def test_how_names_the_options_or_dtypes_that_differ():
@@ -120,5 +121,5 @@ def test_how_names_the_options_or_dtypes_that_differ():
     a = "u | recompute=False; param_dtype=None; buckets=[4, 4]"
     b = "u | recompute=False; param_dtype=torch.bfloat16; buckets=[4, 4]"
     c = "u | recompute=True; param_dtype=None; buckets=[4, 4]"
-    assert validate._how(lists, [1, 1], 0, [a, b]) == "dtype: param_dtype"
-    assert validate._how(lists, [1, 1], 0, [a, c]) == "options: recompute"
+    assert validate._how(lists, [1, 1], 0, texts=[a, b]) == "dtype: param_dtype"
+    assert validate._how(lists, [1, 1], 0, texts=[a, c]) == "options: recompute"

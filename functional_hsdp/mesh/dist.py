@@ -200,7 +200,7 @@ class DistMesh(MeshAxes):
     def _in_place(self, axis: str) -> bool:
         return self.carriage(axis).in_place and not torch.compiler.is_compiling()
 
-    def _reduction(self, name: str, fn: Callable[[str], torch.Tensor], axis: str, op: str):
+    def _reduction(self, name: str, fn: Callable[[str], torch.Tensor], *, axis: str, op: str):
         """A functional reduction ``fn(op)``. Where the backend lacks AVG it is emulated
         exactly: SUM on the wire, and the division applied when the result is waited (eager:
         the sum stays in flight) or at once (traced)."""
@@ -210,7 +210,7 @@ class DistMesh(MeshAxes):
         n = self.size(axis) if emulate else None
         if torch.compiler.is_compiling():  # traced: funcol's own tensors, waited by wait()
             return out / n if n else out
-        return self._issued(_functional(Flight(name, axis, out, divide=n)))
+        return self._issued(_functional(Flight(name, axis, buffer=out, divide=n)))
 
     def _op(self, axis: str, op: str) -> str:
         # one rank's AVG is its SUM: issued as SUM (size-1 axes carry collectives only with
@@ -221,10 +221,10 @@ class DistMesh(MeshAxes):
         """All-reduce over ``axis`` (in place on gloo)."""
         op = self._op(axis, op)
         if self._in_place(axis):
-            return self._issue_in_place(buf, axis, op, "all_reduce")
+            return self._issue_in_place(buf, axis, op=op, name="all_reduce")
         group = (self.device_mesh, self._dim(axis))
         reduce = lambda o: funcol.all_reduce(buf, o, group)  # noqa: E731
-        return self._reduction("all_reduce", reduce, axis, op)
+        return self._reduction("all_reduce", reduce, axis=axis, op=op)
 
     def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor | Flight:
         """Reduce-scatter over ``axis``. On gloo an in-place all-reduce of ``buf`` whose
@@ -232,10 +232,10 @@ class DistMesh(MeshAxes):
         consumer that makes a new tensor anyway (adding acc, MainGrad's add) copies nothing."""
         op = self._op(axis, op)
         if self._in_place(axis):
-            return self._issue_in_place(buf, axis, op, "reduce_scatter")
+            return self._issue_in_place(buf, axis, op=op, name="reduce_scatter")
         group = (self.device_mesh, self._dim(axis))
         reduce = lambda o: funcol_reduce_scatter_single(buf, o, 0, group)  # noqa: E731
-        return self._reduction("reduce_scatter", reduce, axis, op)
+        return self._reduction("reduce_scatter", reduce, axis=axis, op=op)
 
     def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor | Flight:
         """All-gather over ``axis`` (functional collective; c10d on gloo, see
@@ -250,7 +250,7 @@ class DistMesh(MeshAxes):
                 work = c10d_all_gather_single(
                     out, buf.contiguous(), group=self.group(axis), async_op=True
                 )
-            return self._issued(Flight("all_gather", axis, out, work, source=buf))
+            return self._issued(Flight("all_gather", axis, buffer=out, work=work, source=buf))
         with self.guard("all_gather", axis):
             out = funcol_all_gather_single(buf, 0, (self.device_mesh, d))
             if gloo_like:  # traced on gloo: waited at issue, never several in flight
@@ -260,7 +260,7 @@ class DistMesh(MeshAxes):
         return self._issued(_functional(Flight("all_gather", axis, out)))
 
     def all_to_all(
-        self, buf: torch.Tensor, axis: str, counts: Any, length: int
+        self, buf: torch.Tensor, axis: str, *, counts: Any, length: int
     ) -> torch.Tensor | Flight:
         """All-to-all over ``axis`` with uneven blocks (c10d's ``all_to_all_single`` on gloo,
         the functional collective elsewhere; see :class:`~functional_hsdp.Mesh`)."""
@@ -273,16 +273,21 @@ class DistMesh(MeshAxes):
             out.narrow(0, sum(recv), length - sum(recv)).zero_()
             with self.guard("all_to_all", axis):
                 work = dist.all_to_all_single(
-                    out.narrow(0, 0, sum(recv)), src, recv, send, self.group(axis), True
+                    out.narrow(0, 0, sum(recv)),
+                    src,
+                    output_split_sizes=recv,
+                    input_split_sizes=send,
+                    group=self.group(axis),
+                    async_op=True,
                 )
-            return self._issued(Flight("all_to_all", axis, out, work, source=buf))
+            return self._issued(Flight("all_to_all", axis, buffer=out, work=work, source=buf))
         with self.guard("all_to_all", axis):  # its result ends after the blocks
             out = funcol.all_to_all_single(src, recv, send, (self.device_mesh, d))
         if torch.compiler.is_compiling():
             return torch.nn.functional.pad(out, (0, length - sum(recv)))
-        return self._issued(_functional(Flight("all_to_all", axis, out, length=length)))
+        return self._issued(_functional(Flight("all_to_all", axis, buffer=out, length=length)))
 
-    def _issue_in_place(self, buf: torch.Tensor, axis: str, op: str, name: str) -> Flight:
+    def _issue_in_place(self, buf: torch.Tensor, axis: str, *, op: str, name: str) -> Flight:
         # ``buf`` is always one of the library's own buffers (a fresh packing buffer, a
         # collective's result or MainGrad's buffer), never a caller's tensor.
         with self.guard(name, axis):
@@ -292,7 +297,9 @@ class DistMesh(MeshAxes):
                 group=self.group(axis),
                 async_op=True,
             )
-        return self._issued(Flight(name, axis, buf, work, chunk=name == "reduce_scatter"))
+        return self._issued(
+            Flight(name, axis, buffer=buf, work=work, chunk=name == "reduce_scatter")
+        )
 
     def _issued(self, flight: Flight) -> torch.Tensor | Flight:
         """A collective just issued: held in flight, or waited at once without overlap."""
@@ -344,7 +351,8 @@ class DistMesh(MeshAxes):
             yield
         except RuntimeError as e:
             timeout = self._timeout(axis)
-            raise collective_error(op, axis, self, e, rank=dist.get_rank(), timeout=timeout) from e
+            rank = dist.get_rank()
+            raise collective_error(op, axis, self, exc=e, rank=rank, timeout=timeout) from e
 
     def _timeout(self, axis: Any) -> Any:
         """The wait bound named in errors: the mesh's, else the axis group's own."""
@@ -402,7 +410,12 @@ class RankGeometry:
         return list(torch.split(buf, pieces))[:-1]
 
     def join(
-        self, values: list[torch.Tensor], pieces: tuple[int, ...], dtype: torch.dtype, device: Any
+        self,
+        values: list[torch.Tensor],
+        pieces: tuple[int, ...],
+        *,
+        dtype: torch.dtype,
+        device: Any,
     ) -> torch.Tensor:
         return torch.cat([*values, torch.zeros(pieces[-1], dtype=dtype, device=device)])
 

@@ -104,7 +104,7 @@ class Mesh(Protocol):
         """Concatenate every rank's ``buf`` along the last dim, in coordinate order."""
 
     def all_to_all(
-        self, buf: torch.Tensor, axis: str, counts: Any, length: int
+        self, buf: torch.Tensor, axis: str, *, counts: Any, length: int
     ) -> torch.Tensor | Flight:
         """Exchange blocks of uneven sizes between the ranks of each group along ``axis``.
 
@@ -154,7 +154,7 @@ class Geometry(Protocol):
         """Every leaf's piece of a chunk ``buf``."""
 
     def join(
-        self, values: list[torch.Tensor], pieces: Any, dtype: torch.dtype, device: Any
+        self, values: list[torch.Tensor], pieces: Any, *, dtype: torch.dtype, device: Any
     ) -> torch.Tensor:
         """The inverse of :meth:`split`: a new chunk (zero tail) holding ``values``, of
         ``dtype`` on ``device`` (the bucket's: ``values`` may be empty)."""

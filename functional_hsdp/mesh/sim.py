@@ -18,7 +18,7 @@ import torch
 
 from .protocol import Flight, MeshAxes
 
-__all__ = ["SimMesh"]
+__all__ = ["SimMesh", "per_rank"]
 
 _EINOPS_REDUCE = {"sum": "sum", "avg": "mean"}
 
@@ -92,7 +92,7 @@ class SimMesh(MeshAxes):
         return out.contiguous()
 
     def all_to_all(
-        self, buf: torch.Tensor, axis: str, counts: np.ndarray, length: int
+        self, buf: torch.Tensor, axis: str, *, counts: np.ndarray, length: int
     ) -> torch.Tensor:
         """Every rank gets the blocks its group's members send it (``counts``), in order."""
         d, n = self._dim(axis), self.sizes[self._dim(axis)]
@@ -189,7 +189,13 @@ class SimGeometry:
         valid = index < hi[..., owner]
         index = np.where(valid, index, length)
         views = bool(valid.all())
-        return _Pieces(_OnDevice(index), _OnDevice(valid), tuple(widths.tolist()), length, views)
+        return _Pieces(
+            index=_OnDevice(index),
+            valid=_OnDevice(valid),
+            widths=tuple(widths.tolist()),
+            length=length,
+            views=views,
+        )
 
     def piece_shapes(self, pieces: _Pieces) -> list[tuple[int, ...]]:
         return [(*self._mesh.batch_shape, w) for w in pieces.widths]
@@ -206,7 +212,7 @@ class SimGeometry:
         return list(torch.split(gathered, pieces.widths, dim=-1))
 
     def join(
-        self, values: list[torch.Tensor], pieces: _Pieces, dtype: torch.dtype, device: Any
+        self, values: list[torch.Tensor], pieces: _Pieces, *, dtype: torch.dtype, device: Any
     ) -> torch.Tensor:
         batch = self._mesh.batch_shape
         if pieces.views:  # no fill to drop: concatenate, and zero the chunk's tail
@@ -292,3 +298,18 @@ class SimDiagnostics:
                 names.append(str(c[0]) if mesh.ndim == 1 else str(tuple(c)))
             out.append(tuple(names))
         return out
+
+
+def per_rank(fn: Callable, mesh: Any) -> Callable:
+    """``fn`` applied to every rank's values: ``vmap`` over the mesh dims of a SimMesh (all
+    arguments and results carry them), ``fn`` itself on a DistMesh.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> f = fh.per_rank(lambda w, x: w @ x, fh.SimMesh({"dp": 3}))
+        >>> f(torch.ones(3, 2, 2), torch.ones(3, 2)).shape
+        torch.Size([3, 2])
+    """
+    for _ in mesh.batch_shape:
+        fn = torch.func.vmap(fn)
+    return fn

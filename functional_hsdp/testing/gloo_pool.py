@@ -51,6 +51,7 @@ def _record_reply(
     r: int,
     reply: tuple[str, int, Any],
     task_id: int,
+    *,
     results: dict[int, Any],
     errors: dict[int, tuple[str, str, str]],
 ) -> bool:
@@ -269,7 +270,7 @@ class GlooPool:
         missing = sorted(set(range(self.world_size)) - done - set(dead))
         if dead or len(done) == self.world_size or (errors and time.monotonic() >= deadline):
             raise WorkerError(
-                _describe("starting the gloo pool failed", errors, dead, missing),
+                _describe("starting the gloo pool failed", errors, dead=dead, missing=missing),
                 errors=errors,
                 exitcodes=dead,
                 missing=missing,
@@ -279,8 +280,8 @@ class GlooPool:
                 _describe(
                     f"starting the gloo pool timed out after {self.start_timeout}s",
                     errors,
-                    {},
-                    missing,
+                    dead={},
+                    missing=missing,
                 ),
                 missing=missing,
             )
@@ -373,7 +374,7 @@ class GlooPool:
         while True:
             self._wait_any(deadline)
             for r, reply in self._drain(exclude=set(results) | set(errors)):
-                if not _record_reply(r, reply, task_id, results, errors):
+                if not _record_reply(r, reply, task_id, results=results, errors=errors):
                     continue
                 # Ranks still busy after another raised are usually blocked in a collective
                 # the failed rank never joined: wait error_grace for them, not the full timeout.
@@ -382,9 +383,9 @@ class GlooPool:
             done = set(results) | set(errors)
             if len(done) == self.world_size:
                 return self._all_answered(name, results, errors)
-            self._raise_if_died(name, done, results, errors)
+            self._raise_if_died(name, done, results=results, errors=errors)
             if time.monotonic() >= deadline:
-                self._raise_overdue(name, timeout, done, results, errors)
+                self._raise_overdue(name, timeout, done=done, results=results, errors=errors)
 
     def _all_answered(
         self, name: str, results: dict[int, Any], errors: dict[int, tuple[str, str, str]]
@@ -392,7 +393,7 @@ class GlooPool:
         # Every rank answered, so the pool is still usable: raise without breaking it.
         if errors:
             raise WorkerError(
-                _describe(f"task {name} failed", errors, {}, []),
+                _describe(f"task {name} failed", errors, dead={}, missing=[]),
                 errors=errors,
                 results=results,
             )
@@ -402,6 +403,7 @@ class GlooPool:
         self,
         name: str,
         done: set[int],
+        *,
         results: dict[int, Any],
         errors: dict[int, tuple[str, str, str]],
     ) -> None:
@@ -411,7 +413,7 @@ class GlooPool:
         self._break()
         missing = sorted(set(range(self.world_size)) - done - set(dead))
         raise WorkerError(
-            _describe(f"task {name}: worker died", errors, dead, missing),
+            _describe(f"task {name}: worker died", errors, dead=dead, missing=missing),
             errors=errors,
             exitcodes=dead,
             missing=missing,
@@ -422,6 +424,7 @@ class GlooPool:
         self,
         name: str,
         timeout: float,
+        *,
         done: set[int],
         results: dict[int, Any],
         errors: dict[int, tuple[str, str, str]],
@@ -439,7 +442,7 @@ class GlooPool:
             head = f"task {name} timed out after {timeout}s"
             cls = WorkerTimeout
         raise cls(
-            _describe(head, errors, {}, missing),
+            _describe(head, errors, dead={}, missing=missing),
             errors=errors,
             missing=missing,
             results=results,

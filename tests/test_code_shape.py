@@ -1,0 +1,380 @@
+"""The package's code keeps a readable shape, checked on its source (nothing imported or run):
+
+- no function is longer than ``MAX_LINES`` lines of code, its docstring not counted (a public
+  function's docstring, with its arguments and examples, is as long as it needs to be);
+- no call to a function or class of the package passes more than ``MAX_POSITIONAL``
+  positional arguments, or ``True`` / ``False`` positionally: what an argument means is
+  written at the call (the definitions make such arguments keyword-only).
+
+Calls into torch, optree, einops or the standard library are not checked, only those that
+resolve to a definition in the package (:class:`_Index` says how).
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "functional_hsdp"
+FILES = sorted(p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py"))
+MAX_LINES = 45
+MAX_POSITIONAL = 3
+
+# Method names that tensors and the builtin containers have too: ``x.add(True)`` on a receiver
+# of unknown type is taken for theirs, not for a package method of the same name.
+_FOREIGN = {
+    name
+    for kind in (list, dict, set, tuple, str, bytes, collections.deque, torch.Tensor)
+    for name in dir(kind)
+}
+
+
+def _module_name(path: str) -> tuple[str, bool]:
+    """``a/b/c.py`` -> (``a.b.c``, False); ``a/b/__init__.py`` -> (``a.b``, True)."""
+    parts = path.removesuffix(".py").split("/")
+    if parts[-1] == "__init__":
+        return ".".join(parts[:-1]), True
+    return ".".join(parts), False
+
+
+def _nested_functions(tree: ast.Module) -> dict[str, list[ast.AST]]:
+    """Functions defined inside other functions, by name."""
+    found: dict[str, list[ast.AST]] = {}
+    for outer in ast.walk(tree):
+        if isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(outer):
+                if node is not outer and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found.setdefault(node.name, []).append(node)
+    return found
+
+
+class _Index:
+    """The package's definitions, and a call resolved to those it runs.
+
+    ``f(...)`` resolves to this module's ``f`` (top level or nested) or the one it imports
+    from the package; ``cls(...)`` in a class to the class; ``module.f(...)`` and
+    ``Cls.f(...)`` to that module's ``f`` and that class's method (its package bases
+    searched); ``self.m(...)`` and ``super().m(...)`` to the enclosing class's method;
+    ``a if c else b`` to both. Any other receiver (``x.m(...)``, ``x`` a local value) is taken
+    for a package object when ``m`` is a method of a package class and no method of a tensor
+    or builtin container; a receiver imported from outside the package never is.
+    """
+
+    def __init__(self, sources: dict[str, str]):
+        self.modules: dict[str, tuple[str, ast.Module, bool]] = {}
+        self.defs: dict[tuple[str, str], ast.AST] = {}  # (module, name) -> def or class
+        self.nested: dict[str, dict[str, list[ast.AST]]] = {}
+        self.imports: dict[tuple[str, str], tuple[str, str | None]] = {}
+        self.foreign: set[tuple[str, str]] = set()  # (module, name) imported from outside
+        self.methods: dict[str, list[tuple[str, ast.AST]]] = {}
+        self.root = next(iter(sources)).split("/")[0]
+        for path, text in sources.items():
+            mod, is_package = _module_name(path)
+            tree = ast.parse(text)
+            self.modules[mod] = (path, tree, is_package)
+            self._index(mod, tree, is_package)
+
+    def _index(self, mod: str, tree: ast.Module, is_package: bool) -> None:
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                self.defs[(mod, node.name)] = node
+            if isinstance(node, ast.ClassDef):
+                for f in node.body:
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        self.methods.setdefault(f.name, []).append((mod, f))
+        self.nested[mod] = _nested_functions(tree)
+        here = mod if is_package else mod.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here.rsplit(".", node.level - 1)[0] if node.level > 1 else here
+                    source = f"{base}.{node.module}" if node.module else base
+                else:
+                    source = node.module or ""
+                for a in node.names:
+                    self._bind(mod, a.asname or a.name, source, a.name)
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname:
+                        self._bind(mod, a.asname, a.name, None)
+                    else:  # ``import a.b`` binds ``a``
+                        top = a.name.split(".")[0]
+                        self._bind(mod, top, top, None)
+
+    def _bind(self, mod: str, alias: str, source: str, name: str | None) -> None:
+        if source == self.root or source.startswith(self.root + "."):
+            self.imports[(mod, alias)] = (source, name)
+        else:
+            self.foreign.add((mod, alias))
+
+    def symbol(self, mod: str, name: str, depth: int = 0):
+        """What ``name`` is in module ``mod``: a module's name (str), a ``(module, def)``
+        pair, or None (not the package's)."""
+        if (mod, name) in self.defs:
+            return mod, self.defs[(mod, name)]
+        if (mod, name) not in self.imports or depth > 20:
+            return None
+        source, attr = self.imports[(mod, name)]
+        if attr is None:
+            return source if source in self.modules else None
+        found = self.symbol(source, attr, depth + 1)
+        if found is None and f"{source}.{attr}" in self.modules:
+            return f"{source}.{attr}"
+        return found
+
+    def value(self, mod: str, expr: ast.expr):
+        """What a receiver expression is, as :meth:`symbol` says."""
+        if isinstance(expr, ast.Name):
+            return self.symbol(mod, expr.id)
+        if isinstance(expr, ast.Attribute):
+            owner = self.value(mod, expr.value)
+            if isinstance(owner, str):
+                return self.symbol(owner, expr.attr)
+        return None
+
+    def method(self, mod: str, cls: ast.ClassDef, name: str, depth: int = 0) -> list:
+        """``cls``'s method ``name``, or the one it inherits from a package class."""
+        for f in cls.body:
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == name:
+                return [f]
+        return [] if depth > 20 else self.inherited(mod, cls, name, depth + 1)
+
+    def inherited(self, mod: str, cls: ast.ClassDef, name: str, depth: int = 0) -> list:
+        """The method ``name`` of ``cls``'s package bases."""
+        found = []
+        for base in cls.bases:
+            owner = self.value(mod, base)
+            if isinstance(owner, tuple) and isinstance(owner[1], ast.ClassDef):
+                found += self.method(owner[0], owner[1], name, depth)
+        return found
+
+    def callees(self, mod: str, cls: ast.ClassDef | None, func: ast.expr) -> list[ast.AST]:
+        """The package's definitions that a call of ``func`` in ``mod`` (in class ``cls``)
+        runs; empty for anything else."""
+        if isinstance(func, ast.IfExp):
+            return self.callees(mod, cls, func.body) + self.callees(mod, cls, func.orelse)
+        if isinstance(func, ast.Name):
+            if func.id == "cls" and cls is not None:
+                return [cls]
+            found = self.symbol(mod, func.id)
+            own = [found[1]] if isinstance(found, tuple) else []
+            return own + self.nested[mod].get(func.id, [])
+        if not isinstance(func, ast.Attribute):
+            return []
+        receiver = func.value
+        if isinstance(receiver, ast.Name) and receiver.id in ("self", "cls") and cls is not None:
+            return self.method(mod, cls, func.attr)
+        if (
+            isinstance(receiver, ast.Call)
+            and ast.unparse(receiver.func) == "super"
+            and cls is not None
+        ):
+            return self.inherited(mod, cls, func.attr)
+        owner = self.value(mod, receiver)
+        if isinstance(owner, str):
+            found = self.symbol(owner, func.attr)
+            return [found[1]] if isinstance(found, tuple) else []
+        if isinstance(owner, tuple):
+            return self.method(*owner, func.attr) if isinstance(owner[1], ast.ClassDef) else []
+        base = receiver
+        while isinstance(base, (ast.Attribute, ast.Subscript, ast.Call)):
+            base = base.func if isinstance(base, ast.Call) else base.value
+        if isinstance(base, ast.Name) and (mod, base.id) in self.foreign:
+            return []
+        if func.attr in _FOREIGN:
+            return []
+        return [f for _, f in self.methods.get(func.attr, [])]
+
+
+class _Calls(ast.NodeVisitor):
+    """Every call of a module, with the class it is written in (None outside classes)."""
+
+    def __init__(self):
+        self.classes: list[ast.ClassDef | None] = [None]
+        self.found: list[tuple[ast.ClassDef | None, ast.Call]] = []
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.classes.append(node)
+        self.generic_visit(node)
+        self.classes.pop()
+
+    def visit_Call(self, node: ast.Call) -> None:
+        self.found.append((self.classes[-1], node))
+        self.generic_visit(node)
+
+
+def _positional_problems(call: ast.Call) -> list[str]:
+    args = [a for a in call.args if not isinstance(a, ast.Starred)]
+    problems = []
+    if len(args) > MAX_POSITIONAL:
+        problems.append(f"{len(args)} positional arguments")
+    if any(isinstance(a, ast.Constant) and isinstance(a.value, bool) for a in args):
+        problems.append("a positional True/False")
+    return problems
+
+
+def positional_calls(index: _Index) -> dict[str, list[str]]:
+    """path -> ``path:line: call (problems)`` for each call into the package that passes more
+    than MAX_POSITIONAL positionals or a positional bool."""
+    found: dict[str, list[str]] = {}
+    for mod, (path, tree, _) in index.modules.items():
+        calls = _Calls()
+        calls.visit(tree)
+        for cls, call in calls.found:
+            problems = _positional_problems(call)
+            if problems and index.callees(mod, cls, call.func):
+                name = ast.unparse(call.func)
+                found.setdefault(path, []).append(
+                    f"{path}:{call.lineno}: {name}(...) passes {' and '.join(problems)}"
+                )
+    return found
+
+
+def resolved_calls(index: _Index) -> int:
+    """How many calls of the package resolve to a package definition (the check's reach)."""
+    n = 0
+    for mod, (_, tree, _) in index.modules.items():
+        calls = _Calls()
+        calls.visit(tree)
+        n += sum(bool(index.callees(mod, cls, call.func)) for cls, call in calls.found)
+    return n
+
+
+def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The function's lines from its ``def`` to its end, its docstring not counted."""
+    lines = node.end_lineno - node.lineno + 1
+    if ast.get_docstring(node, clean=False) is not None:
+        lines -= node.body[0].end_lineno - node.body[0].lineno + 1
+    return lines
+
+
+def long_functions(index: _Index) -> dict[str, list[str]]:
+    """path -> ``path:line: name (n lines)`` for each function over MAX_LINES lines of code."""
+    found: dict[str, list[str]] = {}
+    for path, tree, _ in index.modules.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _code_lines(node)
+                if n > MAX_LINES:
+                    found.setdefault(path, []).append(
+                        f"{path}:{node.lineno}: {node.name} has {n} lines of code "
+                        f"(at most {MAX_LINES}, its docstring not counted)"
+                    )
+    return found
+
+
+@functools.cache
+def _package() -> _Index:
+    return _Index({path: (ROOT / path).read_text() for path in FILES})
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_no_function_is_long(path: str):
+    found = long_functions(_package()).get(path, [])
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_calls_into_the_package_pass_few_positionals_and_no_positional_bool(path: str):
+    found = positional_calls(_package()).get(path, [])
+    assert not found, "\n".join(found)
+
+
+def test_the_call_check_reaches_the_package():
+    """The resolver finds the package's calls: most of them, not none."""
+    index = _package()
+    assert len(index.modules) == len(FILES)
+    assert resolved_calls(index) > 800
+
+
+def _function(name: str, docstring: str, code_lines: int) -> str:
+    """A function of ``code_lines`` lines of code (its ``def`` and ``return`` included) and
+    ``docstring``."""
+    body = "    x += 1\n" * (code_lines - 2)
+    return f'def {name}(x):\n    """{docstring}"""\n{body}    return x\n'
+
+
+_SAMPLE = {
+    "pkg/__init__.py": "from .a import K, f\n",
+    "pkg/a.py": (
+        "import torch\n"
+        "def f(a, b, c, d=0, flag=False):\n"
+        "    return a\n"
+        "class K:\n"
+        "    def __init__(self, a, b=0, c=0, d=0):\n"
+        "        self.a = a\n"
+        "    def m(self, x, flag=False):\n"
+        "        return torch.cat([x], 0, out=None) if flag else self.grow(x, 1, 2, 3)\n"
+        "    def grow(self, *args):\n"
+        "        return args\n"
+        "    @classmethod\n"
+        "    def make(cls):\n"
+        "        return cls(1, 2, 3, 4)\n"
+        "class L(K):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(1, 2, 3, 4)\n"
+        + _function("long", "One line.\n\n    More lines: not counted.\n    ", MAX_LINES + 1)
+        + _function("short", "One line.", MAX_LINES)
+    ),
+    "pkg/b.py": (
+        "import functools, torch\n"
+        "from . import a\n"
+        "from .a import K as Renamed\n"
+        "import pkg\n"
+        "def h(x, y, z):\n"
+        "    a.f(1, 2, 3, 4)\n"  # line 6
+        "    a.f(1, 2, 3, flag=True)\n"
+        "    pkg.f(1, 2, 3, d=4)\n"
+        "    Renamed(1, 2, 3, 4)\n"  # line 9
+        "    (Renamed if x else a.K)(1, 2, True)\n"  # line 10
+        "    torch.cat([x], 0, out=None).add(1, 2, 3, 4)\n"
+        "    functools.reduce(x, y, z, 4)\n"
+        "    y.m(z, False)\n"  # line 13
+        "    y.add(True)\n"
+        "    a.f(*x, 1, 2, 3)\n"
+        "    def inner(p, q, r, s):\n"
+        "        return p\n"
+        "    return inner(1, 2, 3, 4)\n"  # line 18
+    ),
+}
+
+
+def test_the_checks_can_fail():
+    """Each check reports what breaks its rule, naming the place, and nothing else."""
+    index = _Index(_SAMPLE)
+    assert long_functions(index) == {
+        "pkg/a.py": [
+            f"pkg/a.py:17: long has {MAX_LINES + 1} lines of code (at most "
+            f"{MAX_LINES}, its docstring not counted)"
+        ]
+    }
+    found = {
+        path: [line.split(": ", 1)[0] for line in lines]
+        for path, lines in positional_calls(index).items()
+    }
+    assert found == {
+        "pkg/a.py": ["pkg/a.py:8", "pkg/a.py:13", "pkg/a.py:16"],
+        "pkg/b.py": ["pkg/b.py:6", "pkg/b.py:9", "pkg/b.py:10", "pkg/b.py:13", "pkg/b.py:18"],
+    }
+    assert "a positional True/False" in positional_calls(index)["pkg/b.py"][2]
+
+
+def test_maingrads_public_surface_is_what_the_readme_documents():
+    """``MainGrad``'s public methods and properties are those its README API row names, no
+    more (what the units need goes through the private ``mg._units``) and no fewer."""
+    import re
+
+    import functional_hsdp as fh
+
+    row = next(
+        line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `MainGrad(")
+    )
+    documented = set(re.findall(r"`(\w+)(?:\(\))?`", row.split("|")[2]))
+    public = {n for n in vars(fh.MainGrad) if not n.startswith("_")}
+    assert public == documented, (sorted(public - documented), sorted(documented - public))
