@@ -76,7 +76,7 @@ def balance(sizes: Sequence[int], n: int) -> list[int]:
     return owner
 
 
-def owner_bucket(run: list[Slot], spec: Spec, unit: int, dtype: torch.dtype, device) -> Bucket:
+def owner_bucket(run: list[Slot], spec: Spec, *, unit: int, dtype: torch.dtype, device) -> Bucket:
     """A bucket of ``run`` laid out owner-major over ``spec``'s split order.
 
     Owner k's chunk is ``[k C, (k + 1) C)``, C the largest owner's leaves (each at an aligned

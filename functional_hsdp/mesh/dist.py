@@ -273,14 +273,19 @@ class DistMesh(MeshAxes):
             out.narrow(0, sum(recv), length - sum(recv)).zero_()
             with self.guard("all_to_all", axis):
                 work = dist.all_to_all_single(
-                    out.narrow(0, 0, sum(recv)), src, recv, send, self.group(axis), True
+                    out.narrow(0, 0, sum(recv)),
+                    src,
+                    output_split_sizes=recv,
+                    input_split_sizes=send,
+                    group=self.group(axis),
+                    async_op=True,
                 )
             return self._issued(Flight("all_to_all", axis, out, work=work, source=buf))
         with self.guard("all_to_all", axis):  # its result ends after the blocks
             out = funcol.all_to_all_single(src, recv, send, (self.device_mesh, d))
         if torch.compiler.is_compiling():
             return torch.nn.functional.pad(out, (0, length - sum(recv)))
-        return self._issued(_functional(Flight("all_to_all", axis, out, length=length)))
+        return self._issued(_functional(Flight("all_to_all", axis, buffer=out, length=length)))
 
     def _issue_in_place(self, buf: torch.Tensor, axis: str, *, op: str, name: str) -> Flight:
         # ``buf`` is always one of the library's own buffers (a fresh packing buffer, a
