@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CollectiveError", "collective_error", "still_partial"]
+__all__ = ["CollectiveError", "UnitsDiffer", "collective_error", "still_partial"]
 
 
 class CollectiveError(RuntimeError):
@@ -25,6 +25,19 @@ class CollectiveError(RuntimeError):
         super().__init__(message)
         self.op = op
         self.axis = axis
+
+
+
+class UnitsDiffer(CollectiveError, ValueError):
+    """``fh.validation("strict")``: the ranks were about to issue different collectives for
+    their layer-wise units (a unit skipped, called in another order, or gathered with other
+    options or another dtype on some rank), so none was issued. Raised on every rank at once.
+
+    It is a :class:`CollectiveError` (the collective was refused: what a mismatched collective
+    would otherwise have become, a crash or a wait until the timeout) and a ``ValueError`` (the
+    ranks' calls differ, as every other cross-rank check reports): code catching either
+    catches it.
+    """
 
 
 def collective_error(

@@ -91,14 +91,15 @@ def _step(variant: str, mode: str, api: str):
                     g = fh.reduce_grads(
                         grad(shards, _data(m)), [spec] * UNITS, last=m == 1, at="gradient", acc=g
                     )
-    except ValueError as exc:
-        raise ValueError(f"{exc} [after {time.monotonic() - start:.1f} s]") from None
+    except ValueError as exc:  # the class rides in the message (the pool reports ValueError)
+        kind = "CollectiveError" if isinstance(exc, fh.CollectiveError) else "ValueError only"
+        raise ValueError(f"{exc} [{kind}] [after {time.monotonic() - start:.1f} s]") from None
     for s, d in zip(shards, g):  # the optimizer step: reached only with a right gradient
         s["w"].sub_(0.1 * d["w"])
     return fh.gather(g, [spec] * UNITS)
 
 
-def _expect(pool, variant, mode, api, *texts, task=None) -> list[str]:
+def _expect(pool, variant, mode, api, *texts, task=None, kind="ValueError") -> list[str]:
     with pytest.raises(Exception) as info:
         if task is None:
             pool.run(_step, variant, mode, api, timeout=60)
@@ -109,7 +110,7 @@ def _expect(pool, variant, mode, api, *texts, task=None) -> list[str]:
     assert sorted(errors) == [0, 1, 2, 3], info.value
     messages = []
     for name, message, _ in errors.values():
-        assert name == "ValueError", message
+        assert name == kind, message
         for text in texts:
             assert text in message, message
         messages.append(message)
@@ -161,9 +162,17 @@ def test_another_param_dtype_of_the_same_size_on_one_rank_raises_before_the_step
 )
 def test_strict_raises_at_the_units_first_collective(pool, variant, texts):
     """validation('strict'): the ranks agree before each unit collective, so a skipped unit
-    or another dtype (before: gloo aborted one rank, the others waited) is a ValueError on
-    every rank, at the all-gather of unit 1, at once."""
-    messages = _expect(pool, variant, "strict", "microbatches", "before its all-gather", *texts)
+    or another dtype (before: gloo aborted one rank, the others waited) is a CollectiveError
+    (fh.errors.UnitsDiffer, a ValueError too) on every rank, at the all-gather of unit 1, at once."""
+    messages = _expect(
+        pool,
+        variant,
+        "strict",
+        "microbatches",
+        "before its all-gather",
+        "[CollectiveError]",
+        *texts,
+    )
     for message in messages:
         assert "gathered(_layer) on tree[1]" in message or "on tree[2]" in message, message
         assert float(message.rsplit("[after ", 1)[1].split(" s]")[0]) < 3, message
@@ -192,7 +201,8 @@ def test_the_module_path_with_another_recompute_on_one_rank_raises(pool, mode):
     """functional_call's units are checked alike: in the default mode at microbatches' end,
     under strict at the first unit's all-gather."""
     where = "before its all-gather" if mode == "strict" else "(options: recompute)"
-    _expect(pool, None, mode, None, where, "recompute=True", "rank 1", task=_module_step)
+    kind = "UnitsDiffer" if mode == "strict" else "ValueError"  # strict: a CollectiveError too
+    _expect(pool, None, mode, None, where, "recompute=True", "rank 1", task=_module_step, kind=kind)
 
 
 def _after_a_strict_error(variant: str):

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .. import engine, validate
+from ..errors import UnitsDiffer
 from . import call as lifecycle
 from .call import Call, Phase
 from .checks import describe
@@ -176,7 +177,9 @@ def _agree_before(call: Call, collective: str) -> None:
             with validate.agreement_in_mode(block.spec, what, "strict") as agreed:
                 agreed.check(call.plan, paths, options=tuple(options.split("; ")))
     except ValueError as exc:
-        raise ValueError(
+        raise UnitsDiffer(
             f"gathered({block.name}) on {call.where}, before its {collective} "
-            f"(validation('strict')): the ranks differ: {exc}"
+            f"(validation('strict')): the ranks differ: {exc}",
+            collective.replace("-", "_"),
+            tuple(block.spec.mesh.axis_names),
         ) from None
