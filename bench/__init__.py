@@ -14,6 +14,7 @@ from . import (
     fsdp,
     gpu,
     host,
+    hostile,
     layerwise,
     limit,
     memory,
@@ -45,4 +46,5 @@ BENCHMARKS = {
     "dpsgd": dpsgd,
     "alignment": alignment,
     "unit_checks": unit_checks,
+    "hostile": hostile,
 }
