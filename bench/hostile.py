@@ -21,8 +21,12 @@ README's contract says must happen; the harness records what did:
   torch's collectives that is not a ``CollectiveError``);
 - ``leak``, beside the outcome: after the case ran once, it runs twice more (where every rank
   answered without a ``CollectiveError``, so that its ranks are still in step), and the live
-  tensors (``gc.get_objects()``, after ``gc.collect()``) or the models ``shard_module``
-  remembers grew.
+  tensors (``gc.get_objects()``, after ``fh.clear_caches()``, which forgets what the library
+  keeps by design and bounds, and ``gc.collect()``) or the models ``shard_module`` remembers
+  grew after each of the two runs (something torch builds once shows after one run only).
+
+A case of ranks that disagree that ends in a clear error on every rank is followed, on every
+rank, by a clean step, which must equal the reference (else: ``silent wrong``).
 
 Fresh ranks for every case and mode: 4 processes forked from the forkserver, which join one
 gloo group (the rendezvous store is this process's) and answer through a pipe. A rank that has
@@ -167,9 +171,11 @@ def _full(seed: int = 0, units: int = UNITS) -> list[dict]:
 
 
 def _policy(dtype=torch.bfloat16):
+    """Compute in ``dtype``, reduce and return in float32 (so that a unit with this policy
+    and one without can follow each other)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(dtype, torch.float32, torch.float32)
 
 
 def _orders(order_odd=None) -> list[list[int]]:
@@ -943,8 +949,32 @@ def _(ctx):
 # ---- ranks that disagree (gloo only): caught on every rank before the optimizer step ----------
 
 
-def _diverge(name: str, what: str, on, strict=None, **kw) -> Callable:
-    return case(name, what, expect=on, strict=strict, sim=False, **kw)
+def _diverge(name: str, what: str, on, strict=None, clean_after=True, **kw) -> Callable:
+    """A case of ranks that disagree; ``clean_after``: where every rank raised a clear error,
+    a clean step follows on every rank, and must equal the reference (nothing of the stopped
+    step is left to change it)."""
+    register = case(name, what, expect=on, strict=strict, sim=False, **kw)
+    if not clean_after:
+        return register
+    return lambda fn: register(_then_clean(fn, name.split("/")[0]))
+
+
+def _then_clean(fn: Callable, path: str) -> Callable:
+    def run(ctx: Ctx) -> Any:
+        try:
+            return fn(ctx)
+        except ValueError as exc:
+            clean = Units(ctx) if path == "units" else Module(ctx)
+            try:
+                got = clean.step()
+            except Exception as later:  # noqa: BLE001 - reported as the case's outcome
+                raise AssertionError(
+                    f"the clean step after '{str(exc)[:80]}' failed: "
+                    f"{type(later).__name__}: {later}"
+                ) from None
+            return Check(got, clean.want(), then_raise=exc)
+
+    return run
 
 
 ERR, COLL = "clear error", "CollectiveError"
@@ -1057,7 +1087,7 @@ def _faults(path: str) -> None:
         ("raises-alone", "rank 1's forward raises, the others' not", {"raise_alone": True},
          {"victims": (ODD,), "repeat": False}),
     ):
-        _diverge(f"{path}/diverge/{name}", what, (COLL, ERR), **extra)(
+        _diverge(f"{path}/diverge/{name}", what, (COLL, ERR), clean_after=False, **extra)(
             lambda ctx, kw=kw: _loop(ctx, make(ctx), api=api, **kw)
         )
 
@@ -1161,14 +1191,17 @@ def _once(c: Case, ctx: Ctx) -> dict:
 
 
 def _repeat(c: Case, ctx: Ctx, before: tuple[int, int, int]) -> dict:
-    """Run the case REPEATS times more: how much the live tensors grew (the leak check)."""
+    """Run the case REPEATS times more, measuring after each: what every run added (the leak
+    check). A leak grows with every run; something made once (a lazily built buffer of
+    torch's) shows in one run only."""
+    growth = []
     for _ in range(REPEATS):
         _once(c, ctx)
-    after = _live()
+        after = _live()
+        growth.append([a - b for a, b in zip(after, before)])
+        before = after
     return {
-        "tensors": after[0] - before[0],
-        "bytes": after[1] - before[1],
-        "models": after[2] - before[2],
+        key: min(g[i] for g in growth) for i, key in enumerate(("tensors", "bytes", "models"))
     }
 
 
