@@ -178,9 +178,9 @@ def _policy(dtype=torch.bfloat16):
     return MixedPrecisionPolicy(dtype, torch.float32, torch.float32)
 
 
-def _orders(order_odd=None) -> list[list[int]]:
-    """Each rank's order of units: ``order_odd`` on rank ODD, 0, 1, 2 elsewhere."""
-    base = list(range(UNITS))
+def _orders(order_odd=None, n: int = UNITS) -> list[list[int]]:
+    """Each rank's order of units: ``order_odd`` on rank ODD, 0, 1, ... elsewhere."""
+    base = list(range(n))
     return [order_odd if (r == ODD and order_odd is not None) else base for r in range(WORLD)]
 
 
@@ -214,12 +214,13 @@ class Units:
         recompute: bool = False,
         reshard: bool = True,
         mp: Any = None,
+        n: int = UNITS,
     ):
         import functional_hsdp as fh
 
-        self.ctx, self.fh = ctx, fh
-        self.tree_spec = [ctx.spec] * UNITS
-        self.full = _full()
+        self.ctx, self.fh, self.n = ctx, fh, n
+        self.tree_spec = [ctx.spec] * n
+        self.full = _full(units=n)
         self.shards = fh.shard(self.full, self.tree_spec)
         self.mg = fh.MainGrad(self.tree_spec, like=self.full) if into else None
         self.block = self.make(recompute=recompute, reshard=reshard, mp=mp)
@@ -240,7 +241,7 @@ class Units:
         if order is None and blocks is None:
             return self.fh.sequence(self.block, shards, x)
         h = x
-        for i in order if order is not None else range(UNITS):
+        for i in order if order is not None else range(self.n):
             h = (blocks[i] if blocks is not None else self.block)(shards[i], h)
         return h
 
@@ -251,7 +252,7 @@ class Units:
         g = _dense_grad(
             self.full if full is None else full,
             _dense_units_loss,
-            _orders(order_odd),
+            _orders(order_odd, self.n),
             list(range(M)) if mbs is None else mbs,
         )
         return self.fh.shard(g, self.tree_spec)
@@ -625,12 +626,13 @@ def _(ctx):
 def _(ctx):
     pb = Module(ctx, into=False)
     fh = pb.fh
-    acc = None
+    acc, loss = None, pb.loss(into=None)
+
+    def one(s, x):  # one sample's loss
+        return loss(s, x[None]) / B
+
     for m, last in fh.microbatches(M):
-        loss = pb.loss(into=None)
-        per = torch.func.vmap(
-            torch.func.grad(lambda s, x: loss(s, x[None]) / B), in_dims=(None, 0)
-        )(pb.shards, ctx.x(m))
+        per = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(pb.shards, ctx.x(m))
         g = optree.tree_map(lambda t: t.sum(0), per)
         acc = fh.reduce_grads(g, pb.tree_spec, last=last, acc=acc, at="gradient")
     return Check(acc, pb.want())
@@ -794,9 +796,9 @@ def _(ctx):
 @_module_misuse("module/misuse/vmap-into", "vmap(grad) of functional_call(into=mg)")
 def _(ctx):
     pb = Module(ctx)
-    torch.func.vmap(
-        torch.func.grad(lambda s, x: pb.loss()(s, x[None])), in_dims=(None, 0)
-    )(pb.shards, ctx.x(0))
+    torch.func.vmap(torch.func.grad(lambda s, x: pb.loss()(s, x[None])), in_dims=(None, 0))(
+        pb.shards, ctx.x(0)
+    )
 
 
 @_module_misuse("module/misuse/jvp-into", "jvp through functional_call(into=mg)")
@@ -1030,7 +1032,9 @@ def _(ctx):
     return Check(pb.step(loss=pb.loss(blocks=blocks)), pb.want())
 
 
-@_diverge("units/diverge/reshard", "unit 1 reshard_after_forward=False on rank 1 only", (COLL, ERR), ERR)
+@_diverge(
+    "units/diverge/reshard", "unit 1 reshard_after_forward=False on rank 1 only", (COLL, ERR), ERR
+)
 def _(ctx):
     pb = Units(ctx)
     blocks = _blocks_odd(pb, ctx, reshard=False)
@@ -1053,8 +1057,19 @@ def _(ctx):
     return Check(acc, pb.want(order_odd=[0, 2, 1]))
 
 
-def _loop(ctx, pb, *, n_odd=M, finish_early=False, last_flag=True, stall=False, die=False,
-          raise_alone=False, api="torch.func.grad", loss=None):
+def _loop(
+    ctx,
+    pb,
+    *,
+    n_odd=M,
+    finish_early=False,
+    last_flag=True,
+    stall=False,
+    die=False,
+    raise_alone=False,
+    api="torch.func.grad",
+    loss=None,
+):
     """A step in which rank ODD misbehaves as told (the others run it as they should)."""
     loss = loss or pb.loss()
     n = n_odd if ctx.odd else M
@@ -1084,8 +1099,12 @@ def _faults(path: str) -> None:
         ("more-microbatches", "rank 1 runs 3 microbatches, the others 2", {"n_odd": 3}, {}),
         ("stall", f"rank 1 sleeps {STALL:.0f} s mid-step", {"stall": True}, {"repeat": False}),
         ("dies", "rank 1 exits mid-step", {"die": True}, {"victims": (ODD,), "repeat": False}),
-        ("raises-alone", "rank 1's forward raises, the others' not", {"raise_alone": True},
-         {"victims": (ODD,), "repeat": False}),
+        (
+            "raises-alone",
+            "rank 1's forward raises, the others' not",
+            {"raise_alone": True},
+            {"victims": (ODD,), "repeat": False},
+        ),
     ):
         _diverge(f"{path}/diverge/{name}", what, (COLL, ERR), clean_after=False, **extra)(
             lambda ctx, kw=kw: _loop(ctx, make(ctx), api=api, **kw)
@@ -1094,6 +1113,36 @@ def _faults(path: str) -> None:
 
 _faults("units")
 _faults("module")
+
+
+@_diverge(
+    "units/diverge/no-last-flag-2-units",
+    "as no-last-flag, 2 units (their deferred all-reduces within MainGrad's depth of 2: "
+    "nobody waits in backward)",
+    (COLL, ERR, "ok"),
+    clean_after=False,
+)
+def _(ctx):
+    return _loop(ctx, Units(ctx, n=2), last_flag=False)
+
+
+@_diverge(
+    "units/diverge/skip-vmap",
+    "rank 1 skips unit 1 under vmap(grad)",
+    (COLL, ERR),
+    ERR,
+    clean_after=False,
+    repeat=False,
+)
+def _(ctx):
+    pb = Units(ctx, into=False)
+    order = [0, 2] if ctx.odd else [0, 1, 2]
+    per = torch.func.vmap(
+        torch.func.grad(lambda s, x: _per_rank_loss(pb.out(s, x, order=order), ctx)),
+        in_dims=(None, 0),
+    )(pb.shards, ctx.x(0))
+    g = optree.tree_map(lambda t: t.sum(0), per)
+    return Check(pb.fh.reduce_grads(g, pb.tree_spec, last=True, at="gradient"), pb.want())
 
 
 @_diverge("module/diverge/recompute", "functional_call(recompute=True) on rank 1 only", ERR)
@@ -1120,7 +1169,9 @@ def _(ctx):
     return Check(pb.step(), pb.want())
 
 
-@_diverge("module/diverge/dtype-width", "shard_module(mp_policy=bf16) on rank 1 only", (COLL, ERR), ERR)
+@_diverge(
+    "module/diverge/dtype-width", "shard_module(mp_policy=bf16) on rank 1 only", (COLL, ERR), ERR
+)
 def _(ctx):
     pb = Module(ctx, mp=_policy() if ctx.odd else None)
     return Check(pb.step(), pb.want())
@@ -1200,9 +1251,7 @@ def _repeat(c: Case, ctx: Ctx, before: tuple[int, int, int]) -> dict:
         after = _live()
         growth.append([a - b for a, b in zip(after, before)])
         before = after
-    return {
-        key: min(g[i] for g in growth) for i, key in enumerate(("tensors", "bytes", "models"))
-    }
+    return {key: min(g[i] for g in growth) for i, key in enumerate(("tensors", "bytes", "models"))}
 
 
 def _sim(c: Case, mode: str) -> dict:
@@ -1213,8 +1262,13 @@ def _sim(c: Case, mode: str) -> dict:
     first = _once(c, ctx)
     held = _live()
     leak = _repeat(c, ctx, held) if c.repeat and not first.get("collective") else None
-    return {"replies": {0: first}, "dead": {}, "missing": [], "leak": {0: leak} if leak else {},
-            "sim": True}
+    return {
+        "replies": {0: first},
+        "dead": {},
+        "missing": [],
+        "leak": {0: leak} if leak else {},
+        "sim": True,
+    }
 
 
 def _rank_main(rank: int, port: int, conn, name: str, mode: str, log: str) -> None:
@@ -1530,8 +1584,10 @@ def report(res: dict, command: str, when: str) -> str:
         "",
     ]
     table = counts(res)
-    rows = [[key, table[key]["runs"], *(table[key][o] for o in (*OUTCOMES, "leak"))]
-            for key in sorted(table)]
+    rows = [
+        [key, table[key]["runs"], *(table[key][o] for o in (*OUTCOMES, "leak"))]
+        for key in sorted(table)
+    ]
     lines.append(C.table(["mesh/mode", "runs", *OUTCOMES, "leak"], rows))
     lines += ["", "### What violates the issue's 'Must show'", ""]
     bad = []
@@ -1540,8 +1596,9 @@ def report(res: dict, command: str, when: str) -> str:
             v = violations(key.split("/")[1], r)
             if v:
                 bad.append([f"`{name}`", key, ", ".join(v), _cell(r), r["message"][:160]])
-    lines.append(C.table(["case", "mesh/mode", "violation", "outcome", "message"], bad)
-                 if bad else "None.")
+    lines.append(
+        C.table(["case", "mesh/mode", "violation", "outcome", "message"], bad) if bad else "None."
+    )
     lines += ["", "### Every case", ""]
     keys = ["sim/on", "sim/strict", "gloo/on", "gloo/strict"]
     rows = []
