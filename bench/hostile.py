@@ -314,9 +314,15 @@ class Boom(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         pass
 
+    generate_vmap_rule = True
+
     @staticmethod
     def backward(ctx, g):
         raise Expected("boom in backward")
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t
 
 
 def _failing(loss: Callable, where: str) -> Callable:
@@ -793,6 +799,21 @@ def _(ctx):
     _call_with(ctx, lambda s: s.pop("layers.2"))
 
 
+@_module_misuse("module/misuse/mixed-shards", "a unit's weight replaced by another unit's")
+def _(ctx):
+    pb = Module(ctx)
+    shards = {k: dict(v) for k, v in pb.shards.items()}
+    shards["layers.1"]["weight"] = pb.shards["layers.0"]["weight"]
+    torch.func.grad(pb.loss())(shards, ctx.x(0))
+
+
+@_module_misuse("module/misuse/grad-of-grad-into", "grad of grad of functional_call(into=mg)")
+def _(ctx):
+    pb = Module(ctx)
+    g = torch.func.grad(lambda s: pb.loss()(s, ctx.x(0)))
+    torch.func.grad(lambda s: sum(t.sum() for t in optree.tree_leaves(g(s))))(pb.shards)
+
+
 @_module_misuse("module/misuse/vmap-into", "vmap(grad) of functional_call(into=mg)")
 def _(ctx):
     pb = Module(ctx)
@@ -913,17 +934,46 @@ for _path in ("units", "module"):
     )(_exception(_path, "forward", "fh.grad", into=False))
 
 
-@case("units/exception/vmap", "forward raises under vmap(grad) (composable path), then a step")
-def _(ctx):
-    pb = Units(ctx, into=False)
-    raised = None
-    try:
-        torch.func.vmap(torch.func.grad(_failing(pb.loss(), "forward")), in_dims=(None, 0))(
-            pb.shards, ctx.x(0).movedim(-2, 0)
-        )
-    except Expected as exc:
-        raised = exc
-    return Check(pb.step("fh.grad"), pb.want(), then_raise=raised or AssertionError("no raise"))
+def _composable_raises(path: str, transform: str, where: str) -> Callable:
+    """The user's forward or backward raises under a transform of the composable path; then
+    a clean first-order step."""
+
+    def fn(ctx: Ctx) -> Check:
+        pb = Units(ctx, into=False) if path == "units" else Module(ctx, into=False)
+        loss = _failing(pb.loss(), where)
+        x = ctx.x(0)
+        raised = None
+        try:
+            if transform == "vmap":
+                xs = x.movedim(-2, 0)
+                torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(pb.shards, xs)
+            elif transform == "jvp":
+                t = optree.tree_map(torch.ones_like, pb.shards)
+                torch.func.jvp(lambda s: loss(s, x), (pb.shards,), (t,))
+            else:  # a Hessian-vector product
+                t = optree.tree_map(torch.ones_like, pb.shards)
+                torch.func.jvp(torch.func.grad(lambda s: loss(s, x)), (pb.shards,), (t,))
+        except Expected as exc:
+            raised = exc
+        got = pb.step("fh.grad")
+        return Check(got, pb.want(), then_raise=raised or AssertionError("nothing raised"))
+
+    return fn
+
+
+for _path in ("units", "module"):
+    for _transform, _where in (
+        ("vmap", "forward"),
+        ("vmap", "backward"),
+        ("jvp", "forward"),
+        ("hvp", "backward"),
+    ):
+        case(
+            f"{_path}/exception/{_transform}-{_where}",
+            f"{_where} raises under {_transform} (the composable path), then a clean step",
+            expect="clear error",
+            sim=_path == "units",
+        )(_composable_raises(_path, _transform, _where))
 
 
 @case("units/release/forward-only", "a forward whose backward never comes, then a step")
@@ -1427,7 +1477,7 @@ def judge(c: Case, run: dict) -> dict:
             types = sorted({x["type"] for x in replies.values()})
             if all(coll):
                 outcome = "CollectiveError"
-            elif not any(coll) and not any(_unclear(x) for x in replies.values()):
+            elif not any(coll) and not any(_unclear(x, c) for x in replies.values()):
                 outcome = "clear error"
             else:
                 outcome = "other"
@@ -1468,10 +1518,13 @@ def judge(c: Case, run: dict) -> dict:
     }
 
 
-def _unclear(reply: dict) -> bool:
+def _unclear(reply: dict, c: Case) -> bool:
     """An error of torch's collectives that the library did not turn into a CollectiveError,
-    or the harness's own (a case whose exception did not come through)."""
+    or the harness's own (a case whose exception did not come through), or, in a case about
+    the user's own exception, another one."""
     msg = reply.get("msg", "")
+    if c.kind == "exception" and not reply.get("expected"):
+        return True
     return reply["type"] == "AssertionError" or any(
         s in msg for s in ("Gloo", "gloo", "Connection closed", "c10d", "preamble")
     )
