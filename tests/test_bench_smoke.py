@@ -31,6 +31,7 @@ ORDER = [
     "fsdp",
     "deferred",
     "unit_checks",
+    "hostile",
     "module",
     "dpsgd",
     "layerwise",
@@ -109,6 +110,12 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
         for key, ratio in res["ratio"].items():
             assert ratio["loss"] < (2e-2 if key.endswith("bf16") else 1e-4), (key, ratio)
         assert res["reduce_dtypes_bf16"] == ["float32"]
+    if name == "hostile":  # each tiny case's outcome is the contract's, with no leak
+        assert res["cases"], res
+        for case, entry in res["cases"].items():
+            for key, run in entry["runs"].items():
+                assert run["expected"] and not run["leak"], (case, key, run)
+                assert run["checked_leak"], (case, key, run)
     if name in ("limit", "overhead", "rsimpl"):
         assert "nan" not in md and not any(
             isinstance(v, float) and math.isnan(v) for v in res.get("median", {}).values()
