@@ -31,10 +31,10 @@ rank, by a clean step, which must equal the reference (else: ``silent wrong``).
 Fresh ranks for every case and mode: 4 processes forked from the forkserver, which join one
 gloo group (the rendezvous store is this process's) and answer through a pipe. A rank that has
 answered stays alive until the case ends (so that a peer still in a collective is not let off
-by a closed connection), and the outer limit ends it. (The smoke test's tiny size runs its
-one gloo case, which every rank answers, on the test's pool of ranks instead.) ``functional_hsdp.launch.run`` is not
+by a closed connection), and the outer limit ends it. ``functional_hsdp.launch.run`` is not
 used: its agent stops every rank as soon as one raises or dies, which would hide what the
-others do.
+others do. (The smoke test's tiny size runs its one gloo case, which every rank answers, on
+the test's pool of ranks instead.)
 """
 
 from __future__ import annotations
@@ -250,6 +250,10 @@ class Units:
     def loss(self, order=None, blocks=None) -> Callable:
         return lambda s, x: _per_rank_loss(self.out(s, x, order, blocks), self.ctx) / M
 
+    def loss_into(self, mg: Any) -> Callable:
+        """The loss with every unit adding into ``mg``."""
+        return self.loss(blocks=[self.make(into=mg)] * self.n)
+
     def want(self, order_odd=None, mbs=None, full=None) -> Any:
         g = _dense_grad(
             self.full if full is None else full,
@@ -260,22 +264,25 @@ class Units:
         return self.fh.shard(g, self.tree_spec)
 
     def step(self, api: str = "torch.func.grad", loss=None, declared: bool = True) -> Any:
-        """One step of M microbatches: the final gradient (cloned from the MainGrad, which is
-        zeroed for the next step; or the pure path's reduce_grads result)."""
-        fh, loss = self.fh, loss or self.loss()
-        if self.mg is not None:
-            batches = fh.microbatches(M, into=self.mg if declared else None)
-            for m, _last in batches:
-                _differentiate(api, lambda s, m=m: loss(s, self.ctx.x(m)), self.shards)
-            self.mg.finish()
-            got = optree.tree_map(torch.clone, self.mg.grads)
-            self.mg.zero_grad()
-            return got
-        acc = None
-        for m, last in fh.microbatches(M):
-            g = _differentiate(api, lambda s, m=m: loss(s, self.ctx.x(m)), self.shards)
-            acc = fh.reduce_grads(g, self.tree_spec, last=last, acc=acc, at="gradient")
-        return acc
+        return _step(self, api, loss or self.loss(), declared)
+
+
+def _step(pb: Any, api: str, loss: Callable, declared: bool) -> Any:
+    """One step of M microbatches: the final gradient (cloned from the MainGrad, which is
+    zeroed for the next step; or the pure path's reduce_grads result)."""
+    fh, mg = pb.fh, pb.mg
+    if mg is not None:
+        for m, _last in fh.microbatches(M, into=mg if declared else None):
+            _differentiate(api, lambda s, m=m: loss(s, pb.ctx.x(m)), pb.shards)
+        mg.finish()
+        got = optree.tree_map(torch.clone, mg.grads)
+        mg.zero_grad()
+        return got
+    acc = None
+    for m, last in fh.microbatches(M):
+        g = _differentiate(api, lambda s, m=m: loss(s, pb.ctx.x(m)), pb.shards)
+        acc = fh.reduce_grads(g, pb.tree_spec, last=last, acc=acc, at="gradient")
+    return acc
 
 
 def _differentiate(api: str, fn: Callable, shards: Any) -> Any:
@@ -378,6 +385,9 @@ class Module:
         )
         self.mg = fh.MainGrad(self.tree_spec, like=self.shards) if into else None
 
+    def loss_into(self, mg: Any) -> Callable:
+        return self.loss(into=mg)
+
     def loss(self, into="same", **kw) -> Callable:
         mg = self.mg if into == "same" else into
         fh, model, ctx = self.fh, self.model, self.ctx
@@ -407,19 +417,7 @@ class Module:
         return self.fh.shard(tree, self.tree_spec)
 
     def step(self, api: str = "fh.grad_and_value", loss=None, declared: bool = True) -> Any:
-        fh, loss = self.fh, loss or self.loss()
-        if self.mg is not None:
-            for m, _last in fh.microbatches(M, into=self.mg if declared else None):
-                _differentiate(api, lambda s, m=m: loss(s, self.ctx.x(m)), self.shards)
-            self.mg.finish()
-            got = optree.tree_map(torch.clone, self.mg.grads)
-            self.mg.zero_grad()
-            return got
-        acc = None
-        for m, last in fh.microbatches(M):
-            g = _differentiate(api, lambda s, m=m: loss(s, self.ctx.x(m)), self.shards)
-            acc = fh.reduce_grads(g, self.tree_spec, last=last, acc=acc, at="gradient")
-        return acc
+        return _step(self, api, loss or self.loss(), declared)
 
 
 def _sgd(shards: Any, grads: Any, lr: float = 0.1) -> None:
@@ -655,31 +653,30 @@ def _misuse(name: str, what: str, **kw) -> Callable:
     return case(name, what, expect="clear error", **kw)
 
 
-@_misuse("units/misuse/vmap-into", "vmap(grad) of units with into=MainGrad")
-def _(ctx):
-    pb = Units(ctx)
-    torch.func.vmap(torch.func.grad(pb.loss()), in_dims=(None, 0))(
-        pb.shards, ctx.x(0).movedim(-2, 0)
-    )
+def _steps(pb: Any, ctx: Ctx, n: int = 1) -> None:
+    """``n`` steps of M microbatches into the MainGrad, each finished (no zero_grad)."""
+    for _ in range(n):
+        for m, _last in pb.fh.microbatches(M, into=pb.mg):
+            pb.fh.grad(pb.loss())(pb.shards, ctx.x(m))
+        pb.mg.finish()
 
 
-@_misuse("units/misuse/jvp-into", "jvp through units with into=MainGrad")
-def _(ctx):
-    pb = Units(ctx)
-    t = pb.fh.shard(_tangent(), pb.tree_spec)
-    torch.func.jvp(lambda s: pb.out(s, ctx.x(0)), (pb.shards,), (t,))
+def _misuse_vmap(pb, ctx):
+    xs = ctx.x(0).movedim(-2, 0)  # per sample
+    torch.func.vmap(torch.func.grad(pb.loss()), in_dims=(None, 0))(pb.shards, xs)
 
 
-@_misuse("units/misuse/grad-of-grad-into", "grad of grad through units with into=MainGrad")
-def _(ctx):
-    pb = Units(ctx)
+def _misuse_jvp(pb, ctx):
+    t = optree.tree_map(torch.ones_like, pb.shards)
+    torch.func.jvp(lambda s: pb.loss()(s, ctx.x(0)), (pb.shards,), (t,))
+
+
+def _misuse_grad_of_grad(pb, ctx):
     g = torch.func.grad(lambda s: pb.loss()(s, ctx.x(0)))
     torch.func.grad(lambda s: sum(t.sum() for t in optree.tree_leaves(g(s))))(pb.shards)
 
 
-@_misuse("units/misuse/second-backward", "a second .backward() through a recompute=False unit")
-def _(ctx):
-    pb = Units(ctx)
+def _misuse_second_backward(pb, ctx):
     for t in optree.tree_leaves(pb.shards):
         t.requires_grad_(True)
     pb.mg.begin_microbatch(last=False)
@@ -688,38 +685,33 @@ def _(ctx):
     loss.backward()
 
 
-@_misuse("units/misuse/foreign-shards", "clones of the shards with into=MainGrad")
-def _(ctx):
-    pb = Units(ctx)
-    clones = optree.tree_map(torch.clone, pb.shards)
-    torch.func.grad(pb.loss())(clones, ctx.x(0))
+def _misuse_foreign(pb, ctx):
+    torch.func.grad(pb.loss())(optree.tree_map(torch.clone, pb.shards), ctx.x(0))
 
 
-@_misuse("units/misuse/other-maingrad", "into= a MainGrad made for another tree")
-def _(ctx):
-    pb = Units(ctx)
+def _misuse_other_maingrad(pb, ctx):
     other = pb.fh.MainGrad([ctx.spec] * 2, like=_full(units=2))
-    block = pb.make(into=other)
-    torch.func.grad(pb.loss(blocks=[block] * UNITS))(pb.shards, ctx.x(0))
+    torch.func.grad(pb.loss_into(other))(pb.shards, ctx.x(0))
 
 
-@_misuse("units/misuse/forgot-zero-grad", "a second step without mg.zero_grad()")
-def _(ctx):
-    pb = Units(ctx)
-    for m, _ in pb.fh.microbatches(M, into=pb.mg):
-        torch.func.grad(pb.loss())(pb.shards, ctx.x(m))
-    pb.mg.finish()
-    for m, _ in pb.fh.microbatches(M, into=pb.mg):
-        torch.func.grad(pb.loss())(pb.shards, ctx.x(m))
-
-
-@_misuse("units/misuse/finish-twice", "mg.finish() twice")
-def _(ctx):
-    pb = Units(ctx)
-    for m, _ in pb.fh.microbatches(M, into=pb.mg):
-        torch.func.grad(pb.loss())(pb.shards, ctx.x(m))
-    pb.mg.finish()
-    pb.mg.finish()
+for _name, _what, _body in (
+    ("vmap-into", "vmap(grad) with into=MainGrad", _misuse_vmap),
+    ("jvp-into", "jvp with into=MainGrad", _misuse_jvp),
+    ("grad-of-grad-into", "grad of grad with into=MainGrad", _misuse_grad_of_grad),
+    ("second-backward", "a second .backward() (recompute=False)", _misuse_second_backward),
+    ("foreign-shards", "clones of the shards with into=MainGrad", _misuse_foreign),
+    ("other-maingrad", "into= a MainGrad made for another tree", _misuse_other_maingrad),
+    (
+        "forgot-zero-grad",
+        "a second step without mg.zero_grad()",
+        lambda pb, ctx: _steps(pb, ctx, 2),
+    ),
+    ("finish-twice", "mg.finish() twice", lambda pb, ctx: (_steps(pb, ctx), pb.mg.finish())),
+):
+    for _path, _make in (("units", Units), ("module", Module)):
+        _misuse(f"{_path}/misuse/{_name}", _what, sim=_path == "units")(
+            lambda ctx, make=_make, body=_body: body(make(ctx), ctx)
+        )
 
 
 @_misuse("units/misuse/finish-empty", "mg.finish() with nothing accumulated")
@@ -811,70 +803,6 @@ def _(ctx):
     torch.func.grad(pb.loss())(shards, ctx.x(0))
 
 
-@_module_misuse("module/misuse/grad-of-grad-into", "grad of grad of functional_call(into=mg)")
-def _(ctx):
-    pb = Module(ctx)
-    g = torch.func.grad(lambda s: pb.loss()(s, ctx.x(0)))
-    torch.func.grad(lambda s: sum(t.sum() for t in optree.tree_leaves(g(s))))(pb.shards)
-
-
-@_module_misuse("module/misuse/vmap-into", "vmap(grad) of functional_call(into=mg)")
-def _(ctx):
-    pb = Module(ctx)
-    torch.func.vmap(torch.func.grad(lambda s, x: pb.loss()(s, x[None])), in_dims=(None, 0))(
-        pb.shards, ctx.x(0)
-    )
-
-
-@_module_misuse("module/misuse/jvp-into", "jvp through functional_call(into=mg)")
-def _(ctx):
-    pb = Module(ctx)
-    t = optree.tree_map(torch.ones_like, pb.shards)
-    torch.func.jvp(lambda s: pb.loss()(s, ctx.x(0)), (pb.shards,), (t,))
-
-
-@_module_misuse("module/misuse/second-backward", "a second .backward() through functional_call")
-def _(ctx):
-    pb = Module(ctx)
-    for t in optree.tree_leaves(pb.shards):
-        t.requires_grad_(True)
-    pb.mg.begin_microbatch(last=False)
-    loss = pb.loss()(pb.shards, ctx.x(0))
-    loss.backward(retain_graph=True)
-    loss.backward()
-
-
-@_module_misuse("module/misuse/foreign-shards", "clones of shard_module's shards, into=mg")
-def _(ctx):
-    pb = Module(ctx)
-    torch.func.grad(pb.loss())(optree.tree_map(torch.clone, pb.shards), ctx.x(0))
-
-
-@_module_misuse("module/misuse/other-maingrad", "into= a MainGrad of another model")
-def _(ctx):
-    pb = Module(ctx)
-    torch.func.grad(pb.loss(into=Units(ctx).mg))(pb.shards, ctx.x(0))
-
-
-@_module_misuse("module/misuse/forgot-zero-grad", "a second step without zero_grad")
-def _(ctx):
-    pb = Module(ctx)
-    for m, _ in pb.fh.microbatches(M, into=pb.mg):
-        pb.fh.grad(pb.loss())(pb.shards, ctx.x(m))
-    pb.mg.finish()
-    for m, _ in pb.fh.microbatches(M, into=pb.mg):
-        pb.fh.grad(pb.loss())(pb.shards, ctx.x(m))
-
-
-@_module_misuse("module/misuse/finish-twice", "mg.finish() twice")
-def _(ctx):
-    pb = Module(ctx)
-    for m, _ in pb.fh.microbatches(M, into=pb.mg):
-        pb.fh.grad(pb.loss())(pb.shards, ctx.x(m))
-    pb.mg.finish()
-    pb.mg.finish()
-
-
 @_module_misuse("module/misuse/outside-call", "the sharded model called directly")
 def _(ctx):
     Module(ctx).model(ctx.x(0))
@@ -898,86 +826,71 @@ def _(ctx):
 # ---- nothing is kept, and the next step equals a clean one ------------------------------------
 
 
-def _exception(path: str, where: str, api: str, into: bool = True) -> Callable:
+TRANSFORMS = ("vmap", "jvp", "hvp")  # the composable path's
+
+
+def _run(how: str, loss: Callable, shards: Any, x: torch.Tensor) -> None:
+    """``loss`` differentiated by ``how``: a first-order API, or a transform of the
+    composable path (per-sample gradients, forward mode, a Hessian-vector product)."""
+    if how not in TRANSFORMS:
+        _differentiate(how, lambda s: loss(s, x), shards)
+    elif how == "vmap":
+        torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(shards, x.movedim(-2, 0))
+    else:
+        t = optree.tree_map(torch.ones_like, shards)
+        f = (lambda s: loss(s, x)) if how == "jvp" else torch.func.grad(lambda s: loss(s, x))
+        torch.func.jvp(f, (shards,), (t,))
+
+
+def _raises(path: str, where: str, how: str, into: bool) -> Callable:
+    """The user's forward or backward raises after the units ran, differentiated by ``how``;
+    then a clean step."""
+
     def fn(ctx: Ctx) -> Check:
-        pb = Units(ctx, into=into) if path == "units" else Module(ctx, into=into)
+        pb = (Units if path == "units" else Module)(ctx, into=into)
         if pb.mg is not None:
             pb.mg.begin_microbatch(last=False)
         raised = None
         try:
-            _differentiate(api, lambda s: _failing(pb.loss(), where)(s, ctx.x(0)), pb.shards)
+            _run(how, _failing(pb.loss(), where), pb.shards, ctx.x(0))
         except Expected as exc:
             raised = exc
         if pb.mg is not None:
             pb.mg.zero_grad()
-        got = pb.step(api)  # the next step, clean
+        got = pb.step("fh.grad" if how in TRANSFORMS else how)  # the next step, clean
         return Check(got, pb.want(), then_raise=raised or AssertionError("nothing raised"))
 
     return fn
 
 
+_APIS = {
+    "torch.func.grad": "funcgrad",
+    "fh.grad": "fhgrad",
+    "fh.grad_and_value": "fhgrad_and_value",
+    "autograd": "backward",
+}
+_RAISES = [
+    *(
+        (f"{w}-{short}", w, api, True)
+        for w in ("forward", "backward")
+        for api, short in _APIS.items()
+    ),
+    ("forward-pure", "forward", "fh.grad", False),
+    ("vmap-forward", "forward", "vmap", False),
+    ("vmap-backward", "backward", "vmap", False),
+    ("jvp-forward", "forward", "jvp", False),
+    ("hvp-backward", "backward", "hvp", False),
+]
 for _path in ("units", "module"):
-    for _where in ("forward", "backward"):
-        for _api, _short in (
-            ("torch.func.grad", "funcgrad"),
-            ("fh.grad", "fhgrad"),
-            ("fh.grad_and_value", "fhgrad_and_value"),
-            ("autograd", "backward"),
-        ):
-            case(
-                f"{_path}/exception/{_where}-{_short}",
-                f"{_where} raises after the units ran, under {_api} (into=mg), then a clean step",
-                expect="clear error",
-                sim=_path == "units",
-            )(_exception(_path, _where, _api))
-    case(
-        f"{_path}/exception/forward-pure",
-        "forward raises, pure path (no into), fh.grad, then a clean step",
-        expect="clear error",
-        sim=_path == "units",
-    )(_exception(_path, "forward", "fh.grad", into=False))
-
-
-def _composable_raises(path: str, transform: str, where: str) -> Callable:
-    """The user's forward or backward raises under a transform of the composable path; then
-    a clean first-order step."""
-
-    def fn(ctx: Ctx) -> Check:
-        pb = Units(ctx, into=False) if path == "units" else Module(ctx, into=False)
-        loss = _failing(pb.loss(), where)
-        x = ctx.x(0)
-        raised = None
-        try:
-            if transform == "vmap":
-                xs = x.movedim(-2, 0)
-                torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(pb.shards, xs)
-            elif transform == "jvp":
-                t = optree.tree_map(torch.ones_like, pb.shards)
-                torch.func.jvp(lambda s: loss(s, x), (pb.shards,), (t,))
-            else:  # a Hessian-vector product
-                t = optree.tree_map(torch.ones_like, pb.shards)
-                torch.func.jvp(torch.func.grad(lambda s: loss(s, x)), (pb.shards,), (t,))
-        except Expected as exc:
-            raised = exc
-        got = pb.step("fh.grad")
-        return Check(got, pb.want(), then_raise=raised or AssertionError("nothing raised"))
-
-    return fn
-
-
-for _path in ("units", "module"):
-    for _transform, _where in (
-        ("vmap", "forward"),
-        ("vmap", "backward"),
-        ("jvp", "forward"),
-        ("hvp", "backward"),
-    ):
+    for _name, _where, _how, _into in _RAISES:
         case(
-            f"{_path}/exception/{_transform}-{_where}",
-            f"{_where} raises under {_transform} (the composable path), then a clean step",
+            f"{_path}/exception/{_name}",
+            f"{_where} raises after the units ran, under {_how}"
+            + (" (into=mg)" if _into else "")
+            + ", then a clean step",
             expect="clear error",
             sim=_path == "units",
-        )(_composable_raises(_path, _transform, _where))
+        )(_raises(_path, _where, _how, _into))
 
 
 @case("units/release/forward-only", "a forward whose backward never comes, then a step")
