@@ -14,6 +14,7 @@ from . import (
     fsdp,
     gpu,
     host,
+    hostile,
     layerwise,
     limit,
     memory,
@@ -47,4 +48,5 @@ BENCHMARKS = {
     "alignment": alignment,
     "unit_checks": unit_checks,
     "muon": muon,
+    "hostile": hostile,
 }

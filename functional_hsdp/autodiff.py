@@ -37,9 +37,10 @@ import einops
 import optree
 import torch
 
-from . import engine
+from . import engine, validate
 from .plan import Plan, Step
 from .schedule import expand, issue
+from .tags import state_of_alias
 
 __all__ = ["Move", "collecting_norms", "move", "per_example_grad_norms"]
 
@@ -69,17 +70,27 @@ class Move:
     #: caller's thread): the backward that adds to it may run on autograd's device thread,
     #: which sees none of the caller's ContextVars
     norms: _SquaredNorms | None = None
+    #: the unit call this move belongs to (made by :func:`move`, shared by its adjoint and
+    #: tangent moves): the validation mode read there and where its shards are
+    unit: UnitCall | None = None
 
     @property
     def adjoint(self) -> Move:
         frm, to = ADJOINT[(self.frm, self.to)]
         return Move(
-            self.plan, frm, to, dtype=self.grad_dtype, grad_dtype=self.dtype, norms=self.norms
+            self.plan,
+            frm,
+            to,
+            dtype=self.grad_dtype,
+            grad_dtype=self.dtype,
+            norms=self.norms,
+            unit=self.unit,
         )
 
     def run(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The move on plain tensors (one collective per bucket per axis, through the
         engine)."""
+        self._agree()
         plan, dtype = self.plan, self.dtype
         pack = lambda b: plan.pack(b, leaves, self.frm, dtype=dtype)  # noqa: E731
         pending = engine.start(plan, pack, [(self.frm, self.to)], wire=dtype)
@@ -89,6 +100,7 @@ class Move:
     def run_batched(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The move on leaves with a batch dim in front (vmap): per bucket one buffer
         ``(B, *mesh, length)`` and one collective per step for the whole batch."""
+        self._agree()
         plan, dtype, batch = self.plan, self.dtype, leaves[0].shape[0]
         mesh = plan.mesh
         bufs = []
@@ -104,6 +116,64 @@ class Move:
             bufs.append(packed)
         per_sample = [plan.unpack([buf[k] for buf in bufs], self.to, dtype) for k in range(batch)]
         return [torch.stack(xs) for xs in zip(*per_sample)]
+
+    def _agree(self) -> None:
+        """validation("strict"): every rank agrees on this move of a unit before its
+        collectives (as a first-order unit's do), so that a unit skipped or gathered otherwise
+        on one rank is an error on every rank, not a mismatched collective."""
+        unit = self.unit
+        if unit is None or unit.mode != "strict":
+            return
+        op = "all-gather" if self.frm == "parameter" else "reduce-scatter"
+        what = f"gathered (composable path): {op} of the unit on {unit.where}"
+        paths = [f"{unit.where}[{i}]" for i in range(len(self.plan.shapes))]
+        options = (f"{self.frm}->{self.to}", f"dtype={self.dtype}", *unit.options)
+        try:  # the rows are the library's own plain tensors, whatever transform is running
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                with validate.agreement_in_mode(self.plan.specs, what, "strict") as agreed:
+                    agreed.check(self.plan, paths, options=options)
+        except ValueError as exc:
+            raise ValueError(
+                f"gathered (composable path) on {unit.where}, before its {op} "
+                f"(validation('strict')): the ranks differ: {exc}"
+            ) from None
+
+
+@dataclass(eq=False)
+class UnitCall:
+    """One call of a unit on the composable path: the validation mode read when it was made
+    (in forward, in the caller's context), carried into its backward, which may run on
+    another thread; where its shards are (the path of the first in the tree ``fh.shard``
+    made), found by its forward; whether the call is in the step's record of unit calls."""
+
+    mode: str
+    options: tuple[str, ...]
+    where: str = "shards"
+    recorded: bool = False
+
+    def record(self, plan: Plan, leaves: tuple[torch.Tensor, ...]) -> None:
+        """The primal's forward (its leaves unwrapped from the transforms): find where the
+        shards are and add the call to the mesh's record of unit calls (the running
+        fingerprint that the step's checks agree on)."""
+        self.recorded = True
+        self.where = _where(leaves[0]) if leaves else self.where
+        if self.mode != "off":
+            validate.unit_log(plan.mesh).record(
+                f"all-gather (composable path) on {self.where}", "; ".join(self.options)
+            )
+
+
+def _where(leaf: torch.Tensor) -> str:
+    """Where the unit ``leaf`` belongs to is: the path of the unit's first leaf in the tree
+    ``fh.shard`` made, found by ``leaf``'s tag (also through the alias forward mode makes of
+    it), else ``"shards"``."""
+    found = state_of_alias(leaf)
+    slots = getattr(found[0].plan, "slot_of", ()) if found is not None else ()
+    if found is None or found[1] >= len(slots):
+        return "shards"
+    units = found[0].plan.meta.units
+    first = units.index(units[found[1]])  # the unit's first leaf, whichever leaf was found
+    return f"{slots[first].path}"
 
 
 def _batched_step(mesh: Any, buf: torch.Tensor, step: Step) -> torch.Tensor:
@@ -132,6 +202,8 @@ class _Moved(torch.autograd.Function):
 
     @staticmethod
     def forward(how: Move, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if how.unit is not None and not how.unit.recorded:  # the unit call's primal
+            how.unit.record(how.plan, leaves)
         out = how.run(list(leaves))
         if how.record is not None and not how.record:  # the primal's (a tangent's is not)
             how.record.append((list(leaves), out))
@@ -164,6 +236,8 @@ class _Moved(torch.autograd.Function):
             x.unsqueeze(0).expand(size, *x.shape) if d is None else x.movedim(d, 0)
             for x, d in zip(leaves, dims)
         ]
+        if how.unit is not None and not how.unit.recorded:  # shards batched: no forward
+            how.unit.record(how.plan, ())
         norms = how.norms
         if norms is not None and how.frm == "input":  # per-example norms, nothing reduced
             norms.add(batched, len(how.plan.mesh.batch_shape))
@@ -279,5 +353,16 @@ def per_example_grad_norms(
 
 def move(how: Move, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """``how`` applied to ``leaves`` (in the plan's leaf order), differentiable under every
-    ``torch.func`` transform and plain autograd."""
+    ``torch.func`` transform and plain autograd: a unit's all-gather on the composable path.
+
+    The call is one more in the step's record of unit calls (the running fingerprint the
+    step's checks agree on, as a first-order unit call is), and under
+    ``validation("strict")`` the ranks agree before each of its collectives and its
+    adjoint's and tangents' (the mode read now, in the caller's context)."""
+    options = (
+        f"param_dtype={how.dtype}",
+        f"reduce_dtype={how.grad_dtype}",
+        f"buckets={[b.padded for b in how.plan.buckets]}",
+    )
+    how = replace(how, unit=UnitCall(validate.current_mode(), options))
     return list(_Moved.apply(how, *leaves))

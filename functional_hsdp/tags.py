@@ -205,6 +205,32 @@ def state_of(leaf: Any) -> tuple[State, int] | None:
     return None
 
 
+def state_of_alias(leaf: torch.Tensor) -> tuple[State, int] | None:
+    """:func:`state_of`, else that of a tagged leaf ``leaf`` is an alias of (forward mode's
+    dual tensor of a shard is a view of it, or of the bucket buffer it is itself a view of):
+    the leaf its base is, else a leaf of a result viewing that same base, of the same memory,
+    shape and strides if one is (leaves of one base are one bucket's: one unit's). None if
+    neither."""
+    found = state_of(leaf)
+    base = getattr(leaf, "_base", None)
+    if found is not None or base is None:
+        return found
+    found = state_of(base)
+    if found is not None:
+        return found
+    key = (leaf.data_ptr(), leaf.shape, leaf.stride())
+    fallback = None
+    for state in reversed(_VIEWS.states(base)):
+        for i, ref in enumerate(state.refs):
+            y = ref()
+            if y is None or y._base is not base:
+                continue
+            if (y.data_ptr(), y.shape, y.stride()) == key:
+                return state, i
+            fallback = fallback or (state, i)
+    return fallback
+
+
 def result_state(leaves: list) -> State | None:
     """The state of ``leaves`` if they are, in order, exactly the leaves of one result."""
     if torch.compiler.is_compiling() or not leaves:

@@ -375,10 +375,13 @@ class Agreement:
         row = torch.full((_WIDTH,), -1, dtype=torch.int64)
         row[_ERROR] = 1
         local = row.expand(*self.mesh.batch_shape, row.numel()).clone()
-        # the others are in this call's summary, which the error flag sends to the exchange
-        _start_summary(self.mesh, local)()
-        tables = _gather(self.mesh, self.mesh.axis_names, local)
-        _peer_errors(self.mesh, tables, exc)
+        try:
+            # the others are in this call's summary, which the error flag sends to the exchange
+            _start_summary(self.mesh, local)()
+            tables = _gather(self.mesh, self.mesh.axis_names, local)
+            _peer_errors(self.mesh, tables, exc)
+        finally:  # every rank raises (this one its own error): the step stops here
+            _stopped(self.mesh)
 
 
 def agreement(spec: Any, call: str) -> contextlib.AbstractContextManager[Agreement]:
@@ -452,9 +455,22 @@ def _healthy(summary: torch.Tensor) -> bool:
 def _exact(
     mesh: Any, dp: tuple[str, ...], fp: Fingerprint, *, paths, local: torch.Tensor, log=None
 ) -> None:
-    """Every rank's row, and the exact decision from them."""
-    tables = _gather(mesh, mesh.axis_names, local)
-    _decide(mesh, dp, fp, paths=paths, local=local, tables=tables, log=log)
+    """Every rank's row, and the exact decision from them. What it raises, every rank raises
+    here alike: the step stops, so :func:`_stopped` forgets its unit calls on every rank."""
+    try:
+        tables = _gather(mesh, mesh.axis_names, local)
+        _decide(mesh, dp, fp, paths=paths, local=local, tables=tables, log=log)
+    except BaseException:
+        _stopped(mesh)
+        raise
+
+
+def _stopped(mesh: Any) -> None:
+    """An agreement raised on every rank (the ranks differ, or one failed its own checks):
+    the unit calls recorded since the last check belong to a step that stopped there, and
+    may differ across ranks (a strict agreement stops a unit another rank skipped). Forget
+    them on every rank, so that the next step's check compares that step's calls only."""
+    unit_log(mesh).take()
 
 
 def _decide(

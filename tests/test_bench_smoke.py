@@ -31,6 +31,7 @@ ORDER = [
     "fsdp",
     "deferred",
     "unit_checks",
+    "hostile",
     "module",
     "muon",
     "dpsgd",
@@ -113,6 +114,12 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
     if name == "muon":  # Muon on the owners is the naive route's math; adamw trains too
         assert all(x < 1e-3 for x in res["agree"].values()), res["losses"]
         assert all(x == x for x in res["median"].values()) and "(B16)" in md
+    if name == "hostile":  # each tiny case's outcome is the contract's, with no leak
+        assert res["cases"], res
+        for case, entry in res["cases"].items():
+            for key, run in entry["runs"].items():
+                assert run["expected"] and not run["leak"], (case, key, run)
+                assert run["checked_leak"], (case, key, run)
     if name in ("limit", "overhead", "rsimpl"):
         assert "nan" not in md and not any(
             isinstance(v, float) and math.isnan(v) for v in res.get("median", {}).values()

@@ -123,3 +123,68 @@ def test_how_names_the_options_or_dtypes_that_differ():
     c = "u | recompute=True; param_dtype=None; buckets=[4, 4]"
     assert validate._how(lists, [1, 1], 0, texts=[a, b]) == "dtype: param_dtype"
     assert validate._how(lists, [1, 1], 0, texts=[a, c]) == "options: recompute"
+
+
+def _composable(mode: str, transform: str, order=(0, 1)):
+    """Two units through a transform that takes the composable path (vmap of grad, jvp, jvp of
+    grad); returns the mesh and the result."""
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+    gen = torch.Generator().manual_seed(0)
+    full = [{"w": torch.randn(6, 6, generator=gen) / 3} for _ in range(2)]
+    shards = fh.shard(full, [spec] * 2)
+    block = fh.gathered(fh.per_rank(_layer, mesh), spec)
+    x = torch.randn(3, 2, 2, 6, generator=gen)  # 3 samples on each rank
+
+    def loss(s, x):
+        for i in order:
+            x = block(s[i], x)
+        return x.square().sum()
+
+    tangent = fh.shard([{"w": torch.ones(6, 6)}] * 2, [spec] * 2)
+    with fh.validation(mode):
+        if transform == "vmap":
+            out = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(shards, x)
+        elif transform == "jvp":
+            out = torch.func.jvp(lambda s: loss(s, x[0]), (shards,), (tangent,))
+        else:  # a Hessian-vector product
+            out = torch.func.jvp(torch.func.grad(lambda s: loss(s, x[0])), (shards,), (tangent,))
+    return mesh, out
+
+
+@pytest.mark.parametrize("transform", ["vmap", "jvp", "hvp"])
+def test_the_composable_path_records_its_unit_calls(transform):
+    """Under vmap, jvp or a second derivative each unit call joins the step's running
+    fingerprint (where its shards are found through the transforms' wrappers and forward
+    mode's dual views), in order; validation('off') records nothing."""
+    mesh, _ = _composable("on", transform)
+    log = validate.unit_log(mesh)
+    texts = [log.texts[e[1]] for e in log.entries]
+    assert len(texts) == 2 and "(composable path) on tree[0]" in texts[0], texts
+    assert "(composable path) on tree[1]" in texts[1], texts
+    other, _ = _composable("on", transform, order=(1, 0))
+    assert validate.unit_log(other).digest != log.digest
+    off, _ = _composable("off", transform)
+    assert validate.unit_log(off).count == 0
+
+
+@pytest.mark.parametrize("transform", ["vmap", "jvp", "hvp"])
+def test_strict_agrees_before_every_composable_collective_and_changes_nothing(
+    monkeypatch, transform
+):
+    from functional_hsdp import autodiff
+
+    seen = []
+    original = autodiff.Move._agree
+    monkeypatch.setattr(autodiff.Move, "_agree", lambda how: (seen.append(how), original(how)))
+    _, want = _composable("on", transform)
+    # (a unit's weights gathered again before its backward under vmap carry no call)
+    assert not [how for how in seen if how.unit is not None and how.unit.mode == "strict"]
+    _, got = _composable("strict", transform)
+    strict = [how for how in seen if how.unit is not None and how.unit.mode == "strict"]
+    gathers = [how for how in strict if how.frm == "parameter"]
+    assert len(gathers) >= 2 and all(how.unit.where.startswith("tree[") for how in strict)
+    if transform != "jvp":  # reverse mode: the adjoint reduce-scatters are agreed too
+        assert any(how.frm == "input" for how in strict)
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
+        assert torch.equal(a, b)

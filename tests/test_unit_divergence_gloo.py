@@ -12,8 +12,10 @@ buffer was too small) and no wait. The module path (``fh.functional_call``) is c
 
 from __future__ import annotations
 
+import functools
 import time
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,8 +36,8 @@ def _policy(dtype=torch.bfloat16):
     return MixedPrecisionPolicy(dtype, torch.float32, torch.float32)
 
 
-def _setup(into: bool):
-    spec = fh.hsdp(dist_mesh(timeout=6), "dp_outer", "dp_inner")
+def _setup(into: bool, mesh=None):
+    spec = fh.hsdp(mesh or dist_mesh(timeout=6), "dp_outer", "dp_inner")
     gen = torch.Generator().manual_seed(0)
     full = [{"w": torch.randn(8, 8, generator=gen) / 3} for _ in range(UNITS)]
     shards = fh.shard(full, [spec] * UNITS)  # one unit per layer
@@ -67,10 +69,10 @@ def _data(m: int) -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * dist.get_rank() + m))
 
 
-def _step(variant: str, mode: str, api: str):
+def _step(variant: str, mode: str, api: str, mesh=None):
     """Two microbatches and an SGD step; returns the gathered gradient (only if no rank
-    raised before the step)."""
-    spec, shards, mg = _setup(into=api != "reduce_grads")
+    raised before the step). ``mesh``: the DistMesh to use (default: a new one)."""
+    spec, shards, mg = _setup(into=api != "reduce_grads", mesh=mesh)
     grad = torch.func.grad(_loss_fn(variant, spec, mg))
     start = time.monotonic()
     try:
@@ -212,6 +214,26 @@ def _after_a_strict_error(variant: str):
     return _step("none", "on", "microbatches")
 
 
+def _after_a_strict_error_on_one_mesh(variant: str):
+    """As :func:`_after_a_strict_error`, both steps on one mesh, as a training loop has."""
+    mesh = dist_mesh(timeout=6)
+    with pytest.raises(ValueError, match="before its all-gather"):
+        _step(variant, "strict", "microbatches", mesh)
+    return _step("none", "on", "microbatches", mesh)
+
+
+@pytest.mark.parametrize("variant", ["skip", "dtype"])
+def test_a_strict_error_leaves_no_unit_calls_to_the_next_steps_check(pool, variant):
+    """The unit calls the stopped step recorded (different on rank 1) are not compared by the
+    next step's check: before, on the same mesh, the clean step after a strict error raised
+    'the ranks ran their gathered units differently' on every rank."""
+    want = pool.run(_step, "none", "on", "microbatches")
+    got = pool.run(_after_a_strict_error_on_one_mesh, variant)
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert torch.equal(a["w"], b["w"])
+
+
 @pytest.mark.parametrize("variant", ["skip", "recompute"])
 def test_the_next_step_after_a_strict_error_equals_a_clean_one(pool, variant):
     """Nothing of the stopped step (its chain, a prefetch, a reduce-scatter) is left to change
@@ -221,3 +243,57 @@ def test_the_next_step_after_a_strict_error_equals_a_clean_one(pool, variant):
     for g, w in zip(got, want):
         for a, b in zip(g, w):
             assert torch.equal(a["w"], b["w"])
+
+
+def _per_sample(variant: str, mode: str):
+    """Per-sample gradients (vmap of grad: the units' composable path), summed over the
+    samples and reduced; rank 1 runs the units as ``variant`` says."""
+    spec, shards, _ = _setup(into=False)
+    block = fh.gathered(_layer, spec)
+    order = [0, 1, 2]
+    if dist.get_rank() == 1:
+        order = {"order": [0, 2, 1], "skip": [0, 2]}.get(variant, order)
+
+    def loss(s, x):
+        for i in order:
+            x = block(s[i], x)
+        return x.square().sum()
+
+    start = time.monotonic()
+    try:
+        with fh.validation(mode):
+            per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(shards, _data(0))
+            g = optree.tree_map(lambda t: t.sum(0), per)
+            g = fh.reduce_grads(g, [spec] * UNITS, last=True, at="gradient")
+    except ValueError as exc:
+        raise ValueError(f"{exc} [after {time.monotonic() - start:.1f} s]") from None
+    return fh.gather(g, [spec] * UNITS)
+
+
+def test_the_composable_path_agrees_in_every_mode(pool):
+    """No false alarm under vmap: the same per-sample gradients in each mode."""
+    want = pool.run(_per_sample, "none", "off")
+    for mode in ("on", "strict"):
+        for g, w in zip(pool.run(_per_sample, "none", mode), want):
+            for a, b in zip(g, w):
+                assert torch.equal(a["w"], b["w"])
+
+
+@pytest.mark.parametrize("mode", ["on", "strict"])
+def test_another_order_under_vmap_raises(pool, mode):
+    """Rank 1 runs units 0, 2, 1 under vmap(grad): before, the composable path took part in
+    neither mode's checks and every rank returned per-sample gradients silently wrong. Now
+    the default mode raises at the reduce_grads that finishes them, naming the order; strict
+    at unit 1's all-gather."""
+    texts = ["reduce_grads", "(order)"] if mode == "on" else ["before its all-gather"]
+    task = functools.partial(_per_sample, "order")
+    messages = _expect(pool, None, mode, None, "composable path", *texts, "rank 1", task=task)
+    assert "on tree[1]" in messages[0] and "on tree[2]" in messages[0], messages[0]
+
+
+def test_a_unit_skipped_under_vmap_raises_at_once_under_strict(pool):
+    """Under strict, a unit skipped on one rank under vmap is a ValueError on every rank at
+    its all-gather (before: gloo's CollectiveError after the timeout, or an abort)."""
+    task = functools.partial(_per_sample, "skip")
+    for message in _expect(pool, None, "strict", None, "before its all-gather", task=task):
+        assert float(message.rsplit("[after ", 1)[1].split(" s]")[0]) < 3, message
