@@ -12,7 +12,9 @@ README's contract says must happen; the harness records what did:
   library's result is);
 - ``clear error``: every rank raised the same kind of error, not a ``CollectiveError`` (a
   library ``ValueError``/``TypeError``/``NotImplementedError``/``RuntimeError``, or the case's
-  own exception, which must come through);
+  own exception, which must come through), or strict mode's ``errors.UnitsDiffer`` (a
+  ``CollectiveError`` for a collective refused before it was issued, and a ``ValueError``
+  naming the unit where the ranks differ);
 - ``CollectiveError``: every rank still alive raised ``fh.CollectiveError``;
 - ``silent wrong``: every rank returned, and a result differs from the reference;
 - ``hang``: a rank had not answered when the case's outer wall-clock limit passed;
@@ -1200,7 +1202,10 @@ def _once(c: Case, ctx: Ctx) -> dict:
         return {
             "kind": "error",
             "type": type(exc).__name__,
-            "collective": isinstance(exc, fh.CollectiveError),
+            # strict mode's refusal of differing unit collectives (a CollectiveError that is
+            # also the cross-rank check's ValueError, naming the unit): a clear error
+            "collective": isinstance(exc, fh.CollectiveError)
+            and not isinstance(exc, fh.errors.UnitsDiffer),
             "expected": isinstance(exc, Expected),
             "msg": str(exc),
             "elapsed": time.monotonic() - start,
