@@ -33,7 +33,14 @@ from typing import Any
 NAMES = ("layerwise", "module", "dpsgd")
 # the library's variants of each benchmark (the peers' variants do not change with it)
 LIBRARY = {
-    "layerwise": ("lw_sink", "lw_maingrad", "lw_pure", "lw_sink_raf0", "lw_sink_sync", "whole_tree"),
+    "layerwise": (
+        "lw_sink",
+        "lw_maingrad",
+        "lw_pure",
+        "lw_sink_raf0",
+        "lw_sink_sync",
+        "whole_tree",
+    ),
     "module": tuple(
         f"{k}/{v}" for k in ("llama", "mlp") for v in ("fh", "fh_recompute", "fh_bf16", "fh_func")
     ),
@@ -59,7 +66,6 @@ def _trace_task(name: str, cfg: dict) -> dict:
     """On every rank: each library variant's second step (the first one warms it) under
     ``comm_log``; its events in issue order and its loss."""
     import functional_hsdp as fh
-
     from bench import common as C
 
     dm = C.device_mesh((2, 2))
@@ -101,7 +107,17 @@ def _run_side(checkout: str, names: list[str], size: str, out: str) -> None:
     if not os.path.exists(theirs):
         shutil.copy(mine, theirs)
     env = {**os.environ, "PYTHONPATH": checkout}
-    cmd = [sys.executable, "-m", "bench.same_work", "--side", out, "--size", size, "--names", *names]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.same_work",
+        "--side",
+        out,
+        "--size",
+        size,
+        "--names",
+        *names,
+    ]
     subprocess.run(cmd, cwd=checkout, env=env, check=True)
 
 
@@ -115,7 +131,9 @@ def compare(before: dict, after: dict, names: list[str]) -> tuple[str, bool]:
     for name in names:
         tb, ta = before["trace"][name], after["trace"][name]
         lines.append(f"### {name}\n")
-        lines.append("| variant | collectives per step (rank 0) | same order on every rank | loss before | loss after |")
+        lines.append(
+            "| variant | collectives per step (rank 0) | same order on every rank | loss before | loss after |"
+        )
         lines.append("|---|---|---|---|---|")
         for v in LIBRARY[name]:
             eq = all(b[v]["events"] == a[v]["events"] for b, a in zip(tb, ta))
@@ -125,7 +143,9 @@ def compare(before: dict, after: dict, names: list[str]) -> tuple[str, bool]:
                 f"{tb[0][v]['loss']:.9g} | {ta[0][v]['loss']:.9g} |"
             )
         bb, ba = before["bench"][name], after["bench"][name]
-        lines.append("\n| variant | step time before (s) | after (s) | peak step memory before (MiB) | after (MiB) |")
+        lines.append(
+            "\n| variant | step time before (s) | after (s) | peak step memory before (MiB) | after (MiB) |"
+        )
         lines.append("|---|---|---|---|---|")
         for v in _fh_keys(ba, name):
             mem = lambda r: r["mem"][v]["peak"] / 2**20 if v in r.get("mem", {}) else float("nan")  # noqa: E731
@@ -135,7 +155,9 @@ def compare(before: dict, after: dict, names: list[str]) -> tuple[str, bool]:
         if "wire" in ba:
             diff = [v for v in ba["wire"] if v in bb["wire"] and ba["wire"][v] != bb["wire"][v]]
             same &= not diff
-            lines.append(f"\nBytes on the wire (every variant): {'identical' if not diff else 'differ in ' + str(diff)}.")
+            lines.append(
+                f"\nBytes on the wire (every variant): {'identical' if not diff else 'differ in ' + str(diff)}."
+            )
         lines.append("")
     return "\n".join(lines), same
 
@@ -162,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         before, after = (json.load(open(res[k])) for k in ("before", "after"))
     report, same = compare(before, after, a.names)
     print(report)
-    print("collectives, their order, losses and wire bytes identical" if same else "THE SIDES DIFFER")
+    print(
+        "collectives, their order, losses and wire bytes identical" if same else "THE SIDES DIFFER"
+    )
     return 0 if same else 1
 
 
