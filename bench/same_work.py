@@ -125,40 +125,52 @@ def _fh_keys(bench: dict, name: str) -> list[str]:
     return [k for k in bench.get("median", {}) if k in LIBRARY[name]]
 
 
+_TRACE_HEAD = (
+    "| variant | collectives per step (rank 0) | same order on every rank "
+    "| loss before | loss after |\n|---|---|---|---|---|"
+)
+_BENCH_HEAD = (
+    "\n| variant | step time before (s) | after (s) | peak step memory before (MiB) "
+    "| after (MiB) |\n|---|---|---|---|---|"
+)
+
+
+def _peak_mib(res: dict, variant: str) -> float:
+    mem = res.get("mem", {})
+    return mem[variant]["peak"] / 2**20 if variant in mem else float("nan")
+
+
+def _compare_one(before: dict, after: dict, name: str) -> tuple[list[str], bool]:
+    """One benchmark's rows, and whether its collectives, losses and wire bytes match."""
+    tb, ta = before["trace"][name], after["trace"][name]
+    lines, same = [f"### {name}\n", _TRACE_HEAD], True
+    for v in LIBRARY[name]:
+        eq = all(b[v]["events"] == a[v]["events"] for b, a in zip(tb, ta))
+        same &= eq and tb[0][v]["loss"] == ta[0][v]["loss"]
+        lines.append(
+            f"| {v} | {len(ta[0][v]['events'])} | {'yes' if eq else '**no**'} | "
+            f"{tb[0][v]['loss']:.9g} | {ta[0][v]['loss']:.9g} |"
+        )
+    bb, ba = before["bench"][name], after["bench"][name]
+    lines.append(_BENCH_HEAD)
+    for v in _fh_keys(ba, name):
+        times = f"{bb['median'][v]:.3f} | {ba['median'][v]:.3f}"
+        lines.append(f"| {v} | {times} | {_peak_mib(bb, v):.1f} | {_peak_mib(ba, v):.1f} |")
+    if "wire" in ba:
+        diff = [v for v in ba["wire"] if v in bb["wire"] and ba["wire"][v] != bb["wire"][v]]
+        same &= not diff
+        verdict = "identical" if not diff else f"differ in {diff}"
+        lines.append(f"\nBytes on the wire (every variant): {verdict}.")
+    return [*lines, ""], same
+
+
 def compare(before: dict, after: dict, names: list[str]) -> tuple[str, bool]:
     """A markdown report of the two sides, and whether their collectives are identical."""
     lines, same = [], True
     for name in names:
-        tb, ta = before["trace"][name], after["trace"][name]
-        lines.append(f"### {name}\n")
-        lines.append(
-            "| variant | collectives per step (rank 0) | same order on every rank | loss before | loss after |"
-        )
-        lines.append("|---|---|---|---|---|")
-        for v in LIBRARY[name]:
-            eq = all(b[v]["events"] == a[v]["events"] for b, a in zip(tb, ta))
-            same &= eq and tb[0][v]["loss"] == ta[0][v]["loss"]
-            lines.append(
-                f"| {v} | {len(ta[0][v]['events'])} | {'yes' if eq else '**no**'} | "
-                f"{tb[0][v]['loss']:.9g} | {ta[0][v]['loss']:.9g} |"
-            )
-        bb, ba = before["bench"][name], after["bench"][name]
-        lines.append(
-            "\n| variant | step time before (s) | after (s) | peak step memory before (MiB) | after (MiB) |"
-        )
-        lines.append("|---|---|---|---|---|")
-        for v in _fh_keys(ba, name):
-            mem = lambda r: r["mem"][v]["peak"] / 2**20 if v in r.get("mem", {}) else float("nan")  # noqa: E731
-            lines.append(
-                f"| {v} | {bb['median'][v]:.3f} | {ba['median'][v]:.3f} | {mem(bb):.1f} | {mem(ba):.1f} |"
-            )
-        if "wire" in ba:
-            diff = [v for v in ba["wire"] if v in bb["wire"] and ba["wire"][v] != bb["wire"][v]]
-            same &= not diff
-            lines.append(
-                f"\nBytes on the wire (every variant): {'identical' if not diff else 'differ in ' + str(diff)}."
-            )
-        lines.append("")
+        rows, ok = _compare_one(before, after, name)
+        lines += rows
+        same &= ok
     return "\n".join(lines), same
 
 

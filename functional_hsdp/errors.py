@@ -27,7 +27,6 @@ class CollectiveError(RuntimeError):
         self.axis = axis
 
 
-
 class UnitsDiffer(CollectiveError, ValueError):
     """``fh.validation("strict")``: the ranks were about to issue different collectives for
     their layer-wise units (a unit skipped, called in another order, or gathered with other

@@ -372,9 +372,8 @@ def test_maingrads_public_surface_is_what_the_readme_documents():
 
     import functional_hsdp as fh
 
-    row = next(
-        line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `MainGrad(")
-    )
+    lines = (ROOT / "README.md").read_text().splitlines()
+    row = next(line for line in lines if line.startswith("| `MainGrad("))
     documented = set(re.findall(r"`(\w+)(?:\(\))?`", row.split("|")[2]))
     public = {n for n in vars(fh.MainGrad) if not n.startswith("_")}
     assert public == documented, (sorted(public - documented), sorted(documented - public))

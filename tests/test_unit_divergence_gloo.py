@@ -164,8 +164,9 @@ def test_another_param_dtype_of_the_same_size_on_one_rank_raises_before_the_step
 )
 def test_strict_raises_at_the_units_first_collective(pool, variant, texts):
     """validation('strict'): the ranks agree before each unit collective, so a skipped unit
-    or another dtype (before: gloo aborted one rank, the others waited) is a CollectiveError
-    (fh.errors.UnitsDiffer, a ValueError too) on every rank, at the all-gather of unit 1, at once."""
+    or another dtype (before: gloo aborted one rank, the others waited) is a
+    CollectiveError (fh.errors.UnitsDiffer, a ValueError too) on every rank, at the all-gather
+    of unit 1, at once."""
     messages = _expect(
         pool,
         variant,
