@@ -38,6 +38,7 @@ import optree
 import torch
 
 from . import engine, validate
+from .errors import UnitsDiffer
 from .plan import Plan, Step
 from .schedule import expand, issue
 from .tags import state_of_alias
@@ -132,10 +133,12 @@ class Move:
             with torch._C._DisableFuncTorch(), torch.no_grad():
                 with validate.agreement_in_mode(self.plan.specs, what, "strict") as agreed:
                     agreed.check(self.plan, paths, options=options)
-        except ValueError as exc:
-            raise ValueError(
+        except ValueError as exc:  # refused before it was issued, as a first-order unit's
+            raise UnitsDiffer(
                 f"gathered (composable path) on {unit.where}, before its {op} "
-                f"(validation('strict')): the ranks differ: {exc}"
+                f"(validation('strict')): the ranks differ: {exc}",
+                op.replace("-", "_"),
+                tuple(self.plan.mesh.axis_names),
             ) from None
 
 

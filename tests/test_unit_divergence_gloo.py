@@ -266,8 +266,9 @@ def _per_sample(variant: str, mode: str):
             per = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(shards, _data(0))
             g = optree.tree_map(lambda t: t.sum(0), per)
             g = fh.reduce_grads(g, [spec] * UNITS, last=True, at="gradient")
-    except ValueError as exc:
-        raise ValueError(f"{exc} [after {time.monotonic() - start:.1f} s]") from None
+    except ValueError as exc:  # the class rides in the message (the pool reports ValueError)
+        kind = "CollectiveError" if isinstance(exc, fh.CollectiveError) else "ValueError only"
+        raise ValueError(f"{exc} [{kind}] [after {time.monotonic() - start:.1f} s]") from None
     return fh.gather(g, [spec] * UNITS)
 
 
@@ -286,15 +287,19 @@ def test_another_order_under_vmap_raises(pool, mode):
     neither mode's checks and every rank returned per-sample gradients silently wrong. Now
     the default mode raises at the reduce_grads that finishes them, naming the order; strict
     at unit 1's all-gather."""
-    texts = ["reduce_grads", "(order)"] if mode == "on" else ["before its all-gather"]
+    texts = ["reduce_grads", "(order)", "[ValueError only]"]
+    if mode == "strict":  # refused before it was issued: a CollectiveError too (UnitsDiffer)
+        texts = ["before its all-gather", "[CollectiveError]"]
     task = functools.partial(_per_sample, "order")
     messages = _expect(pool, None, mode, None, "composable path", *texts, "rank 1", task=task)
     assert "on tree[1]" in messages[0] and "on tree[2]" in messages[0], messages[0]
 
 
 def test_a_unit_skipped_under_vmap_raises_at_once_under_strict(pool):
-    """Under strict, a unit skipped on one rank under vmap is a ValueError on every rank at
-    its all-gather (before: gloo's CollectiveError after the timeout, or an abort)."""
+    """Under strict, a unit skipped on one rank under vmap is refused on every rank at its
+    all-gather (fh.errors.UnitsDiffer: a CollectiveError and a ValueError), at once (before:
+    gloo's CollectiveError after the timeout, or an abort)."""
     task = functools.partial(_per_sample, "skip")
-    for message in _expect(pool, None, "strict", None, "before its all-gather", task=task):
+    texts = ("before its all-gather", "[CollectiveError]")
+    for message in _expect(pool, None, "strict", None, *texts, task=task):
         assert float(message.rsplit("[after ", 1)[1].split(" s]")[0]) < 3, message
