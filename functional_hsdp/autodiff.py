@@ -38,7 +38,6 @@ import optree
 import torch
 
 from . import engine, validate
-from .errors import UnitsDiffer
 from .plan import Plan, Step
 from .schedule import expand, issue
 from .tags import state_of_alias
@@ -129,17 +128,15 @@ class Move:
         what = f"gathered (composable path): {op} of the unit on {unit.where}"
         paths = [f"{unit.where}[{i}]" for i in range(len(self.plan.shapes))]
         options = (f"{self.frm}->{self.to}", f"dtype={self.dtype}", *unit.options)
-        try:  # the rows are the library's own plain tensors, whatever transform is running
-            with torch._C._DisableFuncTorch(), torch.no_grad():
-                with validate.agreement_in_mode(self.plan.specs, what, "strict") as agreed:
-                    agreed.check(self.plan, paths, options=options)
-        except ValueError as exc:  # refused before it was issued, as a first-order unit's
-            raise UnitsDiffer(
-                f"gathered (composable path) on {unit.where}, before its {op} "
-                f"(validation('strict')): the ranks differ: {exc}",
-                op.replace("-", "_"),
-                tuple(self.plan.mesh.axis_names),
-            ) from None
+        validate.agree_on_unit_collective(
+            self.plan.specs,
+            self.plan,
+            what=what,
+            paths=paths,
+            options=options,
+            unit=f"gathered (composable path) on {unit.where}",
+            op=op,
+        )
 
 
 @dataclass(eq=False)

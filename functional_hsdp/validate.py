@@ -103,7 +103,7 @@ import optree
 import torch
 
 from .cache import Bounded, register
-from .errors import CollectiveError
+from .errors import CollectiveError, UnitsDiffer
 
 __all__ = [
     "CollectiveError",
@@ -408,6 +408,26 @@ def agreement_in_mode(spec: Any, call: str, mode: str) -> Iterator[Agreement]:
             raise
         agreed.fail(exc)
         raise
+
+
+def agree_on_unit_collective(
+    spec: Any, plan: Any, *, what: str, paths: list[str], options: tuple, unit: str, op: str
+) -> None:
+    """``validation("strict")``: every rank agrees on a layer-wise unit's collective ``op``
+    before it is issued (a first-order unit's or one on the composable path), so that ranks
+    that differ raise :class:`~functional_hsdp.errors.UnitsDiffer` on every rank, naming
+    ``unit``, instead of meeting another rank's collective (a crash or a hang). The rows are
+    the library's own plain tensors, whatever transform or backward is running."""
+    try:
+        with torch._C._DisableFuncTorch(), torch.no_grad():
+            with agreement_in_mode(spec, what, "strict") as agreed:
+                agreed.check(plan, paths, options=options)
+    except ValueError as exc:
+        raise UnitsDiffer(
+            f"{unit}, before its {op} (validation('strict')): the ranks differ: {exc}",
+            op.replace("-", "_"),
+            tuple(plan.mesh.axis_names),
+        ) from None
 
 
 def agree(

@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 
 from .. import engine, validate
-from ..errors import UnitsDiffer
 from . import call as lifecycle
 from .call import Call, Phase
 from .checks import describe
@@ -172,14 +171,12 @@ def _agree_before(call: Call, collective: str) -> None:
     unit, options = describe(block, call)
     what = f"gathered: {collective} of {unit}"
     paths = [f"{call.where}[{i}]" for i in range(call.k)]
-    try:  # in a backward under torch.func: the rows are the library's own plain tensors
-        with torch._C._DisableFuncTorch(), torch.no_grad():
-            with validate.agreement_in_mode(block.spec, what, "strict") as agreed:
-                agreed.check(call.plan, paths, options=tuple(options.split("; ")))
-    except ValueError as exc:
-        raise UnitsDiffer(
-            f"gathered({block.name}) on {call.where}, before its {collective} "
-            f"(validation('strict')): the ranks differ: {exc}",
-            collective.replace("-", "_"),
-            tuple(block.spec.mesh.axis_names),
-        ) from None
+    validate.agree_on_unit_collective(
+        block.spec,
+        call.plan,
+        what=what,
+        paths=paths,
+        options=tuple(options.split("; ")),
+        unit=f"gathered({block.name}) on {call.where}",
+        op=collective,
+    )
