@@ -1,13 +1,14 @@
 """(B13v) The cost of the gathered units' cross-rank checks on B13's step: validation "off",
-"on" (the default: a running fingerprint of the step's unit calls, agreed at
-``microbatches``' end and at ``MainGrad.finish``) and "strict" (also one agreement before each
-unit collective: its all-gathers and its reduce-scatter).
+"on" (the default: a running fingerprint of the step's unit calls, agreed at the last
+microbatch's ``begin_microbatch(last=True)`` and at ``MainGrad.finish``) and "strict" (also
+one agreement before each unit collective, its all-gathers and its reduce-scatter, and each
+``begin_microbatch``).
 
 B13's ``fh`` variant (``bench/module.py``: ``fh.functional_call(into=MainGrad)`` under
 ``fh.grad_and_value``, ``fh.microbatches(..., into=mg)``, ``mg.finish()``, SGD in place) for
 both of its models, built once per mode in one group of 4 gloo ranks (2x2 mesh), the steps of
 the three modes interleaved. Also timed alone, per step, with less noise: the default mode's
-one extra summary (``mg._units.agree()``, which ``microbatches`` runs at its end) and the
+one extra summary (``mg._units.agree(...)``, which ``begin_microbatch(last=True)`` runs) and the
 recording of the step's unit calls.
 """
 
@@ -52,7 +53,7 @@ def _alone(runner, data, calls: int) -> dict:
     C.barrier()
     t0 = time.perf_counter()
     for _ in range(calls):
-        mg._units.agree()
+        mg._units.agree("MainGrad.begin_microbatch")
     summary = (time.perf_counter() - t0) / calls
     log, units = validate.UnitLog(), 2 * len(runner.shards)  # each unit once per microbatch
     t0 = time.perf_counter()

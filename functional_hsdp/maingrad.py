@@ -302,11 +302,34 @@ class MainGrad:
         declaration, :meth:`finish` issues every deferred reduction itself. After a unit's
         reduction was issued, another gradient for it in the same step is refused.
 
+        Every rank must declare alike. The declaration joins the step's record of unit calls,
+        and the ranks agree on that record here with ``last=True``, before any deferred
+        reduction is issued: ranks whose unit calls so far differ raise a ``ValueError``,
+        and a rank that does not declare ``last=True`` leaves the others waiting, until the
+        mesh's timeout (``CollectiveError``). Under ``fh.validation("strict")`` the ranks
+        agree on every declaration, so a rank that declares otherwise raises
+        :class:`~functional_hsdp.errors.UnitsDiffer` on every rank at once.
+
         Args:
             last: keyword-only: True before the step's final microbatch.
         """
         check_bool("last", last, " (True before the final microbatch)")
         self._check_accumulating("begin_microbatch")
+        # the declaration decides when the deferred reductions are issued: it joins the
+        # step's record of unit calls, which the ranks agree on before any is issued
+        validate.unit_log(self.mesh).record("MainGrad.begin_microbatch", f"last={last}")
+        if validate.current_mode() == "strict":  # every declaration, at once
+            validate.agree_on_unit_collective(
+                self.mesh,
+                self.plan,
+                what="MainGrad.begin_microbatch",
+                paths=paths_of(self.plan.treedef, "grads"),
+                options=(f"last={last}",),
+                unit="MainGrad.begin_microbatch",
+                op="deferred reduction",
+            )
+        elif last:  # the unit calls so far and this declaration (a rank without it: a wait)
+            self._units.agree("MainGrad.begin_microbatch")
         self._deferred.begin(last)
 
     @torch.compiler.disable
@@ -671,12 +694,12 @@ class _Units:
         declared last microbatch, its deferred reduction may start."""
         self._mg._deferred.done(buckets)
 
-    def agree(self) -> None:
+    def agree(self, where: str) -> None:
         """Check now that every rank ran the same gathered units since the last check (the
-        same order and options), as ``finish`` does; raise on every rank otherwise.
-        :func:`microbatches` with ``into=`` calls it at its end. Every rank must call it."""
+        same order and options), as ``finish`` does; raise on every rank otherwise, the
+        error starting with ``where``. Every rank must call it."""
         mg = self._mg
-        with validate.agreement(mg.mesh, "microbatches") as agreed:
+        with validate.agreement(mg.mesh, where) as agreed:
             agreed.check(mg.plan, paths_of(mg.plan.treedef, "grads"), units=True)
 
 
@@ -707,9 +730,8 @@ def microbatches(
             microbatches (yields ``(batch, last)``, looking one item ahead).
         into: a :class:`MainGrad` that :func:`gathered` units add into: before each item,
             ``into.begin_microbatch(last=last)``, so that the last microbatch's backward
-            issues each unit's deferred reduction as soon as the unit is done; after the
-            last one, the check that every rank ran the same units (as :meth:`MainGrad.finish`
-            does; ranks that ran their units differently raise).
+            issues each unit's deferred reduction as soon as the unit is done (the ranks
+            agree on their unit calls before it: see :meth:`MainGrad.begin_microbatch`).
 
     Returns:
         An iterator of ``(item, last)`` pairs; ``last`` is True exactly once, at the end.
@@ -740,5 +762,3 @@ def microbatches(
     if into is not None:
         into.begin_microbatch(last=True)
     yield current, True
-    if into is not None:  # the step's unit calls agreed before its gradient can be used
-        into._units.agree()

@@ -12,13 +12,14 @@ specs, ``last`` or options             the same ``ValueError``, naming the first
                                        field or leaf path and the ranks
 a rank's own checks fail (a wrong      it raises its error, and the others raise one that
 ``acc``, a meta leaf, a bad flag)      names it, in the same agreement: nobody waits
-ranks run their gathered units in      the step's running fingerprint of unit calls
-another order, or with other options   (:class:`UnitLog`) rides in the summary of
-or dtypes                              ``microbatches``' end, ``MainGrad.finish`` and the
-                                       last ``reduce_grads(at="gradient")``: every rank
-                                       raises, naming the first unit call that differs
-                                       and how; ``validation("strict")`` agrees before
-                                       each unit collective instead (no mismatched one)
+ranks run their gathered units in      the step's running fingerprint of unit calls and
+another order, or with other options   ``begin_microbatch`` declarations (:class:`UnitLog`)
+or dtypes, or declare another last     rides in the summary of ``begin_microbatch(last=
+microbatch                             True)``, ``MainGrad.finish`` and the last
+                                       ``reduce_grads(at="gradient")``: every rank raises,
+                                       naming the first call that differs and how;
+                                       ``validation("strict")`` agrees before each unit
+                                       collective and declaration (no mismatched one)
 NaN/Inf in gradients                   ``check_finite=True``: every rank raises a
                                        ``ValueError`` naming the first such leaf and ranks
 a peer dies, hangs or issues another   the collective fails or times out and raises
@@ -414,10 +415,12 @@ def agree_on_unit_collective(
     spec: Any, plan: Any, *, what: str, paths: list[str], options: tuple, unit: str, op: str
 ) -> None:
     """``validation("strict")``: every rank agrees on a layer-wise unit's collective ``op``
-    before it is issued (a first-order unit's or one on the composable path), so that ranks
-    that differ raise :class:`~functional_hsdp.errors.UnitsDiffer` on every rank, naming
-    ``unit``, instead of meeting another rank's collective (a crash or a hang). The rows are
-    the library's own plain tensors, whatever transform or backward is running."""
+    before it is issued (a first-order unit's or one on the composable path; or, from
+    ``MainGrad.begin_microbatch``, the declaration that decides when the deferred reductions
+    are issued), so that ranks that differ raise :class:`~functional_hsdp.errors.UnitsDiffer`
+    on every rank, naming ``unit``, instead of meeting another rank's collective (a crash or
+    a hang). The rows are the library's own plain tensors, whatever transform or backward is
+    running."""
     try:
         with torch._C._DisableFuncTorch(), torch.no_grad():
             with agreement_in_mode(spec, what, "strict") as agreed:
@@ -544,7 +547,9 @@ _LOGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mesh -> its Un
 class UnitLog:
     """The :func:`~functional_hsdp.gathered` unit calls one rank made on a mesh since the last
     call that checked them (``Agreement.check(units=True)``): a running, order-sensitive
-    digest of every call's unit and options, and each call's digests for the message.
+    digest of every call's unit and options, and each call's digests for the message. A
+    ``MainGrad.begin_microbatch`` declaration is recorded among them (its option: ``last``),
+    since it decides when the units' deferred reductions are issued.
 
     An explicit record per mesh (not per thread or context), written by a unit call in the
     caller's thread and read by the checking call: a backward never reads it."""
@@ -603,13 +608,14 @@ def _units_message(mesh: Any, where: str, log: UnitLog) -> str:
     text = log.texts[log.entries[i][1]] if i < len(log.entries) else ""
     texts = _gather_text(mesh, everyone, text)[0]
     made = counts[:, 0].tolist()
-    values = [t or f"no unit call #{i} (it made {c})" for t, c in zip(texts, made)]
+    values = [t or f"no call #{i} (it made {c})" for t, c in zip(texts, made)]
     how = _how(lists, made, i, texts=texts)
     return (
-        f"{where}: the ranks ran their gathered units differently ({how}): first at unit call "
-        f"#{i} since the last check: {_groups([values], [names])}. Every rank must call the "
-        "same units, in the same order, with the same options (recompute, "
-        "reshard_after_forward, mp_policy); their gradients would be wrong. Run under "
+        f"{where}: the ranks ran their gathered units differently ({how}): first at call #{i} "
+        f"since the last check: {_groups([values], [names])}. Every rank must call the same "
+        "units, in the same order, with the same options (recompute, reshard_after_forward, "
+        "mp_policy), and declare the same last microbatch (begin_microbatch); their "
+        "gradients would be wrong. Run under "
         "fh.validation('strict') to stop at the unit's first collective instead"
     )
 

@@ -82,7 +82,9 @@ def test_strict_is_carried_into_a_backward_on_a_device_thread(monkeypatch, api):
     seen = []
     original = units._agree_before
     monkeypatch.setattr(
-        units, "_agree_before", lambda call, what: (seen.append(what), original(call, what))
+        units,
+        "_agree_before",
+        lambda call, what, **kw: (seen.append(what), original(call, what, **kw)),
     )
     _, want = _step("strict", api=api)
     counts = {what: seen.count(what) for what in set(seen)}

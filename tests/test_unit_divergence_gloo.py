@@ -22,6 +22,8 @@ import torch.distributed as dist
 from reference import dist_mesh
 
 import functional_hsdp as fh
+from functional_hsdp.launch import DEFAULT_PRELOAD
+from functional_hsdp.testing import GlooPool
 
 UNITS = 3
 
@@ -55,11 +57,17 @@ def _loss_fn(variant: str, spec, mg):
     other = fh.gathered(
         _layer, spec, into=mg, recompute=odd and variant == "recompute", mp_policy=policy
     )
-    order = {"order": [0, 2, 1], "skip": [0, 2]}.get(variant, [0, 1, 2]) if odd else [0, 1, 2]
+    order = [0, 1] if variant == "no-last-2-units" else [0, 1, 2]
+    if odd:
+        order = {"order": [0, 2, 1], "skip": [0, 2], "skip-prefetch": [0, 2]}.get(variant, order)
+    prefetch = variant.endswith("-prefetch")
 
     def loss(shards, x):
-        for i in order:
-            x = (other if i == 1 else plain)(shards[i], x)
+        for j, i in enumerate(order):
+            block = other if i == 1 else plain
+            if prefetch and j + 1 < len(order):  # the next unit's all-gather issued ahead
+                block.prefetch(shards[order[j + 1]])
+            x = block(shards[i], x)
         return x.square().sum()
 
     return loss
@@ -84,6 +92,13 @@ def _step(variant: str, mode: str, api: str, mesh=None):
                 g = mg.grads
             elif api == "finish":
                 for m in range(2):
+                    grad(shards, _data(m))
+                mg.finish()
+                g = mg.grads
+            elif api == "declared":  # rank 1 declares no last microbatch in "no-last*"
+                odd = dist.get_rank() == 1 and variant.startswith("no-last")
+                for m in range(2):
+                    mg.begin_microbatch(last=m == 1 and not odd)
                     grad(shards, _data(m))
                 mg.finish()
                 g = mg.grads
@@ -135,8 +150,10 @@ def test_healthy_steps_agree_in_every_mode(pool):
 def test_another_order_on_one_rank_raises_before_the_step(pool, api):
     """Rank 1 runs units 0, 2, 1: the all-gathers match in size, so the gradients were silently
     wrong; now every rank raises where the step exchanges, naming the unit call and 'order'."""
-    where = {"microbatches": "microbatches", "finish": "MainGrad.finish"}.get(api, "reduce_grads")
-    messages = _expect(pool, "order", "on", api, where, "(order)", "unit call #1", "rank 1")
+    where = {"microbatches": "MainGrad.begin_microbatch", "finish": "MainGrad.finish"}
+    where = where.get(api, "reduce_grads")  # microbatches: checked at the last's declaration
+    first = "call #2" if api == "microbatches" else "call #1"  # after begin_microbatch there
+    messages = _expect(pool, "order", "on", api, where, "(order)", first, "rank 1")
     assert "_layer on tree[1]" in messages[0] and "_layer on tree[2]" in messages[0], messages[0]
 
 
@@ -181,6 +198,46 @@ def test_strict_raises_at_the_units_first_collective(pool, variant, texts):
         assert float(message.rsplit("[after ", 1)[1].split(" s]")[0]) < 3, message
 
 
+def test_a_last_microbatch_declared_otherwise_on_one_rank_raises_under_strict(pool):
+    """Rank 1 declares no last microbatch (``begin_microbatch(last=False)``) where the others
+    declare it, so its units' deferred reductions would be issued by ``finish`` and theirs in
+    backward, mismatched. Under strict the ranks agree on every declaration: a UnitsDiffer
+    on every rank at once, before any is issued (before: no check saw the declaration)."""
+    texts = ["MainGrad.begin_microbatch, before its deferred reduction", "[CollectiveError]"]
+    texts += ["last=False", "rank 1"]
+    for message in _expect(pool, "no-last", "strict", "declared", *texts):
+        assert float(message.rsplit("[after ", 1)[1].split(" s]")[0]) < 3, message
+
+
+@pytest.mark.timeout(120)
+def test_a_last_microbatch_declared_otherwise_on_one_rank_raises_in_the_default_mode():
+    """The default mode agrees at ``begin_microbatch(last=True)``: the ranks that declare it
+    wait there for rank 1, which does not, so nobody issues a deferred reduction and every
+    rank raises a CollectiveError within the mesh's timeout. Two units, whose reductions
+    stay within MainGrad's depth of two, so that no rank waits for one in backward (before:
+    every rank reached ``finish`` and returned). A fresh pool: a timeout leaves its groups
+    unusable."""
+    with GlooPool(4, preload=(*DEFAULT_PRELOAD, "pytest")) as fresh:
+        start = time.monotonic()
+        messages = _expect(fresh, "no-last-2-units", "on", "declared", kind="CollectiveError")
+        assert time.monotonic() - start < 30
+    assert any("exchange over mesh axes" in m for m in messages), messages
+
+
+def test_strict_names_a_prefetched_unit_and_leaves_nothing(pool):
+    """Rank 1 skips unit 1 with prefetch on: strict refuses the all-gather unit 0's forward
+    issues ahead, naming the unit it is for and the block that issued it; the raise comes
+    from inside the unit's forward, and the next step equals a clean one."""
+    texts = ("(its all-gather issued ahead by gathered(_layer)), before its all-gather",)
+    messages = _expect(pool, "skip-prefetch", "strict", "microbatches", *texts, "[CollectiveError]")
+    named = sorted(m.split(" (its", 1)[0] for m in messages)  # each rank's prefetched unit
+    assert named == ["the unit on tree[1]['w']"] * 3 + ["the unit on tree[2]['w']"], named
+    want = pool.run(_step, "none", "on", "microbatches")
+    for g, w in zip(pool.run(_after_a_strict_error, "skip-prefetch"), want):
+        for a, b in zip(g, w):
+            assert torch.equal(a["w"], b["w"])
+
+
 def _module_step(mode: str) -> None:
     """fh.functional_call through an nn.Module; rank 1 asks for recompute=True."""
     torch.manual_seed(0)
@@ -201,7 +258,8 @@ def _module_step(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["on", "strict"])
 def test_the_module_path_with_another_recompute_on_one_rank_raises(pool, mode):
-    """functional_call's units are checked alike: in the default mode at microbatches' end,
+    """functional_call's units are checked alike: in the default mode at the last microbatch's
+    declaration (``begin_microbatch(last=True)``),
     under strict at the first unit's all-gather."""
     where = "before its all-gather" if mode == "strict" else "(options: recompute)"
     kind = "UnitsDiffer" if mode == "strict" else "ValueError"  # strict: a CollectiveError too

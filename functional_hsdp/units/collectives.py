@@ -87,7 +87,8 @@ def issue_ahead(call: Call, when: str, pieces: Sequence[torch.Tensor]) -> None:
     """Issue ``call``'s all-gather ahead of its use (``when``: its forward or backward); one
     issued before and not used is abandoned."""
     abandon_ahead(call)
-    call.ahead = AllGather(when, _start_all_gather(call, pieces))
+    # in forward, ahead of its call: the record is still the prefetching block's
+    call.ahead = AllGather(when, _start_all_gather(call, pieces, ahead=when == "forward"))
 
 
 def abandon_ahead(call: Call) -> None:
@@ -109,9 +110,9 @@ def gather(call: Call, when: str, pieces: Sequence[torch.Tensor]) -> list[torch.
     return full
 
 
-def _start_all_gather(call: Call, pieces: Sequence[torch.Tensor]) -> list:
+def _start_all_gather(call: Call, pieces: Sequence[torch.Tensor], *, ahead: bool = False) -> list:
     if call.mode == "strict":
-        _agree_before(call, "all-gather")
+        _agree_before(call, "all-gather", ahead=ahead)
     plan, dtype = call.plan, call.block.param_dtype
     pack = lambda b: plan.pack(b, list(pieces), "parameter", dtype=dtype)  # noqa: E731
     return engine.start(plan, pack, [("parameter", "full")])
@@ -163,12 +164,17 @@ def abandon_reduce_scatter(call: Call) -> None:
 # -- strict agreement --------------------------------------------------------------------------
 
 
-def _agree_before(call: Call, collective: str) -> None:
+def _agree_before(call: Call, collective: str, *, ahead: bool = False) -> None:
     """validation("strict"): every rank agrees on this unit collective before issuing it, so
     that a unit skipped or gathered otherwise on one rank raises on every rank instead of
-    meeting another rank's collective (a crash or a hang)."""
+    meeting another rank's collective (a crash or a hang). ``ahead``: a forward all-gather
+    issued by the unit before (``prefetch``), whose block the error names as such (the
+    call's own block takes the record over when it is called)."""
     block = call.block
     unit, options = describe(block, call)
+    named = f"gathered({block.name}) on {call.where}"
+    if ahead:
+        named = f"the unit on {call.where} (its all-gather issued ahead by gathered({block.name}))"
     what = f"gathered: {collective} of {unit}"
     paths = [f"{call.where}[{i}]" for i in range(call.k)]
     validate.agree_on_unit_collective(
@@ -177,6 +183,6 @@ def _agree_before(call: Call, collective: str) -> None:
         what=what,
         paths=paths,
         options=tuple(options.split("; ")),
-        unit=f"gathered({block.name}) on {call.where}",
+        unit=named,
         op=collective,
     )

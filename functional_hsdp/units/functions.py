@@ -216,11 +216,11 @@ class _Unit(torch.autograd.Function):
         args = tuple(a.detach() for a in ts[call.k : n])
         chain = call.chain
         chains.drop_kept(chain)  # the unit before keeps its weights no longer
-        full = collectives.gather(call, "forward", pieces)
-        if call.nxt is not None:  # the next unit's all-gather overlaps this unit's compute
-            _gather_next(call, nxt)
-        chains.link(call)
-        try:
+        try:  # from the first collective (a strict agreement before it may raise too)
+            full = collectives.gather(call, "forward", pieces)
+            if call.nxt is not None:  # the next unit's all-gather overlaps this unit's compute
+                _gather_next(call, nxt)
+            chains.link(call)
             outs = _forward_fn(call, full, args)
         except BaseException:
             if call.nxt is not None:  # its call will not come (not from this forward)
