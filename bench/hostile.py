@@ -1079,7 +1079,11 @@ def _faults(path: str) -> None:
             {"victims": (ODD,), "repeat": False},
         ),
     ):
-        _diverge(f"{path}/diverge/{name}", what, (COLL, ERR), clean_after=False, **extra)(
+        # strict agrees on every begin_microbatch: a rank that declares otherwise (no last
+        # microbatch, another count, a finish after the first) is refused at once
+        declared = name in ("finish-early", "no-last-flag", "more-microbatches")
+        strict = (ERR,) if declared else None
+        _diverge(f"{path}/diverge/{name}", what, (COLL, ERR), strict, clean_after=False, **extra)(
             lambda ctx, kw=kw: _loop(ctx, make(ctx), api=api, **kw)
         )
 
@@ -1092,7 +1096,8 @@ _faults("module")
     "units/diverge/no-last-flag-2-units",
     "as no-last-flag, 2 units (their deferred all-reduces within MainGrad's depth of 2: "
     "nobody waits in backward)",
-    (COLL, ERR, "ok"),
+    (COLL, ERR),
+    (ERR,),
     clean_after=False,
 )
 def _(ctx):
