@@ -25,6 +25,7 @@ on every other axis is the rank's own (other axes hold other values: each does i
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import math
@@ -59,13 +60,20 @@ def _aligned(n: int) -> int:
 
 
 def balance(sizes: Sequence[int], n: int) -> list[int]:
-    """Each item's owner among ``n``: largest first, each to the least loaded (ties: the
-    lowest index). Every load is then within the largest item of every other.
+    """Each item's owner among ``n``, the loads as even as a greedy start and local steps
+    make them: largest first, each to the least loaded (ties: the lowest index); then, while
+    the heaviest owner is above the bound no assignment beats (the largest item, and the
+    total over ``n`` rounded up), the step that evens it and another owner the most: one of
+    its items moved there, or swapped for a smaller one. Every step lowers the heaviest load
+    or the number of owners at it and raises no load above it, so every load stays within
+    the largest item of every other.
 
     Example:
         >>> from functional_hsdp.owner import balance
         >>> balance([4, 1, 3, 2], 2)
         [0, 0, 1, 1]
+        >>> balance([3, 3, 2, 2, 2], 2)  # largest first alone: loads 7 and 5
+        [1, 1, 0, 0, 0]
     """
     heap = [(0, k) for k in range(n)]
     owner = [0] * len(sizes)
@@ -73,7 +81,52 @@ def balance(sizes: Sequence[int], n: int) -> list[int]:
         load, k = heapq.heappop(heap)
         owner[i] = k
         heapq.heappush(heap, (load + sizes[i], k))
+    if n > 1 and sizes:
+        _even(sizes, owner, n)
     return owner
+
+
+def _even(sizes: Sequence[int], owner: list[int], n: int) -> None:
+    """:func:`balance`'s local steps, in place on ``owner``."""
+    bound = max(max(sizes), -(-sum(sizes) // n))
+    held: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # per owner (size, item), sorted
+    for i in sorted(range(len(sizes)), key=lambda i: (sizes[i], i)):
+        held[owner[i]].append((sizes[i], i))
+    loads = [sum(s for s, _ in h) for h in held]
+    for _ in range(2 * len(sizes) * n):  # a bound: every step lowers (heaviest, owners at it)
+        h = max(range(n), key=lambda k: (loads[k], -k))
+        step = _best_step(held, loads, h) if loads[h] > bound else None
+        if step is None:
+            return
+        k, a, b = step
+        for src, dst, item in ((h, k, a), (k, h, b)):
+            if item is not None:
+                held[src].remove(item)
+                bisect.insort(held[dst], item)
+                loads[src], loads[dst] = loads[src] - item[0], loads[dst] + item[0]
+                owner[item[1]] = dst
+
+
+def _best_step(held: list, loads: list[int], h: int) -> tuple | None:
+    """``(k, a, b)``: owner h's item a to owner k, and k's item b (None: none) to h, the pair's
+    heavier load after it the lowest over every k, a and b that lower h's load by less than
+    its gap to k's; None if there is none."""
+    best, found = loads[h], None
+    for k in range(len(loads)):
+        gap = loads[h] - loads[k]
+        if k == h or gap < 2:
+            continue
+        sizes_k = [s for s, _ in held[k]]
+        for a in held[h]:
+            # the transfer d = a - b is best at gap / 2: b's size nearest a - gap / 2
+            at = bisect.bisect_left(sizes_k, a[0] - gap // 2)
+            options = [None, *(held[k][j] for j in (at - 1, at) if 0 <= j < len(held[k]))]
+            for b in options:
+                d = a[0] - (b[0] if b is not None else 0)
+                after = max(loads[h] - d, loads[k] + d)
+                if 0 < d < gap and after < best:
+                    best, found = after, (k, a, b)
+    return found
 
 
 def owner_bucket(run: list[Slot], spec: Spec, *, unit: int, dtype: torch.dtype, device) -> Bucket:
