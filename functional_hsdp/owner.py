@@ -4,12 +4,17 @@ A tree reaches the owner placement in one of two ways:
 
 * **An Owner spec** (:func:`owned`; optimizer placement ``Owner`` on every data-parallel
   axis) lays its buckets out *owner-major* (:func:`owner_bucket`): a bucket's leaves are
-  assigned to the ranks balanced by size (largest first, each to the least loaded), and rank
-  k's chunk of the bucket (k in the spec's split order, as a Flat chunk) holds the whole
-  leaves it owns, padded to the largest chunk. Its Flat chunks on those axes are then the
-  owners' leaves, so the spec moves as a Flat one: Partial -> Owner is a reduce-scatter (in
-  HSDP, the last microbatch's over the outer axis, instead of an all-reduce), Owner ->
-  Replicate an all-gather (``sync_params``, ``gather``), Flat -> Owner nothing at all.
+  assigned to the ranks balanced by size (:func:`balance`: largest first, each to the least
+  loaded, then evened by moves and swaps), and rank k's chunk of the bucket (k in the spec's
+  split order, as a Flat chunk) holds the whole leaves it owns, padded to the largest chunk.
+  A bucket is then n chunks of its heaviest owner's leaves: at least n times its largest
+  leaf, whatever the assignment. A Llama decoder layer of width d (MLP 4d, half as many
+  key-value heads as query heads) holds three 4d^2 MLP matrices and 3d^2 besides: on 4
+  owners it pads to 16d^2 for its 15d^2 (four layers in one unit balance exactly). Its Flat
+  chunks on those axes are then the owners' leaves, so the spec moves as a Flat one:
+  Partial -> Owner is a reduce-scatter (in HSDP, the last microbatch's over the outer axis,
+  instead of an all-reduce), Owner -> Replicate an all-gather (``sync_params``, ``gather``),
+  Flat -> Owner nothing at all.
 * **Any other spec** keeps its own layout; :func:`route` plans, once per tree and set of
   leaves, each bucket's moves from the optimizer placement to the owners and back. There:
   a local selection for each Replicate axis (a rank keeps the pieces whose owner shares its
@@ -185,7 +190,8 @@ def owned(spec: Spec) -> Spec:
     all-reduces), :func:`~functional_hsdp.per_matrix` runs where the leaves are, with no
     communication, and :func:`~functional_hsdp.sync_params` all-gathers the new weights over
     the outer axis: the outer axis carries AdamW-HSDP's bytes (a reduce-scatter and an
-    all-gather are an all-reduce), plus each bucket's padding to its largest owner.
+    all-gather are an all-reduce), plus each bucket's padding to its heaviest owner: n
+    times the heaviest owner's leaves, at least n times the bucket's largest leaf.
 
     Args:
         spec: a :class:`~functional_hsdp.Spec` without ``Shard(d)``.
@@ -494,7 +500,8 @@ _ROUTES: Bounded = Bounded(64)
 def route(plan: Plan, routed: tuple[bool, ...]) -> list[BucketRoute | None]:
     """Every bucket's :class:`BucketRoute` for the leaves ``routed`` (by tree index), built
     once. Owners are balanced over the whole tree (largest leaf first, each to the least
-    loaded rank), among the data-parallel axes that move of each spec."""
+    loaded rank, then evened: :func:`balance`), among the data-parallel axes that move of each
+    spec."""
     key = (plan, routed)
     known = _ROUTES.get(key)
     if known is None:
