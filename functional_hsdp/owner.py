@@ -4,12 +4,17 @@ A tree reaches the owner placement in one of two ways:
 
 * **An Owner spec** (:func:`owned`; optimizer placement ``Owner`` on every data-parallel
   axis) lays its buckets out *owner-major* (:func:`owner_bucket`): a bucket's leaves are
-  assigned to the ranks balanced by size (largest first, each to the least loaded), and rank
-  k's chunk of the bucket (k in the spec's split order, as a Flat chunk) holds the whole
-  leaves it owns, padded to the largest chunk. Its Flat chunks on those axes are then the
-  owners' leaves, so the spec moves as a Flat one: Partial -> Owner is a reduce-scatter (in
-  HSDP, the last microbatch's over the outer axis, instead of an all-reduce), Owner ->
-  Replicate an all-gather (``sync_params``, ``gather``), Flat -> Owner nothing at all.
+  assigned to the ranks balanced by size (:func:`balance`: largest first, each to the least
+  loaded, then evened by moves and swaps), and rank k's chunk of the bucket (k in the spec's
+  split order, as a Flat chunk) holds the whole leaves it owns, padded to the largest chunk.
+  A bucket is then n chunks of its heaviest owner's leaves: at least n times its largest
+  leaf, whatever the assignment. A Llama decoder layer of width d (MLP 4d, half as many
+  key-value heads as query heads) holds three 4d^2 MLP matrices and 3d^2 besides: on 4
+  owners it pads to 16d^2 for its 15d^2 (four layers in one unit balance exactly). Its Flat
+  chunks on those axes are then the owners' leaves, so the spec moves as a Flat one:
+  Partial -> Owner is a reduce-scatter (in HSDP, the last microbatch's over the outer axis,
+  instead of an all-reduce), Owner -> Replicate an all-gather (``sync_params``, ``gather``),
+  Flat -> Owner nothing at all.
 * **Any other spec** keeps its own layout; :func:`route` plans, once per tree and set of
   leaves, each bucket's moves from the optimizer placement to the owners and back. There:
   a local selection for each Replicate axis (a rank keeps the pieces whose owner shares its
@@ -25,6 +30,7 @@ on every other axis is the rank's own (other axes hold other values: each does i
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import math
@@ -59,13 +65,20 @@ def _aligned(n: int) -> int:
 
 
 def balance(sizes: Sequence[int], n: int) -> list[int]:
-    """Each item's owner among ``n``: largest first, each to the least loaded (ties: the
-    lowest index). Every load is then within the largest item of every other.
+    """Each item's owner among ``n``, the loads as even as a greedy start and local steps
+    make them: largest first, each to the least loaded (ties: the lowest index); then, while
+    the heaviest owner is above the bound no assignment beats (the largest item, and the
+    total over ``n`` rounded up), the step that evens it and another owner the most: one of
+    its items moved there, or swapped for a smaller one. Every step lowers the heaviest load
+    or the number of owners at it and raises no load above it, so every load stays within
+    the largest item of every other.
 
     Example:
         >>> from functional_hsdp.owner import balance
         >>> balance([4, 1, 3, 2], 2)
         [0, 0, 1, 1]
+        >>> balance([3, 3, 2, 2, 2], 2)  # largest first alone: loads 7 and 5
+        [1, 1, 0, 0, 0]
     """
     heap = [(0, k) for k in range(n)]
     owner = [0] * len(sizes)
@@ -73,7 +86,52 @@ def balance(sizes: Sequence[int], n: int) -> list[int]:
         load, k = heapq.heappop(heap)
         owner[i] = k
         heapq.heappush(heap, (load + sizes[i], k))
+    if n > 1 and sizes:
+        _even(sizes, owner, n)
     return owner
+
+
+def _even(sizes: Sequence[int], owner: list[int], n: int) -> None:
+    """:func:`balance`'s local steps, in place on ``owner``."""
+    bound = max(max(sizes), -(-sum(sizes) // n))
+    held: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # per owner (size, item), sorted
+    for i in sorted(range(len(sizes)), key=lambda i: (sizes[i], i)):
+        held[owner[i]].append((sizes[i], i))
+    loads = [sum(s for s, _ in h) for h in held]
+    for _ in range(2 * len(sizes) * n):  # a bound: every step lowers (heaviest, owners at it)
+        h = max(range(n), key=lambda k: (loads[k], -k))
+        step = _best_step(held, loads, h) if loads[h] > bound else None
+        if step is None:
+            return
+        k, a, b = step
+        for src, dst, item in ((h, k, a), (k, h, b)):
+            if item is not None:
+                held[src].remove(item)
+                bisect.insort(held[dst], item)
+                loads[src], loads[dst] = loads[src] - item[0], loads[dst] + item[0]
+                owner[item[1]] = dst
+
+
+def _best_step(held: list, loads: list[int], h: int) -> tuple | None:
+    """``(k, a, b)``: owner h's item a to owner k, and k's item b (None: none) to h, the pair's
+    heavier load after it the lowest over every k, a and b that lower h's load by less than
+    its gap to k's; None if there is none."""
+    best, found = loads[h], None
+    for k in range(len(loads)):
+        gap = loads[h] - loads[k]
+        if k == h or gap < 2:
+            continue
+        sizes_k = [s for s, _ in held[k]]
+        for a in held[h]:
+            # the transfer d = a - b is best at gap / 2: b's size nearest a - gap / 2
+            at = bisect.bisect_left(sizes_k, a[0] - gap // 2)
+            options = [None, *(held[k][j] for j in (at - 1, at) if 0 <= j < len(held[k]))]
+            for b in options:
+                d = a[0] - (b[0] if b is not None else 0)
+                after = max(loads[h] - d, loads[k] + d)
+                if 0 < d < gap and after < best:
+                    best, found = after, (k, a, b)
+    return found
 
 
 def owner_bucket(run: list[Slot], spec: Spec, *, unit: int, dtype: torch.dtype, device) -> Bucket:
@@ -132,7 +190,8 @@ def owned(spec: Spec) -> Spec:
     all-reduces), :func:`~functional_hsdp.per_matrix` runs where the leaves are, with no
     communication, and :func:`~functional_hsdp.sync_params` all-gathers the new weights over
     the outer axis: the outer axis carries AdamW-HSDP's bytes (a reduce-scatter and an
-    all-gather are an all-reduce), plus each bucket's padding to its largest owner.
+    all-gather are an all-reduce), plus each bucket's padding to its heaviest owner: n
+    times the heaviest owner's leaves, at least n times the bucket's largest leaf.
 
     Args:
         spec: a :class:`~functional_hsdp.Spec` without ``Shard(d)``.
@@ -441,7 +500,8 @@ _ROUTES: Bounded = Bounded(64)
 def route(plan: Plan, routed: tuple[bool, ...]) -> list[BucketRoute | None]:
     """Every bucket's :class:`BucketRoute` for the leaves ``routed`` (by tree index), built
     once. Owners are balanced over the whole tree (largest leaf first, each to the least
-    loaded rank), among the data-parallel axes that move of each spec."""
+    loaded rank, then evened: :func:`balance`), among the data-parallel axes that move of each
+    spec."""
     key = (plan, routed)
     known = _ROUTES.get(key)
     if known is None:

@@ -157,6 +157,136 @@ def test_balance_gives_largest_first_to_the_least_loaded():
     assert max(loads) - min(loads) <= max(sizes)
 
 
+def _largest_first(sizes, n):
+    """The heaviest load of largest-first assignment alone (each item to the least loaded)."""
+    loads = [0] * n
+    for s in sorted(sizes, reverse=True):
+        loads[loads.index(min(loads))] += s
+    return max(loads)
+
+
+def _heaviest(sizes, owner, n):
+    return max(sum(s for s, k in zip(sizes, owner) if k == r) for r in range(n))
+
+
+def test_balance_evens_what_largest_first_leaves_uneven():
+    sizes = [3, 3, 2, 2, 2]  # largest first: 3 + 2 + 2 against 3 + 2
+    assert _largest_first(sizes, 2) == 7
+    assert _heaviest(sizes, balance(sizes, 2), 2) == 6  # 3 + 3 against 2 + 2 + 2
+    gen = torch.Generator().manual_seed(0)
+    better = 0
+    for _ in range(300):
+        n = int(torch.randint(2, 5, (), generator=gen))
+        sizes = torch.randint(1, 30, (int(torch.randint(1, 12, (), generator=gen)),), generator=gen)
+        sizes = sizes.tolist()
+        owner = balance(sizes, n)
+        loads = [sum(s for s, k in zip(sizes, owner) if k == r) for r in range(n)]
+        assert max(loads) <= _largest_first(sizes, n)
+        assert max(loads) - min(loads) <= max(sizes)
+        assert max(loads) >= max(max(sizes), -(-sum(sizes) // n))
+        better += max(loads) < _largest_first(sizes, n)
+    assert better > 0
+
+
+def _llama_layer(d: int, heads: int = 8) -> dict:
+    """A Llama decoder layer's weight shapes (transformers' LlamaDecoderLayer): hidden d,
+    intermediate 4 d, half as many key-value heads as query heads."""
+    kv = d // 2
+    return {
+        "self_attn.q_proj.weight": (d, d),
+        "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d),
+        "self_attn.o_proj.weight": (d, d),
+        "mlp.gate_proj.weight": (4 * d, d),
+        "mlp.up_proj.weight": (4 * d, d),
+        "mlp.down_proj.weight": (d, 4 * d),
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+    }
+
+
+def _least_heaviest(widths: list[int], n: int) -> int:
+    """A bound no assignment of ``widths`` (largest first) to n owners beats: the largest
+    item; two of the n + 1 largest on one owner; the total over n, rounded up to a load
+    (a multiple of the items' greatest common divisor)."""
+    step = math.gcd(*widths)
+    bound = max(widths[0], -(-sum(widths) // (n * step)) * step)
+    return max(bound, widths[n - 1] + widths[n]) if len(widths) > n else bound
+
+
+def _unit_bucket(shapes: dict, spec):
+    from functional_hsdp.layout import build_buckets
+
+    n = len(shapes)
+    (bucket,), _ = build_buckets(
+        tuple(shapes),
+        shapes=tuple(shapes.values()),
+        dtypes=(torch.float32,) * n,
+        devices=(torch.device("cpu"),) * n,
+        specs=(spec,) * n,
+        units=(0,) * n,
+    )
+    return bucket
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 4), (2, 3), (1, 2)])
+@pytest.mark.parametrize("layers", [1, 4])
+def test_owner_layout_of_llama_units_is_as_short_as_any_assignment(shape, layers):
+    """A bucket is n times its heaviest owner's leaves, which no assignment makes lighter
+    than :func:`_least_heaviest`: the owner layout of Llama decoder layers reaches that
+    bound. One layer on 4 owners pads to 4 MLP matrices (its MLP is three of them, the rest
+    less than a fourth); four layers balance exactly."""
+    from functional_hsdp.layout import ALIGN
+
+    spec = fh.owned(fh.hsdp(_mesh(shape), *AXES))
+    n = math.prod(shape)
+    unit = {f"{k}.{p}": s for k in range(layers) for p, s in _llama_layer(64).items()}
+    bucket = _unit_bucket(unit, spec)
+    widths = sorted((-(-math.prod(s) // ALIGN) * ALIGN for s in unit.values()), reverse=True)
+    assert bucket.padded == n * _least_heaviest(widths, n)
+    assert bucket.numel == sum(widths)  # every leaf of an aligned size: no gap between leaves
+    if layers == 4 and n == 4:
+        assert bucket.padded == bucket.numel
+
+
+def test_owner_layout_pads_less_than_largest_first_alone():
+    """Leaves that largest-first alone splits 7 : 5 (in units of 16 x 16) are evened to 6 : 6."""
+    spec = fh.owned(fh.fsdp(fh.SimMesh({"dp": 2}), "dp"))
+    sizes = [3, 3, 2, 2, 2]
+    bucket = _unit_bucket({f"w{k}": (16 * s, 16) for k, s in enumerate(sizes)}, spec)
+    assert bucket.padded == bucket.numel == 2 * 16 * 16 * sum(sizes) // 2
+    assert bucket.padded < 2 * 16 * 16 * _largest_first(sizes, 2)
+
+
+@pytest.mark.parametrize("layers", [1, 4])
+def test_owned_hsdp_outer_bytes_are_hsdps_times_the_owner_padding(layers):
+    """Outer (dp_outer) bytes a rank sends, ring algorithms: HSDP's all-reduce of the inner
+    chunk against owned(hsdp)'s reduce-scatter of it and all-gather of the owner's part, for
+    units of Llama decoder layers. One layer a unit: the owners' padding (4 MLP matrices for
+    the layer's data); four: equal."""
+    mesh = _mesh((2, 2))
+    units = {
+        f"u{u}": {
+            f"{k}.{p}": s for k in range(layers) for p, s in _llama_layer(32, heads=4).items()
+        }
+        for u in range(4 // layers)
+    }
+    wire = {}
+    for name, spec in (("hsdp", fh.hsdp(mesh, *AXES)), ("owned", fh.owned(fh.hsdp(mesh, *AXES)))):
+        tree_spec = {u: spec for u in units}
+        params = fh.shard(_full(shapes=units), tree_spec)
+        with fh.comm_log() as log:
+            accumulate([random_tree((2, 2), shapes=units, seed=1)], tree_spec)
+            fh.sync_params(params, tree_spec)
+        factor = {"all_reduce": 1, "reduce_scatter": 0.5, "all_gather": 1}  # 2 ranks
+        wire[name] = sum(e.nbytes * factor[e.op] for e in log.events if e.axis == "dp_outer")
+    unit = units["u0"]
+    numel = sum(math.prod(s) for s in unit.values())
+    padded = 4 * max(numel // 4, max(math.prod(s) for s in unit.values()))
+    assert wire["owned"] * numel == wire["hsdp"] * padded
+    assert (wire["owned"] == wire["hsdp"]) == (layers == 4)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_an_owned_spec_holds_each_leaf_whole_on_one_rank(strategy):
     shape = (2, 3)
