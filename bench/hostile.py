@@ -1456,7 +1456,7 @@ def _unclear(reply: dict, c: Case) -> bool:
 
 
 def violations(mode: str, res: dict) -> list[str]:
-    """What the issue's 'Must show' forbids: silent wrong, hang, leak (both modes); crash
+    """What the matrix's targets forbid: silent wrong, hang, leak (both modes); crash
     (strict)."""
     bad = []
     if res["outcome"] in ("silent wrong", "hang"):
@@ -1599,7 +1599,7 @@ def report(res: dict, command: str, when: str) -> str:
         for key in sorted(table)
     ]
     lines.append(C.table(["mesh/mode", "runs", *OUTCOMES, "leak"], rows))
-    lines += ["", "### What violates the issue's 'Must show'", ""]
+    lines += ["", "### What violates the matrix's targets", ""]
     bad = []
     for name, entry in res["cases"].items():
         for key, r in entry["runs"].items():
