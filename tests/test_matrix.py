@@ -491,7 +491,7 @@ NS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def _muon_run(spec, microbatches, muon_kw, steps=3, shapes=MUON_SHAPES):
     """fh.partition(muon, adamw) on ``spec`` and torch's Muon + AdamW on the dense mean
     gradient, ``steps`` steps of ``microbatches``; returns both final parameter trees."""
-    shape = spec.mesh.batch_shape
+    shape = optree.tree_leaves(spec)[0].mesh.batch_shape  # spec: a Spec or a spec tree
     full = random_tree((), seed=20, shapes=shapes)
     params = fh.shard(full, spec)
     opt = fh_muon_adamw(spec, muon_kw, ADAMW_KW)
@@ -522,6 +522,31 @@ def test_muon_and_adamw_equal_torch_on_the_dense_mean_gradient(strategy, microba
     spec = fh.owned(preset("hsdp", mesh)) if strategy == "owned" else preset(strategy, mesh)
     got, ref = _muon_run(spec, microbatches, dict(MUON_KW, ns_dtype=NS[ns]))
     # bf16 Newton-Schulz sees the same bf16 inputs as torch's: both agree to fp32 roundoff
+    assert max_error(got, ref) < 5e-6
+
+
+# uneven along both dims on 3 and 4 ranks, an empty chunk along dim 1 on 4 ((5, 3))
+UNEVEN_MUON_SHAPES = {
+    "w1": (10, 7),
+    "w2": (7, 13),
+    "w3": (5, 3),
+    "embed": (9, 4),
+    "b1": (7,),
+    "norm": (5,),
+}
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize(
+    "sizes, where", [({"dp": 4}, "dp"), ({"dp_outer": 2, "dp_inner": 3}, "inner")], ids=str
+)
+@pytest.mark.parametrize("shapes", ["even", "uneven"])
+def test_muon_on_shard_specs_equals_torch_on_the_dense_mean_gradient(shapes, sizes, where, dim):
+    """Shard(dim) for the matrices (Shard(0) for the 1-D leaves: a spec tree)."""
+    mesh = fh.SimMesh(sizes)
+    shapes = MUON_SHAPES if shapes == "even" else UNEVEN_MUON_SHAPES
+    spec = {k: _shard_spec(mesh, dim if len(s) > 1 else 0, where) for k, s in shapes.items()}
+    got, ref = _muon_run(spec, 2, MUON_KW, shapes=shapes)
     assert max_error(got, ref) < 5e-6
 
 
