@@ -268,11 +268,11 @@ def _routed(fn, *, plan: Plan, leaves: list, paths, routes: list, out: list, gat
     results = run(plan.mesh, programs, source, gate=gate)
     for b, result in zip(chosen, results):
         slots = plan.buckets[b].slots
-        for j, piece in _unpacked(plan, b, routes[b], plan.mesh.wait(result)).items():
+        for j, piece in _unpacked(plan, b, plan.mesh.wait(result), r=routes[b]).items():
             out[slots[j].index] = piece
 
 
-def _unpacked(plan: Plan, b: int, r: BucketRoute, buf: torch.Tensor) -> dict[int, torch.Tensor]:
+def _unpacked(plan: Plan, b: int, buf: torch.Tensor, *, r: BucketRoute) -> dict[int, torch.Tensor]:
     """The routed leaves' local shards (by slot position) in bucket b's buffer come back."""
     bucket, placed, batch = plan.buckets[b], plan.placed[b]["optimizer"], plan.mesh.batch_shape
     if r.compact is not None:
