@@ -8,9 +8,10 @@ over the whole data-parallel mesh, and hands the results back at the optimizer p
 
 * on an Owner spec (:func:`~functional_hsdp.owned`), where the leaves already are: no
   communication;
-* on any other spec, one all-to-all per bucket per Flat axis (and per Replicate axis a local
-  selection) to the owners, and back the reverse all-to-alls and one all-gather per
-  Replicate axis.
+* on any other spec, one all-to-all per bucket per Flat or ``Shard(d)`` axis (and per
+  Replicate axis a local selection) to the owners, and back the reverse all-to-alls and one
+  all-gather per Replicate axis (a ``Shard(d)`` leaf's chunks are joined along d at its
+  owner, and its result split back).
 
 :func:`muon` is ``torch.optim.Muon``'s math as a :class:`GradientTransformation` built on it;
 :func:`partition` (optax's ``multi_transform``) gives each leaf its own transformation (Muon
@@ -125,8 +126,8 @@ def per_matrix(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any, spec: Any)
 
     Each leaf is moved to its owner (one rank of the data-parallel mesh; see
     :mod:`functional_hsdp.owner`): on an Owner spec (:func:`~functional_hsdp.owned`) it is
-    there already; on another spec one all-to-all per bucket per Flat axis takes it there
-    (and back). ``fn`` runs exactly once per leaf over the whole mesh, outer replicas
+    there already; on another spec one all-to-all per bucket per Flat or ``Shard(d)`` axis
+    takes it there (and back). ``fn`` runs exactly once per leaf over the whole mesh, outer replicas
     included. Leaves of equal shape and dtype are stacked: ``fn`` is given ``(k, *shape)``
     for k leaves and must return that shape (a stack of 3-D leaves such as MoE experts'
     ``[E, M, N]`` is ``(k, E, M, N)``: act on the last two dims). Its result is cast to the

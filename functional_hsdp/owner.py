@@ -18,17 +18,17 @@ A tree reaches the owner placement in one of two ways:
 * **Any other spec** keeps its own layout; :func:`route` plans, once per tree and set of
   leaves, each bucket's moves from the optimizer placement to the owners and back. There:
   a local selection for each Replicate axis (a rank keeps the pieces whose owner shares its
-  coordinate on it) and one all-to-all per Flat axis (each piece to its owner's coordinate
-  on that axis); then each owner's pieces are joined into whole leaves. Back: the reverse
-  all-to-alls, and one all-gather per Replicate axis. Blocks are uneven (nothing padded on
-  the wire); a rank's buffer is as long as the longest of the mesh, so that both meshes log
-  the same events. A ``Shard(d)`` bucket is routed the same way from each rank's data
-  (:class:`Compact`): leaf j's chunk c, its ``torch.chunk`` along d, is the elements
-  ``[c S P Q, (c S + n_c) P Q)`` of the leaf in *chunk order* (the chunks' data end to end,
-  each row-major; S the chunk length, n_c this chunk's, P and Q the sizes of the dims
-  before and after d), so the planner moves ranges as for Flat; the owner joins the chunks
-  along d into the whole leaf (for d = 0 chunk order is the leaf's own: a view), and splits
-  the result back. Empty chunks send nothing; padding to S never travels.
+  coordinate on it) and one all-to-all per Flat or Shard(d) axis (each piece to its
+  owner's coordinate on that axis); then each owner's pieces are joined into whole leaves.
+  Back: the reverse all-to-alls, and one all-gather per Replicate axis. Blocks are uneven
+  (nothing padded on the wire); a rank's buffer is as long as the longest of the mesh, so
+  that both meshes log the same events. A ``Shard(d)`` bucket is routed the same way from
+  each rank's data (:class:`Compact`): leaf j's chunk c, its ``torch.chunk`` along d, is
+  the elements ``[c S P Q, (c S + n_c) P Q)`` of the leaf in *chunk order* (the chunks'
+  data end to end, each row-major; S the chunk length, n_c this chunk's, P and Q the sizes
+  of the dims before and after d), so the planner moves ranges as for Flat; the owner
+  joins the chunks along d into the whole leaf (for d = 0 chunk order is the leaf's own: a
+  view), and splits the result back. Empty chunks send nothing; padding to S never travels.
 
 Owners are ranks of the data-parallel axes that move (size > 1); a leaf's owner coordinate
 on every other axis is the rank's own (other axes hold other values: each does its own).

@@ -225,10 +225,11 @@ def test_per_matrix_on_shard_specs_collectives_per_bucket_not_per_leaf():
         assert max_error(fh.gather(out, spec), optree.tree_map(_fn, full)) < 1e-5
 
 
-def test_per_matrix_on_a_tree_of_flat_and_shard_specs():
+def test_per_matrix_on_a_tree_of_flat_owner_and_shard_specs():
     mesh = _mesh((2, 3))
     tree_spec = {
         "flat": fh.hsdp(mesh, *AXES),
+        "owned": fh.owned(fh.hsdp(mesh, *AXES)),
         "rows": _shard_spec(mesh, 0, "inner"),
         "cols": _shard_spec(mesh, 1, "outer"),
     }
