@@ -127,11 +127,12 @@ def per_matrix(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any, spec: Any)
     Each leaf is moved to its owner (one rank of the data-parallel mesh; see
     :mod:`functional_hsdp.owner`): on an Owner spec (:func:`~functional_hsdp.owned`) it is
     there already; on another spec one all-to-all per bucket per Flat or ``Shard(d)`` axis
-    takes it there (and back). ``fn`` runs exactly once per leaf over the whole mesh, outer replicas
-    included. Leaves of equal shape and dtype are stacked: ``fn`` is given ``(k, *shape)``
-    for k leaves and must return that shape (a stack of 3-D leaves such as MoE experts'
-    ``[E, M, N]`` is ``(k, E, M, N)``: act on the last two dims). Its result is cast to the
-    leaf's dtype.
+    takes it there (and back; a ``Shard(d)`` leaf's ``torch.chunk`` pieces are joined
+    along d at its owner). ``fn`` runs exactly once per leaf over the whole mesh, outer
+    replicas included. Leaves of equal shape and dtype are stacked: ``fn`` is given
+    ``(k, *shape)`` for k leaves and must return that shape (a stack of 3-D leaves such as
+    MoE experts' ``[E, M, N]`` is ``(k, E, M, N)``: act on the last two dims). Its result is
+    cast to the leaf's dtype.
 
     Args:
         fn: a function of a batch of matrices ``(..., M, N)`` returning the same shape.
