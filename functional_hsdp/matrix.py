@@ -8,9 +8,10 @@ over the whole data-parallel mesh, and hands the results back at the optimizer p
 
 * on an Owner spec (:func:`~functional_hsdp.owned`), where the leaves already are: no
   communication;
-* on any other spec, one all-to-all per bucket per Flat axis (and per Replicate axis a local
-  selection) to the owners, and back the reverse all-to-alls and one all-gather per
-  Replicate axis.
+* on any other spec, one all-to-all per bucket per Flat or ``Shard(d)`` axis (and per
+  Replicate axis a local selection) to the owners, and back the reverse all-to-alls and one
+  all-gather per Replicate axis (a ``Shard(d)`` leaf's chunks are joined along d at its
+  owner, and its result split back).
 
 :func:`muon` is ``torch.optim.Muon``'s math as a :class:`GradientTransformation` built on it;
 :func:`partition` (optax's ``multi_transform``) gives each leaf its own transformation (Muon
@@ -24,6 +25,7 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import einops
 import numpy as np
 import optree
 import torch
@@ -32,7 +34,7 @@ from . import validate
 from .layout import unpack_full
 from .lookup import find_layout
 from .optim import GradientTransformation
-from .owner import BucketRoute, local_items, owner_of_slot, route
+from .owner import BucketRoute, chunk_rows, local_items, owner_of_slot, route
 from .plan import Plan
 from .schedule import run
 from .tree import format_path, refuse_tracked, refuse_vmap
@@ -124,12 +126,13 @@ def per_matrix(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any, spec: Any)
 
     Each leaf is moved to its owner (one rank of the data-parallel mesh; see
     :mod:`functional_hsdp.owner`): on an Owner spec (:func:`~functional_hsdp.owned`) it is
-    there already; on another spec one all-to-all per bucket per Flat axis takes it there
-    (and back). ``fn`` runs exactly once per leaf over the whole mesh, outer replicas
-    included. Leaves of equal shape and dtype are stacked: ``fn`` is given ``(k, *shape)``
-    for k leaves and must return that shape (a stack of 3-D leaves such as MoE experts'
-    ``[E, M, N]`` is ``(k, E, M, N)``: act on the last two dims). Its result is cast to the
-    leaf's dtype.
+    there already; on another spec one all-to-all per bucket per Flat or ``Shard(d)`` axis
+    takes it there (and back; a ``Shard(d)`` leaf's ``torch.chunk`` pieces are joined
+    along d at its owner). ``fn`` runs exactly once per leaf over the whole mesh, outer
+    replicas included. Leaves of equal shape and dtype are stacked: ``fn`` is given
+    ``(k, *shape)`` for k leaves and must return that shape (a stack of 3-D leaves such as
+    MoE experts' ``[E, M, N]`` is ``(k, E, M, N)``: act on the last two dims). Its result is
+    cast to the leaf's dtype.
 
     Args:
         fn: a function of a batch of matrices ``(..., M, N)`` returning the same shape.
@@ -202,11 +205,6 @@ def _check_matrices(plan: Plan, present: list[bool], paths: tuple[str, ...]) -> 
                 f"{paths[i]}: per_matrix needs matrices (2 or more dims); this leaf has shape "
                 f"{tuple(plan.shapes[i])} (leave it to another transformation: fh.partition)"
             )
-        if plan.specs[i].shard is not None:
-            raise NotImplementedError(
-                f"{paths[i]}: per_matrix of a Shard(d) spec is not supported; use Flat() "
-                "or fh.owned(spec)"
-            )
 
 
 def _apply(fn: Callable, items: list[tuple[torch.Tensor, torch.Tensor, str]]) -> None:
@@ -262,20 +260,31 @@ def _routed(fn, *, plan: Plan, leaves: list, paths, routes: list, out: list, gat
     for b in chosen:
         at_owner = functools.partial(_at_owner, fn=fn, plan=plan, b=b, r=routes[b], paths=paths)
         programs.append([*routes[b].there, at_owner, *routes[b].back])
-    source = lambda k: plan.pack(chosen[k], leaves, "optimizer")  # noqa: E731
+
+    def source(k: int) -> torch.Tensor:
+        compact = routes[chosen[k]].compact
+        if compact is not None:  # a Shard(d) bucket: the ranks' chunks, data only
+            return compact.pack(leaves)
+        return plan.pack(chosen[k], leaves, "optimizer")
+
     results = run(plan.mesh, programs, source, gate=gate)
-    mesh, batch = plan.mesh, plan.mesh.batch_shape
     for b, result in zip(chosen, results):
-        bucket, placed = plan.buckets[b], plan.placed[b]["optimizer"]
-        buf = mesh.wait(result)
-        if not placed.axes:
-            pieces = unpack_full(bucket, buf, batch)
-        else:
-            pieces = mesh.geometry.split(buf, placed.geometry)
-            pieces = bucket.leaves_of(pieces) if placed.zeros else pieces
-        for j, piece in zip(range(len(bucket.slots)), pieces):
-            if j in routes[b].routed:
-                out[bucket.slots[j].index] = piece
+        slots = plan.buckets[b].slots
+        for j, piece in _unpacked(plan, b, plan.mesh.wait(result), r=routes[b]).items():
+            out[slots[j].index] = piece
+
+
+def _unpacked(plan: Plan, b: int, buf: torch.Tensor, *, r: BucketRoute) -> dict[int, torch.Tensor]:
+    """The routed leaves' local shards (by slot position) in bucket b's buffer come back."""
+    bucket, placed, batch = plan.buckets[b], plan.placed[b]["optimizer"], plan.mesh.batch_shape
+    if r.compact is not None:
+        return {j: r.compact.unpack(buf, j, placed.shapes[j]) for j in sorted(r.routed)}
+    if not placed.axes:
+        pieces = unpack_full(bucket, buf, batch)
+    else:
+        pieces = plan.mesh.geometry.split(buf, placed.geometry)
+        pieces = bucket.leaves_of(pieces) if placed.zeros else pieces
+    return {j: piece for j, piece in enumerate(pieces) if j in r.routed}
 
 
 def _at_owner(_k: int, buf: torch.Tensor, *, fn, plan: Plan, b: int, r: BucketRoute, paths):
@@ -284,10 +293,47 @@ def _at_owner(_k: int, buf: torch.Tensor, *, fn, plan: Plan, b: int, r: BucketRo
         row = buf[idx]
         for j, offset in mine:
             s = bucket.slots[j]
-            view = row.narrow(-1, offset, s.numel).view(tuple(plan.shapes[s.index]))
-            items.append((view, view, paths[s.index]))
+            flat = row.narrow(-1, offset, s.numel)
+            if s.dim is None or math.prod(s.shape[: s.dim]) == 1:  # chunk order is the leaf's
+                view = flat.view(tuple(plan.shapes[s.index]))
+                items.append((view, view, paths[s.index]))
+            else:
+                chunks = _Chunks(flat, s, bucket.ranks)
+                items.append((chunks.whole(), chunks, paths[s.index]))
     _apply(fn, items)
     return buf
+
+
+class _Chunks:
+    """A Shard(d) leaf in chunk order (its nonempty chunks' data end to end, each
+    row-major) in a flat view: :meth:`whole` joins the chunks along d into the leaf (a new
+    tensor), :meth:`copy_` writes a whole leaf back into the view in chunk order."""
+
+    def __init__(self, flat: torch.Tensor, slot: Any, n: int):
+        d, shape = slot.dim, slot.shape
+        self.pre = " ".join(f"a{k}" for k in range(d))
+        self.post = " ".join(f"b{k}" for k in range(len(shape) - d - 1))
+        self.sizes = {f"a{k}": shape[k] for k in range(d)}
+        self.sizes.update({f"b{k}": shape[d + 1 + k] for k in range(len(shape) - d - 1)})
+        self.rows = [k for k in (chunk_rows(slot, c) for c in range(n)) if k]
+        row = slot.numel // shape[d]
+        self.views = [
+            einops.rearrange(
+                p, f"({self.pre} c {self.post}) -> ({self.pre}) c ({self.post})", **self.sizes
+            )
+            for p in flat.split([k * row for k in self.rows])
+        ]
+
+    def whole(self) -> torch.Tensor:
+        joined = torch.cat(self.views, dim=1)
+        return einops.rearrange(
+            joined, f"({self.pre}) c ({self.post}) -> {self.pre} c {self.post}", **self.sizes
+        )
+
+    def copy_(self, x: torch.Tensor) -> None:
+        rows = einops.rearrange(x, f"{self.pre} c {self.post} -> ({self.pre}) c ({self.post})")
+        for view, part in zip(self.views, rows.split(self.rows, dim=1)):
+            view.copy_(part)
 
 
 # -- Newton-Schulz and Muon ---------------------------------------------------------------------

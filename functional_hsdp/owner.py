@@ -18,11 +18,17 @@ A tree reaches the owner placement in one of two ways:
 * **Any other spec** keeps its own layout; :func:`route` plans, once per tree and set of
   leaves, each bucket's moves from the optimizer placement to the owners and back. There:
   a local selection for each Replicate axis (a rank keeps the pieces whose owner shares its
-  coordinate on it) and one all-to-all per Flat axis (each piece to its owner's coordinate
-  on that axis); then each owner's pieces are joined into whole leaves. Back: the reverse
-  all-to-alls, and one all-gather per Replicate axis. Blocks are uneven (nothing padded on
-  the wire); a rank's buffer is as long as the longest of the mesh, so that both meshes log
-  the same events. ``Shard(d)`` specs are not routed.
+  coordinate on it) and one all-to-all per Flat or Shard(d) axis (each piece to its
+  owner's coordinate on that axis); then each owner's pieces are joined into whole leaves.
+  Back: the reverse all-to-alls, and one all-gather per Replicate axis. Blocks are uneven
+  (nothing padded on the wire); a rank's buffer is as long as the longest of the mesh, so
+  that both meshes log the same events. A ``Shard(d)`` bucket is routed the same way from
+  each rank's data (:class:`Compact`): leaf j's chunk c, its ``torch.chunk`` along d, is
+  the elements ``[c S P Q, (c S + n_c) P Q)`` of the leaf in *chunk order* (the chunks'
+  data end to end, each row-major; S the chunk length, n_c this chunk's, P and Q the sizes
+  of the dims before and after d), so the planner moves ranges as for Flat; the owner
+  joins the chunks along d into the whole leaf (for d = 0 chunk order is the leaf's own: a
+  view), and splits the result back. Empty chunks send nothing; padding to S never travels.
 
 Owners are ranks of the data-parallel axes that move (size > 1); a leaf's owner coordinate
 on every other axis is the rank's own (other axes hold other values: each does its own).
@@ -49,9 +55,11 @@ from .spec import Spec
 
 __all__ = [
     "BucketRoute",
+    "Compact",
     "Exchange",
     "Rearrange",
     "balance",
+    "chunk_rows",
     "local_items",
     "owned",
     "owner_bucket",
@@ -289,6 +297,66 @@ class Rearrange:
         return torch.cat(parts).view(*self.batch, self.length)
 
 
+def chunk_rows(slot: Slot, c: int) -> int:
+    """The length along d of chunk ``c`` of a Shard(d) leaf (``torch.chunk``: 0 past the
+    last nonempty chunk)."""
+    return min(max(slot.shape[slot.dim] - c * slot.size, 0), slot.size)
+
+
+def _row(slot: Slot) -> int:
+    """A Shard(d) leaf's elements per index along d."""
+    return slot.numel // slot.shape[slot.dim]
+
+
+class Compact:
+    """A Shard(d) bucket's routed leaves as the ranks hold them, their data only: each
+    rank's nonempty chunks flattened, end to end, then zeros up to ``length`` (the longest
+    rank's). ``at[r]``: per chunk rank r holds, ``(slot position, position, lo, hi)``: the
+    chunk is elements ``[lo, hi)`` of the leaf in chunk order (see the module docstring)."""
+
+    def __init__(self, mesh: Any, bucket: Bucket, routed: Sequence[bool]):
+        self.bucket, self.batch = bucket, mesh.batch_shape
+        d = mesh.axis_names.index(bucket.shard[0])
+        self.at: dict[Rank, list[tuple[int, int, int, int]]] = {}
+        for r in np.ndindex(*mesh.sizes):
+            at, position = [], 0
+            for j, s in enumerate(bucket.slots):
+                rows = chunk_rows(s, r[d]) if routed[j] else 0
+                if rows:
+                    lo = r[d] * s.size * _row(s)
+                    at.append((j, position, lo, lo + rows * _row(s)))
+                    position += rows * _row(s)
+            self.at[r] = at
+        self.length = max((sum(hi - lo for *_, lo, hi in a) for a in self.at.values()), default=0)
+        self.items = local_items(mesh, self.at)
+        self.where: dict[int, list[tuple[tuple, int, int]]] = {}  # j -> (index, position, n)
+        for idx, at in self.items:
+            for j, position, lo, hi in at:
+                self.where.setdefault(j, []).append((idx, position, hi - lo))
+
+    def pack(self, leaves: list[torch.Tensor]) -> torch.Tensor:
+        """A new ``(*batch, length)`` buffer of the local shards ``leaves`` (a tree's leaf
+        list, at the optimizer placement)."""
+        parts, bucket = [], self.bucket
+        zeros = torch.zeros(self.length, dtype=bucket.dtype, device=bucket.device)
+        for idx, at in self.items:
+            for j, _, lo, hi in at:
+                s = bucket.slots[j]
+                x = leaves[s.index][idx].narrow(s.dim, 0, (hi - lo) // _row(s))
+                parts.append(x.reshape(-1).to(bucket.dtype))
+            parts.append(zeros.narrow(0, 0, self.length - sum(hi - lo for *_, lo, hi in at)))
+        return torch.cat(parts).view(*self.batch, self.length)
+
+    def unpack(self, buf: torch.Tensor, j: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Slot j's local shard (``shape``: batch dims in front) out of a packed buffer."""
+        s = self.bucket.slots[j]
+        out = buf.new_zeros(shape)
+        for idx, position, n in self.where.get(j, ()):
+            dst = out[idx].narrow(s.dim, 0, n // _row(s))
+            dst.copy_(buf[idx].narrow(-1, position, n).view(dst.shape))
+        return out
+
+
 @dataclass
 class BucketRoute:
     """One bucket's way to its owners and back.
@@ -299,6 +367,9 @@ class BucketRoute:
         leaves: per rank, ``(slot position, offset)`` of each leaf it owns in its buffer.
         length: the owners' buffer length.
         routed: the slot positions routed (the others come back as zeros).
+        compact: a Shard(d) bucket's :class:`Compact`: the route starts from its ``pack``
+            and ends in a buffer for its ``unpack`` (None: from and to the optimizer
+            placement's chunk).
     """
 
     there: list
@@ -306,6 +377,7 @@ class BucketRoute:
     leaves: dict[Rank, list[tuple[int, int]]]
     length: int
     routed: frozenset = frozenset()
+    compact: Compact | None = None
 
 
 class _Planner:
@@ -321,10 +393,16 @@ class _Planner:
         self.rep = [a for a in moving if a not in axes]
         self.dim = {a: k for k, a in enumerate(mesh.axis_names)}
         self.ranks = list(np.ndindex(*mesh.sizes))
+        self.compact, self.length = None, self.placed.length  # the buffer a route starts from
+        if self.bucket.shard is not None:
+            self.compact = Compact(mesh, self.bucket, [o is not None for o in owner])
+            self.length = self.compact.length
         self.chunk = {r: self._chunk(r) for r in self.ranks}
 
     def _chunk(self, r: Rank) -> list[tuple[Seg, int]]:
         """The routed leaves' pieces in rank r's chunk, with their positions in it."""
+        if self.compact is not None:
+            return [((j, lo, hi), p) for j, p, lo, hi in self.compact.at[r]]
         mesh, length = self.mesh, self.placed.length
         start, stride = 0, self.bucket.padded
         for a in self.placed.axes:
@@ -355,7 +433,7 @@ class _Planner:
             ]
             for r in self.ranks
         }
-        there, stages, held, source = [], [], keep, self.placed.length
+        there, stages, held, source = [], [], keep, self.length
         for a in self.flat:
             stage = self._exchange(a, held, source)
             there += [stage["pre"], stage["step"]]
@@ -369,7 +447,14 @@ class _Planner:
         there = [x for x in there if not (isinstance(x, Rearrange) and x.identity)]
         back = [x for x in back if not (isinstance(x, Rearrange) and x.identity)]
         routed = frozenset(j for j, o in enumerate(self.owner) if o is not None)
-        return BucketRoute(there=there, back=back, leaves=leaves, length=length, routed=routed)
+        return BucketRoute(
+            there=there,
+            back=back,
+            leaves=leaves,
+            length=length,
+            routed=routed,
+            compact=self.compact,
+        )
 
     def _exchange(self, a: str, held: dict, source: int) -> dict:
         """Stage of axis ``a``: order each rank's pieces by their owner's coordinate on ``a``
@@ -476,7 +561,7 @@ class _Planner:
                 runs[r] += [(-1, p - end), (src, hi - lo)]
                 end = p + hi - lo
         source = math.prod(mesh.size(a) for a in self.rep) * base["length"]
-        return [*items, Rearrange(mesh, runs, self.placed.length, source=source)]
+        return [*items, Rearrange(mesh, runs, self.length, source=source)]
 
 
 def _packed(segs: list[Seg]) -> list[tuple[Seg, int]]:

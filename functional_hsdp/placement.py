@@ -29,6 +29,9 @@ Flat                 Owner, same spec     nothing: that spec's Flat chunks are o
 Flat (other layout)  Owner                all-to-all (``per_matrix`` of a spec without
                                           Owner: its buckets to the owner layout)
 Owner                Flat (other layout)  all-to-all (back)
+Shard(d)             Owner                all-to-all (``per_matrix``: each rank's chunks,
+                                          joined along d at the owner)
+Owner                Shard(d)             all-to-all (back)
 Partial(op)          Partial(op)          nothing (the axis stays deferred)
 X                    X                    nothing
 Replicate / Flat     Partial              impossible: a reduced value cannot become a

@@ -146,6 +146,111 @@ def test_on_a_non_data_parallel_axis_each_coordinate_runs_its_own():
         torch.testing.assert_close(out["w"], _fn(full["w"]))
 
 
+# -- Shard(d) specs: each rank's chunks to the owners and back ------------------------------------
+
+R, P = fh.Replicate(), fh.Partial("avg")
+# on 3, 4 or 6 ranks: uneven chunks along dim 0 and 1, empty ones ((1, 6) along 0 on any of
+# them, (7, 3) along 1 on 4), a 3-D stack
+SHARD_MATRICES = {**MATRICES, "row": (1, 6), "thin": (6, 2)}
+# (mesh sizes, where the Shard(d) is): "inner" HSDP-style (dp_outer Replicate), "outer" the
+# other way round, "zero2" a Replicate parameter and gradient, "dp" a 1-D mesh
+SHARD_CASES = [
+    ({"dp": 4}, "dp"),
+    ({"dp": 3}, "dp"),
+    ({"dp_outer": 2, "dp_inner": 2}, "inner"),
+    ({"dp_outer": 2, "dp_inner": 3}, "inner"),
+    ({"dp_outer": 2, "dp_inner": 3}, "outer"),
+    ({"dp_outer": 3, "dp_inner": 2}, "zero2"),
+]
+
+
+def _shard_spec(mesh, dim, where, **kw):
+    S = fh.Shard(dim)
+    placements = {
+        "dp": ([S], [S], [S]),
+        "inner": ([R, S], [P, S], [R, S]),
+        "outer": ([S, R], [S, P], [S, R]),
+        "zero2": ([R, R], [P, P], [R, S]),
+    }[where]
+    return fh.Spec(mesh, *placements, **kw)
+
+
+def _first_exchange_elements(spec, full) -> int:
+    """Elements the first all-to-all of the route to the owners moves, over the whole mesh."""
+    from functional_hsdp.lookup import plan_for
+    from functional_hsdp.owner import Exchange, route
+
+    leaves, treedef = optree.tree_flatten(full)
+    paths = tuple(f"t{p}" for p in treedef.paths())
+    n = len(leaves)
+    plan = plan_for(
+        leaves, treedef, paths, specs=(spec,) * n, units=(0,) * n, shapes=[x.shape for x in leaves]
+    )
+    (r,) = route(plan, (True,) * n)
+    return int(next(x for x in r.there if isinstance(x, Exchange)).counts.sum())
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("sizes, where", SHARD_CASES, ids=lambda x: str(x))
+def test_per_matrix_on_shard_specs_equals_fn_of_each_dense_leaf_once(sizes, where, dim):
+    mesh = fh.SimMesh(sizes)
+    spec = _shard_spec(mesh, dim, where)
+    full = _full(shapes=SHARD_MATRICES)
+    fn = Counting()
+    with fh.comm_log() as log:
+        out = fh.per_matrix(fn, fh.shard(full, spec), spec)
+    ref = optree.tree_map(_fn, full)
+    assert max_error(fh.gather(out, spec), ref) < 1e-5
+    # the local shards of fn(whole leaf): torch.chunk's, zero-filled past an uneven chunk
+    assert max_error(out, fh.shard(ref, spec)) < 1e-5
+    assert fn.matrices == len(optree.tree_leaves(full))  # once per leaf, whole mesh
+    assert (3, 4, 6) in fn.calls  # the three (4, 6) leaves share one call
+    shard_axis, replicated = spec.shard[0], [a for a in mesh.axis_names if a != spec.shard[0]]
+    assert log.count("all_to_all", shard_axis) == 2  # one bucket: there and back
+    assert all(log.count("all_gather", a) == 1 for a in replicated)
+    assert log.count() == 2 + len(replicated)
+    # each element travels once: no chunk padding, nothing twice from the replicas
+    assert _first_exchange_elements(spec, full) == sum(x.numel() for x in optree.tree_leaves(full))
+
+
+def test_per_matrix_on_shard_specs_collectives_per_bucket_not_per_leaf():
+    spec = _shard_spec(_mesh((2, 2)), 1, "inner", bucket_cap_mb=2000 * 4 / 2**20)
+    for n in (8, 32):
+        full = {f"w{k}": torch.randn(10, 13) for k in range(n)}
+        with fh.comm_log() as log:
+            out = fh.per_matrix(Counting(), fh.shard(full, spec), spec)
+        buckets = math.ceil(n * 130 / 2000)
+        assert log.count("all_to_all", "dp_inner") == 2 * buckets
+        assert log.count("all_gather", "dp_outer") == log.count() // 3 == buckets
+        assert max_error(fh.gather(out, spec), optree.tree_map(_fn, full)) < 1e-5
+
+
+def test_per_matrix_on_a_tree_of_flat_owner_and_shard_specs():
+    mesh = _mesh((2, 3))
+    tree_spec = {
+        "flat": fh.hsdp(mesh, *AXES),
+        "owned": fh.owned(fh.hsdp(mesh, *AXES)),
+        "rows": _shard_spec(mesh, 0, "inner"),
+        "cols": _shard_spec(mesh, 1, "outer"),
+    }
+    full = {k: _full(seed=s) for s, k in enumerate(tree_spec)}
+    fn = Counting()
+    out = fh.per_matrix(fn, fh.shard(full, tree_spec), tree_spec)
+    assert max_error(fh.gather(out, tree_spec), optree.tree_map(_fn, full)) < 1e-5
+    assert fn.matrices == len(optree.tree_leaves(full))
+
+
+def test_per_matrix_on_a_shard_spec_with_a_non_data_parallel_axis():
+    mesh = fh.SimMesh({"tp": 2, "dp": 3})
+    S = fh.Shard(1)
+    spec = fh.Spec(mesh, [R, S], [R, S], [R, S], dp_axes="dp")
+    full = {"w": torch.randn(2, 1, 5, 7).expand(2, 3, 5, 7).contiguous()}  # per tp rank
+    fn = Counting()
+    out = fh.gather(fh.per_matrix(fn, fh.shard(full, spec, stacked=True), spec), spec)
+    assert fn.matrices == 2  # one per tp coordinate
+    torch.testing.assert_close(out["w"], _fn(full["w"]))
+
+
 # -- the owner layout ---------------------------------------------------------------------------
 
 
@@ -387,7 +492,7 @@ NS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def _muon_run(spec, microbatches, muon_kw, steps=3, shapes=MUON_SHAPES):
     """fh.partition(muon, adamw) on ``spec`` and torch's Muon + AdamW on the dense mean
     gradient, ``steps`` steps of ``microbatches``; returns both final parameter trees."""
-    shape = spec.mesh.batch_shape
+    shape = optree.tree_leaves(spec)[0].mesh.batch_shape  # spec: a Spec or a spec tree
     full = random_tree((), seed=20, shapes=shapes)
     params = fh.shard(full, spec)
     opt = fh_muon_adamw(spec, muon_kw, ADAMW_KW)
@@ -418,6 +523,31 @@ def test_muon_and_adamw_equal_torch_on_the_dense_mean_gradient(strategy, microba
     spec = fh.owned(preset("hsdp", mesh)) if strategy == "owned" else preset(strategy, mesh)
     got, ref = _muon_run(spec, microbatches, dict(MUON_KW, ns_dtype=NS[ns]))
     # bf16 Newton-Schulz sees the same bf16 inputs as torch's: both agree to fp32 roundoff
+    assert max_error(got, ref) < 5e-6
+
+
+# uneven along both dims on 3 and 4 ranks, an empty chunk along dim 1 on 4 ((5, 3))
+UNEVEN_MUON_SHAPES = {
+    "w1": (10, 7),
+    "w2": (7, 13),
+    "w3": (5, 3),
+    "embed": (9, 4),
+    "b1": (7,),
+    "norm": (5,),
+}
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize(
+    "sizes, where", [({"dp": 4}, "dp"), ({"dp_outer": 2, "dp_inner": 3}, "inner")], ids=str
+)
+@pytest.mark.parametrize("shapes", ["even", "uneven"])
+def test_muon_on_shard_specs_equals_torch_on_the_dense_mean_gradient(shapes, sizes, where, dim):
+    """Shard(dim) for the matrices (Shard(0) for the 1-D leaves: a spec tree)."""
+    mesh = fh.SimMesh(sizes)
+    shapes = MUON_SHAPES if shapes == "even" else UNEVEN_MUON_SHAPES
+    spec = {k: _shard_spec(mesh, dim if len(s) > 1 else 0, where) for k, s in shapes.items()}
+    got, ref = _muon_run(spec, 2, MUON_KW, shapes=shapes)
     assert max_error(got, ref) < 5e-6
 
 

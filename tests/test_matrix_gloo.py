@@ -130,6 +130,42 @@ def test_fn_runs_once_per_matrix_across_the_ranks(pool, strategy, carriage):
     assert sorted(events.pop()) == sorted(expected)  # one bucket: one per axis and way
 
 
+# -- Shard(d) specs: each rank's torch.chunk to the owners and back ------------------------------
+
+# on 4 ranks: uneven chunks along both dims, empty ones ((9, 12) along 0, (8, 3) along 1)
+SHARD_MATRICES = {f"w{k}": (8 + k, 3 + 2 * k) for k in range(5)}
+
+
+def _shard_count(shape: tuple[int, int], dim: int):
+    """per_matrix of a whole-matrix fn on a Shard(dim) spec over dp_inner (dp_outer Replicate)."""
+    R, P, S = fh.Replicate(), fh.Partial("avg"), fh.Shard(dim)
+    spec = fh.Spec(fh.DistMesh(device_mesh(shape, AXES)), [R, S], [P, S], [R, S])
+    full = random_tree((), seed=1, shapes=SHARD_MATRICES)
+    seen = []
+
+    def fn(x):
+        seen.extend(tuple(m.shape) for m in x)
+        return x @ x.mT @ x
+
+    with fh.comm_log() as log:
+        out = fh.per_matrix(fn, fh.shard(full, spec), spec)
+    got = fh.gather(out, spec)
+    error = max((got[k] - full[k] @ full[k].mT @ full[k]).abs().max().item() for k in full)
+    return seen, error, [(e.op, e.axis) for e in log.events]
+
+
+@pytest.mark.parametrize("shape, dim", [((1, 4), 0), ((1, 4), 1), ((2, 2), 1)], ids=str)
+def test_per_matrix_on_a_shard_spec_runs_fn_once_per_whole_matrix(pool, shape, dim):
+    results = pool.run(_shard_count, shape, dim)
+    seen = sorted(s for r in results for s in r[0])
+    assert seen == sorted(SHARD_MATRICES.values())  # each matrix once, on one of the 4 ranks
+    assert all(r[1] < 1e-4 for r in results)
+    events = {tuple(r[2]) for r in results}
+    assert len(events) == 1  # every rank issued the same collectives
+    expected = [("all_to_all", "dp_inner")] * 2 + [("all_gather", "dp_outer")] * (shape[0] > 1)
+    assert sorted(events.pop()) == sorted(expected)  # one bucket: one per axis and way
+
+
 # -- checkpoints: the partition state (Muon's momentum, AdamW's moments) through DCP -----------
 
 
