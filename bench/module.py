@@ -88,7 +88,7 @@ def _model(kind: str, cfg: dict) -> torch.nn.Module:
     """The initial model, the same on every rank (seeded)."""
     torch.manual_seed(0)
     c = cfg[kind]
-    if kind == "mlp":
+    if kind.startswith("mlp"):  # bench/muon.py's mlp_b1024 too
         return torch.nn.Sequential(
             *(
                 torch.nn.Sequential(torch.nn.Linear(c["D"], c["D"]), torch.nn.Tanh())

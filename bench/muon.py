@@ -43,10 +43,20 @@ from .module import _data, _loss, _warm_modules
 # B13's sizes; the MLP tiny with 8 blocks (two units of 4), full with batch 256 (tokens per
 # step for Newton-Schulz to be amortized over, as in training); 3 timed repetitions
 SIZES = {
-    "tiny": {**B13.SIZES["tiny"], "mlp": {"D": 64, "L": 8, "B": 4}},
-    "full": {**B13.SIZES["full"], "mlp": {"D": 1024, "L": 8, "B": 256}, "reps": 3},
+    "tiny": {
+        **B13.SIZES["tiny"],
+        "mlp": {"D": 64, "L": 8, "B": 4},
+        "mlp_b1024": {"D": 64, "L": 8, "B": 16},
+    },
+    "full": {
+        **B13.SIZES["full"],
+        "mlp": {"D": 1024, "L": 8, "B": 256},
+        # the same MLP at 4x the tokens per step: Newton-Schulz's work per step is the same
+        "mlp_b1024": {"D": 1024, "L": 8, "B": 1024},
+        "reps": 3,
+    },
 }
-MODELS = ("llama", "mlp")
+MODELS = ("llama", "mlp", "mlp_b1024")
 VARIANTS = ("adamw", "muon", "naive")
 LR, MUON_LR = 1e-3, 0.02
 
@@ -269,7 +279,13 @@ def time_task(cfg: dict) -> dict:
             runners[key].step(data[key[0]])
         wire[key] = _wire(log.events, dict(zip(C.AXES, (2, 2))))
     skip = cfg["warmup"]
+    padding = {}
+    for k in MODELS:  # the owned units' buckets: padded length over data (the outer RS input)
+        buckets = runners[(k, "muon")].mg.plan.buckets
+        owned = [b for b in buckets if any(isinstance(p, fh.Owner) for p in b.spec.optimizer)]
+        padding[k] = sum(b.padded for b in owned) / sum(b.numel for b in owned)
     return {
+        "padding": padding,
         "times": {f"{k}/{v}": t for (k, v), t in times.items()},
         "losses": {f"{k}/{v}": x for (k, v), x in losses.items()},
         "ns": {f"{k}/{v}": C.median(x[skip:]) for (k, v), x in ns.items()},
@@ -301,7 +317,7 @@ def run(size: str = "full", pool=None) -> dict:
         for key in per_rank[0]["losses"]
     }
     res["ns"] = {key: [r["ns"][key] for r in per_rank] for key in per_rank[0]["ns"]}
-    res["wire"] = per_rank[0]["wire"]
+    res["wire"], res["padding"] = per_rank[0]["wire"], per_rank[0]["padding"]
     res["mem"] = {key: max(r["peak"] for r in rs) for key, rs in mem.items()}
     res["numel"] = {k: sum(p.numel() for p in _model(k, cfg).parameters()) for k in MODELS}
     res["goals"] = _goals(res)
@@ -335,7 +351,9 @@ def _intro(res: dict) -> str:
         f"{ll['L']} layers, {res['numel']['llama']:,} parameters), batch {ll['B']} x {ll['T']} "
         f"tokens per microbatch, units = the decoder layers; `mlp` = {mlp['L']} x "
         f"(Linear({mlp['D']}, {mlp['D']}) + Tanh) ({res['numel']['mlp']:,} parameters), batch "
-        f"{mlp['B']}, units = {GROUP} blocks each. M = {cfg['M']}; AdamW lr "
+        f"{mlp['B']}, units = {GROUP} blocks each; `mlp_b1024` = the same MLP at batch "
+        f"{cfg['mlp_b1024']['B']} (the same Newton-Schulz work per step, 4x the tokens). "
+        f"M = {cfg['M']}; AdamW lr "
         f"{LR}, Muon lr {MUON_LR} (torch's other defaults, Newton-Schulz in bf16). Variants as "
         "in `bench/muon.py`'s docstring. "
         + C.timing_note(cfg, f"all {len(MODELS) * len(VARIANTS)} variants")
@@ -395,6 +413,11 @@ def report(res: dict, command: str, when: str) -> str:
     for name, (value, goal) in res["goals"].items():
         met = abs(value - goal) < 1e-9 if "=" in name and "<=" not in name else value <= goal
         lines.append(f"- {name}: {value:.3f} — **{'met' if met else 'not met'}**.")
+    for k, x in res["padding"].items():
+        lines.append(
+            f"- {k}: the owner layout pads the owned units' buckets to {x:.3f}x their data "
+            "(what the outer reduce-scatter and all-gather carry beyond HSDP's all-reduce)."
+        )
     for k, x in res["agree"].items():
         lines.append(f"- {k}: muon and naive losses agree to {x:.1e} (relative): the same math.")
     return "\n".join(lines) + "\n"
