@@ -1,6 +1,7 @@
 """Matrix optimizers on 4 real gloo processes (2x2 mesh), one pool for the module.
 
-fh.partition(fh.muon, fh.adamw) on hsdp, hfsdp and owned(hsdp), with 1 and 3 microbatches,
+fh.partition(fh.muon, fh.adamw) on hsdp, hfsdp and owned(hsdp), with 1 and 3 microbatches (and
+on an HSDP-style Shard(1) spec tree with 3),
 gives torch.optim.Muon + torch.optim.AdamW's parameters on the dense mean gradient; per_matrix
 runs fn once per matrix over all the ranks, with one collective per bucket per axis; the
 partition state checkpoints through DCP and resumes on another mesh shape.
@@ -32,11 +33,18 @@ import functional_hsdp as fh
 from functional_hsdp.launch import device_mesh
 
 MUON_KW, ADAMW_KW, STEPS = {"lr": 0.02}, {"lr": 1e-3, "weight_decay": 0.01}, 3
-CASES = [(s, m) for s in ("hsdp", "hfsdp", "owned") for m in (1, 3)]
+CASES = [(s, m) for s in ("hsdp", "hfsdp", "owned") for m in (1, 3)] + [("shard1", 3)]
 NS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _spec(strategy: str, mesh) -> fh.Spec:
+def _spec(strategy: str, mesh) -> fh.Spec | dict:
+    if strategy == "shard1":  # HSDP-style Shard(1) for the matrices, Shard(0) for 1-D leaves
+        R, P = fh.Replicate(), fh.Partial("avg")
+        dims = {k: 1 if len(s) > 1 else 0 for k, s in MUON_SHAPES.items()}
+        return {
+            k: fh.Spec(mesh, [R, fh.Shard(d)], [P, fh.Shard(d)], [R, fh.Shard(d)])
+            for k, d in dims.items()
+        }
     return fh.owned(preset("hsdp", mesh)) if strategy == "owned" else preset(strategy, mesh)
 
 
