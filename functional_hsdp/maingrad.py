@@ -31,9 +31,10 @@ state (:mod:`functional_hsdp.units.registry`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 import optree
@@ -308,16 +309,18 @@ class MainGrad:
         and a rank that does not declare ``last=True`` leaves the others waiting, until the
         mesh's timeout (``CollectiveError``). Under ``fh.validation("strict")`` the ranks
         agree on every declaration, so a rank that declares otherwise raises
-        :class:`~functional_hsdp.errors.UnitsDiffer` on every rank at once.
+        :class:`~functional_hsdp.errors.UnitsDiffer` on every rank at once. This rank's own
+        checks (a finished step not zeroed) run inside that agreement, so its error is every
+        rank's; a ``last`` that is not a bool is refused on its rank alone (it cannot know
+        whether to join), and the others wait until the timeout.
 
         Args:
             last: keyword-only: True before the step's final microbatch.
         """
-        check_bool("last", last, " (True before the final microbatch)")
-        self._check_accumulating("begin_microbatch")
         # the declaration decides when the deferred reductions are issued: it joins the
-        # step's record of unit calls, which the ranks agree on before any is issued
-        validate.unit_log(self.mesh).record("MainGrad.begin_microbatch", f"last={last}")
+        # step's record of unit calls, which the ranks agree on before any is issued; this
+        # rank's own checks run inside that agreement (a failure there is every rank's)
+        declare = functools.partial(self._declare, last)
         if validate.current_mode() == "strict":  # every declaration, at once
             validate.agree_on_unit_collective(
                 self.mesh,
@@ -327,10 +330,19 @@ class MainGrad:
                 options=(f"last={last}",),
                 unit="MainGrad.begin_microbatch",
                 op="deferred reduction",
+                local=declare,
             )
-        elif last:  # the unit calls so far and this declaration (a rank without it: a wait)
-            self._units.agree("MainGrad.begin_microbatch")
+        elif last is True:  # the unit calls so far and this declaration (a rank without it:
+            self._units.agree("MainGrad.begin_microbatch", local=declare)  # a wait)
+        else:
+            declare()
         self._deferred.begin(last)
+
+    def _declare(self, last: bool) -> None:
+        """begin_microbatch's own checks, and the declaration into the mesh's unit log."""
+        check_bool("last", last, " (True before the final microbatch)")
+        self._check_accumulating("begin_microbatch")
+        validate.unit_log(self.mesh).record("MainGrad.begin_microbatch", f"last={last}")
 
     @torch.compiler.disable
     def finish(self) -> None:
@@ -694,12 +706,15 @@ class _Units:
         declared last microbatch, its deferred reduction may start."""
         self._mg._deferred.done(buckets)
 
-    def agree(self, where: str) -> None:
+    def agree(self, where: str, *, local: Callable[[], None] | None = None) -> None:
         """Check now that every rank ran the same gathered units since the last check (the
         same order and options), as ``finish`` does; raise on every rank otherwise, the
-        error starting with ``where``. Every rank must call it."""
+        error starting with ``where``. ``local``: this rank's own checks, run first inside
+        the agreement (a rank whose checks fail tells the others). Every rank must call it."""
         mg = self._mg
         with validate.agreement(mg.mesh, where) as agreed:
+            if local is not None:
+                local()
             agreed.check(mg.plan, paths_of(mg.plan.treedef, "grads"), units=True)
 
 

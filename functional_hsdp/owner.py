@@ -75,11 +75,12 @@ def _aligned(n: int) -> int:
 def balance(sizes: Sequence[int], n: int) -> list[int]:
     """Each item's owner among ``n``, the loads as even as a greedy start and local steps
     make them: largest first, each to the least loaded (ties: the lowest index); then, while
-    the heaviest owner is above the bound no assignment beats (the largest item, and the
-    total over ``n`` rounded up), the step that evens it and another owner the most: one of
-    its items moved there, or swapped for a smaller one. Every step lowers the heaviest load
-    or the number of owners at it and raises no load above it, so every load stays within
-    the largest item of every other.
+    the heaviest owner is more than 1/256 above the bound no assignment beats (the largest
+    item, and the total over ``n`` rounded up), the step that evens it and one of the 8 least
+    loaded owners the most: one of its items moved there, or swapped for a smaller one (at
+    most as many steps as items and owners: milliseconds for thousands of leaves). Every step
+    lowers the heaviest load or the number of owners at it and raises no load above it, so
+    every load stays within the largest item of every other.
 
     Example:
         >>> from functional_hsdp.owner import balance
@@ -106,9 +107,12 @@ def _even(sizes: Sequence[int], owner: list[int], n: int) -> None:
     for i in sorted(range(len(sizes)), key=lambda i: (sizes[i], i)):
         held[owner[i]].append((sizes[i], i))
     loads = [sum(s for s, _ in h) for h in held]
-    for _ in range(2 * len(sizes) * n):  # a bound: every step lowers (heaviest, owners at it)
+    # within 1/256 of the bound is even enough; at most as many steps as items and owners
+    enough = bound + bound // 256
+    for _ in range(len(sizes) + n):
         h = max(range(n), key=lambda k: (loads[k], -k))
-        step = _best_step(held, loads, h) if loads[h] > bound else None
+        lightest = heapq.nsmallest(_PARTNERS, range(n), key=lambda k: (loads[k], k))
+        step = _best_step(held, loads, h, partners=lightest) if loads[h] > enough else None
         if step is None:
             return
         k, a, b = step
@@ -120,12 +124,15 @@ def _even(sizes: Sequence[int], owner: list[int], n: int) -> None:
                 owner[item[1]] = dst
 
 
-def _best_step(held: list, loads: list[int], h: int) -> tuple | None:
-    """``(k, a, b)``: owner h's item a to owner k, and k's item b (None: none) to h, the pair's
-    heavier load after it the lowest over every k, a and b that lower h's load by less than
-    its gap to k's; None if there is none."""
+_PARTNERS = 8  # the least loaded owners a step may pair with the heaviest
+
+
+def _best_step(held: list, loads: list[int], h: int, *, partners: list[int]) -> tuple | None:
+    """``(k, a, b)``: owner h's item a to owner k (one of ``partners``), and k's item b (None:
+    none) to h, the pair's heavier load after it the lowest over every such k, a and b that
+    lower h's load by less than its gap to k's; None if there is none."""
     best, found = loads[h], None
-    for k in range(len(loads)):
+    for k in partners:
         gap = loads[h] - loads[k]
         if k == h or gap < 2:
             continue

@@ -96,7 +96,7 @@ import contextlib
 import contextvars
 import hashlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -412,25 +412,36 @@ def agreement_in_mode(spec: Any, call: str, mode: str) -> Iterator[Agreement]:
 
 
 def agree_on_unit_collective(
-    spec: Any, plan: Any, *, what: str, paths: list[str], options: tuple, unit: str, op: str
+    spec: Any,
+    plan: Any,
+    *,
+    what: str,
+    paths: list[str],
+    options: tuple,
+    unit: str,
+    op: str,
+    local: Callable[[], None] | None = None,
 ) -> None:
     """``validation("strict")``: every rank agrees on a layer-wise unit's collective ``op``
     before it is issued (a first-order unit's or one on the composable path; or, from
     ``MainGrad.begin_microbatch``, the declaration that decides when the deferred reductions
     are issued), so that ranks that differ raise :class:`~functional_hsdp.errors.UnitsDiffer`
     on every rank, naming ``unit``, instead of meeting another rank's collective (a crash or
-    a hang). The rows are the library's own plain tensors, whatever transform or backward is
-    running."""
-    try:
-        with torch._C._DisableFuncTorch(), torch.no_grad():
-            with agreement_in_mode(spec, what, "strict") as agreed:
+    a hang). ``local``: this rank's own checks, run first inside the agreement (their error
+    is this rank's, and the others are told). The rows are the library's own plain tensors,
+    whatever transform or backward is running."""
+    with torch._C._DisableFuncTorch(), torch.no_grad():
+        with agreement_in_mode(spec, what, "strict") as agreed:
+            if local is not None:
+                local()
+            try:
                 agreed.check(plan, paths, options=options)
-    except ValueError as exc:
-        raise UnitsDiffer(
-            f"{unit}, before its {op} (validation('strict')): the ranks differ: {exc}",
-            op.replace("-", "_"),
-            tuple(plan.mesh.axis_names),
-        ) from None
+            except ValueError as exc:
+                raise UnitsDiffer(
+                    f"{unit}, before its {op} (validation('strict')): the ranks differ: {exc}",
+                    op.replace("-", "_"),
+                    tuple(plan.mesh.axis_names),
+                ) from None
 
 
 def agree(

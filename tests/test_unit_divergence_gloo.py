@@ -224,6 +224,33 @@ def test_a_last_microbatch_declared_otherwise_on_one_rank_raises_in_the_default_
     assert any("exchange over mesh axes" in m for m in messages), messages
 
 
+def _not_zeroed(mode: str):
+    """A finished step; rank 1 forgets zero_grad() before the next step's declarations."""
+    spec, shards, mg = _setup(into=True)
+    grad = torch.func.grad(_loss_fn("none", spec, mg))
+    for m, _ in fh.microbatches(2, into=mg):
+        grad(shards, _data(m))
+    mg.finish()
+    if dist.get_rank() != 1:
+        mg.zero_grad()
+    start = time.monotonic()
+    try:
+        with fh.validation(mode):
+            mg.begin_microbatch(last=True)
+    except ValueError as exc:
+        raise ValueError(f"{exc} [after {time.monotonic() - start:.1f} s]") from None
+
+
+@pytest.mark.parametrize("mode", ["on", "strict"])
+def test_a_rank_whose_begin_microbatch_check_fails_tells_the_others(pool, mode):
+    """Rank 1's own check fails in begin_microbatch(last=True) (a finished step it did not
+    zero): its error reaches every rank in the declaration's agreement, at once (before: the
+    others waited in it until the timeout)."""
+    messages = _expect(pool, None, mode, None, "call zero_grad()", task=_not_zeroed)
+    for message in messages:
+        assert float(message.rsplit("[after ", 1)[1].split(" s]")[0]) < 3, message
+
+
 def test_strict_names_a_prefetched_unit_and_leaves_nothing(pool):
     """Rank 1 skips unit 1 with prefetch on: strict refuses the all-gather unit 0's forward
     issues ahead, naming the unit it is for and the block that issued it; the raise comes
