@@ -40,10 +40,12 @@ __all__ = [
     "Gaps",
     "Slot",
     "bucket_elements",
+    "align",
     "build_buckets",
     "interleave",
     "pack_full",
     "pack_shard_full",
+    "shard_dims",
     "spaced",
     "unpack_full",
     "unpack_shard_full",
@@ -56,7 +58,8 @@ __all__ = [
 ALIGN = 16
 
 
-def _align(n: int, multiple: int = ALIGN) -> int:
+def align(n: int, multiple: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (an offset or width in a bucket)."""
     return -(-n // multiple) * multiple
 
 
@@ -242,7 +245,7 @@ def _runs(
         if runs[-1] and total + numel > cap:
             runs.append([])
             end = total = 0
-        slot = Slot(index=i, path=paths[i], shape=shapes[i], offset=_align(end), numel=numel)
+        slot = Slot(index=i, path=paths[i], shape=shapes[i], offset=align(end), numel=numel)
         if shard is not None:
             slot = _shard_slot(slot, shard, spec.mesh.size(shard[0]))
         runs[-1].append(slot)
@@ -257,9 +260,9 @@ def _bucket(run: list[Slot], spec: Spec, *, unit: int, dtype: torch.dtype, devic
     so that the leaves of every block of the gathered bucket are aligned."""
     end, shard = run[-1].offset + run[-1].width, spec.shard
     if shard is not None:
-        padded = _align(end) * spec.mesh.size(shard[0])
+        padded = align(end) * spec.mesh.size(shard[0])
     else:
-        padded = _align(end, math.prod(spec.mesh.size(a) for a in spec.split_order))
+        padded = align(end, math.prod(spec.mesh.size(a) for a in spec.split_order))
     total = sum(s.numel for s in run)
     return Bucket(
         spec=spec,
@@ -438,11 +441,13 @@ def _shard_slot(slot: Slot, shard: tuple[str, int], n: int) -> Slot:
     )
 
 
-def _dims(ndim: int, dim: int) -> tuple[str, str]:
-    """einops names for the dims before and after a Shard dim."""
-    pre = " ".join(f"a{k}" for k in range(dim))
-    post = " ".join(f"b{k}" for k in range(ndim - dim - 1))
-    return pre, post
+def shard_dims(slot: Slot) -> tuple[str, str, dict[str, int]]:
+    """einops names for a Shard(d) leaf's dims before and after d, and their sizes."""
+    shape, dim = slot.shape, slot.dim
+    before, after = range(dim), range(len(shape) - dim - 1)
+    sizes = {f"a{k}": shape[k] for k in before}
+    sizes.update({f"b{k}": shape[dim + 1 + k] for k in after})
+    return " ".join(f"a{k}" for k in before), " ".join(f"b{k}" for k in after), sizes
 
 
 def pack_shard_full(
@@ -462,7 +467,7 @@ def pack_shard_full(
         pad = n * s.size - s.shape[s.dim]
         if pad:
             x = torch.nn.functional.pad(x, (0, 0) * (len(s.shape) - s.dim - 1) + (0, pad))
-        pre, post = _dims(len(s.shape), s.dim)
+        pre, post, _ = shard_dims(s)
         parts.append(
             einops.rearrange(x, f"{names} {pre} (n c) {post} -> {names} n ({pre} c {post})", n=n)
         )
@@ -479,9 +484,7 @@ def unpack_shard_full(
     blocks = einops.rearrange(buf, f"{names} (n p) -> {names} n p", n=n)
     out = []
     for s in bucket.slots:
-        pre, post = _dims(len(s.shape), s.dim)
-        sizes = {f"a{k}": s.shape[k] for k in range(s.dim)}
-        sizes.update({f"b{k}": s.shape[s.dim + 1 + k] for k in range(len(s.shape) - s.dim - 1)})
+        pre, post, sizes = shard_dims(s)
         x = einops.rearrange(
             blocks.narrow(-1, s.offset, s.chunk_numel),
             f"{names} n ({pre} c {post}) -> {names} {pre} (n c) {post}",

@@ -31,7 +31,7 @@ import optree
 import torch
 
 from . import validate
-from .layout import unpack_full
+from .layout import shard_dims, unpack_full
 from .lookup import find_layout
 from .optim import GradientTransformation
 from .owner import BucketRoute, chunk_rows, local_items, owner_of_slot, route
@@ -310,13 +310,9 @@ class _Chunks:
     tensor), :meth:`copy_` writes a whole leaf back into the view in chunk order."""
 
     def __init__(self, flat: torch.Tensor, slot: Any, n: int):
-        d, shape = slot.dim, slot.shape
-        self.pre = " ".join(f"a{k}" for k in range(d))
-        self.post = " ".join(f"b{k}" for k in range(len(shape) - d - 1))
-        self.sizes = {f"a{k}": shape[k] for k in range(d)}
-        self.sizes.update({f"b{k}": shape[d + 1 + k] for k in range(len(shape) - d - 1)})
+        self.pre, self.post, self.sizes = shard_dims(slot)
         self.rows = [k for k in (chunk_rows(slot, c) for c in range(n)) if k]
-        row = slot.numel // shape[d]
+        row = slot.numel // slot.shape[slot.dim]
         self.views = [
             einops.rearrange(
                 p, f"({self.pre} c {self.post}) -> ({self.pre}) c ({self.post})", **self.sizes

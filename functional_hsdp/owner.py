@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from .cache import Bounded
-from .layout import ALIGN, Bucket, Slot
+from .layout import Bucket, Slot, align
 from .placement import Owner
 from .plan import Plan, Step
 from .spec import Spec
@@ -66,10 +66,6 @@ __all__ = [
     "owner_of_slot",
     "route",
 ]
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def balance(sizes: Sequence[int], n: int) -> list[int]:
@@ -159,7 +155,7 @@ def owner_bucket(run: list[Slot], spec: Spec, *, unit: int, dtype: torch.dtype, 
     buckets are the same seen alone (as a gathered unit looks them up) or in the whole tree.
     """
     n = math.prod(spec.mesh.size(a) for a in spec.split_order)
-    widths = [_aligned(s.numel) for s in run]
+    widths = [align(s.numel) for s in run]
     owner = balance(widths, n)
     loads = [0] * n
     for k, w in zip(owner, widths):
@@ -505,7 +501,7 @@ class _Planner:
                 runs[r] += [(-1, offset - sum(n for _, n in runs[r]))]
                 runs[r] += [(p, hi - lo) for lo, hi, p in parts]
                 leaves[r].append((j, offset))
-                offset += _aligned(slots[j].numel)
+                offset += align(slots[j].numel)
         length = max((sum(n for _, n in x) for x in runs.values()), default=0)
         return leaves, length, Rearrange(self.mesh, runs, length, source=source)
 
