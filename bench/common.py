@@ -356,6 +356,14 @@ def slowest_rank_medians(
     return times, {k: median(v) for k, v in times.items()}
 
 
+def mean_losses(per_rank: list[dict], *, keys=None) -> dict[str, list[float]]:
+    """Per variant (``keys``, default: the first rank's), each step's loss averaged over the
+    ranks' ``losses``."""
+    keys = per_rank[0]["losses"] if keys is None else keys
+    steps = lambda k: zip(*(r["losses"][k] for r in per_rank))  # noqa: E731
+    return {k: [sum(col) / len(col) for col in steps(k)] for k in keys}
+
+
 def lo_bytes() -> int:
     """Bytes sent on the loopback interface so far (all processes of this machine)."""
     with open("/proc/net/dev") as f:

@@ -58,10 +58,7 @@ def run(size: str = "full", pool=None) -> dict:
     per_rank, res = C.run_task(task, SIZES, size, pool)
     res["times"], res["median"] = C.slowest_rank_medians([r["times"] for r in per_rank])
     res["finish"], res["median_finish"] = C.slowest_rank_medians([r["finish"] for r in per_rank])
-    res["losses"] = {
-        v: [sum(col) / len(col) for col in zip(*(r["losses"][v] for r in per_rank))]
-        for v in VARIANTS
-    }
+    res["losses"] = C.mean_losses(per_rank, keys=VARIANTS)
     declared, undeclared = res["losses"]["lw_sink"], res["losses"]["lw_sink_undeclared"]
     res["loss_maxrel"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(declared, undeclared))
     times = res["times"]

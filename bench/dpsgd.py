@@ -266,10 +266,7 @@ def run(size: str = "full", pool=None) -> dict:
 
     per_rank, res, mem = C.time_then_memory(time_task, SIZES, size, pool, memory)
     res["times"], res["median"] = C.slowest_rank_medians([r["times"] for r in per_rank])
-    res["losses"] = {
-        v: [sum(col) / len(col) for col in zip(*(r["losses"][v] for r in per_rank))]
-        for v in per_rank[0]["losses"]
-    }
+    res["losses"] = C.mean_losses(per_rank)
     res["variants"] = variants = list(res["losses"])
     res["mem"] = {
         v: {"peak": max(r["peak"] for r in rs), "before": max(r["before"] for r in rs)}

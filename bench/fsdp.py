@@ -229,10 +229,7 @@ def run(size: str = "full", pool=None) -> dict:
     res.update(variants=variants, numel=per_rank[0]["numel"])
     res["times"], res["median"] = C.slowest_rank_medians([r["times"] for r in per_rank])
     # the global loss of a step: mean over ranks of each rank's mean microbatch loss
-    res["losses"] = {
-        v: [sum(col) / len(col) for col in zip(*(r["losses"][v] for r in per_rank))]
-        for v in variants
-    }
+    res["losses"] = C.mean_losses(per_rank, keys=variants)
     res["peak"] = {v: max(max(r["peaks"][v]) for r in per_rank) for v in variants}
     res["persistent"] = {v: max(r["persistent"][v] for r in per_rank) for v in variants}
     res["counts"] = per_rank[0]["counts"]

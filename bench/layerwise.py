@@ -463,10 +463,7 @@ def run(size: str = "full", pool=None) -> dict:
     res["fresh"] = pool is None
     res["times"], res["median"] = C.slowest_rank_medians([r["times"] for r in per_rank])
     # a step's loss: mean over ranks of each rank's mean microbatch loss
-    res["losses"] = {
-        v: [sum(col) / len(col) for col in zip(*(r["losses"][v] for r in per_rank))]
-        for v in variants
-    }
+    res["losses"] = C.mean_losses(per_rank, keys=variants)
     ref = res["losses"]["fsdp2"]
     res["loss_maxrel"] = {
         v: max(

@@ -312,10 +312,7 @@ def run(size: str = "full", pool=None) -> dict:
 
     per_rank, res, mem = C.time_then_memory(time_task, SIZES, size, pool, memory)
     res["times"], res["median"] = C.slowest_rank_medians([r["times"] for r in per_rank])
-    res["losses"] = {
-        key: [sum(col) / len(col) for col in zip(*(r["losses"][key] for r in per_rank))]
-        for key in per_rank[0]["losses"]
-    }
+    res["losses"] = C.mean_losses(per_rank)
     res["ns"] = {key: [r["ns"][key] for r in per_rank] for key in per_rank[0]["ns"]}
     res["wire"], res["padding"] = per_rank[0]["wire"], per_rank[0]["padding"]
     res["mem"] = {key: max(r["peak"] for r in rs) for key, rs in mem.items()}
