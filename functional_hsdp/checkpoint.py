@@ -41,6 +41,7 @@ from .lookup import find_layout
 from .maingrad import MainGrad
 from .matrix import MuonState, PartitionState, masked_like, unmask
 from .optim import AdamWState, SGDState
+from .owner import keep_owners
 from .plan import Plan, Step, TreeMeta, get_plan
 from .schedule import run
 from .spec import Spec, resolve_specs
@@ -539,10 +540,11 @@ def _pieces(plan: Plan, b: int, gathered: torch.Tensor, *, local: list, shapes: 
     blocks (or the whole leaf)."""
     bucket, widths = plan.buckets[b], _block_widths(plan, b, shapes)
     start, length = _piece_range(plan, b, ROLE)
+    mine = _kept(plan, b)
     n_blocks = max((len(shapes[s.index].chunks) for s in bucket.slots), default=1)
     blocks = gathered.view(n_blocks, -1) if gathered.numel() else gathered
     offset = 0
-    for s, width in zip(bucket.slots, widths):
+    for s, width, kept in zip(bucket.slots, widths, mine):
         lo = min(max(start - s.offset, 0), s.numel)
         hi = min(max(start + length - s.offset, 0), s.numel)
         if width:
@@ -553,7 +555,20 @@ def _pieces(plan: Plan, b: int, gathered: torch.Tensor, *, local: list, shapes: 
         else:
             piece = local[s.index].reshape(-1)[lo:hi].clone()
         offset += width
-        yield s.index, piece
+        yield s.index, piece if kept else torch.zeros_like(piece)
+
+
+def _kept(plan: Plan, b: int) -> list[bool]:
+    """Per slot of bucket ``b``: whether this rank keeps its value (always, but along a
+    spec's keep axes, where only the owner's coordinate does: zeros elsewhere)."""
+    bucket, mesh = plan.buckets[b], plan.mesh
+    if not bucket.spec.keep_axes:
+        return [True] * len(bucket.slots)
+    names = mesh.axis_names
+    return [
+        all(o[names.index(a)] in (-1, mesh.coordinate(a)) for a in bucket.spec.keep_axes)
+        for o in keep_owners(bucket, mesh)
+    ]
 
 
 def _piece(blocks: torch.Tensor, row: int, chunks: Sequence, *, lo: int, hi: int) -> torch.Tensor:

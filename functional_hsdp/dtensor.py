@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .lookup import find_layout
-from .placement import Flat, Partial
+from .placement import Flat, Owner, Partial
 from .plan import Plan
 from .tree import flatten
 
@@ -83,7 +83,7 @@ def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = 
     out = []
     for slot, leaf, path in zip(plan.slot_of, leaves, paths):
         placements = plan.specs[slot.index].placements(role)
-        if any(isinstance(p, Flat) for p in placements):
+        if any(isinstance(p, (Flat, Owner)) for p in placements):
             raise NotImplementedError(
                 f"{path}: a Flat leaf's local piece is not a DTensor shard; export Flat trees "
                 "with to_dtensor(tree, spec, per='bucket')"
@@ -106,6 +106,8 @@ def _plain(p: Any) -> Any:
     # Partial and Replicate are torch's own classes already; anything else has been refused.
     if isinstance(p, Partial):
         return Partial(p.reduce_op)
+    if isinstance(p, Owner):  # Owner on a keep axis: the owner's value, zeros elsewhere
+        return Partial("sum")
     return Replicate()
 
 

@@ -116,8 +116,8 @@ def global_norm(tree: Any, spec: Any) -> torch.Tensor:
     """The L2 norm of a whole sharded tree, as if it were gathered: the same on every rank.
 
     Each rank sums the squares of its local pieces (in float32, or in float64 when any leaf
-    is float64); the sums are then added over the axes where the optimizer placement is Flat
-    or Shard(d), and only there: replicated axes hold copies, counted once. Leaves are
+    is float64); the sums are then added over the axes where the optimizer placement is Flat,
+    Shard(d) or Owner, and only there: replicated axes hold copies, counted once. Leaves are
     grouped by the set of axes they are sharded on, so there is one all-reduce of a few
     scalars per sharded axis, however many leaves. On a SimMesh the zero fill of ragged
     pieces adds nothing.
@@ -157,7 +157,8 @@ def global_norm(tree: Any, spec: Any) -> torch.Tensor:
             _check_tagged(leaf, i, treedef, path=path, axes=axes, spec=s)
             v = torch.view_as_real(leaf) if leaf.is_complex() else leaf
             v = v.reshape(*batch, math.prod(v.shape[nb:])).to(acc)
-            groups.setdefault(axes, []).append(torch.linalg.vecdot(v, v))
+            # keep axes (Owner on some axes): each value on its owner, zeros elsewhere
+            groups.setdefault(axes + s.keep_axes, []).append(torch.linalg.vecdot(v, v))
         if not groups:
             return torch.zeros(batch, dtype=acc)
         keys = list(groups)

@@ -191,21 +191,35 @@ def owner_of_slot(bucket: Bucket, slot: Slot) -> dict[str, int]:
     return out
 
 
-def owned(spec: Spec) -> Spec:
-    """``spec`` with its optimizer placement ``Owner`` on every data-parallel axis.
+def owned(spec: Spec, axes: str | Sequence[str] | None = None) -> Spec:
+    """``spec`` with its optimizer placement ``Owner`` on ``axes`` (default: every
+    data-parallel axis).
 
-    The spec's parameter and gradient placements stay; its buckets are laid out
-    owner-major, so every leaf's final gradient, main weight and optimizer state lives whole
-    on one rank of the data-parallel mesh. For HSDP that is the cheap route to matrix
-    optimizers: the last microbatch reduce-scatters over the outer axis (where HSDP
-    all-reduces), :func:`~functional_hsdp.per_matrix` runs where the leaves are, with no
-    communication, and :func:`~functional_hsdp.sync_params` all-gathers the new weights over
-    the outer axis: the outer axis carries AdamW-HSDP's bytes (a reduce-scatter and an
-    all-gather are an all-reduce), plus each bucket's padding to its heaviest owner: n
-    times the heaviest owner's leaves, at least n times the bucket's largest leaf.
+    The spec's parameter and gradient placements stay. Every leaf's final gradient, main
+    weight and optimizer state then lives on its owner, one rank of the data-parallel mesh
+    (leaves balanced by size), and :func:`~functional_hsdp.per_matrix` runs ``fn`` there.
+
+    * **On every data-parallel axis** (the default) the buckets are laid out owner-major,
+      each leaf whole on its owner: for HSDP, the last microbatch reduce-scatters over the
+      outer axis (where HSDP all-reduces), ``per_matrix`` runs with no communication, and
+      :func:`~functional_hsdp.sync_params` all-gathers the new weights over the outer axis;
+      main weights and state are sharded over both axes. The outer axis carries
+      AdamW-HSDP's bytes times each bucket's padding to its heaviest owner (n times the
+      heaviest owner's leaves, at least n times the bucket's largest leaf).
+    * **On some axes only** (HSDP's outer: ``axes="dp_outer"``; there the parameter must be
+      Replicate and the gradient Partial or Replicate) the spec keeps its own layout, and
+      along those axes each rank keeps the values of the leaves its coordinate owns, zeros
+      elsewhere (never read). The last microbatch's outer all-reduce becomes a
+      reduce-scatter-v (one all-to-all of the data only, each piece to its owner's
+      coordinate, then a sum), ``sync_params`` an all-gather-v (one all-to-all): per rank,
+      exactly HSDP's outer bytes on a 2-wide outer axis whatever the balance, nothing
+      padded on the wire. ``per_matrix`` moves each leaf over the other axes to its owner
+      (for HSDP an all-to-all pair over ``dp_inner``). State is as large as HSDP's (the
+      inner chunk, zeros where not owned).
 
     Args:
         spec: a :class:`~functional_hsdp.Spec` without ``Shard(d)``.
+        axes: data-parallel axis names (default: all of them).
 
     Returns:
         A new Spec (equal for equal inputs).
@@ -215,13 +229,25 @@ def owned(spec: Spec) -> Spec:
         >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
         >>> fh.owned(fh.hsdp(mesh, "dp_outer", "dp_inner")).optimizer
         (Owner(), Owner())
+        >>> fh.owned(fh.hsdp(mesh, "dp_outer", "dp_inner"), "dp_outer").optimizer
+        (Owner(), Flat())
     """
     if not isinstance(spec, Spec):
         raise TypeError(f"owned: expected a Spec; got {type(spec).__name__}")
     if spec.shard is not None:
         raise NotImplementedError("owned: a Shard(d) spec has no owner layout; use Flat()")
+    if axes is None:
+        chosen = spec.dp_axes
+    else:
+        chosen = (axes,) if isinstance(axes, str) else tuple(axes)
+        wrong = [a for a in chosen if a not in spec.dp_axes]
+        if wrong or not chosen:
+            raise ValueError(
+                f"owned: axes must be data-parallel axes of the spec {spec.dp_axes}; got "
+                f"{axes!r}"
+            )
     names = spec.mesh.axis_names
-    optimizer = [Owner() if a in spec.dp_axes else x for a, x in zip(names, spec.optimizer)]
+    optimizer = [Owner() if a in chosen else x for a, x in zip(names, spec.optimizer)]
     return Spec(
         spec.mesh,
         parameter=spec.parameter,
@@ -241,10 +267,28 @@ Seg = tuple  # (slot position j in the bucket, lo, hi): elements [lo, hi) of tha
 
 @dataclass(frozen=True, eq=False)
 class Exchange(Step):
-    """An all-to-all step: ``counts`` and ``length`` as ``Mesh.all_to_all`` takes them."""
+    """An all-to-all step: ``counts`` and ``length`` as ``Mesh.all_to_all`` takes them;
+    ``sent``: the elements a rank of this process sends to the others (the most of them)."""
 
     counts: Any = None
     length: int = 0
+    sent: int = 0
+
+
+def exchange(mesh: Any, axis: str, counts: np.ndarray, length: int) -> Exchange:
+    """An :class:`Exchange` over ``axis`` of ``counts`` (per rank, elements to each member)."""
+    d = mesh.axis_names.index(axis)
+    own = {r: int(counts[r].sum() - counts[r][r[d]]) for r in np.ndindex(*mesh.sizes)}
+    sent = max((n for _, n in local_items(mesh, own)), default=0)
+    return Exchange(
+        op="all_to_all",
+        axis=axis,
+        reduce=None,
+        size=mesh.size(axis),
+        counts=counts,
+        length=length,
+        sent=sent,
+    )
 
 
 def local_items(mesh: Any, per_rank: dict) -> list[tuple[tuple, Any]]:
@@ -394,6 +438,8 @@ class _Planner:
         moving = [a for a in mesh.axis_names if a in spec.dp_axes and mesh.moves(a)]
         self.flat = [a for a in axes if a in moving]
         self.rep = [a for a in moving if a not in axes]
+        # Replicate or keep (Owner on some axes only: the owner's coordinate keeps the value)
+        self.kept = [a for a in self.rep if a in spec.keep_axes]
         self.dim = {a: k for k, a in enumerate(mesh.axis_names)}
         self.ranks = list(np.ndindex(*mesh.sizes))
         self.compact, self.length = None, self.placed.length  # the buffer a route starts from
@@ -480,9 +526,7 @@ class _Planner:
         length_out = max((sum(hi - lo for _, lo, hi in g) for g in recv.values()), default=0)
         runs = {r: [(p, g[2] - g[1]) for g, p in segs] for r, segs in send.items()}
         pre = Rearrange(self.mesh, runs, length_in, source=source)
-        step = Exchange(
-            op="all_to_all", axis=a, reduce=None, size=n, counts=counts, length=length_out
-        )
+        step = exchange(self.mesh, a, counts, length_out)
         sent = {r: [g for g, _ in segs] for r, segs in send.items()}
         return {"pre": pre, "step": step, "send": sent, "recv": recv, "in": length_in}
 
@@ -523,16 +567,7 @@ class _Planner:
             for r in self.ranks:
                 for s in range(self.mesh.size(a)):
                     counts[r][s] = fwd[(*r[:d], s, *r[d + 1 :])][r[d]]
-            items.append(
-                Exchange(
-                    op="all_to_all",
-                    axis=a,
-                    reduce=None,
-                    size=self.mesh.size(a),
-                    counts=counts,
-                    length=stage["in"],
-                )
-            )
+            items.append(exchange(self.mesh, a, counts, stage["in"]))
             position = {r: _positions(stage["send"][r]) for r in self.ranks}
             if t:
                 prev = stages[t - 1]["recv"]
@@ -549,21 +584,24 @@ class _Planner:
         """All-gathers over the Replicate axes (innermost first), then every rank's chunk
         from the blocks: each piece from the member that kept it."""
         mesh, items = self.mesh, []
-        for a in reversed(self.rep):
+        gathered = [a for a in self.rep if a not in self.kept]
+        for a in reversed(gathered):
             items.append(Step(op="all_gather", axis=a, reduce=None, size=mesh.size(a)))
         runs = {}
         for r in self.ranks:
             runs[r], end = [], 0
             for (j, lo, hi), p in self.chunk[r]:
+                if any(self._at(j, a) != r[self.dim[a]] for a in self.kept):
+                    continue  # kept by its owner's coordinate there: zeros here
                 member, block = list(r), 0
-                for a in self.rep:  # the last gathered axis is the most significant
+                for a in gathered:  # the last gathered axis is the most significant
                     member[self.dim[a]] = self._at(j, a)
-                for a in self.rep:
+                for a in gathered:
                     block = block * mesh.size(a) + self._at(j, a)
                 src = block * base["length"] + base["at"][tuple(member)][(j, lo)]
                 runs[r] += [(-1, p - end), (src, hi - lo)]
                 end = p + hi - lo
-        source = math.prod(mesh.size(a) for a in self.rep) * base["length"]
+        source = math.prod(mesh.size(a) for a in gathered) * base["length"]
         return [*items, Rearrange(mesh, runs, self.length, source=source)]
 
 
@@ -605,6 +643,15 @@ def _build(plan: Plan, routed: tuple[bool, ...]) -> list[BucketRoute | None]:
             if routed[s.index]:
                 groups.setdefault(axes, []).append((b, j, s.numel))
     owners: dict[tuple[int, int], tuple] = {}
+    for b, bucket in enumerate(plan.buckets):  # keep specs: the owners their moves use
+        if bucket.spec.keep_axes:
+            for j, (s, o) in enumerate(zip(bucket.slots, keep_owners(bucket, mesh))):
+                if routed[s.index]:
+                    owners[(b, j)] = o
+    groups = {
+        axes: [(b, j, n) for b, j, n in items if (b, j) not in owners]
+        for axes, items in groups.items()
+    }
     for axes, items in groups.items():
         sizes = [mesh.size(a) for a in axes]
         for (b, j, _), k in zip(items, balance([n for *_, n in items], math.prod(sizes))):
@@ -615,3 +662,139 @@ def _build(plan: Plan, routed: tuple[bool, ...]) -> list[BucketRoute | None]:
         owner = [owners.get((b, j)) for j in range(len(bucket.slots))]
         out.append(_Planner(plan, b, owner).build() if any(o is not None for o in owner) else None)
     return out
+
+
+# -- Owner on some data-parallel axes only: the spec's own layout, values kept by owners ------
+
+
+def keep_owners(bucket: Bucket, mesh: Any) -> list[tuple[int, ...]]:
+    """Per slot of a bucket of a spec with :attr:`~functional_hsdp.Spec.keep_axes`: its
+    owner's coordinates over every mesh axis (-1 where every rank is its own: axes that are
+    not data-parallel or do not move). Balanced over the data-parallel axes that move, by
+    size (:func:`balance`), per bucket: the same on every rank, and the same for the moves
+    of the spec and for ``per_matrix``'s route."""
+    spec = bucket.spec
+    axes = [a for a in mesh.axis_names if a in spec.dp_axes and mesh.moves(a)]
+    sizes = [mesh.size(a) for a in axes]
+    out = []
+    for k in balance([align(s.numel) for s in bucket.slots], math.prod(sizes)):
+        coord = dict(zip(axes, np.unravel_index(k, sizes))) if sizes else {}
+        out.append(tuple(int(coord.get(a, -1)) for a in mesh.axis_names))
+    return out
+
+
+class _Sum:
+    """A local step after a reduce-scatter-v's all-to-all: each rank's ``n`` equal blocks
+    (``own`` elements each) summed (and averaged for ``"avg"``), ``length`` long."""
+
+    def __init__(self, mesh: Any, own: dict[Rank, int], n: int, length: int, op: str):
+        self.batch, self.n, self.length, self.op = mesh.batch_shape, n, length, op
+        self.items = local_items(mesh, own)
+
+    def __call__(self, _b: int, buf: torch.Tensor) -> torch.Tensor:
+        out = buf.new_zeros((*self.batch, self.length))
+        for idx, own in self.items:
+            if own:
+                blocks = buf[idx].narrow(-1, 0, self.n * own).view(self.n, own)
+                torch.sum(blocks, 0, out=out[idx].narrow(-1, 0, own))
+        if self.op == "avg":
+            out.div_(self.n)
+        return out
+
+
+def keep_items(plan: Plan, b: int, step: Step) -> list:
+    """Bucket ``b``'s items for a move along an axis of its spec's ``keep_axes``, on the
+    spec's own chunk (its gradient placement's): ``step.op`` is
+
+    * ``"reduce_scatter_v"`` (Partial -> Owner): each rank sends each member the pieces of
+      its chunk that member's coordinate owns (one all-to-all, uneven blocks, the data
+      only), and sums the blocks it gets; the other pieces are zeros;
+    * ``"all_gather_v"`` (Owner -> Replicate): each rank sends its owned pieces to every
+      member (one all-to-all), and every piece is taken from its owner's block;
+    * ``"select"`` (Replicate -> Owner): the pieces the rank does not own become zeros.
+
+    Along a later keep axis only the pieces owned along the earlier ones (mesh order) move.
+    """
+    mesh, bucket = plan.mesh, plan.buckets[b]
+    placed, a = plan.placed[b]["gradient"], step.axis
+    names, n = mesh.axis_names, step.size
+    d = names.index(a)
+    owners = keep_owners(bucket, mesh)
+    earlier = [names.index(x) for x in bucket.spec.keep_axes[: bucket.spec.keep_axes.index(a)]]
+    length, ranks = placed.length, list(np.ndindex(*mesh.sizes))
+    pieces: dict[Rank, list[tuple[int, int, int]]] = {}  # (position, length, owner on a)
+    for r in ranks:
+        start, stride = 0, bucket.padded
+        for x in placed.axes:
+            stride //= mesh.size(x)
+            start += r[names.index(x)] * stride
+        pieces[r] = []
+        for j, s in enumerate(bucket.slots):
+            lo = min(max(start - s.offset, 0), s.numel)
+            hi = min(max(start + length - s.offset, 0), s.numel)
+            if lo < hi and all(owners[j][e] == r[e] for e in earlier):
+                pieces[r].append((s.offset + lo - start, hi - lo, owners[j][d]))
+    if step.op == "select":
+        runs = {r: _spans([(p, m, c == r[d]) for p, m, c in pieces[r]]) for r in ranks}
+        return [Rearrange(mesh, runs, length, source=length)]
+    counts = np.zeros((*mesh.sizes, n), dtype=np.int64)
+    for r in ranks:
+        for _, m, c in pieces[r]:
+            counts[r][c] += m
+    own = {r: int(counts[r][r[d]]) for r in ranks}
+    if step.op == "reduce_scatter_v":
+        send = {r: [(p, m) for c in range(n) for p, m, o in pieces[r] if o == c] for r in ranks}
+        longest = max((n * x for x in own.values()), default=0)
+        at = {r: _packed_at([(p, m) for p, m, o in pieces[r] if o == r[d]]) for r in ranks}
+        runs = {
+            r: _spans([(at[r][p], m, True, p) for p, m, o in pieces[r] if o == r[d]])
+            for r in ranks
+        }
+        return [
+            Rearrange(mesh, send, int(counts.sum(-1).max(initial=0)), source=length),
+            exchange(mesh, a, counts, longest),
+            _Sum(mesh, own, n, max(own.values(), default=0), step.reduce),
+            Rearrange(mesh, runs, length, source=max(own.values(), default=0)),
+        ]
+    if step.op == "all_gather_v":
+        mine = {r: [(p, m) for p, m, o in pieces[r] if o == r[d]] for r in ranks}
+        send = {r: mine[r] * n for r in ranks}
+        gather = np.zeros_like(counts)
+        for r in ranks:
+            gather[r][:] = own[r]
+        total = {r: int(counts[r].sum()) for r in ranks}
+        runs = {}
+        for r in ranks:
+            base, at = 0, {}
+            for c in range(n):  # block c: the pieces member c owns, in position order
+                for p, m, o in pieces[r]:
+                    if o == c:
+                        at[p] = base
+                        base += m
+            runs[r] = _spans([(at[p], m, True, p) for p, m, _ in pieces[r]])
+        return [
+            Rearrange(mesh, send, n * max(own.values(), default=0), source=length),
+            exchange(mesh, a, gather, max(total.values(), default=0)),
+            Rearrange(mesh, runs, length, source=max(total.values(), default=0)),
+        ]
+    raise ValueError(f"keep_items: unknown move {step.op!r}")
+
+
+def _packed_at(parts: list[tuple[int, int]]) -> dict[int, int]:
+    """``position -> offset`` of pieces ``(position, length)`` laid end to end from 0."""
+    out, at = {}, 0
+    for p, m in parts:
+        out[p], at = at, at + m
+    return out
+
+
+def _spans(parts: list[tuple]) -> list[tuple[int, int]]:
+    """Runs of a chunk from pieces ``(source, length, kept, position)`` in position order
+    (``position`` defaults to ``source``): zeros before each piece and for pieces not kept."""
+    runs, end = [], 0
+    for part in parts:
+        src, m, kept = part[:3]
+        p = part[3] if len(part) > 3 else src
+        runs += [(-1, p - end), (src if kept else -1, m)]
+        end = p + m
+    return runs

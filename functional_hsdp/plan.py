@@ -33,7 +33,7 @@ from .layout import (
     unpack_full,
     unpack_shard_full,
 )
-from .placement import Partial, reduce_op, transition
+from .placement import Owner, Partial, Placement, Replicate, reduce_op, transition
 from .spec import Spec
 
 __all__ = [
@@ -140,28 +140,54 @@ def _steps(spec: Spec, frm: str, to: str) -> tuple[Step, ...]:
     names = [a for a in mesh.axis_names if mesh.moves(a)]
     src, dst = spec.placements(frm), spec.placements(to)
     index = {a: mesh.axis_names.index(a) for a in names}
-    kinds = {a: transition(src[index[a]], dst[index[a]], a) for a in names}
+    keep = spec.keep_axes
+    kinds = {
+        a: (_keep_move if a in keep else transition)(src[index[a]], dst[index[a]], a)
+        for a in names
+    }
     op = {
         a: reduce_op(src[index[a]]) if isinstance(src[index[a]], Partial) else None for a in names
     }
     order = [a for a in spec.split_order if a in kinds]
     n = mesh.size
+
+    def steps(kind: str, axes) -> list[Step]:
+        return [Step(op=kind, axis=a, reduce=op[a], size=n(a)) for a in axes if kinds[a] == kind]
+
     out = [
         Step(op=kinds[a], axis=a, reduce=op[a], size=n(a))
         for a in order
         if kinds[a] in ("reduce_scatter", "slice")
     ]
-    out += [
-        Step(op="all_reduce", axis=a, reduce=op[a], size=n(a))
-        for a in reversed(names)
-        if kinds[a] == "all_reduce"
-    ]
-    out += [
-        Step(op="all_gather", axis=a, reduce=None, size=n(a))
-        for a in reversed(order)
-        if kinds[a] == "all_gather"
-    ]
+    kept = [a for a in names if a in keep]
+    out += steps("reduce_scatter_v", kept) + steps("select", kept)
+    out += steps("all_reduce", reversed(names))
+    out += steps("all_gather_v", reversed(kept))
+    out += steps("all_gather", reversed(order))
     return tuple(out)
+
+
+def _keep_move(frm: Placement, to: Placement, axis: str) -> str | None:
+    """The move along a ``keep_axes`` axis (Owner there keeps the spec's chunk; see
+    :func:`functional_hsdp.owner.keep_items`): None, or a move ``keep_items`` makes."""
+    if isinstance(to, Partial) and not isinstance(frm, Partial):
+        raise ValueError(
+            f"axis {axis!r}: cannot move {frm!r} to {to!r}: a reduced value cannot become a "
+            "summand again"
+        )
+    if type(frm) is type(to):
+        return transition(frm, to, axis)
+    moves = {
+        (Partial, Owner): "reduce_scatter_v",
+        (Partial, Replicate): "all_reduce",
+        (Owner, Replicate): "all_gather_v",
+        (Replicate, Owner): "select",
+    }
+    return moves[(type(frm), type(to))]
+
+
+#: moves along a keep axis, made per bucket by :func:`functional_hsdp.owner.keep_items`
+KEEP_MOVES = ("reduce_scatter_v", "all_gather_v", "select")
 
 
 class Plan:
@@ -202,8 +228,8 @@ class Plan:
         self._position = position
         self._in_order = position == list(range(n))  # unpacked leaves already in tree order
         self._reorder = operator.itemgetter(*position) if n > 1 else (lambda xs: tuple(xs))
-        self.programs = self._programs()
         self.placed = self._placed()
+        self.programs = self._programs()
         self.local_shapes = {role: self._local_shapes(role) for role in ROLES}
 
     def __repr__(self) -> str:
@@ -219,7 +245,18 @@ class Plan:
                     by_spec[(spec, leg)] = _steps(spec, *leg)
                 except (ValueError, NotImplementedError):  # a move this spec cannot make
                     by_spec[(spec, leg)] = None
-        return {leg: tuple(by_spec[(b.spec, leg)] for b in self.buckets) for leg in LEGS}
+        out = {leg: [by_spec[(b.spec, leg)] for b in self.buckets] for leg in LEGS}
+        for leg, programs in out.items():
+            for b, steps in enumerate(programs):
+                if steps and any(x.op in KEEP_MOVES for x in steps):
+                    from .owner import keep_items  # owner builds on plan
+
+                    programs[b] = tuple(
+                        y
+                        for x in steps
+                        for y in (keep_items(self, b, x) if x.op in KEEP_MOVES else (x,))
+                    )
+        return {leg: tuple(programs) for leg, programs in out.items()}
 
     def _placed(self) -> list[dict[str, Placed]]:
         out = []

@@ -85,6 +85,7 @@ def issue(mesh: Any, buf: torch.Tensor, step: Step) -> Any:
                 numel=buf.shape[-1],
                 reduce=step.reduce,
                 impl=impl,
+                sent=getattr(step, "sent", None),
             )
         )
     if step.op == "reduce_scatter":

@@ -119,32 +119,61 @@ class Spec:
         for role in ("parameter", "gradient"):
             if any(isinstance(x, Owner) for x in getattr(self, role)):
                 raise ValueError(f"Spec.{role}: Owner() is an optimizer placement only")
-        owned = {a for a, x in zip(names, self.optimizer) if isinstance(x, Owner)}
-        if owned and owned != set(self.dp_axes):
-            raise ValueError(
-                f"Spec.optimizer: Owner() must be on every data-parallel axis {self.dp_axes} "
-                f"(each leaf whole on one rank of the data-parallel mesh); got it on "
-                f"{sorted(owned)}"
-            )
+        owned = [a for a, x in zip(names, self.optimizer) if isinstance(x, Owner)]
+        if not owned or set(owned) == set(self.dp_axes):
+            return  # none, or owner-major over every data-parallel axis
+        for a in owned:
+            k = names.index(a)
+            p, g = self.parameter[k], self.gradient[k]
+            if not isinstance(p, Replicate) or not isinstance(g, (Partial, Replicate)):
+                raise ValueError(
+                    f"Spec.optimizer: Owner() on {a!r} alone (not on every data-parallel axis "
+                    f"{self.dp_axes}) needs parameter Replicate and gradient Partial or "
+                    f"Replicate there, as HSDP's outer axis; got parameter={p}, gradient={g}"
+                )
 
     @property
     def owner_axes(self) -> tuple[str, ...]:
-        """The axes of the optimizer's Owner placement, in split order (empty: none): a
-        bucket of this spec is laid out owner-major over them."""
-        return self._memo(
-            "owner_axes",
-            lambda: tuple(
-                a
-                for a in self.split_order
-                if isinstance(self.optimizer[self.mesh.axis_names.index(a)], Owner)
-            ),
-        )
+        """The axes of an owner-major optimizer placement (Owner on every data-parallel
+        axis), in split order (empty: none): a bucket of this spec is laid out owner-major
+        over them."""
+
+        def axes() -> tuple[str, ...]:
+            owned = [a for a, x in zip(self.mesh.axis_names, self.optimizer) if isinstance(x, Owner)]
+            if not owned or set(owned) != set(self.dp_axes):
+                return ()
+            return tuple(a for a in self.split_order if a in owned)
+
+        return self._memo("owner_axes", axes)
+
+    def _sharded(self, axis: str, x: Placement) -> bool:
+        """Whether ``x`` on ``axis`` chunks a bucket: Flat, Shard(d), or an owner-major Owner
+        (an Owner on some data-parallel axes only keeps the spec's chunks whole there)."""
+        if not is_sharded(x):
+            return False
+        if not isinstance(x, Owner):
+            return True
+        owned = {a for a, o in zip(self.mesh.axis_names, self.optimizer) if isinstance(o, Owner)}
+        return owned == set(self.dp_axes)
+
+    @property
+    def keep_axes(self) -> tuple[str, ...]:
+        """The axes, in mesh order, of an Owner placement on only some data-parallel axes
+        (``fh.owned(spec, axes=...)``): the spec keeps its own layout, and along each of these
+        axes a rank keeps the values of the leaves whose owner has its coordinate there,
+        zeros elsewhere (see :mod:`functional_hsdp.owner`)."""
+
+        def axes() -> tuple[str, ...]:
+            owned = [a for a, x in zip(self.mesh.axis_names, self.optimizer) if isinstance(x, Owner)]
+            return tuple(owned) if owned and set(owned) != set(self.dp_axes) else ()
+
+        return self._memo("keep_axes", axes)
 
     def _check_split(self) -> None:
         order = self.split_order
         for role in ("parameter", "gradient", "optimizer"):
             names = self.mesh.axis_names
-            flat = {a for a, x in zip(names, getattr(self, role)) if is_sharded(x)}
+            flat = {a for a, x in zip(names, getattr(self, role)) if self._sharded(a, x)}
             if flat != set(order[: len(flat)]):
                 raise ValueError(
                     f"Spec.{role}: Flat axes {sorted(flat)} cannot be honoured: buckets are "
@@ -215,7 +244,7 @@ class Spec:
         def order() -> tuple[str, ...]:
             names = self.mesh.axis_names
             grad = [a for a, g in zip(names, self.gradient) if is_sharded(g)]
-            rest = [a for a, o in zip(names, self.optimizer) if is_sharded(o) and a not in grad]
+            rest = [a for a, o in zip(names, self.optimizer) if self._sharded(a, o) and a not in grad]
             return tuple(reversed(grad)) + tuple(reversed(rest))
 
         return self._memo("split_order", order)
@@ -226,7 +255,9 @@ class Spec:
         def axes() -> tuple[str, ...]:
             names = self.mesh.axis_names
             placements = self.placements(role)
-            return tuple(a for a in self.split_order if is_sharded(placements[names.index(a)]))
+            return tuple(
+                a for a in self.split_order if self._sharded(a, placements[names.index(a)])
+            )
 
         return self._memo(f"sharded_axes:{role}", axes)
 

@@ -30,6 +30,9 @@ class Event:
         reduce: ``"avg"``/``"sum"`` for reductions, None for all-gather.
         impl: how the mesh carried it out (``"native"``, ``"sum+div"``, ``"einops"``); not part
             of equality, so the two meshes' logs compare equal.
+        sent: an all-to-all's elements that a rank sends to the other ranks (its blocks are
+            uneven: on a SimMesh the most of any rank); None for the other ops. Not part of
+            equality.
     """
 
     op: str
@@ -38,6 +41,7 @@ class Event:
     numel: int
     reduce: str | None = None
     impl: str = field(default="", compare=False)
+    sent: int | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:

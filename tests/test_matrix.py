@@ -517,10 +517,10 @@ def _muon_run(spec, microbatches, muon_kw, steps=3, shapes=MUON_SHAPES):
 
 @pytest.mark.parametrize("ns", NS)
 @pytest.mark.parametrize("microbatches", [1, 3])
-@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp", "owned"])
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp", "owned", "owned_outer"])
 def test_muon_and_adamw_equal_torch_on_the_dense_mean_gradient(strategy, microbatches, ns):
     mesh = _mesh((2, 2))
-    spec = fh.owned(preset("hsdp", mesh)) if strategy == "owned" else preset(strategy, mesh)
+    spec = _strategy(strategy, mesh)
     got, ref = _muon_run(spec, microbatches, dict(MUON_KW, ns_dtype=NS[ns]))
     # bf16 Newton-Schulz sees the same bf16 inputs as torch's: both agree to fp32 roundoff
     assert max_error(got, ref) < 5e-6
@@ -625,11 +625,21 @@ def test_partition_labels_as_a_tree_equal_labels_as_a_callable():
 # -- every loop: MainGrad, the layer-wise loop with into=MainGrad --------------------------------
 
 
-def test_muon_on_a_maingrad_equals_torch():
+def _strategy(name: str, mesh) -> fh.Spec:
+    """A preset; ``owned``: owned(hsdp); ``owned_outer``: owned(hsdp, "dp_outer")."""
+    if name == "owned":
+        return fh.owned(preset("hsdp", mesh))
+    if name == "owned_outer":
+        return fh.owned(preset("hsdp", mesh), "dp_outer")
+    return preset(name, mesh)
+
+
+@pytest.mark.parametrize("strategy", ["owned", "owned_outer"])
+def test_muon_on_a_maingrad_equals_torch(strategy):
     """The whole-tree loop with persistent main grads: MainGrad.accumulate, then the
-    optimizer on mg.grads, on the cheap route."""
+    optimizer on mg.grads, on the cheap routes."""
     shape = (2, 2)
-    spec = fh.owned(preset("hsdp", _mesh(shape)))
+    spec = _strategy(strategy, _mesh(shape))
     full = random_tree((), seed=20, shapes=MUON_SHAPES)
     params = fh.shard(full, spec)
     mg = fh.MainGrad(spec, like=full)
@@ -682,8 +692,8 @@ def _lw_dense(steps: int, microbatches: int, ranks: int) -> dict:
     return optree.tree_unflatten(treedef, [p.detach().double() for p in dense])
 
 
-@pytest.mark.parametrize("owned", [False, True], ids=["hsdp", "owned"])
-def test_muon_in_the_layerwise_loop_into_a_maingrad_equals_torch(owned):
+@pytest.mark.parametrize("strategy", ["hsdp", "owned", "owned_outer"])
+def test_muon_in_the_layerwise_loop_into_a_maingrad_equals_torch(strategy):
     """Units gathered inside the loss, gradients reduced into a MainGrad in backward, the
     optimizer on mg.grads; main weights at the optimizer placement, the forward's shards
     from sync_params (owned: an all-gather over the outer axis, as hfsdp)."""
@@ -691,8 +701,7 @@ def test_muon_in_the_layerwise_loop_into_a_maingrad_equals_torch(owned):
 
     shape, steps, microbatches = (2, 2), 2, 2
     mesh = _mesh(shape)
-    spec = fh.hsdp(mesh, *AXES)
-    spec = fh.owned(spec) if owned else spec
+    spec = _strategy(strategy, mesh)
     tree_spec = {"embed": spec, "blocks": [spec] * 2}
     full = lw.init()
     main = fh.shard(full, tree_spec)

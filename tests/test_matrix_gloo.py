@@ -1,6 +1,7 @@
 """Matrix optimizers on 4 real gloo processes (2x2 mesh), one pool for the module.
 
-fh.partition(fh.muon, fh.adamw) on hsdp, hfsdp and owned(hsdp), with 1 and 3 microbatches (and
+fh.partition(fh.muon, fh.adamw) on hsdp, hfsdp, owned(hsdp) and owned(hsdp, "dp_outer"), with 1
+and 3 microbatches (and
 on an HSDP-style Shard(1) spec tree with 3),
 gives torch.optim.Muon + torch.optim.AdamW's parameters on the dense mean gradient; per_matrix
 runs fn once per matrix over all the ranks, with one collective per bucket per axis; the
@@ -33,7 +34,8 @@ import functional_hsdp as fh
 from functional_hsdp.launch import device_mesh
 
 MUON_KW, ADAMW_KW, STEPS = {"lr": 0.02}, {"lr": 1e-3, "weight_decay": 0.01}, 3
-CASES = [(s, m) for s in ("hsdp", "hfsdp", "owned") for m in (1, 3)] + [("shard1", 3)]
+STRATEGIES = ("hsdp", "hfsdp", "owned", "owned_outer")
+CASES = [(s, m) for s in STRATEGIES for m in (1, 3)] + [("shard1", 3)]
 NS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -45,7 +47,11 @@ def _spec(strategy: str, mesh) -> fh.Spec | dict:
             k: fh.Spec(mesh, [R, fh.Shard(d)], [P, fh.Shard(d)], [R, fh.Shard(d)])
             for k, d in dims.items()
         }
-    return fh.owned(preset("hsdp", mesh)) if strategy == "owned" else preset(strategy, mesh)
+    if strategy == "owned":
+        return fh.owned(preset("hsdp", mesh))
+    if strategy == "owned_outer":
+        return fh.owned(preset("hsdp", mesh), "dp_outer")
+    return preset(strategy, mesh)
 
 
 def _grads(step: int, microbatches: int) -> list:
@@ -120,7 +126,7 @@ def _count(strategy: str, carriage=None):
 
 
 @pytest.mark.parametrize("carriage", ["c10d", "functional"])
-@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp", "owned"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_fn_runs_once_per_matrix_across_the_ranks(pool, strategy, carriage):
     results = pool.run(_count, strategy, NCCL_STYLE if carriage == "functional" else None)
     seen = sorted(s for r in results for s in r[0])
@@ -134,6 +140,7 @@ def test_fn_runs_once_per_matrix_across_the_ranks(pool, strategy, carriage):
         "hsdp": [("all_to_all", "dp_inner")] * 2 + [("all_gather", "dp_outer")],
         "hfsdp": [("all_to_all", "dp_inner"), ("all_to_all", "dp_outer")] * 2,
         "owned": [],  # the matrices are at their owners already
+        "owned_outer": [("all_to_all", "dp_inner")] * 2,  # the outer owners keep the results
     }[strategy]
     assert sorted(events.pop()) == sorted(expected)  # one bucket: one per axis and way
 
@@ -177,11 +184,11 @@ def test_per_matrix_on_a_shard_spec_runs_fn_once_per_whole_matrix(pool, shape, d
 # -- checkpoints: the partition state (Muon's momentum, AdamW's moments) through DCP -----------
 
 
-def _resume(path: str):
-    """Train 2 steps on a 2x2 owned(hsdp), save, go on 2 steps; load on 2x2 and 1x4 and go on
-    the same 2 steps: the same parameters (bit for bit on 2x2)."""
+def _resume(path: str, strategy: str):
+    """Train 2 steps on a 2x2 owned(hsdp) (or owned over dp_outer), save, go on 2 steps; load
+    on 2x2 and 1x4 and go on the same 2 steps: the same parameters (bit for bit on 2x2)."""
     out = {}
-    spec = fh.owned(fh.hsdp(dist_mesh(), *AXES))
+    spec = _spec(strategy, dist_mesh())
     full0 = random_tree((), seed=20, shapes=MUON_SHAPES)
     params = fh.shard(full0, spec)
     opt = fh_muon_adamw(spec, MUON_KW, ADAMW_KW)
@@ -203,7 +210,7 @@ def _resume(path: str):
     ref = fh.gather(train(params, state, spec, 2)[0], spec)
     like = optree.tree_map(lambda x: torch.empty_like(x, device="meta"), full0)
     for shape in ((2, 2), (1, 4)):
-        spec2 = fh.owned(fh.hsdp(fh.DistMesh(device_mesh(shape, AXES)), *AXES))
+        spec2 = _spec(strategy, fh.DistMesh(device_mesh(shape, AXES)))
         opt2 = fh_muon_adamw(spec2, MUON_KW, ADAMW_KW)
         target = {
             "params": fh.empty_state_dict(like, spec2),
@@ -217,8 +224,9 @@ def _resume(path: str):
     return ref, out, sorted(fh.state_dict(state, spec)["muon"]["momentum"])
 
 
-def test_partition_state_checkpoints_and_resumes_on_another_mesh(pool, tmp_path):
-    for ref, out, saved in pool.run(_resume, str(tmp_path)):
+@pytest.mark.parametrize("strategy", ["owned", "owned_outer"])
+def test_partition_state_checkpoints_and_resumes_on_another_mesh(pool, tmp_path, strategy):
+    for ref, out, saved in pool.run(_resume, str(tmp_path), strategy):
         assert saved == ["w1", "w2", "w3"]  # Muon's momentum: its own leaves only
         for k in ref:
             assert torch.equal(out[(2, 2)][k], ref[k]), k
@@ -240,15 +248,14 @@ def _net_batches(step: int, rank: int) -> list:
     return [(xm, torch.sin(xm.sum(-1, keepdim=True))) for xm in x]
 
 
-def _module_task(owned: bool):
+def _module_task(strategy: str):
     """The module's own forward through fh.functional_call, gradients into a MainGrad, Muon
     on the Linear weights (but the last, a row) and AdamW on the rest; main weights at the
     optimizer placement, the forward's shards from sync_params."""
     import torch.distributed as dist
 
     net = _net()
-    spec = fh.hsdp(dist_mesh(), *AXES)
-    spec = fh.owned(spec) if owned else spec
+    spec = _spec(strategy, dist_mesh())
     main, tree_spec = fh.shard_module(net, spec, units=[net[0], net[2]])
     mg = fh.MainGrad(tree_spec, like=main)
     labels = lambda path, leaf: "muon" if path[-1] == "weight" and path[0] else "adamw"  # noqa: E731
@@ -291,10 +298,10 @@ def _module_dense() -> dict:
     return {k: p.detach() for k, p in named.items()}
 
 
-@pytest.mark.parametrize("owned", [False, True], ids=["hsdp", "owned"])
-def test_muon_through_shard_module_and_functional_call_equals_torch(pool, owned):
+@pytest.mark.parametrize("strategy", ["hsdp", "owned", "owned_outer"])
+def test_muon_through_shard_module_and_functional_call_equals_torch(pool, strategy):
     ref = _module_dense()
-    for got in pool.run(_module_task, owned):
+    for got in pool.run(_module_task, strategy):
         assert sorted(got) == sorted(ref)
         for k in ref:
             torch.testing.assert_close(got[k], ref[k], rtol=0, atol=5e-6, msg=k)
