@@ -30,6 +30,15 @@ A tree reaches the owner placement in one of two ways:
   joins the chunks along d into the whole leaf (for d = 0 chunk order is the leaf's own: a
   view), and splits the result back. Empty chunks send nothing; padding to S never travels.
 
+* **An Owner spec on some data-parallel axes only** (``owned(spec, axes)``: HSDP's outer
+  axis, where the parameter is Replicate) keeps the spec's own layout and chunks; along
+  those *keep axes* each rank keeps the values of the leaves whose owner (balanced per
+  bucket over every data-parallel axis that moves: :func:`keep_owners`) has its
+  coordinate there, zeros elsewhere. Partial -> Owner is a reduce-scatter-v and Owner ->
+  Replicate an all-gather-v, each one all-to-all of the data with uneven blocks
+  (:func:`keep_items`); :func:`route` then moves the kept pieces over the other axes to
+  the owner and leaves the results with the keep axes' owners (no all-gather there).
+
 Owners are ranks of the data-parallel axes that move (size > 1); a leaf's owner coordinate
 on every other axis is the rank's own (other axes hold other values: each does its own).
 """
@@ -60,6 +69,9 @@ __all__ = [
     "Rearrange",
     "balance",
     "chunk_rows",
+    "exchange",
+    "keep_items",
+    "keep_owners",
     "local_items",
     "owned",
     "owner_bucket",

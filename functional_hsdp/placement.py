@@ -8,10 +8,13 @@ between leaves and at the bucket's tail, never inside a leaf's range). ``Shard(d
 each leaf is chunked on dim ``d`` with ``torch.chunk`` semantics and padded to equal chunks;
 its buckets are laid out rank-major (every leaf's chunk for rank 0, then for rank 1, ...), so
 the collectives are the same as for Flat. ``Owner`` (an optimizer placement, on every
-data-parallel axis at once) keeps each leaf whole on one rank: a bucket's leaves are assigned
+data-parallel axis) keeps each leaf whole on one rank: a bucket's leaves are assigned
 to the ranks balanced by size, and a rank's chunk is the whole leaves it owns, padded to the
 largest chunk (see :mod:`functional_hsdp.owner`). Such a spec lays its buckets out
 owner-major, so that its chunks are the owners' leaves; the collectives are then Flat's.
+``Owner`` on some data-parallel axes only (HSDP's outer, where the parameter is Replicate)
+keeps the spec's own layout: along those axes each rank keeps the values of the leaves its
+coordinate owns (zeros elsewhere), and the moves there are uneven all-to-alls of the data.
 
 One mesh axis at a time:
 
@@ -32,6 +35,11 @@ Owner                Flat (other layout)  all-to-all (back)
 Shard(d)             Owner                all-to-all (``per_matrix``: each rank's chunks,
                                           joined along d at the owner)
 Owner                Shard(d)             all-to-all (back)
+Partial(op)          Owner, some axes     reduce-scatter-v: one all-to-all of the data
+                                          (each piece to its leaf owner's coordinate),
+                                          then a sum (``fh.owned(spec, "dp_outer")``)
+Owner, some axes     Replicate            all-gather-v: one all-to-all
+Replicate            Owner, some axes     local: zeros where the rank does not own
 Partial(op)          Partial(op)          nothing (the axis stays deferred)
 X                    X                    nothing
 Replicate / Flat     Partial              impossible: a reduced value cannot become a
@@ -112,7 +120,9 @@ class Owner(Placement):
     owner-major (the leaves of rank 0's chunk, then rank 1's, ...), so that its Flat chunks
     on the same axes are the owners' leaves too: Partial -> Owner is a reduce-scatter, Owner
     -> Replicate an all-gather. :func:`~functional_hsdp.owned` makes such a spec from a
-    preset.
+    preset; ``owned(spec, "dp_outer")`` puts Owner on HSDP's outer axis only, where each
+    rank keeps the values its coordinate owns in the spec's own layout (uneven all-to-alls
+    of the data there, no padding).
 
     Example:
         >>> import functional_hsdp as fh

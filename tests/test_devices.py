@@ -210,6 +210,8 @@ MATRIX_SHAPES = {"w": (8, 6), "v": (6, 6), "e": (3, 4, 6), "b": (6,)}
 def _matrix_spec(kind: str, mesh):
     if kind == "owned":
         return fh.owned(preset("hsdp", mesh))
+    if kind == "owned_outer":
+        return fh.owned(preset("hsdp", mesh), "dp_outer")
     if kind == "shard1":  # Shard(1) for the matrices, Shard(0) for the 1-D leaf
         R, P = fh.Replicate(), fh.Partial()
         return {
@@ -219,7 +221,7 @@ def _matrix_spec(kind: str, mesh):
     return preset(kind, mesh)
 
 
-@pytest.mark.parametrize("kind", ["hsdp", "owned", "shard1"])
+@pytest.mark.parametrize("kind", ["hsdp", "owned", "owned_outer", "shard1"])
 def test_matrix_optimizers_stay_on_the_device(on_device, kind):
     """fh.muon + fh.adamw (fh.partition) and fh.per_matrix: the owner routes (all-to-alls,
     the local selection, Shard(d) chunks joined at the owner), Newton-Schulz and the updates,

@@ -65,8 +65,10 @@ class Counting:
 
 
 def _specs(strategy, shape):
+    """The preset, its owned form, and (hsdp, hfsdp) Owner on dp_outer only."""
     spec = preset(strategy, _mesh(shape))
-    return [spec, fh.owned(spec)]
+    outer = [fh.owned(spec, "dp_outer")] if strategy in ("hsdp", "hfsdp") else []
+    return [spec, fh.owned(spec), *outer]
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
@@ -104,10 +106,13 @@ def test_per_matrix_on_a_final_reduce_grads_result_and_masked_leaves():
     )
 
 
-@pytest.mark.parametrize("owned", [False, True], ids=["hsdp", "owned"])
-def test_collectives_per_bucket_not_per_leaf(owned):
+@pytest.mark.parametrize("strategy", ["hsdp", "owned", "owned_outer"])
+def test_collectives_per_bucket_not_per_leaf(strategy):
     spec = fh.hsdp(_mesh((2, 2)), *AXES, bucket_cap_mb=2000 * 4 / 2**20)  # ~2000 elements
-    spec = fh.owned(spec) if owned else spec
+    spec = {"hsdp": spec, "owned": fh.owned(spec), "owned_outer": fh.owned(spec, "dp_outer")}[
+        strategy
+    ]
+    owned = strategy == "owned"
     for n in (8, 32):
         full = {f"w{k}": torch.randn(10, 12) for k in range(n)}
         params = fh.shard(full, spec)
@@ -118,8 +123,10 @@ def test_collectives_per_bucket_not_per_leaf(owned):
             assert log.events == []  # the leaves are at their owners already
         else:  # one all-to-all there and one back per bucket, one all-gather over outer
             assert log.count("all_to_all", "dp_inner") == 2 * buckets
-            assert log.count("all_gather", "dp_outer") == buckets
-            assert log.count() == 3 * buckets
+            # owned_outer: the results stay with the outer owners
+            gathers = buckets if strategy == "hsdp" else 0
+            assert log.count("all_gather", "dp_outer") == gathers
+            assert log.count() == 2 * buckets + gathers
 
 
 def test_a_leaf_of_fewer_than_two_dims_is_refused_with_its_path():
@@ -469,6 +476,69 @@ def test_owned_hsdp_reduce_scatters_over_outer_where_hsdp_all_reduces():
     chunk = hsdp.nbytes("all_reduce", "dp_outer")
     assert owned.nbytes("reduce_scatter", "dp_outer") == chunk  # the inner chunk
     assert owned.nbytes("all_gather", "dp_outer") == chunk // 2  # the owner's half of it
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+def test_owned_outer_keeps_each_value_on_its_outer_owner_and_zeros_elsewhere(strategy):
+    """Owner on dp_outer only: the spec's own chunks over dp_inner; along dp_outer one
+    coordinate holds each leaf's piece, the other zeros. reduce_grads, shard, gather,
+    sync_params and global_norm agree with the preset."""
+    shape = (2, 2)
+    base = preset(strategy, _mesh(shape))
+    spec = fh.owned(base, "dp_outer")
+    assert spec.optimizer == (fh.Owner(), fh.Flat()) and spec.keep_axes == ("dp_outer",)
+    micro = [random_tree(shape, seed=m, shapes=MATRICES) for m in range(3)]
+    ref, got = accumulate(micro, fh.hsdp(_mesh(shape), *AXES)), accumulate(micro, spec)
+    for k in ref:
+        held = [o for o in range(2) if got[k][o].abs().sum() > 0]
+        assert len(held) == 1, k  # one outer coordinate keeps it
+        torch.testing.assert_close(got[k][held[0]], ref[k][0], rtol=0, atol=0)
+        assert torch.count_nonzero(got[k][1 - held[0]]) == 0
+    assert max_error(fh.gather(got, spec), dense_reduce(micro, 2)) < 1e-5
+    torch.testing.assert_close(fh.global_norm(got, spec), fh.global_norm(ref, preset("hsdp", _mesh(shape))))
+    params = fh.shard(_full(), spec)
+    assert max_error(fh.gather(params, spec), _full()) == 0
+    weights = fh.sync_params(params, spec)
+    assert max_error(fh.gather(weights, base), _full()) == 0
+
+
+def test_owned_outer_sends_the_data_only_over_outer():
+    """The last microbatch's outer all-reduce becomes one all-to-all (reduce-scatter-v),
+    sync_params one all-to-all (all-gather-v); what they send together is at most the
+    all-reduce's ring bytes (2-wide outer: each piece of the chunk crosses once each way)."""
+    mesh = _mesh((2, 2))
+    units = {f"u{u}": _llama_layer(32, heads=4) for u in range(4)}
+    logs = {}
+    for name, spec in (("hsdp", fh.hsdp(mesh, *AXES)), ("outer", fh.owned(fh.hsdp(mesh, *AXES), "dp_outer"))):
+        tree_spec = {u: spec for u in units}
+        params = fh.shard(_full(shapes=units), tree_spec)
+        with fh.comm_log() as log:
+            accumulate([random_tree((2, 2), shapes=units, seed=1)], tree_spec)
+            fh.sync_params(params, tree_spec)
+        logs[name] = [e for e in log.events if e.axis == "dp_outer"]
+    assert [e.op for e in logs["hsdp"]] == ["all_reduce"] * 4
+    assert [e.op for e in logs["outer"]] == ["all_to_all"] * 8
+    # per unit: a rank's chunk is HSDP's all-reduce input; the reduce-scatter-v sends the
+    # pieces the other outer coordinate owns, the all-gather-v the rank's own (on a SimMesh
+    # Event.sent is the most of any rank); each less than the chunk, the two together its
+    # data on every rank (4 gloo ranks check that exactly: test_matrix_gloo.py)
+    chunk = [e.numel for e in logs["hsdp"]]
+    assert all(0 < e.sent < c for e, c in zip(logs["outer"][:4], chunk))
+    assert all(0 < e.sent < c for e, c in zip(logs["outer"][4:], chunk))
+
+
+def test_owned_on_some_axes_needs_a_replicate_parameter_there():
+    mesh = _mesh((2, 2))
+    R, F, P, Own = fh.Replicate(), fh.Flat(), fh.Partial("avg"), fh.Owner()
+    with pytest.raises(ValueError, match="needs parameter Replicate"):
+        fh.owned(fh.hsdp(mesh, *AXES), "dp_inner")
+    with pytest.raises(ValueError, match="needs parameter Replicate"):
+        fh.Spec(mesh, [F, F], [F, F], [Own, F])
+    with pytest.raises(ValueError, match="data-parallel axes"):
+        fh.owned(fh.hsdp(mesh, *AXES), "tp")
+    with pytest.raises(ValueError, match="data-parallel axes"):
+        fh.owned(fh.hsdp(mesh, *AXES), ())
+    assert fh.owned(fh.hsdp(mesh, *AXES), AXES) == fh.owned(fh.hsdp(mesh, *AXES))
 
 
 def test_owner_only_in_the_optimizer_and_on_every_data_parallel_axis():

@@ -305,3 +305,60 @@ def test_muon_through_shard_module_and_functional_call_equals_torch(pool, strate
         assert sorted(got) == sorted(ref)
         for k in ref:
             torch.testing.assert_close(got[k], ref[k], rtol=0, atol=5e-6, msg=k)
+
+
+# -- owned over dp_outer: each rank sends over dp_outer exactly what AdamW-HSDP's sends ---------
+
+
+def _llama_units(d: int = 32, layers: int = 4) -> dict:
+    """One unit per Llama decoder layer (transformers' shapes: hidden d, MLP 4 d, half as
+    many key-value heads): 15 d^2 of matrices that no owner layout of 4 ranks balances."""
+    kv = d // 2
+    layer = {
+        "q": (d, d),
+        "k": (kv, d),
+        "v": (kv, d),
+        "o": (d, d),
+        "gate": (4 * d, d),
+        "up": (4 * d, d),
+        "down": (d, 4 * d),
+        "norm1": (d,),
+        "norm2": (d,),
+    }
+    return {f"layer{u}": dict(layer) for u in range(layers)}
+
+
+def _outer_sent(strategy: str):
+    """This rank's dp_outer bytes over one step (3 microbatches, the optimizer, the weights
+    back to the parameter placement): AdamW on hsdp, or Muon + AdamW on owned over dp_outer.
+    Ring all-reduce: 2 (n - 1) / n of its input; all-to-all: what it sends to the others."""
+    shapes = _llama_units()
+    spec = _spec(strategy, dist_mesh())
+    tree_spec = {u: spec for u in shapes}
+    params = fh.shard(random_tree((), seed=3, shapes=shapes), tree_spec)
+    if strategy == "hsdp":
+        opt = fh.adamw(lr=1e-3)
+    else:
+        labels = lambda path, leaf: "adamw" if "norm" in path[-1] else "muon"  # noqa: E731
+        opt = fh.partition({"muon": fh.muon(tree_spec), "adamw": fh.adamw(lr=1e-3)}, labels)
+    state = opt.init(params)
+    micro = [this_rank(random_tree((2, 2), seed=m, shapes=shapes)) for m in range(3)]
+    with fh.comm_log() as log:
+        grads = accumulate(micro, tree_spec)
+        updates, state = opt.update(grads, state, params)
+        new = fh.sync_params(fh.apply_updates(params, updates), tree_spec)
+    sent = 0
+    for e in log.events:
+        if e.axis == "dp_outer":
+            per = e.sent if e.sent is not None else e.numel * (1 if e.op == "all_reduce" else 0)
+            sent += per * e.dtype.itemsize
+    return sent, fh.gather(new, tree_spec)
+
+
+def test_owned_outer_sends_adamw_hsdps_outer_bytes_on_every_rank(pool):
+    """Units of one Llama layer each (owner-major owned(hsdp) pads them 16/15): with Owner on
+    dp_outer only, every rank sends over dp_outer exactly what it sends with AdamW on HSDP."""
+    hsdp = pool.run(_outer_sent, "hsdp")
+    outer = pool.run(_outer_sent, "owned_outer")
+    assert all(h[0] > 0 for h in hsdp)
+    assert [o[0] for o in outer] == [h[0] for h in hsdp]
