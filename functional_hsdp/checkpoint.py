@@ -555,12 +555,12 @@ def _pieces(plan: Plan, b: int, gathered: torch.Tensor, *, local: list, shapes: 
         else:
             piece = local[s.index].reshape(-1)[lo:hi].clone()
         offset += width
-        yield s.index, piece if kept else torch.zeros_like(piece)
+        yield s.index, piece if kept else piece[:0]  # only the owner keeps it
 
 
 def _kept(plan: Plan, b: int) -> list[bool]:
     """Per slot of bucket ``b``: whether this rank keeps its value (always, but along a
-    spec's keep axes, where only the owner's coordinate does: zeros elsewhere)."""
+    spec's keep axes, where only the owner's coordinate does)."""
     bucket, mesh = plan.buckets[b], plan.mesh
     if not bucket.spec.keep_axes:
         return [True] * len(bucket.slots)

@@ -115,6 +115,12 @@ def _buckets(plan: Plan, role: str, leaves: list, *, device_mesh: Any) -> list[D
     mesh, out = plan.mesh, []
     names = mesh.axis_names
     for b, bucket in enumerate(plan.buckets):
+        if getattr(plan.placed[b][role].geometry, "kept", False):
+            raise NotImplementedError(
+                f"{bucket.slots[0].path}: a spec with Owner on {bucket.spec.keep_axes} only "
+                "keeps each rank's owned pieces of its chunk, which no DTensor placement "
+                "describes; export it with state_dict(tree, spec) (per leaf, full shapes)"
+            )
         buf = plan.pack(b, leaves, role)
         spec = bucket.spec
         split = spec.sharded_axes(role)

@@ -279,7 +279,9 @@ def _unpacked(plan: Plan, b: int, buf: torch.Tensor, *, r: BucketRoute) -> dict[
     bucket, placed, batch = plan.buckets[b], plan.placed[b]["optimizer"], plan.mesh.batch_shape
     if r.compact is not None:
         return {j: r.compact.unpack(buf, j, placed.shapes[j]) for j in sorted(r.routed)}
-    if not placed.axes:
+    if getattr(placed.geometry, "kept", False):  # a keep spec: its kept pieces
+        pieces = placed.geometry.unpack(buf)
+    elif not placed.axes:
         pieces = unpack_full(bucket, buf, batch)
     else:
         pieces = plan.mesh.geometry.split(buf, placed.geometry)

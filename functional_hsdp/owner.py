@@ -70,6 +70,7 @@ __all__ = [
     "balance",
     "chunk_rows",
     "exchange",
+    "Kept",
     "keep_items",
     "keep_owners",
     "local_items",
@@ -255,8 +256,7 @@ def owned(spec: Spec, axes: str | Sequence[str] | None = None) -> Spec:
         wrong = [a for a in chosen if a not in spec.dp_axes]
         if wrong or not chosen:
             raise ValueError(
-                f"owned: axes must be data-parallel axes of the spec {spec.dp_axes}; got "
-                f"{axes!r}"
+                f"owned: axes must be data-parallel axes of the spec {spec.dp_axes}; got {axes!r}"
             )
     names = spec.mesh.axis_names
     optimizer = [Owner() if a in chosen else x for a, x in zip(names, spec.optimizer)]
@@ -451,19 +451,24 @@ class _Planner:
         self.flat = [a for a in axes if a in moving]
         self.rep = [a for a in moving if a not in axes]
         # Replicate or keep (Owner on some axes only: the owner's coordinate keeps the value)
-        self.kept = [a for a in self.rep if a in spec.keep_axes]
+        self.keep = [a for a in self.rep if a in spec.keep_axes]
         self.dim = {a: k for k, a in enumerate(mesh.axis_names)}
         self.ranks = list(np.ndindex(*mesh.sizes))
         self.compact, self.length = None, self.placed.length  # the buffer a route starts from
         if self.bucket.shard is not None:
             self.compact = Compact(mesh, self.bucket, [o is not None for o in owner])
             self.length = self.compact.length
+        self.kept = getattr(self.placed.geometry, "kept", False) and self.placed.geometry
         self.chunk = {r: self._chunk(r) for r in self.ranks}
 
     def _chunk(self, r: Rank) -> list[tuple[Seg, int]]:
         """The routed leaves' pieces in rank r's chunk, with their positions in it."""
         if self.compact is not None:
             return [((j, lo, hi), p) for j, p, lo, hi in self.compact.at[r]]
+        if self.kept:  # a keep spec's kept pieces, end to end
+            return [
+                ((j, lo, hi), p) for j, lo, hi, p in self.kept.at[r] if self.owner[j] is not None
+            ]
         mesh, length = self.mesh, self.placed.length
         start, stride = 0, self.bucket.padded
         for a in self.placed.axes:
@@ -596,14 +601,14 @@ class _Planner:
         """All-gathers over the Replicate axes (innermost first), then every rank's chunk
         from the blocks: each piece from the member that kept it."""
         mesh, items = self.mesh, []
-        gathered = [a for a in self.rep if a not in self.kept]
+        gathered = [a for a in self.rep if a not in self.keep]
         for a in reversed(gathered):
             items.append(Step(op="all_gather", axis=a, reduce=None, size=mesh.size(a)))
         runs = {}
         for r in self.ranks:
             runs[r], end = [], 0
             for (j, lo, hi), p in self.chunk[r]:
-                if any(self._at(j, a) != r[self.dim[a]] for a in self.kept):
+                if any(self._at(j, a) != r[self.dim[a]] for a in self.keep):
                     continue  # kept by its owner's coordinate there: zeros here
                 member, block = list(r), 0
                 for a in gathered:  # the last gathered axis is the most significant
@@ -695,6 +700,78 @@ def keep_owners(bucket: Bucket, mesh: Any) -> list[tuple[int, ...]]:
     return out
 
 
+class Kept:
+    """A keep spec's bucket at its optimizer placement (the ``geometry`` of its
+    :class:`~functional_hsdp.plan.Placed`): each rank's *kept* pieces of its chunk (of the
+    leaves whose owner has its coordinate on the keep axis), end to end, the data only, then
+    zeros up to ``length`` (the longest rank's). A leaf's local value is its piece where the
+    rank keeps it, else empty (on a SimMesh: stacked, zero fill at the end, as Flat's).
+
+    ``at[r]``: per piece rank r keeps, ``(slot position, lo, hi, position)``: elements
+    ``[lo, hi)`` of the leaf at ``position`` of the buffer; ``chunk[r]``: the same pieces'
+    positions in r's chunk.
+    """
+
+    kept = True  # what Plan looks for (it does not import this module)
+
+    def __init__(self, mesh: Any, bucket: Bucket, axes: tuple[str, ...]):
+        self.bucket, self.batch = bucket, mesh.batch_shape
+        names = mesh.axis_names
+        keep = [names.index(a) for a in bucket.spec.keep_axes if mesh.moves(a)]
+        owners = keep_owners(bucket, mesh)
+        self.at: dict[Rank, list[tuple[int, int, int, int]]] = {}
+        self.chunk: dict[Rank, list[int]] = {}
+        for r in np.ndindex(*mesh.sizes):
+            start, stride = 0, bucket.padded
+            for a in axes:
+                stride //= mesh.size(a)
+                start += r[names.index(a)] * stride
+            at, chunk, position = [], [], 0
+            for j, s in enumerate(bucket.slots):
+                lo = min(max(start - s.offset, 0), s.numel)
+                hi = min(max(start + stride - s.offset, 0), s.numel)
+                if lo < hi and all(owners[j][d] == r[d] for d in keep):
+                    at.append((j, lo, hi, position))
+                    chunk.append(s.offset + lo - start)
+                    position += hi - lo
+            self.at[r], self.chunk[r] = at, chunk
+        self.length = max((sum(hi - lo for _, lo, hi, _ in a) for a in self.at.values()), default=0)
+        self.items = local_items(mesh, self.at)
+        longest = [0] * len(bucket.slots)
+        for _, at in self.items:
+            for j, lo, hi, _ in at:
+                longest[j] = max(longest[j], hi - lo)
+        self.shapes = tuple((*self.batch, n) for n in longest)
+        self.views = self.batch == ()  # one rank: its pieces are views of the buffer
+
+    def pack(self, values: Sequence[torch.Tensor], *, dtype: torch.dtype) -> torch.Tensor:
+        """A new ``(*batch, length)`` buffer of the bucket's leaves' local values (slot
+        order)."""
+        bucket = self.bucket
+        zeros = torch.zeros(self.length, dtype=dtype, device=bucket.device)
+        parts = []
+        for idx, at in self.items:
+            for j, lo, hi, _ in at:
+                parts.append(values[j][idx].narrow(-1, 0, hi - lo).to(dtype))
+            parts.append(zeros.narrow(0, 0, self.length - sum(hi - lo for _, lo, hi, _ in at)))
+        if not parts:
+            return zeros.new_zeros((*self.batch, self.length))
+        return torch.cat(parts).view(*self.batch, self.length)
+
+    def unpack(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Each slot's local value out of a buffer (views on a DistMesh)."""
+        if self.views:
+            out = [buf.narrow(-1, 0, 0)] * len(self.bucket.slots)
+            for j, lo, hi, position in self.items[0][1]:
+                out[j] = buf.narrow(-1, position, hi - lo)
+            return out
+        out = [buf.new_zeros(shape) for shape in self.shapes]
+        for idx, at in self.items:
+            for j, lo, hi, position in at:
+                out[j][idx].narrow(-1, 0, hi - lo).copy_(buf[idx].narrow(-1, position, hi - lo))
+        return out
+
+
 class _Sum:
     """A local step after a reduce-scatter-v's all-to-all: each rank's ``n`` equal blocks
     (``own`` elements each) summed (and averaged for ``"avg"``), ``length`` long."""
@@ -715,89 +792,74 @@ class _Sum:
 
 
 def keep_items(plan: Plan, b: int, step: Step) -> list:
-    """Bucket ``b``'s items for a move along an axis of its spec's ``keep_axes``, on the
-    spec's own chunk (its gradient placement's): ``step.op`` is
+    """Bucket ``b``'s items for a move along its spec's keep axis (one that moves), between
+    the spec's own chunk (its gradient and parameter placement's) and the kept pieces
+    (:class:`Kept`, its optimizer placement's): ``step.op`` is
 
     * ``"reduce_scatter_v"`` (Partial -> Owner): each rank sends each member the pieces of
       its chunk that member's coordinate owns (one all-to-all, uneven blocks, the data
-      only), and sums the blocks it gets; the other pieces are zeros;
-    * ``"all_gather_v"`` (Owner -> Replicate): each rank sends its owned pieces to every
-      member (one all-to-all), and every piece is taken from its owner's block;
-    * ``"select"`` (Replicate -> Owner): the pieces the rank does not own become zeros.
-
-    Along a later keep axis only the pieces owned along the earlier ones (mesh order) move.
+      only), and sums the blocks it gets: its kept pieces;
+    * ``"all_gather_v"`` (Owner -> Replicate): each rank sends its kept pieces to every
+      member (one all-to-all), and every piece of the chunk is taken from its owner's block;
+    * ``"select"`` (Replicate -> Owner): the rank's kept pieces of its chunk.
     """
     mesh, bucket = plan.mesh, plan.buckets[b]
-    placed, a = plan.placed[b]["gradient"], step.axis
-    names, n = mesh.axis_names, step.size
-    d = names.index(a)
+    kept: Kept = plan.placed[b]["optimizer"].geometry
+    length, a, n = plan.placed[b]["gradient"].length, step.axis, step.size
+    d = mesh.axis_names.index(a)
     owners = keep_owners(bucket, mesh)
-    earlier = [names.index(x) for x in bucket.spec.keep_axes[: bucket.spec.keep_axes.index(a)]]
-    length, ranks = placed.length, list(np.ndindex(*mesh.sizes))
-    pieces: dict[Rank, list[tuple[int, int, int]]] = {}  # (position, length, owner on a)
+    ranks = list(np.ndindex(*mesh.sizes))
+    # per rank, every piece of its chunk: (position in the chunk, length, owner on a)
+    pieces: dict[Rank, list[tuple[int, int, int]]] = {}
     for r in ranks:
         start, stride = 0, bucket.padded
-        for x in placed.axes:
+        for x in plan.placed[b]["gradient"].axes:
             stride //= mesh.size(x)
-            start += r[names.index(x)] * stride
+            start += r[mesh.axis_names.index(x)] * stride
         pieces[r] = []
         for j, s in enumerate(bucket.slots):
             lo = min(max(start - s.offset, 0), s.numel)
             hi = min(max(start + length - s.offset, 0), s.numel)
-            if lo < hi and all(owners[j][e] == r[e] for e in earlier):
+            if lo < hi:
                 pieces[r].append((s.offset + lo - start, hi - lo, owners[j][d]))
+    own = {r: sum(hi - lo for _, lo, hi, _ in kept.at[r]) for r in ranks}
+    mine = {
+        r: [(p, hi - lo) for p, (_, lo, hi, _) in zip(kept.chunk[r], kept.at[r])] for r in ranks
+    }
     if step.op == "select":
-        runs = {r: _spans([(p, m, c == r[d]) for p, m, c in pieces[r]]) for r in ranks}
-        return [Rearrange(mesh, runs, length, source=length)]
+        return [Rearrange(mesh, mine, kept.length, source=length)]
     counts = np.zeros((*mesh.sizes, n), dtype=np.int64)
     for r in ranks:
         for _, m, c in pieces[r]:
             counts[r][c] += m
-    own = {r: int(counts[r][r[d]]) for r in ranks}
     if step.op == "reduce_scatter_v":
         send = {r: [(p, m) for c in range(n) for p, m, o in pieces[r] if o == c] for r in ranks}
-        longest = max((n * x for x in own.values()), default=0)
-        at = {r: _packed_at([(p, m) for p, m, o in pieces[r] if o == r[d]]) for r in ranks}
-        runs = {
-            r: _spans([(at[r][p], m, True, p) for p, m, o in pieces[r] if o == r[d]])
-            for r in ranks
-        }
         return [
             Rearrange(mesh, send, int(counts.sum(-1).max(initial=0)), source=length),
-            exchange(mesh, a, counts, longest),
-            _Sum(mesh, own, n, max(own.values(), default=0), step.reduce),
-            Rearrange(mesh, runs, length, source=max(own.values(), default=0)),
+            exchange(mesh, a, counts, n * kept.length),
+            _Sum(mesh, own, n, kept.length, step.reduce),
         ]
     if step.op == "all_gather_v":
-        mine = {r: [(p, m) for p, m, o in pieces[r] if o == r[d]] for r in ranks}
-        send = {r: mine[r] * n for r in ranks}
         gather = np.zeros_like(counts)
         for r in ranks:
             gather[r][:] = own[r]
-        total = {r: int(counts[r].sum()) for r in ranks}
+        total = max((int(counts[r].sum()) for r in ranks), default=0)
         runs = {}
         for r in ranks:
             base, at = 0, {}
-            for c in range(n):  # block c: the pieces member c owns, in position order
+            for c in range(n):  # block c: the pieces member c keeps, in position order
                 for p, m, o in pieces[r]:
                     if o == c:
-                        at[p] = base
-                        base += m
+                        at[p], base = base, base + m
             runs[r] = _spans([(at[p], m, True, p) for p, m, _ in pieces[r]])
         return [
-            Rearrange(mesh, send, n * max(own.values(), default=0), source=length),
-            exchange(mesh, a, gather, max(total.values(), default=0)),
-            Rearrange(mesh, runs, length, source=max(total.values(), default=0)),
+            Rearrange(
+                mesh, {r: [(0, own[r])] * n for r in ranks}, n * kept.length, source=kept.length
+            ),
+            exchange(mesh, a, gather, total),
+            Rearrange(mesh, runs, length, source=total),
         ]
     raise ValueError(f"keep_items: unknown move {step.op!r}")
-
-
-def _packed_at(parts: list[tuple[int, int]]) -> dict[int, int]:
-    """``position -> offset`` of pieces ``(position, length)`` laid end to end from 0."""
-    out, at = {}, 0
-    for p, m in parts:
-        out[p], at = at, at + m
-    return out
 
 
 def _spans(parts: list[tuple]) -> list[tuple[int, int]]:

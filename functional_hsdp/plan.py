@@ -186,6 +186,12 @@ def _keep_move(frm: Placement, to: Placement, axis: str) -> str | None:
     return moves[(type(frm), type(to))]
 
 
+def _keeps(spec: Spec) -> bool:
+    """Whether ``spec`` keeps values by owner along an axis that moves (its optimizer
+    placement is then :class:`functional_hsdp.owner.Kept`)."""
+    return any(spec.mesh.moves(a) for a in spec.keep_axes)
+
+
 #: moves along a keep axis, made per bucket by :func:`functional_hsdp.owner.keep_items`
 KEEP_MOVES = ("reduce_scatter_v", "all_gather_v", "select")
 
@@ -271,6 +277,19 @@ class Plan:
                     if role in ("gradient", "optimizer", "parameter")
                     else ()
                 )
+                if role == "optimizer" and _keeps(spec):  # the kept pieces of the chunk
+                    from .owner import Kept  # owner builds on plan
+
+                    kept = Kept(self.mesh, bucket, axes)
+                    roles[role] = Placed(
+                        axes=axes,
+                        length=kept.length,
+                        geometry=kept,
+                        shapes=kept.shapes,
+                        views=kept.views,
+                    )
+                    carves[role] = None
+                    continue
                 if axes not in per_axes:
                     per_axes[axes] = self._place(bucket, axes)
                     cut[axes] = self._carve(bucket, per_axes[axes])
@@ -371,6 +390,8 @@ class Plan:
                 return pack_shard_full(bucket, leaves, batch, dtype=dtype)
             return pack_full(bucket, leaves, batch, dtype=dtype)
         values = bucket.take(leaves)
+        if getattr(placed.geometry, "kept", False):  # a keep spec's optimizer placement
+            return placed.geometry.pack(values, dtype=dtype)
         if dtype != bucket.dtype:  # a shard-sized cast, then one packing copy
             values = tuple(x.to(dtype) for x in values)
         if bucket.shard is None:
@@ -400,6 +421,8 @@ class Plan:
             cut = carve(buf) if carve is not None else None
             if cut is not None:  # views of the leaves only, none of the gaps
                 values.extend(cut)
+            elif getattr(placed.geometry, "kept", False):
+                values.extend(placed.geometry.unpack(buf))
             elif not placed.axes:
                 unpack = unpack_shard_full if bucket.shard else unpack_full
                 values.extend(unpack(bucket, buf, batch))

@@ -122,6 +122,12 @@ class Spec:
         owned = [a for a, x in zip(names, self.optimizer) if isinstance(x, Owner)]
         if not owned or set(owned) == set(self.dp_axes):
             return  # none, or owner-major over every data-parallel axis
+        moving = [a for a in owned if self.mesh.moves(a)]
+        if len(moving) > 1:
+            raise NotImplementedError(
+                f"Spec.optimizer: Owner() on some data-parallel axes only is supported on one "
+                f"axis of size > 1; got it on {moving}"
+            )
         for a in owned:
             k = names.index(a)
             p, g = self.parameter[k], self.gradient[k]
