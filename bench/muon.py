@@ -28,8 +28,9 @@ Newton-Schulz runs in bf16 (torch's ``Muon``); its time is measured around every
 ``fh.newton_schulz`` on each rank (``muon``: its owned matrices; ``naive``: every matrix, the
 dense time). Bytes per axis: one untimed step per variant under ``fh.comm_log``; *wire* bytes
 a rank sends with ring algorithms (all-reduce 2(n-1)/n of its input, reduce-scatter (n-1)/n,
-all-gather n-1 times; an all-to-all what it sends to the others), the most of any rank. Memory as B13: each variant in a fresh group, glibc mmapping >= 64 KiB,
-``VmHWM`` of one step above the idle RSS, max over ranks.
+all-gather n-1 times; an all-to-all what it sends to the others), the most of any rank.
+Memory as B13: each variant in a fresh group, glibc mmapping >= 64 KiB, ``VmHWM`` of one step
+above the idle RSS, max over ranks.
 """
 
 from __future__ import annotations
@@ -246,8 +247,8 @@ def _wire(events, sizes: dict) -> dict:
     for e in events:
         axis = out.setdefault(e.axis, {"input": {}, "wire": 0.0})
         axis["input"][e.op] = axis["input"].get(e.op, 0) + e.nbytes
-        if e.sent is not None:
-            axis["wire"] += e.sent * e.dtype.itemsize
+        if e.sent is not None:  # this rank's (a DistMesh: one)
+            axis["wire"] += sum(e.sent) * e.dtype.itemsize
         else:
             axis["wire"] += e.nbytes * factor[e.op](sizes[e.axis])
     return out

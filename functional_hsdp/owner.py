@@ -32,12 +32,13 @@ A tree reaches the owner placement in one of two ways:
 
 * **An Owner spec on some data-parallel axes only** (``owned(spec, axes)``: HSDP's outer
   axis, where the parameter is Replicate) keeps the spec's own layout and chunks; along
-  those *keep axes* each rank keeps the values of the leaves whose owner (balanced per
-  bucket over every data-parallel axis that moves: :func:`keep_owners`) has its
-  coordinate there, zeros elsewhere. Partial -> Owner is a reduce-scatter-v and Owner ->
-  Replicate an all-gather-v, each one all-to-all of the data with uneven blocks
-  (:func:`keep_items`); :func:`route` then moves the kept pieces over the other axes to
-  the owner and leaves the results with the keep axes' owners (no all-gather there).
+  those *keep axes* (one of size > 1) each rank keeps only the pieces of its chunk whose
+  leaf's owner (balanced per bucket over every data-parallel axis that moves:
+  :func:`keep_owners`) has its coordinate there (:class:`Kept`, the optimizer
+  placement's geometry). Partial -> Owner is a reduce-scatter-v and Owner -> Replicate an
+  all-gather-v, each one all-to-all of the data with uneven blocks (:func:`keep_items`);
+  :func:`route` moves the kept pieces over the other axes to the owner and back, and
+  leaves the results with the keep axis's owners (no all-gather there).
 
 Owners are ranks of the data-parallel axes that move (size > 1); a leaf's owner coordinate
 on every other axis is the rank's own (other axes hold other values: each does its own).
@@ -221,14 +222,15 @@ def owned(spec: Spec, axes: str | Sequence[str] | None = None) -> Spec:
       heaviest owner's leaves, at least n times the bucket's largest leaf).
     * **On some axes only** (HSDP's outer: ``axes="dp_outer"``; there the parameter must be
       Replicate and the gradient Partial or Replicate) the spec keeps its own layout, and
-      along those axes each rank keeps the values of the leaves its coordinate owns, zeros
-      elsewhere (never read). The last microbatch's outer all-reduce becomes a
-      reduce-scatter-v (one all-to-all of the data only, each piece to its owner's
-      coordinate, then a sum), ``sync_params`` an all-gather-v (one all-to-all): per rank,
-      exactly HSDP's outer bytes on a 2-wide outer axis whatever the balance, nothing
-      padded on the wire. ``per_matrix`` moves each leaf over the other axes to its owner
-      (for HSDP an all-to-all pair over ``dp_inner``). State is as large as HSDP's (the
-      inner chunk, zeros where not owned).
+      along that axis each rank keeps only the pieces of its chunk whose leaf its
+      coordinate owns (:class:`Kept`; a leaf's local value elsewhere is empty). The last
+      microbatch's outer all-reduce becomes a reduce-scatter-v (one all-to-all of the data
+      only, each piece to its owner's coordinate, then a sum), ``sync_params`` an
+      all-gather-v (one all-to-all): per rank, exactly HSDP's outer bytes on a 2-wide outer
+      axis whatever the balance, nothing padded on the wire. ``per_matrix`` moves each leaf
+      over the other axes to its owner (for HSDP an all-to-all pair over ``dp_inner``).
+      Main weights and state are sharded over both axes, as owner-major's. One such axis of
+      size > 1 at most.
 
     Args:
         spec: a :class:`~functional_hsdp.Spec` without ``Shard(d)``.
@@ -280,18 +282,19 @@ Seg = tuple  # (slot position j in the bucket, lo, hi): elements [lo, hi) of tha
 @dataclass(frozen=True, eq=False)
 class Exchange(Step):
     """An all-to-all step: ``counts`` and ``length`` as ``Mesh.all_to_all`` takes them;
-    ``sent``: the elements a rank of this process sends to the others (the most of them)."""
+    ``sent``: the elements each rank this process holds sends to the others, in rank order
+    (one on a DistMesh)."""
 
     counts: Any = None
     length: int = 0
-    sent: int = 0
+    sent: tuple[int, ...] = ()
 
 
-def exchange(mesh: Any, axis: str, counts: np.ndarray, length: int) -> Exchange:
+def exchange(mesh: Any, axis: str, *, counts: np.ndarray, length: int) -> Exchange:
     """An :class:`Exchange` over ``axis`` of ``counts`` (per rank, elements to each member)."""
     d = mesh.axis_names.index(axis)
     own = {r: int(counts[r].sum() - counts[r][r[d]]) for r in np.ndindex(*mesh.sizes)}
-    sent = max((n for _, n in local_items(mesh, own)), default=0)
+    sent = tuple(n for _, n in local_items(mesh, own))
     return Exchange(
         op="all_to_all",
         axis=axis,
@@ -543,7 +546,7 @@ class _Planner:
         length_out = max((sum(hi - lo for _, lo, hi in g) for g in recv.values()), default=0)
         runs = {r: [(p, g[2] - g[1]) for g, p in segs] for r, segs in send.items()}
         pre = Rearrange(self.mesh, runs, length_in, source=source)
-        step = exchange(self.mesh, a, counts, length_out)
+        step = exchange(self.mesh, a, counts=counts, length=length_out)
         sent = {r: [g for g, _ in segs] for r, segs in send.items()}
         return {"pre": pre, "step": step, "send": sent, "recv": recv, "in": length_in}
 
@@ -584,7 +587,7 @@ class _Planner:
             for r in self.ranks:
                 for s in range(self.mesh.size(a)):
                     counts[r][s] = fwd[(*r[:d], s, *r[d + 1 :])][r[d]]
-            items.append(exchange(self.mesh, a, counts, stage["in"]))
+            items.append(exchange(self.mesh, a, counts=counts, length=stage["in"]))
             position = {r: _positions(stage["send"][r]) for r in self.ranks}
             if t:
                 prev = stages[t - 1]["recv"]
@@ -776,7 +779,7 @@ class _Sum:
     """A local step after a reduce-scatter-v's all-to-all: each rank's ``n`` equal blocks
     (``own`` elements each) summed (and averaged for ``"avg"``), ``length`` long."""
 
-    def __init__(self, mesh: Any, own: dict[Rank, int], n: int, length: int, op: str):
+    def __init__(self, mesh: Any, own: dict[Rank, int], *, n: int, length: int, op: str):
         self.batch, self.n, self.length, self.op = mesh.batch_shape, n, length, op
         self.items = local_items(mesh, own)
 
@@ -803,25 +806,10 @@ def keep_items(plan: Plan, b: int, step: Step) -> list:
       member (one all-to-all), and every piece of the chunk is taken from its owner's block;
     * ``"select"`` (Replicate -> Owner): the rank's kept pieces of its chunk.
     """
-    mesh, bucket = plan.mesh, plan.buckets[b]
+    mesh = plan.mesh
     kept: Kept = plan.placed[b]["optimizer"].geometry
     length, a, n = plan.placed[b]["gradient"].length, step.axis, step.size
-    d = mesh.axis_names.index(a)
-    owners = keep_owners(bucket, mesh)
-    ranks = list(np.ndindex(*mesh.sizes))
-    # per rank, every piece of its chunk: (position in the chunk, length, owner on a)
-    pieces: dict[Rank, list[tuple[int, int, int]]] = {}
-    for r in ranks:
-        start, stride = 0, bucket.padded
-        for x in plan.placed[b]["gradient"].axes:
-            stride //= mesh.size(x)
-            start += r[mesh.axis_names.index(x)] * stride
-        pieces[r] = []
-        for j, s in enumerate(bucket.slots):
-            lo = min(max(start - s.offset, 0), s.numel)
-            hi = min(max(start + length - s.offset, 0), s.numel)
-            if lo < hi:
-                pieces[r].append((s.offset + lo - start, hi - lo, owners[j][d]))
+    ranks, pieces = list(np.ndindex(*mesh.sizes)), _chunk_pieces(plan, b, a)
     own = {r: sum(hi - lo for _, lo, hi, _ in kept.at[r]) for r in ranks}
     mine = {
         r: [(p, hi - lo) for p, (_, lo, hi, _) in zip(kept.chunk[r], kept.at[r])] for r in ranks
@@ -836,30 +824,53 @@ def keep_items(plan: Plan, b: int, step: Step) -> list:
         send = {r: [(p, m) for c in range(n) for p, m, o in pieces[r] if o == c] for r in ranks}
         return [
             Rearrange(mesh, send, int(counts.sum(-1).max(initial=0)), source=length),
-            exchange(mesh, a, counts, n * kept.length),
-            _Sum(mesh, own, n, kept.length, step.reduce),
+            exchange(mesh, a, counts=counts, length=n * kept.length),
+            _Sum(mesh, own, n=n, length=kept.length, op=step.reduce),
         ]
     if step.op == "all_gather_v":
         gather = np.zeros_like(counts)
         for r in ranks:
             gather[r][:] = own[r]
         total = max((int(counts[r].sum()) for r in ranks), default=0)
-        runs = {}
-        for r in ranks:
-            base, at = 0, {}
-            for c in range(n):  # block c: the pieces member c keeps, in position order
-                for p, m, o in pieces[r]:
-                    if o == c:
-                        at[p], base = base, base + m
-            runs[r] = _spans([(at[p], m, True, p) for p, m, _ in pieces[r]])
+        runs = {r: _from_blocks(pieces[r], n) for r in ranks}
         return [
             Rearrange(
                 mesh, {r: [(0, own[r])] * n for r in ranks}, n * kept.length, source=kept.length
             ),
-            exchange(mesh, a, gather, total),
+            exchange(mesh, a, counts=gather, length=total),
             Rearrange(mesh, runs, length, source=total),
         ]
     raise ValueError(f"keep_items: unknown move {step.op!r}")
+
+
+def _chunk_pieces(plan: Plan, b: int, axis: str) -> dict[Rank, list[tuple[int, int, int]]]:
+    """Per rank, every leaf's piece of its chunk of bucket ``b`` (the gradient placement's):
+    ``(position in the chunk, length, its owner's coordinate on axis)``."""
+    mesh, bucket, placed = plan.mesh, plan.buckets[b], plan.placed[b]["gradient"]
+    d, owners, out = mesh.axis_names.index(axis), keep_owners(bucket, mesh), {}
+    for r in np.ndindex(*mesh.sizes):
+        start, stride = 0, bucket.padded
+        for x in placed.axes:
+            stride //= mesh.size(x)
+            start += r[mesh.axis_names.index(x)] * stride
+        out[r] = []
+        for j, s in enumerate(bucket.slots):
+            lo = min(max(start - s.offset, 0), s.numel)
+            hi = min(max(start + placed.length - s.offset, 0), s.numel)
+            if lo < hi:
+                out[r].append((s.offset + lo - start, hi - lo, owners[j][d]))
+    return out
+
+
+def _from_blocks(pieces: list[tuple[int, int, int]], n: int) -> list[tuple[int, int]]:
+    """Runs of a chunk from an all-gather-v's blocks (block c: the pieces member c keeps, in
+    position order), ``pieces`` as :func:`_chunk_pieces` gives them."""
+    base, at = 0, {}
+    for c in range(n):
+        for p, m, o in pieces:
+            if o == c:
+                at[p], base = base, base + m
+    return _spans([(at[p], m, True, p) for p, m, _ in pieces])
 
 
 def _spans(parts: list[tuple]) -> list[tuple[int, int]]:

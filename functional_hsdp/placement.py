@@ -13,8 +13,8 @@ to the ranks balanced by size, and a rank's chunk is the whole leaves it owns, p
 largest chunk (see :mod:`functional_hsdp.owner`). Such a spec lays its buckets out
 owner-major, so that its chunks are the owners' leaves; the collectives are then Flat's.
 ``Owner`` on some data-parallel axes only (HSDP's outer, where the parameter is Replicate)
-keeps the spec's own layout: along those axes each rank keeps the values of the leaves its
-coordinate owns (zeros elsewhere), and the moves there are uneven all-to-alls of the data.
+keeps the spec's own layout: along that axis each rank keeps the pieces of its chunk whose
+leaf its coordinate owns, and the moves there are uneven all-to-alls of the data.
 
 One mesh axis at a time:
 
@@ -39,7 +39,7 @@ Partial(op)          Owner, some axes     reduce-scatter-v: one all-to-all of th
                                           (each piece to its leaf owner's coordinate),
                                           then a sum (``fh.owned(spec, "dp_outer")``)
 Owner, some axes     Replicate            all-gather-v: one all-to-all
-Replicate            Owner, some axes     local: zeros where the rank does not own
+Replicate            Owner, some axes     local: the rank's owned pieces of its chunk
 Partial(op)          Partial(op)          nothing (the axis stays deferred)
 X                    X                    nothing
 Replicate / Flat     Partial              impossible: a reduced value cannot become a
@@ -121,8 +121,8 @@ class Owner(Placement):
     on the same axes are the owners' leaves too: Partial -> Owner is a reduce-scatter, Owner
     -> Replicate an all-gather. :func:`~functional_hsdp.owned` makes such a spec from a
     preset; ``owned(spec, "dp_outer")`` puts Owner on HSDP's outer axis only, where each
-    rank keeps the values its coordinate owns in the spec's own layout (uneven all-to-alls
-    of the data there, no padding).
+    rank keeps the pieces of its chunk its coordinate owns, in the spec's own layout
+    (uneven all-to-alls of the data there, no padding).
 
     Example:
         >>> import functional_hsdp as fh

@@ -142,8 +142,7 @@ def _steps(spec: Spec, frm: str, to: str) -> tuple[Step, ...]:
     index = {a: mesh.axis_names.index(a) for a in names}
     keep = spec.keep_axes
     kinds = {
-        a: (_keep_move if a in keep else transition)(src[index[a]], dst[index[a]], a)
-        for a in names
+        a: (_keep_move if a in keep else transition)(src[index[a]], dst[index[a]], a) for a in names
     }
     op = {
         a: reduce_op(src[index[a]]) if isinstance(src[index[a]], Partial) else None for a in names
@@ -252,7 +251,7 @@ class Plan:
                 except (ValueError, NotImplementedError):  # a move this spec cannot make
                     by_spec[(spec, leg)] = None
         out = {leg: [by_spec[(b.spec, leg)] for b in self.buckets] for leg in LEGS}
-        for leg, programs in out.items():
+        for programs in out.values():
             for b, steps in enumerate(programs):
                 if steps and any(x.op in KEEP_MOVES for x in steps):
                     from .owner import keep_items  # owner builds on plan

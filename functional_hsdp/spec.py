@@ -145,7 +145,9 @@ class Spec:
         over them."""
 
         def axes() -> tuple[str, ...]:
-            owned = [a for a, x in zip(self.mesh.axis_names, self.optimizer) if isinstance(x, Owner)]
+            owned = [
+                a for a, x in zip(self.mesh.axis_names, self.optimizer) if isinstance(x, Owner)
+            ]
             if not owned or set(owned) != set(self.dp_axes):
                 return ()
             return tuple(a for a in self.split_order if a in owned)
@@ -165,12 +167,14 @@ class Spec:
     @property
     def keep_axes(self) -> tuple[str, ...]:
         """The axes, in mesh order, of an Owner placement on only some data-parallel axes
-        (``fh.owned(spec, axes=...)``): the spec keeps its own layout, and along each of these
-        axes a rank keeps the values of the leaves whose owner has its coordinate there,
-        zeros elsewhere (see :mod:`functional_hsdp.owner`)."""
+        (``fh.owned(spec, axes=...)``): the spec keeps its own layout, and along these axes
+        a rank keeps only the pieces of its chunk whose leaf's owner has its coordinate
+        there (see :mod:`functional_hsdp.owner`)."""
 
         def axes() -> tuple[str, ...]:
-            owned = [a for a, x in zip(self.mesh.axis_names, self.optimizer) if isinstance(x, Owner)]
+            owned = [
+                a for a, x in zip(self.mesh.axis_names, self.optimizer) if isinstance(x, Owner)
+            ]
             return tuple(owned) if owned and set(owned) != set(self.dp_axes) else ()
 
         return self._memo("keep_axes", axes)
@@ -250,7 +254,9 @@ class Spec:
         def order() -> tuple[str, ...]:
             names = self.mesh.axis_names
             grad = [a for a, g in zip(names, self.gradient) if is_sharded(g)]
-            rest = [a for a, o in zip(names, self.optimizer) if self._sharded(a, o) and a not in grad]
+            rest = [
+                a for a, o in zip(names, self.optimizer) if self._sharded(a, o) and a not in grad
+            ]
             return tuple(reversed(grad)) + tuple(reversed(rest))
 
         return self._memo("split_order", order)

@@ -30,9 +30,9 @@ class Event:
         reduce: ``"avg"``/``"sum"`` for reductions, None for all-gather.
         impl: how the mesh carried it out (``"native"``, ``"sum+div"``, ``"einops"``); not part
             of equality, so the two meshes' logs compare equal.
-        sent: an all-to-all's elements that a rank sends to the other ranks (its blocks are
-            uneven: on a SimMesh the most of any rank); None for the other ops. Not part of
-            equality.
+        sent: an all-to-all's elements that each rank this process holds sends to the
+            others (its blocks are uneven), in rank order: one on a DistMesh, every rank's
+            (row-major) on a SimMesh; None for the other ops. Not part of equality.
     """
 
     op: str
@@ -41,7 +41,7 @@ class Event:
     numel: int
     reduce: str | None = None
     impl: str = field(default="", compare=False)
-    sent: int | None = field(default=None, compare=False)
+    sent: tuple[int, ...] | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:

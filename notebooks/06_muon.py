@@ -27,9 +27,10 @@
 # 2. the **owner placement** (`fh.owned(spec)`): each matrix whole on one rank of the mesh,
 #    who owns which matrix, and how many elements each rank orthogonalizes;
 # 3. the **collectives per axis** of one step: AdamW on HSDP, Muon on HSDP (`fh.per_matrix`
-#    moves each matrix to its owner by all-to-alls and back) and Muon on `fh.owned(hsdp)` (the
+#    moves each matrix to its owner by all-to-alls and back), Muon on `fh.owned(hsdp)` (the
 #    cheap route: a reduce-scatter over `dp_outer` where HSDP all-reduces, an all-gather of
-#    the new weights, nothing in the optimizer).
+#    the new weights, nothing in the optimizer) and Muon on `fh.owned(hsdp, "dp_outer")`
+#    (HSDP's own layout, uneven all-to-alls of the data over `dp_outer`: no padding).
 
 # %%
 import matplotlib.pyplot as plt
@@ -211,7 +212,15 @@ assert sum(c[0] for c in calls) == 4 * LAYERS  # each matrix exactly once
 # (the replicas get the owners' results). Muon on `fh.owned(hsdp)` reduce-scatters over
 # `dp_outer` instead of all-reducing (each owner gets its matrices' final gradient), its
 # optimizer communicates nothing, and `sync_params` all-gathers the new weights over
-# `dp_outer`: a reduce-scatter and an all-gather carry an all-reduce's bytes.
+# `dp_outer`: a reduce-scatter and an all-gather carry an all-reduce's bytes, plus each
+# bucket's padding to its heaviest owner. Muon on `fh.owned(hsdp, "dp_outer")` keeps HSDP's
+# layout: over `dp_outer` a reduce-scatter-v (an all-to-all of the inner chunk's data, each
+# piece to its matrix's owner) and an all-gather-v (an all-to-all of the owners' pieces),
+# nothing padded; `fh.per_matrix` adds an all-to-all pair over `dp_inner`. For an
+# all-to-all, a rank sends what it sends to the others (`Event.sent`, per rank); "sent" is
+# the bytes of the rank that sends the most.
+# Its training matches the others' (the first cell of section 1 checks hsdp and owned against
+# torch; `tests/test_matrix.py` checks all three).
 
 # %%
 def ring(op, n):
@@ -221,7 +230,9 @@ def ring(op, n):
 
 
 runs["Muon + AdamW (hsdp)"] = train(hsdp, muon_recipe(hsdp), steps=1)  # one step, its log
-print(f"{'run':28} {'axis':9} {'collectives (count x input elements)':48} sent (bytes)")
+outer_owned = fh.owned(hsdp, "dp_outer")  # optimizer placement [Owner, Flat]
+runs["Muon + AdamW (outer owned)"] = train(outer_owned, muon_recipe(outer_owned), steps=1)
+print(f"{'run':28} {'axis':9} {'collectives (count x input elements)':48} sent (bytes, most)")
 sent = {}
 for name, (_, log, _) in runs.items():
     for axis in mesh.axis_names:
@@ -230,9 +241,18 @@ for name, (_, log, _) in runs.items():
         for e in events:
             kinds.setdefault(e.op, []).append(e.numel)
         text = ", ".join(f"{op} {len(n)} x {n[0]}" for op, n in kinds.items())
-        sent[name, axis] = sum(e.nbytes * ring(e.op, mesh.size(axis)) for e in events)
+        per_rank = torch.zeros(OUTER * INNER)  # bytes each rank sends
+        for e in events:
+            if e.sent is not None:  # an all-to-all: what each rank sends to the others
+                per_rank += torch.tensor(e.sent) * e.dtype.itemsize
+            else:
+                per_rank += e.nbytes * ring(e.op, mesh.size(axis))
+        sent[name, axis] = per_rank.max().item()  # the rank that sends the most
         print(f"{name:28} {axis:9} {text:48} {sent[name, axis]:,.0f}")
 # the forward's all-gather over dp_inner (gather) is every run's; over dp_outer, the cheap
 # route sends what AdamW-HSDP sends, up to the owners' padding of each bucket
 print("dp_outer, owned / adamw:", sent["Muon + AdamW (owned(hsdp))", "dp_outer"]
       / sent["AdamW (hsdp)", "dp_outer"])
+print("dp_outer, outer owned / adamw:", sent["Muon + AdamW (outer owned)", "dp_outer"]
+      / sent["AdamW (hsdp)", "dp_outer"])
+assert sent["Muon + AdamW (outer owned)", "dp_outer"] <= sent["AdamW (hsdp)", "dp_outer"]

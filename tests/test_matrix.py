@@ -495,7 +495,8 @@ def test_owned_outer_keeps_each_value_on_its_outer_owner_and_zeros_elsewhere(str
         torch.testing.assert_close(x[held[0]], r[0], rtol=0, atol=0)
         assert torch.count_nonzero(x[1 - held[0]]) == 0
     assert max_error(fh.gather(got, spec), dense_reduce(micro, 2)) < 1e-5
-    torch.testing.assert_close(fh.global_norm(got, spec), fh.global_norm(ref, preset("hsdp", _mesh(shape))))
+    norm = fh.global_norm(ref, preset("hsdp", _mesh(shape)))
+    torch.testing.assert_close(fh.global_norm(got, spec), norm)
     params = fh.shard(_full(), spec)
     assert max_error(fh.gather(params, spec), _full()) == 0
     weights = fh.sync_params(params, spec)
@@ -509,7 +510,8 @@ def test_owned_outer_sends_the_data_only_over_outer():
     mesh = _mesh((2, 2))
     units = {f"u{u}": _llama_layer(32, heads=4) for u in range(4)}
     logs = {}
-    for name, spec in (("hsdp", fh.hsdp(mesh, *AXES)), ("outer", fh.owned(fh.hsdp(mesh, *AXES), "dp_outer"))):
+    hsdp = fh.hsdp(mesh, *AXES)
+    for name, spec in (("hsdp", hsdp), ("outer", fh.owned(hsdp, "dp_outer"))):
         tree_spec = {u: spec for u in units}
         params = fh.shard(_full(shapes=units), tree_spec)
         with fh.comm_log() as log:
@@ -518,18 +520,20 @@ def test_owned_outer_sends_the_data_only_over_outer():
         logs[name] = [e for e in log.events if e.axis == "dp_outer"]
     assert [e.op for e in logs["hsdp"]] == ["all_reduce"] * 4
     assert [e.op for e in logs["outer"]] == ["all_to_all"] * 8
-    # per unit: a rank's chunk is HSDP's all-reduce input; the reduce-scatter-v sends the
-    # pieces the other outer coordinate owns, the all-gather-v the rank's own (on a SimMesh
-    # Event.sent is the most of any rank); each less than the chunk, the two together its
-    # data on every rank (4 gloo ranks check that exactly: test_matrix_gloo.py)
-    chunk = [e.numel for e in logs["hsdp"]]
-    assert all(0 < e.sent < c for e, c in zip(logs["outer"][:4], chunk))
-    assert all(0 < e.sent < c for e, c in zip(logs["outer"][4:], chunk))
+    # per unit and rank: the rank's chunk is HSDP's all-reduce input (a ring on 2 ranks
+    # sends it whole); the reduce-scatter-v sends the pieces the other outer coordinate
+    # owns, the all-gather-v the rank's own: together the chunk (here no alignment zeros)
+    for e in logs["hsdp"]:
+        assert e.numel == sum(math.prod(s) for s in units["u0"].values()) // 2
+    for rs, ag, ar in zip(logs["outer"][:4], logs["outer"][4:], logs["hsdp"]):
+        assert len(rs.sent) == len(ag.sent) == 4  # every rank's, on a SimMesh
+        assert all(0 < x < ar.numel for x in (*rs.sent, *ag.sent))
+        assert [a + b for a, b in zip(rs.sent, ag.sent)] == [ar.numel] * 4
 
 
 def test_owned_on_some_axes_needs_a_replicate_parameter_there():
     mesh = _mesh((2, 2))
-    R, F, P, Own = fh.Replicate(), fh.Flat(), fh.Partial("avg"), fh.Owner()
+    F, Own = fh.Flat(), fh.Owner()
     with pytest.raises(ValueError, match="needs parameter Replicate"):
         fh.owned(fh.hsdp(mesh, *AXES), "dp_inner")
     with pytest.raises(ValueError, match="needs parameter Replicate"):

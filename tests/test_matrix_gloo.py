@@ -350,7 +350,8 @@ def _outer_sent(strategy: str):
     sent = 0
     for e in log.events:
         if e.axis == "dp_outer":
-            per = e.sent if e.sent is not None else e.numel * (1 if e.op == "all_reduce" else 0)
+            ring = e.numel * (e.op == "all_reduce")  # 2 ranks: 2 (n - 1) / n of its input
+            per = ring if e.sent is None else e.sent[0]  # a DistMesh: this rank's
             sent += per * e.dtype.itemsize
     return sent, fh.gather(new, tree_spec)
 
