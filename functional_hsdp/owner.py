@@ -690,15 +690,52 @@ def _build(plan: Plan, routed: tuple[bool, ...]) -> list[BucketRoute | None]:
 def keep_owners(bucket: Bucket, mesh: Any) -> list[tuple[int, ...]]:
     """Per slot of a bucket of a spec with :attr:`~functional_hsdp.Spec.keep_axes`: its
     owner's coordinates over every mesh axis (-1 where every rank is its own: axes that are
-    not data-parallel or do not move). Balanced over the data-parallel axes that move, by
-    size (:func:`balance`), per bucket: the same on every rank, and the same for the moves
-    of the spec and for ``per_matrix``'s route."""
+    not data-parallel or do not move); per bucket, the same on every rank, and the same for
+    the moves of the spec and for ``per_matrix``'s route.
+
+    The keep axis's coordinate evens what each rank keeps: largest leaf first, each to the
+    coordinate whose heaviest chunk (of the spec's own chunks) grows least with the leaf's
+    pieces. Then each coordinate's leaves are balanced over the other data-parallel axes that
+    move (:func:`balance`), which evens the ``per_matrix`` work.
+    """
     spec = bucket.spec
     axes = [a for a in mesh.axis_names if a in spec.dp_axes and mesh.moves(a)]
+    keep = [a for a in axes if a in spec.keep_axes]
+    if not keep:
+        return _balanced_owners(bucket, mesh, axes=axes, slots=range(len(bucket.slots)))
+    a, split = keep[0], spec.sharded_axes("gradient")
+    chunks = math.prod(mesh.size(x) for x in split)
+    length = bucket.padded // chunks
+    pieces = [
+        [
+            min(max((c + 1) * length - s.offset, 0), s.numel)
+            - min(max(c * length - s.offset, 0), s.numel)
+            for c in range(chunks)
+        ]
+        for s in bucket.slots
+    ]
+    loads = np.zeros((mesh.size(a), chunks), dtype=np.int64)
+    at = [0] * len(bucket.slots)
+    for j in sorted(range(len(bucket.slots)), key=lambda j: (-bucket.slots[j].numel, j)):
+        grown = loads + np.asarray(pieces[j])
+        k = min(range(mesh.size(a)), key=lambda k: (grown[k].max(), loads[k].sum(), k))
+        loads[k], at[j] = grown[k], k
+    rest, out = [x for x in axes if x != a], [None] * len(bucket.slots)
+    for k in range(mesh.size(a)):
+        mine = [j for j in range(len(bucket.slots)) if at[j] == k]
+        for j, o in zip(mine, _balanced_owners(bucket, mesh, axes=rest, slots=mine, fixed={a: k})):
+            out[j] = o
+    return out
+
+
+def _balanced_owners(bucket: Bucket, mesh: Any, *, axes: list, slots, fixed=None) -> list:
+    """Owner coordinates for ``slots`` balanced by size over ``axes`` (:func:`balance`),
+    with ``fixed`` coordinates on other axes."""
     sizes = [mesh.size(a) for a in axes]
     out = []
-    for k in balance([align(s.numel) for s in bucket.slots], math.prod(sizes)):
+    for k in balance([align(bucket.slots[j].numel) for j in slots], math.prod(sizes)):
         coord = dict(zip(axes, np.unravel_index(k, sizes))) if sizes else {}
+        coord.update(fixed or {})
         out.append(tuple(int(coord.get(a, -1)) for a in mesh.axis_names))
     return out
 
@@ -707,7 +744,8 @@ class Kept:
     """A keep spec's bucket at its optimizer placement (the ``geometry`` of its
     :class:`~functional_hsdp.plan.Placed`): each rank's *kept* pieces of its chunk (of the
     leaves whose owner has its coordinate on the keep axis), end to end, the data only, then
-    zeros up to ``length`` (the longest rank's). A leaf's local value is its piece where the
+    zeros up to ``length`` (the longest of the ranks this process holds: a rank of a DistMesh
+    holds its own). A leaf's local value is its piece where the
     rank keeps it, else empty (on a SimMesh: stacked, zero fill at the end, as Flat's).
 
     ``at[r]``: per piece rank r keeps, ``(slot position, lo, hi, position)``: elements
@@ -738,8 +776,9 @@ class Kept:
                     chunk.append(s.offset + lo - start)
                     position += hi - lo
             self.at[r], self.chunk[r] = at, chunk
-        self.length = max((sum(hi - lo for _, lo, hi, _ in a) for a in self.at.values()), default=0)
         self.items = local_items(mesh, self.at)
+        # the longest of the ranks held: a rank of a DistMesh holds its own pieces only
+        self.length = max((sum(hi - lo for _, lo, hi, _ in a) for _, a in self.items), default=0)
         longest = [0] * len(bucket.slots)
         for _, at in self.items:
             for j, lo, hi, _ in at:
@@ -835,7 +874,10 @@ def keep_items(plan: Plan, b: int, step: Step) -> list:
         runs = {r: _from_blocks(pieces[r], n) for r in ranks}
         return [
             Rearrange(
-                mesh, {r: [(0, own[r])] * n for r in ranks}, n * kept.length, source=kept.length
+                mesh,
+                {r: [(0, own[r])] * n for r in ranks},
+                n * max(own.values(), default=0),  # as long on every rank: one logged length
+                source=kept.length,
             ),
             exchange(mesh, a, counts=gather, length=total),
             Rearrange(mesh, runs, length, source=total),

@@ -531,6 +531,41 @@ def test_owned_outer_sends_the_data_only_over_outer():
         assert [a + b for a, b in zip(rs.sent, ag.sent)] == [ar.numel] * 4
 
 
+@pytest.mark.parametrize("layers", [1, 4])
+def test_owned_outer_evens_what_each_rank_keeps_and_orthogonalizes(layers):
+    """A Llama decoder layer's unit under owned(hsdp, "dp_outer") on 2x2: each rank keeps
+    about half its inner chunk (the outer coordinates split every chunk evenly, not just the
+    whole), and the owners' matrices are as even as whole matrices allow."""
+    from functional_hsdp.lookup import plan_for
+    from functional_hsdp.owner import keep_owners
+
+    d, mesh = 64, _mesh((2, 2))
+    spec = fh.owned(fh.hsdp(mesh, *AXES), "dp_outer")
+    unit = {f"{k}.{p}": s for k in range(layers) for p, s in _llama_layer(d).items()}
+    leaves, treedef = optree.tree_flatten({k: torch.zeros(s) for k, s in unit.items()})
+    n = len(leaves)
+    plan = plan_for(
+        leaves,
+        treedef,
+        tuple(map(str, treedef.paths())),
+        specs=(spec,) * n,
+        units=(0,) * n,
+        shapes=[x.shape for x in leaves],
+    )
+    (bucket,) = plan.buckets
+    chunk = plan.placed[0]["gradient"].length
+    kept = plan.placed[0]["optimizer"].geometry
+    held = [sum(hi - lo for _, lo, hi, _ in at) for at in kept.at.values()]
+    assert sum(held) == sum(s.numel for s in bucket.slots)  # each piece on one rank
+    assert max(held) <= 0.54 * chunk
+    loads = {}
+    for s, o in zip(bucket.slots, keep_owners(bucket, mesh)):
+        if len(s.shape) == 2:
+            loads[o] = loads.get(o, 0) + s.numel
+    # the bound no assignment beats: the largest matrix, or a quarter of them all
+    assert max(loads.values()) == max(4 * d * d, sum(loads.values()) // 4)
+
+
 def test_owned_on_some_axes_needs_a_replicate_parameter_there():
     mesh = _mesh((2, 2))
     F, Own = fh.Flat(), fh.Owner()
