@@ -251,6 +251,34 @@ def test_maingrad_final_state_reshards_and_mid_accumulation_is_refused(pool, tmp
         assert "mg.finish()" in refused and "mg.state_dict()" in refused
 
 
+def _maingrad_kept(path: str):
+    """A MainGrad under Owner on dp_outer only (each rank keeps its owned pieces of its
+    chunk) saves its final gradients, which load into another one (2x2) and into hfsdp on
+    4x1."""
+    model, full0, x, y = mlp_problem(4, M)
+    loss, rank = mlp_loss(model), dist.get_rank()
+    spec = fh.owned(preset("hsdp", _mesh((2, 2)), bucket_cap_mb=CAP), "dp_outer")
+    mg = fh.MainGrad(spec, like=full0)
+    for m, last in fh.microbatches(M):
+        mg.accumulate(grad(loss)(full0, x[rank, m], y[rank, m]), last=last)
+    dcp.save({"mg": fh.state_dict(mg)}, checkpoint_id=path)
+    out = []
+    for spec2 in (spec, preset("hfsdp", _mesh((4, 1)), bucket_cap_mb=CAP)):
+        mg2 = fh.MainGrad(spec2, like=full0)
+        state = {"mg": fh.empty_state_dict(mg2, spec2)}
+        dcp.load(state, checkpoint_id=path)
+        fh.load_state_dict(state["mg"], spec2, mg2)
+        same = _equal(fh.gather(mg2.grads, spec2), fh.gather(mg.grads, spec))
+        local = spec2 is spec and _equal(mg2.grads, mg.grads)  # each rank's kept pieces
+        out.append(mg2.state == "final" and same and (local or spec2 is not spec))
+    return out
+
+
+def test_maingrad_under_owner_on_dp_outer_only_reshards(pool, tmp_path):
+    for loaded in pool.run(_maingrad_kept, str(tmp_path)):
+        assert loaded == [True, True]
+
+
 # -- errors name the path ----------------------------------------------------------------------
 
 

@@ -566,6 +566,20 @@ def test_owned_outer_evens_what_each_rank_keeps_and_orthogonalizes(layers):
     assert max(loads.values()) == max(4 * d * d, sum(loads.values()) // 4)
 
 
+def test_owned_outer_averages_float16_without_overflow():
+    """float16 gradients near its largest value: the reduce-scatter-v sums in float32 and
+    rounds once, as HSDP's fp16 all-reduce (pre- and post-divided) does not overflow."""
+    mesh = _mesh((2, 2))
+    hsdp = fh.hsdp(mesh, *AXES)
+    g = {"w": torch.full((2, 2, 8, 4), 60000.0, dtype=torch.float16)}
+    g["w"][1] = 50000.0
+    ref = fh.gather(fh.reduce_grads(g, hsdp, last=True), hsdp)
+    spec = fh.owned(hsdp, "dp_outer")
+    got = fh.gather(fh.reduce_grads(g, spec, last=True), spec)
+    assert torch.isfinite(got["w"]).all() and torch.equal(got["w"], ref["w"])
+    assert ((got["w"].float() - 54992).abs() <= 16).all()  # (60000 + 49984) / 2, rounded
+
+
 def test_owned_on_some_axes_needs_a_replicate_parameter_there():
     mesh = _mesh((2, 2))
     F, Own = fh.Flat(), fh.Owner()
