@@ -29,6 +29,7 @@ from reference import (
     torch_muon_in,
 )
 from test_field_gloo import NCCL_STYLE, carried_as
+from test_matrix import _llama_layer
 
 import functional_hsdp as fh
 from functional_hsdp.launch import device_mesh
@@ -313,19 +314,7 @@ def test_muon_through_shard_module_and_functional_call_equals_torch(pool, strate
 def _llama_units(d: int = 32, layers: int = 4) -> dict:
     """One unit per Llama decoder layer (transformers' shapes: hidden d, MLP 4 d, half as
     many key-value heads): 15 d^2 of matrices that no owner layout of 4 ranks balances."""
-    kv = d // 2
-    layer = {
-        "q": (d, d),
-        "k": (kv, d),
-        "v": (kv, d),
-        "o": (d, d),
-        "gate": (4 * d, d),
-        "up": (4 * d, d),
-        "down": (d, 4 * d),
-        "norm1": (d,),
-        "norm2": (d,),
-    }
-    return {f"layer{u}": dict(layer) for u in range(layers)}
+    return {f"layer{u}": _llama_layer(d) for u in range(layers)}
 
 
 def _outer_sent(strategy: str):
