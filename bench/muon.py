@@ -47,7 +47,7 @@ from . import module as B13
 from .module import _data, _loss, _warm_modules
 
 # B13's sizes; the MLP tiny with 8 blocks (two units of 4), full with batch 256 (tokens per
-# step for Newton-Schulz to be amortized over, as in training); 3 timed repetitions
+# step for Newton-Schulz to be amortized over, as in training); 5 timed repetitions
 SIZES = {
     "tiny": {
         **B13.SIZES["tiny"],
@@ -59,7 +59,7 @@ SIZES = {
         "mlp": {"D": 1024, "L": 8, "B": 256},
         # the same MLP at 4x the tokens per step: Newton-Schulz's work per step is the same
         "mlp_b1024": {"D": 1024, "L": 8, "B": 1024},
-        "reps": 3,
+        "reps": 5,
     },
 }
 MODELS = ("llama", "mlp", "mlp_b1024")
