@@ -505,6 +505,8 @@ class _Planner:
         there, stages, held, source = [], [], keep, self.length
         for a in self.flat:
             stage = self._exchange(a, held, source)
+            if not _moves(stage["step"].counts, self.dim[a]):  # the whole mesh's counts
+                continue  # every piece at its owner's coordinate on a already: no exchange
             there += [stage["pre"], stage["step"]]
             stages.append(stage)
             held = {r: _packed(segs) for r, segs in stage["recv"].items()}
@@ -625,6 +627,12 @@ class _Planner:
         return [*items, Rearrange(mesh, runs, self.length, source=source)]
 
 
+def _moves(counts: np.ndarray, d: int) -> bool:
+    """Whether an all-to-all of ``counts`` over mesh dim ``d`` sends anything to another
+    rank (on any rank of the mesh)."""
+    return any(counts[r].sum() != counts[r][r[d]] for r in np.ndindex(*counts.shape[:-1]))
+
+
 def _packed(segs: list[Seg]) -> list[tuple[Seg, int]]:
     """Pieces laid end to end from 0: ``(piece, position)``."""
     out, at = [], 0
@@ -695,8 +703,11 @@ def keep_owners(bucket: Bucket, mesh: Any) -> list[tuple[int, ...]]:
 
     The keep axis's coordinate evens what each rank keeps: largest leaf first, each to the
     coordinate whose heaviest chunk (of the spec's own chunks) grows least with the leaf's
-    pieces. Then each coordinate's leaves are balanced over the other data-parallel axes that
-    move (:func:`balance`), which evens the ``per_matrix`` work.
+    pieces. On the chunked axes a leaf's owner is the rank whose chunk holds most of it, so
+    that ``per_matrix`` moves only the pieces of leaves that straddle chunks (none, if no
+    leaf does): the chunks being equal, each rank's whole leaves are about what it keeps,
+    within a straddling leaf. Other data-parallel axes that move are balanced by size
+    (:func:`balance`).
     """
     spec = bucket.spec
     axes = [a for a in mesh.axis_names if a in spec.dp_axes and mesh.moves(a)]
@@ -720,11 +731,13 @@ def keep_owners(bucket: Bucket, mesh: Any) -> list[tuple[int, ...]]:
         grown = loads + np.asarray(pieces[j])
         k = min(range(mesh.size(a)), key=lambda k: (grown[k].max(), loads[k].sum(), k))
         loads[k], at[j] = grown[k], k
-    rest, out = [x for x in axes if x != a], [None] * len(bucket.slots)
-    for k in range(mesh.size(a)):
-        mine = [j for j in range(len(bucket.slots)) if at[j] == k]
-        for j, o in zip(mine, _balanced_owners(bucket, mesh, axes=rest, slots=mine, fixed={a: k})):
-            out[j] = o
+    rest = [x for x in axes if x != a and x not in split]
+    out = _balanced_owners(bucket, mesh, axes=rest, slots=range(len(bucket.slots)))
+    names, sizes = mesh.axis_names, [mesh.size(x) for x in split]
+    for j, piece in enumerate(pieces):
+        c = max(range(chunks), key=lambda c: (piece[c], -c))  # where most of it is
+        coord = dict(zip(split, np.unravel_index(c, sizes)), **{a: at[j]})
+        out[j] = tuple(int(coord[x]) if x in coord else o for x, o in zip(names, out[j]))
     return out
 
 

@@ -121,12 +121,39 @@ def test_collectives_per_bucket_not_per_leaf(strategy):
         buckets = math.ceil(n * 120 / (2000 * (4 if owned else 1)))
         if owned:
             assert log.events == []  # the leaves are at their owners already
-        else:  # one all-to-all there and one back per bucket, one all-gather over outer
-            assert log.count("all_to_all", "dp_inner") == 2 * buckets
-            # owned_outer: the results stay with the outer owners
-            gathers = buckets if strategy == "hsdp" else 0
-            assert log.count("all_gather", "dp_outer") == gathers
-            assert log.count() == 2 * buckets + gathers
+        elif strategy == "hsdp":  # one all-to-all there and one back per bucket, one
+            assert log.count("all_to_all", "dp_inner") == 2 * buckets  # all-gather over outer
+            assert log.count("all_gather", "dp_outer") == buckets
+            assert log.count() == 3 * buckets
+        else:  # owned_outer: a pair per bucket where a leaf straddles two inner chunks (each
+            # leaf's owner holds most of it); the results stay with the outer owners
+            pairs = log.count("all_to_all", "dp_inner")
+            assert pairs % 2 == 0 and pairs <= 2 * buckets
+            assert log.count() == pairs
+
+
+def test_owned_outer_per_matrix_moves_only_the_pieces_of_straddling_leaves():
+    """Owner on dp_outer only: each leaf's owner is the inner rank whose chunk holds most of
+    it. Four equal matrices in two inner chunks: no collective at all. A Llama layer: one
+    all-to-all pair over dp_inner, carrying only the gate matrix's piece in the other chunk."""
+    mesh = _mesh((2, 2))
+    spec = fh.owned(fh.hsdp(mesh, *AXES), "dp_outer")
+    for shapes, moved in (
+        ({f"w{k}": (16, 16) for k in range(4)}, 0),
+        ({k: v for k, v in _llama_layer(32).items() if len(v) == 2}, None),
+    ):
+        full = _full(shapes=shapes)
+        fn = Counting()
+        with fh.comm_log() as log:
+            out = fh.per_matrix(fn, fh.shard(full, spec), spec)
+        assert fn.matrices == len(full)  # each matrix once
+        assert max_error(fh.gather(out, spec), optree.tree_map(_fn, full)) < 1e-4
+        sent = [sum(e.sent) for e in log.events]
+        if moved == 0:
+            assert log.events == []
+        else:  # a pair of all-to-alls over dp_inner, carrying less than a matrix each way
+            assert [(e.op, e.axis) for e in log.events] == [("all_to_all", "dp_inner")] * 2
+            assert 0 < sent[0] == sent[1] < 2 * 4 * 32 * 32  # the two outer replicas' pieces
 
 
 def test_a_leaf_of_fewer_than_two_dims_is_refused_with_its_path():
