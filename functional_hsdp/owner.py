@@ -883,30 +883,54 @@ def keep_items(plan: Plan, b: int, step: Step) -> list:
     for r in ranks:
         for _, m, c in pieces[r]:
             counts[r][c] += m
+    # every rank keeps as much (say, equal matrices): the blocks are even, and the mesh's
+    # own reduce-scatter and all-gather carry them, the same bytes
+    even = len(set(own.values())) == 1
     if step.op == "reduce_scatter_v":
         send = {r: [(p, m) for c in range(n) for p, m, o in pieces[r] if o == c] for r in ranks}
+        pre = Rearrange(mesh, send, int(counts.sum(-1).max(initial=0)), source=length)
+        if even:
+            return [pre, Step(op="reduce_scatter", axis=a, reduce=step.reduce, size=n)]
         return [
-            Rearrange(mesh, send, int(counts.sum(-1).max(initial=0)), source=length),
+            pre,
             exchange(mesh, a, counts=counts, length=n * kept.length),
             _Sum(mesh, own, n=n, length=kept.length, op=step.reduce),
         ]
     if step.op == "all_gather_v":
-        gather = np.zeros_like(counts)
-        for r in ranks:
-            gather[r][:] = own[r]
-        total = max((int(counts[r].sum()) for r in ranks), default=0)
-        runs = {r: _from_blocks(pieces[r], n) for r in ranks}
-        return [
-            Rearrange(
-                mesh,
-                {r: [(0, own[r])] * n for r in ranks},
-                n * max(own.values(), default=0),  # as long on every rank: one logged length
-                source=kept.length,
-            ),
-            exchange(mesh, a, counts=gather, length=total),
-            Rearrange(mesh, runs, length, source=total),
-        ]
+        return _all_gather_v(
+            mesh, step, kept=kept, pieces=pieces, own=own, counts=counts, length=length
+        )
     raise ValueError(f"keep_items: unknown move {step.op!r}")
+
+
+def _all_gather_v(
+    mesh: Any, step: Step, *, kept: Kept, pieces: dict, own: dict, counts, length: int
+) -> list:
+    """:func:`keep_items`' all-gather-v: each rank's kept pieces to every member of its group
+    along the keep axis, back into its chunk, ``length`` long (``pieces``:
+    :func:`_chunk_pieces`)."""
+    ranks, n, a = list(own), step.size, step.axis
+    runs = {r: _from_blocks(pieces[r], n) for r in ranks}
+    if len(set(own.values())) == 1:  # even blocks: the mesh's own all-gather
+        blocks = n * kept.length
+        return [
+            Step(op="all_gather", axis=a, reduce=None, size=n),
+            Rearrange(mesh, runs, length, source=blocks),
+        ]
+    gather = np.zeros_like(counts)
+    for r in ranks:
+        gather[r][:] = own[r]
+    total = max((int(counts[r].sum()) for r in ranks), default=0)
+    return [
+        Rearrange(
+            mesh,
+            {r: [(0, own[r])] * n for r in ranks},
+            n * max(own.values(), default=0),  # as long on every rank: one logged length
+            source=kept.length,
+        ),
+        exchange(mesh, a, counts=gather, length=total),
+        Rearrange(mesh, runs, length, source=total),
+    ]
 
 
 def _chunk_pieces(plan: Plan, b: int, axis: str) -> dict[Rank, list[tuple[int, int, int]]]:

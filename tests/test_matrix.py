@@ -593,6 +593,33 @@ def test_owned_outer_evens_what_each_rank_keeps_and_orthogonalizes(layers):
     assert max(loads.values()) == max(4 * d * d, sum(loads.values()) // 4)
 
 
+@pytest.mark.parametrize("shapes", ["equal", "llama"])
+def test_owned_outer_takes_the_mesh_collectives_when_every_rank_keeps_as_much(shapes):
+    """Owner on dp_outer: where every rank keeps as much (8 equal matrices), the outer moves
+    are the mesh's own reduce-scatter and all-gather of the kept pieces, HSDP's all-reduce
+    bytes; otherwise (a Llama layer) the uneven all-to-alls. Both equal the dense mean."""
+    mesh = _mesh((2, 2))
+    tree = (
+        {f"w{k}": (16, 16) for k in range(8)}
+        if shapes == "equal"
+        else {k: v for k, v in _llama_layer(32).items() if len(v) == 2}
+    )
+    spec = fh.owned(fh.hsdp(mesh, *AXES), "dp_outer")
+    micro = [random_tree((2, 2), seed=m, shapes=tree) for m in range(3)]
+    params = fh.shard(_full(shapes=tree), spec)
+    with fh.comm_log() as log:
+        final = accumulate(micro, spec)
+        new = fh.sync_params(optree.tree_map(lambda p, g: p - g, params, final), spec)
+    ref = optree.tree_map(lambda p, g: p - g, _full(shapes=tree), dense_reduce(micro, 2))
+    assert max_error(fh.gather(new, spec), ref) < 1e-5
+    outer = [(e.op, e.numel) for e in log.events if e.axis == "dp_outer"]
+    chunk = sum(math.prod(s) for s in tree.values()) // 2
+    if shapes == "equal":
+        assert outer == [("reduce_scatter", chunk), ("all_gather", chunk // 2)]
+    else:
+        assert [op for op, _ in outer] == ["all_to_all"] * 2
+
+
 def test_owned_outer_averages_float16_without_overflow():
     """float16 gradients near its largest value: the reduce-scatter-v sums in float32 and
     rounds once, as HSDP's fp16 all-reduce (pre- and post-divided) does not overflow."""

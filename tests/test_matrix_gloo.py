@@ -317,11 +317,13 @@ def _llama_units(d: int = 32, layers: int = 4) -> dict:
     return {f"layer{u}": _llama_layer(d) for u in range(layers)}
 
 
-def _outer_sent(strategy: str):
+def _outer_sent(strategy: str, equal: bool = False):
     """This rank's dp_outer bytes over one step (3 microbatches, the optimizer, the weights
     back to the parameter placement): AdamW on hsdp, or Muon + AdamW on owned over dp_outer.
     Ring all-reduce: 2 (n - 1) / n of its input; all-to-all: what it sends to the others."""
     shapes = _llama_units()
+    if equal:  # every rank keeps as much: the mesh's own reduce-scatter and all-gather
+        shapes = {u: {f"w{k}": (32, 32) for k in range(8)} for u in shapes}
     spec = _spec(strategy, dist_mesh())
     tree_spec = {u: spec for u in shapes}
     params = fh.shard(random_tree((), seed=3, shapes=shapes), tree_spec)
@@ -338,17 +340,22 @@ def _outer_sent(strategy: str):
         new = fh.sync_params(fh.apply_updates(params, updates), tree_spec)
     sent = 0
     for e in log.events:
-        if e.axis == "dp_outer":
-            ring = e.numel * (e.op == "all_reduce")  # 2 ranks: 2 (n - 1) / n of its input
-            per = ring if e.sent is None else e.sent[0]  # a DistMesh: this rank's
-            sent += per * e.dtype.itemsize
+        if e.axis != "dp_outer":
+            continue
+        if e.sent is not None:  # an all-to-all: what this rank sends to the others
+            sent += e.sent[0] * e.dtype.itemsize
+        else:  # 2 ranks: all-reduce 2 (n - 1) / n of its input, reduce-scatter (n - 1) / n,
+            ring = {"all_reduce": 1, "reduce_scatter": 0.5, "all_gather": 1}[e.op]  # all-gather
+            sent += e.numel * ring * e.dtype.itemsize  # n - 1 times
     return sent, fh.gather(new, tree_spec)
 
 
-def test_owned_outer_sends_adamw_hsdps_outer_bytes_on_every_rank(pool):
+@pytest.mark.parametrize("equal", [False, True], ids=["llama", "equal"])
+def test_owned_outer_sends_adamw_hsdps_outer_bytes_on_every_rank(pool, equal):
     """Units of one Llama layer each (owner-major owned(hsdp) pads them 16/15): with Owner on
-    dp_outer only, every rank sends over dp_outer exactly what it sends with AdamW on HSDP."""
-    hsdp = pool.run(_outer_sent, "hsdp")
-    outer = pool.run(_outer_sent, "owned_outer")
+    dp_outer only, every rank sends over dp_outer exactly what it sends with AdamW on HSDP
+    (uneven all-to-alls); so with units of equal matrices (the mesh's own collectives)."""
+    hsdp = pool.run(_outer_sent, "hsdp", equal)
+    outer = pool.run(_outer_sent, "owned_outer", equal)
     assert all(h[0] > 0 for h in hsdp)
     assert [o[0] for o in outer] == [h[0] for h in hsdp]
