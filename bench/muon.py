@@ -17,9 +17,10 @@ place to the main weights (``torch._foreach_add_``). Variants:
   new weights).
 - ``muon_outer``: the same with the units under ``fh.owned(hsdp, "dp_outer")``: HSDP's own
   layout; the last microbatch's outer all-reduce is a reduce-scatter-v (each piece of the
-  inner chunk to its leaf owner's outer coordinate, data only), ``fh.per_matrix`` moves each
-  matrix over ``dp_inner`` to its owner and back (an all-to-all pair), ``fh.sync_params``
-  is an all-gather-v over dp_outer.
+  inner chunk to its leaf owner's outer coordinate, data only; the mesh's reduce-scatter
+  where every rank keeps as much), ``fh.per_matrix`` moves over ``dp_inner`` only the
+  pieces of matrices that straddle two inner chunks (an all-to-all pair, or nothing),
+  ``fh.sync_params`` is an all-gather-v over dp_outer.
 - ``naive``: HSDP as ``adamw``; Muon's math on every rank: the units' momentum directions
   all-gathered whole on every rank (``fh.gather``), Newton-Schulz of every matrix on every
   rank, each rank keeping its own slice (``fh.shard``); ``fh.adamw`` on the rest.

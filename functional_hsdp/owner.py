@@ -227,8 +227,9 @@ def owned(spec: Spec, axes: str | Sequence[str] | None = None) -> Spec:
       microbatch's outer all-reduce becomes a reduce-scatter-v (one all-to-all of the data
       only, each piece to its owner's coordinate, then a sum), ``sync_params`` an
       all-gather-v (one all-to-all): per rank, exactly HSDP's outer bytes on a 2-wide outer
-      axis whatever the balance, nothing padded on the wire. ``per_matrix`` moves each leaf
-      over the other axes to its owner (for HSDP an all-to-all pair over ``dp_inner``).
+      axis whatever the balance, nothing padded on the wire. ``per_matrix`` moves to each
+      leaf's owner (the rank whose chunk holds most of it) only the pieces of leaves that
+      straddle chunks (for HSDP at most an all-to-all pair over ``dp_inner``).
       Main weights and state are sharded over both axes, as owner-major's. One such axis of
       size > 1 at most.
 

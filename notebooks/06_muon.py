@@ -216,7 +216,8 @@ assert sum(c[0] for c in calls) == 4 * LAYERS  # each matrix exactly once
 # bucket's padding to its heaviest owner. Muon on `fh.owned(hsdp, "dp_outer")` keeps HSDP's
 # layout: over `dp_outer` a reduce-scatter-v (an all-to-all of the inner chunk's data, each
 # piece to its matrix's owner) and an all-gather-v (an all-to-all of the owners' pieces),
-# nothing padded; `fh.per_matrix` adds an all-to-all pair over `dp_inner`. For an
+# nothing padded; `fh.per_matrix` adds an all-to-all pair over `dp_inner` for the pieces of
+# matrices that straddle two inner chunks (each matrix's owner holds most of it). For an
 # all-to-all, a rank sends what it sends to the others (`Event.sent`, per rank); "sent" is
 # the bytes of the rank that sends the most.
 # Its training matches the others' (the first cell of section 1 checks hsdp and owned against
