@@ -85,8 +85,8 @@ def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = 
         placements = plan.specs[slot.index].placements(role)
         if any(isinstance(p, (Flat, Owner)) for p in placements):
             raise NotImplementedError(
-                f"{path}: a Flat leaf's local piece is not a DTensor shard; export Flat trees "
-                "with to_dtensor(tree, spec, per='bucket')"
+                f"{path}: a Flat (or Owner) leaf's local piece is not a DTensor shard; export "
+                "such trees with to_dtensor(tree, spec, per='bucket')"
             )
         placements = [p if isinstance(p, Shard) else _plain(p) for p in placements]
         out.append(
@@ -106,8 +106,6 @@ def _plain(p: Any) -> Any:
     # Partial and Replicate are torch's own classes already; anything else has been refused.
     if isinstance(p, Partial):
         return Partial(p.reduce_op)
-    if isinstance(p, Owner):  # Owner on a keep axis: the owner's value, zeros elsewhere
-        return Partial("sum")
     return Replicate()
 
 

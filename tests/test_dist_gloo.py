@@ -459,3 +459,33 @@ def test_to_dtensor_buckets_round_trip_through_distributed_checkpoint(pool, stra
     for same, norm in results:
         assert same
         torch.testing.assert_close(norm, dense_norm)
+
+
+def _to_dtensor_refusals():
+    """What no DTensor describes is refused with the path: a leaf's Flat or Owner piece per
+    leaf; per bucket, the kept pieces of Owner on dp_outer only."""
+    hsdp = dist_preset("hsdp")
+    out = {}
+    for name, spec, per in (
+        ("owned per leaf", fh.owned(hsdp), "leaf"),
+        ("outer per bucket", fh.owned(hsdp, "dp_outer"), "bucket"),
+    ):
+        try:
+            fh.to_dtensor(fh.shard(random_tree((), seed=3), spec), spec, per=per)
+            out[name] = "no error"
+        except NotImplementedError as e:
+            out[name] = str(e)
+    owned = fh.owned(hsdp)  # owner-major buckets export as the Flat ones do
+    buckets = fh.to_dtensor(fh.shard(random_tree((), seed=3), owned), owned, per="bucket")
+    out["owned buckets"] = float(torch.nn.utils.get_total_norm(buckets).full_tensor())
+    return out
+
+
+def test_to_dtensor_refuses_owner_pieces_no_dtensor_describes(pool):
+    full = random_tree((), seed=3)
+    dense = torch.linalg.vector_norm(torch.cat([x.flatten() for x in optree.tree_leaves(full)]))
+    for out in pool.run(_to_dtensor_refusals):
+        assert "(or Owner) leaf's local piece is not a DTensor shard" in out["owned per leaf"]
+        assert "Owner on ('dp_outer',) only" in out["outer per bucket"]
+        assert "state_dict" in out["outer per bucket"]
+        assert abs(out["owned buckets"] - dense.item()) < 1e-4
