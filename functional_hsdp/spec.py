@@ -137,6 +137,19 @@ class Spec:
                     f"{self.dp_axes}) needs parameter Replicate and gradient Partial or "
                     f"Replicate there, as HSDP's outer axis; got parameter={p}, gradient={g}"
                 )
+        # the kept pieces are of the gradient's chunk: the other axes chunk it as the
+        # optimizer does, and at least one does
+        rest = [
+            (a, g, o) for a, g, o in zip(names, self.gradient, self.optimizer) if a not in owned
+        ]
+        flat = [a for a, g, o in rest if isinstance(o, Flat)]
+        if not flat or any(isinstance(g, Flat) != isinstance(o, Flat) for _, g, o in rest):
+            raise ValueError(
+                f"Spec.optimizer: Owner() on {owned} alone keeps pieces of the gradient's Flat "
+                "chunks: the other axes need the same Flat axes (at least one) in the gradient "
+                f"and the optimizer placement, as HSDP's inner axis; got gradient="
+                f"{list(map(str, self.gradient))}, optimizer={list(map(str, self.optimizer))}"
+            )
 
     @property
     def owner_axes(self) -> tuple[str, ...]:

@@ -641,6 +641,14 @@ def test_owned_on_some_axes_needs_a_replicate_parameter_there():
         fh.owned(fh.hsdp(mesh, *AXES), "dp_inner")
     with pytest.raises(ValueError, match="needs parameter Replicate"):
         fh.Spec(mesh, [F, F], [F, F], [Own, F])
+    # the kept pieces are of the gradient's Flat chunks: the same Flat axes in the gradient
+    # and the optimizer, at least one (ZeRO-1 style specs, ddp)
+    R, P = fh.Replicate(), fh.Partial("avg")
+    for gradient, optimizer in (([P, P], [Own, F]), ([P, P], [Own, R])):
+        with pytest.raises(ValueError, match="same Flat axes"):
+            fh.Spec(mesh, [R, R], gradient, optimizer)
+    with pytest.raises(ValueError, match="same Flat axes"):
+        fh.owned(fh.ddp(mesh), "dp_outer")
     with pytest.raises(ValueError, match="data-parallel axes"):
         fh.owned(fh.hsdp(mesh, *AXES), "tp")
     with pytest.raises(ValueError, match="data-parallel axes"):
