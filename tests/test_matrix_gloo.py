@@ -359,3 +359,26 @@ def test_owned_outer_sends_adamw_hsdps_outer_bytes_on_every_rank(pool, equal):
     outer = pool.run(_outer_sent, "owned_outer", equal)
     assert all(h[0] > 0 for h in hsdp)
     assert [o[0] for o in outer] == [h[0] for h in hsdp]
+
+
+def _untagged_role():
+    """Owner on dp_outer, one matrix: ranks (0, i) keep their whole chunk, so a copy of
+    sync_params' result (no tag) looks like the optimizer placement there and like the
+    parameter placement on ranks (1, i)."""
+    spec = _spec("owned_outer", dist_mesh())
+    full = random_tree((), seed=4, shapes={"w": (8, 8)})
+    weights = fh.sync_params(fh.shard(full, spec), spec)
+    copy = {k: v.clone() for k, v in weights.items()}
+    try:
+        fh.gather(copy, spec)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    got = fh.gather(copy, spec, source="parameter")
+    return error, torch.equal(got["w"], full["w"])
+
+
+def test_an_untagged_tree_read_otherwise_by_some_ranks_raises_on_every_rank(pool):
+    for error, exact in pool.run(_untagged_role):
+        assert "from optimizer" in error and "from parameter" in error, error
+        assert exact  # source= names the placement
