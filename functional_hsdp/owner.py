@@ -869,6 +869,10 @@ def keep_items(plan: Plan, b: int, step: Step) -> list:
     * ``"all_gather_v"`` (Owner -> Replicate): each rank sends its kept pieces to every
       member (one all-to-all), and every piece of the chunk is taken from its owner's block;
     * ``"select"`` (Replicate -> Owner): the rank's kept pieces of its chunk.
+
+    Where every rank keeps as much (equal matrices, say), the blocks are even: the mesh's
+    own reduce-scatter and all-gather carry them, the same bytes. The choice, as every
+    count here, comes from the whole mesh's layout: the same on every rank.
     """
     mesh = plan.mesh
     kept: Kept = plan.placed[b]["optimizer"].geometry
@@ -884,9 +888,7 @@ def keep_items(plan: Plan, b: int, step: Step) -> list:
     for r in ranks:
         for _, m, c in pieces[r]:
             counts[r][c] += m
-    # every rank keeps as much (say, equal matrices): the blocks are even, and the mesh's
-    # own reduce-scatter and all-gather carry them, the same bytes
-    even = len(set(own.values())) == 1
+    even = len(set(own.values())) == 1  # every rank keeps as much
     if step.op == "reduce_scatter_v":
         send = {r: [(p, m) for c in range(n) for p, m, o in pieces[r] if o == c] for r in ranks}
         pre = Rearrange(mesh, send, int(counts.sum(-1).max(initial=0)), source=length)
