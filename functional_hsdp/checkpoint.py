@@ -41,7 +41,7 @@ from .lookup import find_layout
 from .maingrad import MainGrad
 from .matrix import MuonState, PartitionState, masked_like, unmask
 from .optim import AdamWState, SGDState
-from .owner import keep_owners
+from .owner import chunk_of, piece_of
 from .plan import Plan, Step, TreeMeta, get_plan
 from .schedule import run
 from .spec import Spec, resolve_specs
@@ -276,16 +276,6 @@ def _flat_buckets(plan: Plan, role: str) -> list[int]:
         for b, bucket in enumerate(plan.buckets)
         if bucket.shard is None and plan.placed[b][role].axes
     ]
-
-
-def _piece_range(plan: Plan, b: int, role: str) -> tuple[int, int]:
-    """(start, length) of this rank's chunk of bucket ``b`` at ``role`` (as Plan._place)."""
-    mesh, placed = plan.mesh, plan.placed[b][role]
-    start, stride = 0, plan.buckets[b].padded
-    for a in placed.axes:
-        stride //= mesh.size(a)
-        start += mesh.coordinate(a) * stride
-    return start, stride
 
 
 # -- saving: local pieces -> even chunks ------------------------------------------------------
@@ -539,14 +529,15 @@ def _pieces(plan: Plan, b: int, gathered: torch.Tensor, *, local: list, shapes: 
     """(leaf index, this rank's Flat piece) for the leaves of bucket ``b``, from the gathered
     blocks (or the whole leaf)."""
     bucket, widths = plan.buckets[b], _block_widths(plan, b, shapes)
-    start, length = _piece_range(plan, b, ROLE)
+    mesh = plan.mesh  # a DistMesh: this rank's coordinates
+    rank = tuple(mesh.coordinate(a) for a in mesh.axis_names)
+    start, length = chunk_of(mesh, bucket, axes=plan.placed[b][ROLE].axes, rank=rank)
     mine = _kept(plan, b)
     n_blocks = max((len(shapes[s.index].chunks) for s in bucket.slots), default=1)
     blocks = gathered.view(n_blocks, -1) if gathered.numel() else gathered
     offset = 0
     for s, width, kept in zip(bucket.slots, widths, mine):
-        lo = min(max(start - s.offset, 0), s.numel)
-        hi = min(max(start + length - s.offset, 0), s.numel)
+        lo, hi = piece_of(s, start, length)
         if width:
             row = math.prod(plan.shapes[s.index][1:])
             piece = _piece(
@@ -559,16 +550,14 @@ def _pieces(plan: Plan, b: int, gathered: torch.Tensor, *, local: list, shapes: 
 
 
 def _kept(plan: Plan, b: int) -> list[bool]:
-    """Per slot of bucket ``b``: whether this rank keeps its value (always, but along a
-    spec's keep axes, where only the owner's coordinate does)."""
-    bucket, mesh = plan.buckets[b], plan.mesh
-    if not bucket.spec.keep_axes:
+    """Per slot of bucket ``b``: whether this rank keeps its piece (always, but at a keep
+    spec's optimizer placement, :class:`~functional_hsdp.owner.Kept`, where only the pieces
+    its coordinate owns are kept)."""
+    bucket, geometry = plan.buckets[b], plan.placed[b][ROLE].geometry
+    if not getattr(geometry, "kept", False):
         return [True] * len(bucket.slots)
-    names = mesh.axis_names
-    return [
-        all(o[names.index(a)] in (-1, mesh.coordinate(a)) for a in bucket.spec.keep_axes)
-        for o in keep_owners(bucket, mesh)
-    ]
+    mine = {j for _, at in geometry.items for j, *_ in at}  # a DistMesh: this rank's
+    return [j in mine for j in range(len(bucket.slots))]
 
 
 def _piece(blocks: torch.Tensor, row: int, chunks: Sequence, *, lo: int, hi: int) -> torch.Tensor:

@@ -69,6 +69,7 @@ __all__ = [
     "Exchange",
     "Rearrange",
     "balance",
+    "chunk_of",
     "chunk_rows",
     "exchange",
     "Kept",
@@ -78,6 +79,7 @@ __all__ = [
     "owned",
     "owner_bucket",
     "owner_of_slot",
+    "piece_of",
     "route",
 ]
 
@@ -473,17 +475,12 @@ class _Planner:
             return [
                 ((j, lo, hi), p) for j, lo, hi, p in self.kept.at[r] if self.owner[j] is not None
             ]
-        mesh, length = self.mesh, self.placed.length
-        start, stride = 0, self.bucket.padded
-        for a in self.placed.axes:
-            stride //= mesh.size(a)
-            start += r[self.dim[a]] * stride
+        start, length = chunk_of(self.mesh, self.bucket, axes=self.placed.axes, rank=r)
         out = []
         for j, s in enumerate(self.bucket.slots):
             if self.owner[j] is None:
                 continue
-            lo = min(max(start - s.offset, 0), s.numel)
-            hi = min(max(start + length - s.offset, 0), s.numel)
+            lo, hi = piece_of(s, start, length)
             if lo < hi:
                 out.append(((j, lo, hi), s.offset + lo - start))
         return out
@@ -634,6 +631,23 @@ def _moves(counts: np.ndarray, d: int) -> bool:
     return any(counts[r].sum() != counts[r][r[d]] for r in np.ndindex(*counts.shape[:-1]))
 
 
+def chunk_of(mesh: Any, bucket: Bucket, *, axes: Sequence[str], rank: Rank) -> tuple[int, int]:
+    """``(start, length)`` of ``rank``'s chunk of a Flat bucket split over ``axes`` (in
+    split order)."""
+    start, stride = 0, bucket.padded
+    for a in axes:
+        stride //= mesh.size(a)
+        start += rank[mesh.axis_names.index(a)] * stride
+    return start, stride
+
+
+def piece_of(slot: Slot, start: int, length: int) -> tuple[int, int]:
+    """``(lo, hi)``: the elements of ``slot``'s leaf in the bucket range ``[start, start +
+    length)`` (``lo == hi``: none)."""
+    lo = min(max(start - slot.offset, 0), slot.numel)
+    return lo, max(lo, min(max(start + length - slot.offset, 0), slot.numel))
+
+
 def _packed(segs: list[Seg]) -> list[tuple[Seg, int]]:
     """Pieces laid end to end from 0: ``(piece, position)``."""
     out, at = [], 0
@@ -719,11 +733,7 @@ def keep_owners(bucket: Bucket, mesh: Any) -> list[tuple[int, ...]]:
     chunks = math.prod(mesh.size(x) for x in split)
     length = bucket.padded // chunks
     pieces = [
-        [
-            min(max((c + 1) * length - s.offset, 0), s.numel)
-            - min(max(c * length - s.offset, 0), s.numel)
-            for c in range(chunks)
-        ]
+        [hi - lo for lo, hi in (piece_of(s, c * length, length) for c in range(chunks))]
         for s in bucket.slots
     ]
     loads = np.zeros((mesh.size(a), chunks), dtype=np.int64)
@@ -764,32 +774,32 @@ class Kept:
 
     ``at[r]``: per piece rank r keeps, ``(slot position, lo, hi, position)``: elements
     ``[lo, hi)`` of the leaf at ``position`` of the buffer; ``chunk[r]``: the same pieces'
-    positions in r's chunk.
+    positions in r's chunk; ``pieces[r]``: every leaf's piece of r's chunk, kept or not,
+    ``(position in the chunk, length, its owner's coordinate on the keep axis)``.
     """
 
     kept = True  # what Plan looks for (it does not import this module)
 
     def __init__(self, mesh: Any, bucket: Bucket, axes: tuple[str, ...]):
         self.bucket, self.batch = bucket, mesh.batch_shape
-        names = mesh.axis_names
-        keep = [names.index(a) for a in bucket.spec.keep_axes if mesh.moves(a)]
+        (d,) = [mesh.axis_names.index(a) for a in bucket.spec.keep_axes if mesh.moves(a)]
         owners = keep_owners(bucket, mesh)
         self.at: dict[Rank, list[tuple[int, int, int, int]]] = {}
         self.chunk: dict[Rank, list[int]] = {}
+        self.pieces: dict[Rank, list[tuple[int, int, int]]] = {}
         for r in np.ndindex(*mesh.sizes):
-            start, stride = 0, bucket.padded
-            for a in axes:
-                stride //= mesh.size(a)
-                start += r[names.index(a)] * stride
-            at, chunk, position = [], [], 0
+            start, length = chunk_of(mesh, bucket, axes=axes, rank=r)
+            at, chunk, pieces, position = [], [], [], 0
             for j, s in enumerate(bucket.slots):
-                lo = min(max(start - s.offset, 0), s.numel)
-                hi = min(max(start + stride - s.offset, 0), s.numel)
-                if lo < hi and all(owners[j][d] == r[d] for d in keep):
+                lo, hi = piece_of(s, start, length)
+                if lo == hi:
+                    continue
+                pieces.append((s.offset + lo - start, hi - lo, owners[j][d]))
+                if owners[j][d] == r[d]:
                     at.append((j, lo, hi, position))
                     chunk.append(s.offset + lo - start)
                     position += hi - lo
-            self.at[r], self.chunk[r] = at, chunk
+            self.at[r], self.chunk[r], self.pieces[r] = at, chunk, pieces
         self.items = local_items(mesh, self.at)
         # the longest of the ranks held: a rank of a DistMesh holds its own pieces only
         self.length = max((sum(hi - lo for _, lo, hi, _ in a) for _, a in self.items), default=0)
@@ -877,7 +887,7 @@ def keep_items(plan: Plan, b: int, step: Step) -> list:
     mesh = plan.mesh
     kept: Kept = plan.placed[b]["optimizer"].geometry
     length, a, n = plan.placed[b]["gradient"].length, step.axis, step.size
-    ranks, pieces = list(np.ndindex(*mesh.sizes)), _chunk_pieces(plan, b, a)
+    ranks, pieces = list(np.ndindex(*mesh.sizes)), kept.pieces
     own = {r: sum(hi - lo for _, lo, hi, _ in kept.at[r]) for r in ranks}
     mine = {
         r: [(p, hi - lo) for p, (_, lo, hi, _) in zip(kept.chunk[r], kept.at[r])] for r in ranks
@@ -911,7 +921,7 @@ def _all_gather_v(
 ) -> list:
     """:func:`keep_items`' all-gather-v: each rank's kept pieces to every member of its group
     along the keep axis, back into its chunk, ``length`` long (``pieces``:
-    :func:`_chunk_pieces`)."""
+    :attr:`Kept.pieces`)."""
     ranks, n, a = list(own), step.size, step.axis
     runs = {r: _from_blocks(pieces[r], n) for r in ranks}
     if len(set(own.values())) == 1:  # even blocks: the mesh's own all-gather
@@ -936,28 +946,9 @@ def _all_gather_v(
     ]
 
 
-def _chunk_pieces(plan: Plan, b: int, axis: str) -> dict[Rank, list[tuple[int, int, int]]]:
-    """Per rank, every leaf's piece of its chunk of bucket ``b`` (the gradient placement's):
-    ``(position in the chunk, length, its owner's coordinate on axis)``."""
-    mesh, bucket, placed = plan.mesh, plan.buckets[b], plan.placed[b]["gradient"]
-    d, owners, out = mesh.axis_names.index(axis), keep_owners(bucket, mesh), {}
-    for r in np.ndindex(*mesh.sizes):
-        start, stride = 0, bucket.padded
-        for x in placed.axes:
-            stride //= mesh.size(x)
-            start += r[mesh.axis_names.index(x)] * stride
-        out[r] = []
-        for j, s in enumerate(bucket.slots):
-            lo = min(max(start - s.offset, 0), s.numel)
-            hi = min(max(start + placed.length - s.offset, 0), s.numel)
-            if lo < hi:
-                out[r].append((s.offset + lo - start, hi - lo, owners[j][d]))
-    return out
-
-
 def _from_blocks(pieces: list[tuple[int, int, int]], n: int) -> list[tuple[int, int]]:
     """Runs of a chunk from an all-gather-v's blocks (block c: the pieces member c keeps, in
-    position order), ``pieces`` as :func:`_chunk_pieces` gives them."""
+    position order), ``pieces`` as :attr:`Kept.pieces` gives them."""
     base, at = 0, {}
     for c in range(n):
         for p, m, o in pieces:

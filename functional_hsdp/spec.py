@@ -119,9 +119,9 @@ class Spec:
         for role in ("parameter", "gradient"):
             if any(isinstance(x, Owner) for x in getattr(self, role)):
                 raise ValueError(f"Spec.{role}: Owner() is an optimizer placement only")
-        owned = [a for a, x in zip(names, self.optimizer) if isinstance(x, Owner)]
-        if not owned or set(owned) == set(self.dp_axes):
-            return  # none, or owner-major over every data-parallel axis
+        owned = self.keep_axes
+        if not owned:
+            return  # no Owner, or owner-major over every data-parallel axis
         moving = [a for a in owned if self.mesh.moves(a)]
         if len(moving) > 1:
             raise NotImplementedError(
@@ -157,25 +157,19 @@ class Spec:
         axis), in split order (empty: none): a bucket of this spec is laid out owner-major
         over them."""
 
-        def axes() -> tuple[str, ...]:
-            owned = [
-                a for a, x in zip(self.mesh.axis_names, self.optimizer) if isinstance(x, Owner)
-            ]
-            if not owned or set(owned) != set(self.dp_axes):
-                return ()
-            return tuple(a for a in self.split_order if a in owned)
-
-        return self._memo("owner_axes", axes)
+        # a keep spec's Owner axes chunk nothing: they are not in the split order
+        names = self.mesh.axis_names
+        return self._memo(
+            "owner_axes",
+            lambda: tuple(
+                a for a in self.split_order if isinstance(self.optimizer[names.index(a)], Owner)
+            ),
+        )
 
     def _sharded(self, axis: str, x: Placement) -> bool:
         """Whether ``x`` on ``axis`` chunks a bucket: Flat, Shard(d), or an owner-major Owner
         (an Owner on some data-parallel axes only keeps the spec's chunks whole there)."""
-        if not is_sharded(x):
-            return False
-        if not isinstance(x, Owner):
-            return True
-        owned = {a for a, o in zip(self.mesh.axis_names, self.optimizer) if isinstance(o, Owner)}
-        return owned == set(self.dp_axes)
+        return is_sharded(x) and not (isinstance(x, Owner) and axis in self.keep_axes)
 
     @property
     def keep_axes(self) -> tuple[str, ...]:
