@@ -37,6 +37,11 @@ Face ``LlamaForCausalLM`` through ``fh.shard_module`` + ``fh.functional_call(...
 (with and without ``recompute``) against FSDP2 ``fully_shard`` per decoder layer and the model
 alone, all with bf16 mixed precision (:mod:`bench.gpu_hf`; its correctness reference is
 FSDP2-bf16). Skipped, with a note, where ``transformers`` cannot be imported.
+
+Then Muon (:mod:`bench.gpu_muon`): ``fh.muon`` on the owner placements against
+``torch.optim.Muon`` + ``torch.optim.AdamW`` (correctness, Newton-Schulz in fp32 on both
+sides), its step beside ``fh.adamw``'s (time, syncs, memory as above), and Newton-Schulz's time
+per step (CUDA events around every call).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from . import common as C
-from . import gpu_hf
+from . import gpu_hf, gpu_muon
 
 # Per device: CUDA sizes a model worth timing on an H200 (8 x 4096^2 fp32: 537 MB of weights);
 # the CPU's fit a 2-core machine in a couple of minutes.
@@ -270,6 +275,8 @@ class _LayerWise:
 def _build(name: str, pb, dm):
     if name.startswith("hf_"):
         return gpu_hf.build(name, pb, dm)
+    if name in gpu_muon.VARIANTS:
+        return gpu_muon.build(name, pb, dm)
     if name == "plain":
         return _Plain(pb, dm)
     if name == "fsdp2":
@@ -429,6 +436,7 @@ def _measure(res: dict, cfg: dict, device: torch.device) -> None:
         gc.collect()
         if res["hf"].get("skipped") is None:
             _hf_phases(res["hf"], device, dm)
+        _muon_phases(res["muon"], device, dm)
     res["wall_s"] = time.perf_counter() - t0
 
 
@@ -476,6 +484,24 @@ def _hf_phases(hf: dict, device, dm) -> None:
     hf["wall_s"] = time.perf_counter() - t0
 
 
+def _muon_phases(mu: dict, device, dm) -> None:
+    """Muon's phases (bench/gpu_muon.py), into ``mu``: correctness, time, syncs and memory
+    as the MLP's, then Newton-Schulz time."""
+    t0 = time.perf_counter()
+    phases = mu["phase_s"] = {}
+    cfg = mu["cfg"]
+    mu["correct"] = gpu_muon.correctness(cfg, device, dm)
+    phases["correctness"] = time.perf_counter() - t0
+    pb = gpu_muon.Problem(cfg, device)
+    mu["numel"] = pb.numel
+    _phases(mu, pb, cfg, device, dm, gpu_muon.VARIANTS, phases, t0)
+    mu["ns"] = gpu_muon.newton_schulz_time(pb, dm, device, cfg["reps"])
+    phases["Newton-Schulz"] = time.perf_counter() - t0 - sum(phases.values())
+    del pb
+    gc.collect()
+    mu["wall_s"] = time.perf_counter() - t0
+
+
 def run(size: str = "full", pool=None) -> dict:
     """On this process's device (CUDA if present, else the CPU); ``pool`` is not used (one
     rank, in this process)."""
@@ -485,6 +511,7 @@ def run(size: str = "full", pool=None) -> dict:
     res: dict = {"size": size, "cfg": cfg, "device": device.type}
     skipped = gpu_hf.available()
     res["hf"] = {"cfg": gpu_hf.SIZES[size][device.type], "skipped": skipped}
+    res["muon"] = {"cfg": gpu_muon.SIZES[size][device.type]}
     res["device_name"] = torch.cuda.get_device_name(device) if cuda else C.machine()
     threads = torch.get_num_threads()
     if not cuda:  # one thread, as each gloo benchmark worker: steady on a busy machine
@@ -506,6 +533,7 @@ def run(size: str = "full", pool=None) -> dict:
         for case in res["correct"].values()
         for c in case.values()
     )
+    gpu_muon.summarize(res["muon"])
     hf = res["hf"]
     if hf.get("skipped") is None:
         hf["median"] = {v: C.median(t) for v, t in hf["times"].items()}
@@ -641,5 +669,6 @@ def report(res: dict, command: str, when: str) -> str:
         + " (the process group and the model's weights are made inside)."
     )
     lines += gpu_hf.report_lines(res["hf"], cuda)
+    lines += gpu_muon.report_lines(res["muon"], cuda)
     lines.append("")
     return "\n".join(lines)

@@ -13,6 +13,7 @@ import torch
 from torch.func import functional_call
 
 import functional_hsdp as fh
+from bench.gpu_muon import torch_muon_in  # noqa: F401 - torch's Muon with fp32 Newton-Schulz
 from functional_hsdp import plan as plan_module
 
 
@@ -394,34 +395,6 @@ MUON_SHAPES = {
 def hidden(path, leaf=None) -> str:
     """The usual recipe's label: Muon for the hidden matrices (``w*``), AdamW for the rest."""
     return "muon" if str(path[0]).startswith("w") else "adamw"
-
-
-def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
-    """``torch.optim.Muon``'s orthogonalization of one matrix, in float32 instead of bf16: the
-    quintic iteration as its documentation states it (for the fp32 parity test)."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    tall = grad.size(0) > grad.size(1)
-    x = x.T if tall else x
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
-
-
-@contextlib.contextmanager
-def torch_muon_in(dtype) -> Iterator[None]:
-    """``torch.optim.Muon`` with its Newton-Schulz in ``dtype`` (bf16: as it is)."""
-    import torch.optim._muon as torch_muon
-
-    own = torch_muon._zeropower_via_newtonschulz
-    if dtype == torch.float32:
-        torch_muon._zeropower_via_newtonschulz = newton_schulz_fp32
-    try:
-        yield
-    finally:
-        torch_muon._zeropower_via_newtonschulz = own
 
 
 def torch_muon_adamw(full: dict, muon_kw: dict, adamw_kw: dict):

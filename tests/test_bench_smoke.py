@@ -93,6 +93,15 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
                 assert x <= bf16, (v, hf["losses"])
             assert all(len(t) == hf["cfg"]["reps"] for t in hf["times"].values())
             assert "### A Hugging Face Llama" in md and "Skipped" not in md
+        # Muon: fh.muon on both owner routes trains as torch.optim.Muon + AdamW (fp32
+        # Newton-Schulz), fh.adamw as torch's AdamW; every Newton-Schulz call was timed
+        mu = res["muon"]
+        assert mu["correct_ok"], mu["correct"]
+        assert set(mu["correct"]) == {1, mu["cfg"]["M"]}
+        assert all(len(t) == mu["cfg"]["reps"] for t in mu["times"].values())
+        assert all(mu["ns"][v]["calls"] > 0 and mu["ns"][v]["seconds"] > 0 for v in mu["ns"])
+        assert all(x < 1e-2 for x in mu["loss_maxrel"].values()), mu["losses"]
+        assert "### Muon" in md and "Arithmetic, not a measurement" in md
     if name == "deferred":  # declared or not, the same step; finish() timed in each
         assert res["loss_maxrel"] < 1e-6, res["losses"]
         assert all(len(t) == res["cfg"]["reps"] for t in res["finish"].values()), res["finish"]
