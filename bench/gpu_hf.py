@@ -291,9 +291,7 @@ def collectives_text(counts: dict[str, int]) -> str:
     """``12 (RS 4, AR 4, AG 4)``, or ``n/a`` for a variant the library does not run."""
     if not counts:
         return "n/a"
-    short = {
-        "reduce_scatter": "RS", "all_reduce": "AR", "all_gather": "AG", "all_to_all": "A2A"
-    }
+    short = {"reduce_scatter": "RS", "all_reduce": "AR", "all_gather": "AG", "all_to_all": "A2A"}
     parts = ", ".join(f"{short[op]} {n}" for op, n in sorted(counts.items()))
     return f"{sum(counts.values())} ({parts})"
 

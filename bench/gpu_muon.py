@@ -35,7 +35,6 @@ import contextlib
 import copy
 import gc
 import time
-from collections.abc import Iterator
 
 import optree
 import torch
@@ -117,36 +116,6 @@ def _is_matrix(name: str, p: torch.Tensor) -> bool:
     return p.dim() == 2
 
 
-def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
-    """``torch.optim.Muon``'s orthogonalization of one matrix, in float32 instead of bf16: the
-    quintic iteration as its documentation states it (the fp32 reference; torch's own casts
-    to bf16)."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    tall = grad.size(0) > grad.size(1)
-    x = x.T if tall else x
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
-
-
-@contextlib.contextmanager
-def torch_muon_in(dtype: torch.dtype) -> Iterator[None]:
-    """``torch.optim.Muon`` with its Newton-Schulz in ``dtype`` (bf16: as it is; float32:
-    :func:`newton_schulz_fp32`)."""
-    import torch.optim._muon as torch_muon
-
-    own = torch_muon._zeropower_via_newtonschulz
-    if dtype == torch.float32:
-        torch_muon._zeropower_via_newtonschulz = newton_schulz_fp32
-    try:
-        yield
-    finally:
-        torch_muon._zeropower_via_newtonschulz = own
-
-
 # -- the variants (each: step(xs, ys) -> the step's loss as a device tensor; full()) ----------
 
 
@@ -162,7 +131,9 @@ class _Torch:
                 ),
             ]
         else:
-            self.opts = [torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)]
+            self.opts = [
+                torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+            ]
 
     def step(self, xs, ys):
         total = 0.0
@@ -200,7 +171,10 @@ class _Fh:
         else:
             full = dict(model.named_parameters())  # the module's meta stand-ins: full shapes
             labels = {
-                u: {n: "muon" if _is_matrix(n, full[f"{u}.{n}" if u else n]) else "adamw" for n in ps}
+                u: {
+                    n: "muon" if _is_matrix(n, full[f"{u}.{n}" if u else n]) else "adamw"
+                    for n in ps
+                }
                 for u, ps in self.main.items()
             }
             self.opt = fh.partition(
@@ -239,7 +213,7 @@ class _Fh:
 
 def build(name: str, pb: Problem, dm, ns_dtype: torch.dtype = torch.bfloat16):
     """A variant; ``ns_dtype``: the library's Newton-Schulz dtype (torch's: under
-    :func:`torch_muon_in`)."""
+    ``functional_hsdp.testing.torch_muon_in``)."""
     if name in ("muon_torch", "adamw_torch"):
         return _Torch(pb, muon=name == "muon_torch")
     if name in FH:
@@ -258,11 +232,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def correctness(cfg: dict, device, dm) -> dict:
     """Per microbatch count (1 and M): every variant CORRECT_STEPS steps from the same weights
     on the same data, Newton-Schulz in float32 (the library's ``ns_dtype``; torch's through
-    :func:`torch_muon_in`: in bf16, a gradient's last-bit difference, from another summation
-    order, flips a bf16 rounding that the iteration amplifies, so the comparison would
-    measure bf16, not the route); each fh variant against its torch reference: per-step
-    losses (max relative difference), the weights after the steps and the update they made
-    (``after - before``), worst leaf, relative L2 error."""
+    ``functional_hsdp.testing.torch_muon_in``: in bf16, a gradient's last-bit difference,
+    from another summation order, flips a bf16 rounding that the iteration amplifies, so the
+    comparison would measure bf16, not the route); each fh variant against its torch
+    reference: per-step losses (max relative difference), the weights after the steps and the
+    update they made (``after - before``), worst leaf, relative L2 error."""
+    from functional_hsdp.testing import torch_muon_in
+
     out: dict = {}
     for M in sorted({1, cfg["M"]}):
         pb = Problem(cfg, device, M)
@@ -449,9 +425,7 @@ def report_lines(mu: dict, cuda: bool) -> list[str]:
         "against its torch reference (worst leaf, relative L2 error of the weights and of the "
         "update they made; tolerance "
         f"{TOLERANCE:g} on weights and losses):\n",
-        C.table(
-            ["M", "variant", "reference", "weights", "update", "losses: max rel. diff"], crow
-        ),
+        C.table(["M", "variant", "reference", "weights", "update", "losses: max rel. diff"], crow),
         "",
         f"- fh.muon and fh.adamw train as torch's optimizers within {TOLERANCE:g}: "
         f"**{'yes' if mu['correct_ok'] else 'no'}**.",
@@ -477,8 +451,6 @@ def report_lines(mu: dict, cuda: bool) -> list[str]:
             if v in syncs and syncs[v][1]:
                 lines.append(f"  - `{v}`: from {', '.join(syncs[v][1])}")
     lines.append(
-        "- Time per phase (s): "
-        + ", ".join(f"{k} {v:.0f}" for k, v in mu["phase_s"].items())
-        + "."
+        "- Time per phase (s): " + ", ".join(f"{k} {v:.0f}" for k, v in mu["phase_s"].items()) + "."
     )
     return lines

@@ -284,11 +284,14 @@ Seg = tuple  # (slot position j in the bucket, lo, hi): elements [lo, hi) of tha
 
 @dataclass(frozen=True, eq=False)
 class Exchange(Step):
-    """An all-to-all step: ``counts`` and ``length`` as ``Mesh.all_to_all`` takes them;
-    ``sent``: the elements each rank this process holds sends to the others, in rank order
-    (one on a DistMesh)."""
+    """An all-to-all step: ``counts`` (the int64 array ``(*sizes, n)`` the plan builds from)
+    and, as ``Mesh.all_to_all`` takes them, ``rows`` (``counts`` as Python ints: rank
+    coordinates -> the elements it sends to each member; a traced program reads it) and
+    ``length``; ``sent``: the elements each rank this process holds sends to the others, in
+    rank order (one on a DistMesh)."""
 
     counts: Any = None
+    rows: Any = None
     length: int = 0
     sent: tuple[int, ...] = ()
 
@@ -304,6 +307,7 @@ def exchange(mesh: Any, axis: str, *, counts: np.ndarray, length: int) -> Exchan
         reduce=None,
         size=mesh.size(axis),
         counts=counts,
+        rows={r: tuple(int(x) for x in counts[r]) for r in np.ndindex(*mesh.sizes)},
         length=length,
         sent=sent,
     )

@@ -93,7 +93,7 @@ def issue(mesh: Any, buf: torch.Tensor, step: Step) -> Any:
     if step.op == "all_reduce":
         return mesh.all_reduce(buf, step.axis, step.reduce)
     if step.op == "all_to_all":  # an Exchange step (functional_hsdp.owner): it carries counts
-        return mesh.all_to_all(buf, step.axis, counts=step.counts, length=step.length)
+        return mesh.all_to_all(buf, step.axis, counts=step.rows, length=step.length)
     return mesh.all_gather(buf, step.axis)
 
 

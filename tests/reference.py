@@ -13,8 +13,8 @@ import torch
 from torch.func import functional_call
 
 import functional_hsdp as fh
-from bench.gpu_muon import torch_muon_in  # noqa: F401 - torch's Muon with fp32 Newton-Schulz
 from functional_hsdp import plan as plan_module
+from functional_hsdp.testing import torch_muon_in  # noqa: F401 - torch's Muon, fp32 Newton-Schulz
 
 
 class Tap(torch.autograd.Function):

@@ -1,7 +1,8 @@
 """``reduce_grads`` under ``torch.compile(fullgraph=True)``: traced, and equal to eager.
 
 On 4 real gloo processes (2x2 DistMesh: the traced program uses the functional collectives)
-and on a SimMesh. Both ``last`` values; ``acc`` None, an eager result, a compiled result; a
+and on a SimMesh; hsdp, hfsdp and the owner specs (``fh.owned``, owner-major and on dp_outer,
+its uneven all-to-all). Both ``last`` values; ``acc`` None, an eager result, a compiled result; a
 spec tree; a second tree shape (a guarded recompile). ``fullgraph=True`` fails on any graph
 break, and a counting backend checks how many graphs were compiled. And what the README says a
 compiled call does not do: tag its results, log collectives, run the cross-rank agreement, or
@@ -71,14 +72,27 @@ def check_compiled_matches_eager(spec, batch, seed: int, backend: str) -> dict:
     return out
 
 
+def _owned(strategy: str, spec: fh.Spec) -> fh.Spec:
+    """``owned`` (Owner on every axis, owner-major), ``owned_outer`` (on dp_outer only:
+    SHAPES' uneven leaves make its outer moves all-to-alls with uneven blocks), or ``spec``."""
+    if strategy == "owned":
+        return fh.owned(spec)
+    if strategy == "owned_outer":
+        return fh.owned(spec, "dp_outer")
+    return spec
+
+
 def _on_rank(strategy: str, backend: str) -> dict:
-    spec = dist_preset(strategy)
+    spec = _owned(strategy, dist_preset("hsdp" if strategy.startswith("owned") else strategy))
     return check_compiled_matches_eager(spec, (), 10 * dist.get_rank(), backend)
 
 
 # inductor (what users run) once; aot_eager (dynamo + functionalization, no code generation)
 # for the rest, which keeps this module to about a minute on a 2-core machine.
-@pytest.mark.parametrize("strategy,backend", [("hsdp", "inductor"), ("hfsdp", "aot_eager")])
+@pytest.mark.parametrize(
+    "strategy,backend",
+    [("hsdp", "inductor"), ("hfsdp", "aot_eager"), ("owned_outer", "aot_eager")],
+)
 def test_compiled_reduce_grads_matches_eager_on_gloo(pool, strategy, backend):
     for result in pool.run(_on_rank, strategy, backend):
         graphs = result.pop("graphs")
@@ -89,6 +103,19 @@ def test_compiled_reduce_grads_matches_eager_on_gloo(pool, strategy, backend):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_compiled_reduce_grads_matches_eager_on_sim_mesh(strategy):
     spec = preset(strategy, fh.SimMesh(dict(zip(AXES, (2, 2)))))
+    result = check_compiled_matches_eager(spec, (2, 2), 0, "aot_eager")
+    result.pop("graphs")
+    assert all(result.values()), result
+
+
+@pytest.mark.parametrize("strategy", ["owned", "owned_outer"])
+def test_owner_specs_compile_on_a_sim_mesh(strategy):
+    # owned_outer's uneven all-to-all reads its counts as Python ints in the trace
+    spec = _owned(strategy, preset("hsdp", fh.SimMesh(dict(zip(AXES, (2, 2))))))
+    with fh.comm_log() as log:
+        fh.reduce_grads(random_tree((2, 2), shapes=SHAPES, seed=0), spec, last=True)
+    ops = {e.op for e in log.events if e.axis == "dp_outer"}
+    assert ops == ({"all_to_all"} if strategy == "owned_outer" else {"reduce_scatter"}), ops
     result = check_compiled_matches_eager(spec, (2, 2), 0, "aot_eager")
     result.pop("graphs")
     assert all(result.values()), result

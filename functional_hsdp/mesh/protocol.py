@@ -109,10 +109,12 @@ class Mesh(Protocol):
     ) -> torch.Tensor | Flight:
         """Exchange blocks of uneven sizes between the ranks of each group along ``axis``.
 
-        ``counts`` is an int64 numpy array ``(*sizes, n)`` of the whole mesh (``sizes`` the
-        mesh shape, ``n`` the axis size): ``counts[r][d]`` elements go from rank ``r`` to the
-        member of its group whose coordinate along ``axis`` is ``d``, taken from the front of
-        ``r``'s buffer in the order of ``d``. Each rank receives its blocks in the order of
+        ``counts`` covers the whole mesh: for every rank's coordinates ``r`` (a tuple over
+        every mesh axis), ``counts[r]`` is a tuple of ``n`` Python ints (``n`` the axis size):
+        ``counts[r][d]`` elements go from rank ``r`` to the member of its group whose
+        coordinate along ``axis`` is ``d``, taken from the front of ``r``'s buffer in the
+        order of ``d``. (Plain Python, no arrays: a program ``torch.compile`` traces reads
+        it.) Each rank receives its blocks in the order of
         their sources at the front of a buffer of ``length`` elements: the waited result
         (zeros after the blocks)."""
 

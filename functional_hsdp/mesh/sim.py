@@ -91,19 +91,18 @@ class SimMesh(MeshAxes):
         )
         return out.contiguous()
 
-    def all_to_all(
-        self, buf: torch.Tensor, axis: str, *, counts: np.ndarray, length: int
-    ) -> torch.Tensor:
-        """Every rank gets the blocks its group's members send it (``counts``), in order."""
+    def all_to_all(self, buf: torch.Tensor, axis: str, *, counts: Any, length: int) -> torch.Tensor:
+        """Every rank gets the blocks its group's members send it (``counts``), in order.
+        Python ints only (no numpy): a traced program runs it."""
         d, n = self._dim(axis), self.sizes[self._dim(axis)]
-        offsets = np.cumsum(counts, -1) - counts  # where each block starts in its sender
         parts = []
-        for rank in np.ndindex(*self.sizes):
+        for rank in itertools.product(*(range(size) for size in self.sizes)):
             got = 0
             for s in range(n):
                 src = (*rank[:d], s, *rank[d + 1 :])
-                count = int(counts[src][rank[d]])
-                parts.append(buf[src].narrow(-1, int(offsets[src][rank[d]]), count))
+                row = counts[src]
+                count = row[rank[d]]
+                parts.append(buf[src].narrow(-1, sum(row[: rank[d]]), count))
                 got += count
             parts.append(buf.new_zeros(length - got))
         return torch.cat(parts).view(*self.sizes, length)

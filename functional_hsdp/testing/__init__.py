@@ -1,6 +1,8 @@
 """What the test suite and the benchmarks run on, beside the library: never imported by it.
 
-:class:`GlooPool` keeps gloo ranks up across tasks (:mod:`functional_hsdp.testing.gloo_pool`).
+:class:`GlooPool` keeps gloo ranks up across tasks (:mod:`functional_hsdp.testing.gloo_pool`);
+:func:`torch_muon_in` runs ``torch.optim.Muon`` with its Newton-Schulz in float32
+(:mod:`functional_hsdp.testing.muon_reference`).
 It lives in the package, not in ``tests/``, because ``bench/`` uses it too and its worker
 processes import it by module name; ``tests/test_runtime_imports.py`` checks that no other
 module of the package imports this subpackage, so the library runs without it.
@@ -8,5 +10,6 @@ module of the package imports this subpackage, so the library runs without it.
 
 from ..launch import WorkerError
 from .gloo_pool import GlooPool, WorkerTimeout
+from .muon_reference import newton_schulz_fp32, torch_muon_in
 
-__all__ = ["GlooPool", "WorkerError", "WorkerTimeout"]
+__all__ = ["GlooPool", "WorkerError", "WorkerTimeout", "newton_schulz_fp32", "torch_muon_in"]
