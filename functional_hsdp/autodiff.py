@@ -180,8 +180,8 @@ def _batched_step(mesh: Any, buf: torch.Tensor, step: Step) -> torch.Tensor:
     """One collective step on ``(B, *mesh, length)``: each rank's chunk made contiguous for
     the whole batch (rank-major) around a reduce-scatter or all-gather."""
     names = " ".join(f"m{k}" for k in range(len(mesh.batch_shape)))
-    if step.op == "slice":
-        raise NotImplementedError("a local slice under vmap is not a move of this module")
+    if step.op in ("slice", "all_to_all"):  # neither is a move of this module's legs
+        raise NotImplementedError(f"a {step.op} under vmap is not a move of this module")
     n = step.size
     if step.op == "reduce_scatter":
         flat = einops.rearrange(buf, f"b {names} (n c) -> {names} (n b c)", n=n)

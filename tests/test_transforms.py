@@ -1,4 +1,5 @@
-"""Every torch.func transform through layer-wise units on a SimMesh, for every preset:
+"""Every torch.func transform through layer-wise units on a SimMesh, for every preset and the
+owner specs (fh.owned of hsdp, owner-major and on dp_outer):
 per-sample gradients (vmap of grad), jvp, Hessian-vector products (forward-over-reverse and
 reverse-over-reverse) and a MAML step (grad of grad), each against dense torch.func on the
 mean over ranks (tests/transform_problem.py); and what they issue (comm_log)."""
@@ -27,7 +28,16 @@ B = 3
 BATCH = (2, 2)
 
 
+# the presets, and hsdp with its optimizer placement Owner (owner-major; on dp_outer only):
+# the composable path moves parameters and gradients only, which the owner specs keep as
+# their presets' (an all-to-all under vmap would be refused, not misread)
+STRATEGIES = (*STRATEGIES, "owned", "owned_outer")
+
+
 def _problem(strategy: str) -> Problem:
+    if strategy.startswith("owned"):
+        spec = preset("hsdp", fh.SimMesh(dict(zip(AXES, BATCH))))
+        return Problem(fh.owned(spec) if strategy == "owned" else fh.owned(spec, "dp_outer"))
     return Problem(preset(strategy, fh.SimMesh(dict(zip(AXES, BATCH)))))
 
 
