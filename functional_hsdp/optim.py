@@ -51,7 +51,7 @@ from .errors import still_partial
 from .mesh import Mesh
 from .placement import Flat
 from .spec import Spec, resolve_specs
-from .tags import state_of
+from .tags import result_state, state_of, tag
 from .tree import flatten, structure_error
 
 __all__ = [
@@ -484,7 +484,11 @@ def apply_updates(params: Any, updates: Any) -> Any:
         updates: a tree of the same structure and local shapes (from an ``update``).
 
     Returns:
-        A new tree of ``p + u``, in each param's dtype.
+        A new tree of ``p + u``, in each param's dtype. Where ``params`` is, as a whole, a
+        tree the library returned (``shard``, ``sync_params``, an earlier
+        ``apply_updates``), the new tree carries its state tag: later calls read it at the
+        same placement without looking at shapes (which some layouts share between the
+        optimizer and the parameter placement on some ranks).
 
     Example:
         >>> import torch, functional_hsdp as fh
@@ -494,4 +498,8 @@ def apply_updates(params: Any, updates: Any) -> Any:
     p, treedef, _ = _flat(params, "params")
     hint = "pass the updates that update() returned for params"
     u, _ = _like(updates, "updates", params=p, params_def=treedef, hint=hint)
-    return optree.tree_unflatten(treedef, [(pi + ui).to(pi.dtype) for pi, ui in zip(p, u)])
+    out = [(pi + ui).to(pi.dtype) for pi, ui in zip(p, u)]
+    made = result_state(p)
+    if made is not None:  # the params' placement, kept: p + u has p's layout
+        tag(out, made.plan, made.role, kind=made.kind)
+    return optree.tree_unflatten(treedef, out)

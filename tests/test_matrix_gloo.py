@@ -375,10 +375,14 @@ def _untagged_role():
     except ValueError as e:
         error = str(e)
     got = fh.gather(copy, spec, source="parameter")
-    return error, torch.equal(got["w"], full["w"])
+    # apply_updates' result keeps the weights' tag: read at their placement on every rank
+    stepped = fh.apply_updates(weights, {k: torch.ones_like(v) for k, v in weights.items()})
+    tagged = fh.gather(stepped, spec)
+    return error, torch.equal(got["w"], full["w"]), torch.equal(tagged["w"], full["w"] + 1)
 
 
 def test_an_untagged_tree_read_otherwise_by_some_ranks_raises_on_every_rank(pool):
-    for error, exact in pool.run(_untagged_role):
+    for error, exact, tagged in pool.run(_untagged_role):
         assert "from optimizer" in error and "from parameter" in error, error
         assert exact  # source= names the placement
+        assert tagged  # no source= needed for apply_updates' result

@@ -417,3 +417,23 @@ def test_update_refuses_grads_at_another_placement_or_still_partial():
         fh.adamw(0.1, b1=1.0)
     with pytest.raises(ValueError, match="lr must be a number"):
         fh.sgd(-0.1)
+
+
+def test_apply_updates_keeps_the_tag_of_params_the_library_returned():
+    from functional_hsdp.tags import state_of
+
+    mesh = fh.SimMesh(dict(zip(AXES, (2, 2))))
+    spec = fh.owned(preset("hsdp", mesh), "dp_outer")
+    full = random_tree((), seed=3)
+    params = fh.shard(full, spec)
+    updates = optree.tree_map(torch.ones_like, params)
+    new = fh.apply_updates(params, updates)
+    for leaf in optree.tree_leaves(new):
+        state, _ = state_of(leaf)
+        assert (state.role, state.kind) == ("optimizer", "weights")
+    want = optree.tree_map(lambda x: (x + 1).expand(2, 2, *x.shape), full)
+    got = fh.gather(new, spec)
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)))
+    # a tree the user made (tree_map) stays untagged, and so does apply_updates' result of it
+    mine = optree.tree_map(torch.clone, params)
+    assert all(state_of(x) is None for x in optree.tree_leaves(fh.apply_updates(mine, updates)))
