@@ -511,7 +511,7 @@ def run(size: str = "full", pool=None) -> dict:
     res: dict = {"size": size, "cfg": cfg, "device": device.type}
     skipped = gpu_hf.available()
     res["hf"] = {"cfg": gpu_hf.SIZES[size][device.type], "skipped": skipped}
-    res["muon"] = {"cfg": gpu_muon.SIZES[size][device.type]}
+    res["muon"] = {"cfg": {**cfg, **gpu_muon.TIMING[size][device.type]}}  # the same MLP
     res["device_name"] = torch.cuda.get_device_name(device) if cuda else C.machine()
     threads = torch.get_num_threads()
     if not cuda:  # one thread, as each gloo benchmark worker: steady on a busy machine

@@ -42,17 +42,12 @@ import torch.nn.functional as F
 
 from . import common as C
 
-# CUDA: gpu.py's MLP (8 x Linear(4096), fp32: 537 MB of weights); Newton-Schulz of its 8
-# matrices is 5 x 3 bf16 products of 4096^3 each: 16.5 TFLOP per step. CPU: 8 x Linear(1024).
-SIZES = {
-    "tiny": {
-        "cuda": {"D": 64, "L": 3, "B": 8, "M": 2, "warmup": 1, "reps": 2},
-        "cpu": {"D": 64, "L": 3, "B": 8, "M": 2, "warmup": 1, "reps": 2},
-    },
-    "full": {
-        "cuda": {"D": 4096, "L": 8, "B": 2048, "M": 4, "warmup": 2, "reps": 7},
-        "cpu": {"D": 1024, "L": 8, "B": 128, "M": 4, "warmup": 2, "reps": 5},
-    },
+# The model and data sizes are bench/gpu.py's MLP (CUDA: 8 x Linear(4096), fp32, 537 MB of
+# weights; Newton-Schulz of its 8 matrices is 5 x 3 bf16 products of 4096^3 each: 16.5 TFLOP
+# per step. CPU: 8 x Linear(1024)); this part times fewer steps of it (full size only).
+TIMING = {
+    "tiny": {"cuda": {}, "cpu": {}},
+    "full": {"cuda": {"warmup": 2, "reps": 7}, "cpu": {"warmup": 2, "reps": 5}},
 }
 VARIANTS = ("muon_torch", "adamw_torch", "adamw_fh", "muon_fh", "muon_fh_outer")
 FH = ("adamw_fh", "muon_fh", "muon_fh_outer")
@@ -112,7 +107,7 @@ class Problem:
         return self.xs[step % DATASETS], self.ys[step % DATASETS]
 
 
-def _is_matrix(name: str, p: torch.Tensor) -> bool:
+def _is_matrix(p: torch.Tensor) -> bool:
     return p.dim() == 2
 
 
@@ -122,12 +117,12 @@ def _is_matrix(name: str, p: torch.Tensor) -> bool:
 class _Torch:
     def __init__(self, pb: Problem, muon: bool):
         self.M, self.model = pb.M, pb.model()
-        named = list(self.model.named_parameters())
+        params = list(self.model.parameters())
         if muon:
             self.opts = [
-                torch.optim.Muon([p for n, p in named if _is_matrix(n, p)], lr=MUON_LR),
+                torch.optim.Muon([p for p in params if _is_matrix(p)], lr=MUON_LR),
                 torch.optim.AdamW(
-                    [p for n, p in named if not _is_matrix(n, p)], lr=LR, weight_decay=WEIGHT_DECAY
+                    [p for p in params if not _is_matrix(p)], lr=LR, weight_decay=WEIGHT_DECAY
                 ),
             ]
         else:
@@ -171,10 +166,7 @@ class _Fh:
         else:
             full = dict(model.named_parameters())  # the module's meta stand-ins: full shapes
             labels = {
-                u: {
-                    n: "muon" if _is_matrix(n, full[f"{u}.{n}" if u else n]) else "adamw"
-                    for n in ps
-                }
+                u: {n: "muon" if _is_matrix(full[f"{u}.{n}" if u else n]) else "adamw" for n in ps}
                 for u, ps in self.main.items()
             }
             self.opt = fh.partition(
