@@ -1258,7 +1258,7 @@ def _rank_main(rank: int, port: int, conn, name: str, mode: str, log: str) -> No
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
-    launch._prepare_worker()
+    launch.prepare_worker()
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False)
     # the groups' own timeout is long: the library's waits are bounded by the mesh's
     dist.init_process_group(
@@ -1310,7 +1310,7 @@ def _gloo(c: Case, mode: str) -> dict:
     logs = tempfile.mkdtemp(prefix="fh_hostile_")
     C._note_worker_library()
     try:
-        with launch._forkserver((*C.PRELOAD, "bench.hostile")):
+        with launch.starting_workers((*C.PRELOAD, "bench.hostile")):
             for r in range(WORLD):
                 here, there = mp.Pipe()
                 p = mp.Process(

@@ -162,7 +162,7 @@ def _spawned() -> int:
     workers do (the launcher's own set-up, so that only the start method differs)."""
     import torch.distributed as dist
 
-    launch._join_group(60.0)
+    launch.join_group(60.0)
     r = launch.rank()
     dist.barrier()
     dist.destroy_process_group()

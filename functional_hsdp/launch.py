@@ -108,8 +108,9 @@ class WorkerError(RuntimeError):
         self.results = dict(results or {})
 
 
-# The private helpers below (serialization, error reports, worker set-up, the forkserver) are
-# also the pool's (functional_hsdp.testing.gloo_pool): both kinds of worker behave alike.
+# The helpers below (serialization, error reports, worker set-up, the forkserver, the mesh
+# cache) are also the pool's (functional_hsdp.testing.gloo_pool), so both kinds of worker
+# behave alike: public for that reason, and left out of __all__ (not for a task's use).
 
 # -- serialization: standard pickle, tensors by value ----------------------------------------
 
@@ -136,7 +137,9 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def _dumps(obj: Any) -> bytes:
+def dumps(obj: Any) -> bytes:
+    """``obj`` pickled for another process: standard pickle, tensors by value (a detached CPU
+    clone as ``torch.save`` bytes); a DTensor is refused."""
     buf = io.BytesIO()
     p = _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
     p.dispatch_table = copyreg.dispatch_table.copy()
@@ -144,7 +147,9 @@ def _dumps(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _load_task(payload: bytes) -> tuple[Callable[..., Any], tuple, dict]:
+def load_task(payload: bytes) -> tuple[Callable[..., Any], tuple, dict]:
+    """In a worker: the task ``(fn, args, kwargs)`` that :func:`dumps` made, or an error that
+    says what a task function must be."""
     try:
         return pickle.loads(payload)
     except BaseException as exc:
@@ -155,7 +160,8 @@ def _load_task(payload: bytes) -> tuple[Callable[..., Any], tuple, dict]:
         ) from exc
 
 
-def _format_exc(exc: BaseException) -> tuple[str, str, str]:
+def format_exc(exc: BaseException) -> tuple[str, str, str]:
+    """``exc`` as ``(type name, message, traceback text)``: what a worker sends back."""
     return (
         type(exc).__qualname__,
         str(exc),
@@ -163,13 +169,15 @@ def _format_exc(exc: BaseException) -> tuple[str, str, str]:
     )
 
 
-def _describe(
+def describe_failure(
     head: str,
     errors: dict[int, tuple[str, str, str]],
     *,
     dead: dict[int, int | None],
     missing: list[int],
 ) -> str:
+    """The message of a :class:`WorkerError`: ``head``, then the dead, silent and failed
+    ranks, then the remote tracebacks."""
     lines = [head]
     for r, code in sorted(dead.items()):
         lines.append(f"rank {r}: worker process died (exit code {code})")
@@ -215,7 +223,13 @@ def device_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     return mesh
 
 
-def _prepare_worker() -> None:
+def forget_meshes() -> None:
+    """In a worker, before it leaves its process group: drop the meshes :func:`device_mesh`
+    cached (their groups go with the process group)."""
+    _MESHES.clear()
+
+
+def prepare_worker() -> None:
     """In a worker, before its task: loopback for gloo, one thread, stacks on a crash."""
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -225,9 +239,9 @@ def _prepare_worker() -> None:
     torch.set_num_threads(1)
 
 
-def _join_group(timeout_s: float, **init: Any) -> None:
+def join_group(timeout_s: float, **init: Any) -> None:
     """In a worker: join the gloo process group (``init``: init_process_group's rendezvous)."""
-    _prepare_worker()
+    prepare_worker()
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s), **init)
     # A rank can leave init_process_group while a slower one is still connecting to it; if
     # the fast rank then ends (a short task, an early error) before the slow one is through,
@@ -238,7 +252,7 @@ def _join_group(timeout_s: float, **init: Any) -> None:
 
 
 @contextlib.contextmanager
-def _forkserver(preload: tuple[str, ...]) -> Iterator[None]:
+def starting_workers(preload: tuple[str, ...]) -> Iterator[None]:
     """Around starting workers: the forkserver's preload and quiet environment, if this call
     starts it (os.environ is restored afterwards)."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
@@ -261,17 +275,17 @@ def _forkserver(preload: tuple[str, ...]) -> Iterator[None]:
 def _one_shot_main(payload: bytes, timeout_s: float, error_dir: str, join: bool) -> bytes:
     """A worker of :func:`run` (the elastic agent has set RANK, MASTER_ADDR, ...)."""
     if join:
-        _join_group(timeout_s)
+        join_group(timeout_s)
     else:  # the task makes the group itself, as a torchrun script does
-        _prepare_worker()
+        prepare_worker()
     try:
-        fn, args, kwargs = _load_task(payload)
-        result = _dumps(fn(*args, **kwargs))
+        fn, args, kwargs = load_task(payload)
+        result = dumps(fn(*args, **kwargs))
     except BaseException as exc:  # for the caller's WorkerError; the agent sees the failure
         with open(os.path.join(error_dir, f"rank{os.environ['RANK']}"), "wb") as f:
-            pickle.dump(_format_exc(exc), f)
+            pickle.dump(format_exc(exc), f)
         raise
-    _MESHES.clear()
+    forget_meshes()
     if dist.is_initialized():
         dist.barrier()  # nobody closes its connections while another rank may still use them
         dist.destroy_process_group()
@@ -301,8 +315,11 @@ def run(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    payload = _dumps((fn, args, kwargs))  # pickling errors raise here, before any start
-    with tempfile.TemporaryDirectory(prefix="functional_hsdp_launch_") as tmp, _forkserver(preload):
+    payload = dumps((fn, args, kwargs))  # pickling errors raise here, before any start
+    with (
+        tempfile.TemporaryDirectory(prefix="functional_hsdp_launch_") as tmp,
+        starting_workers(preload),
+    ):
         config = _launch_config(world_size, tmp)
         try:
             results = elastic_launch(config, _one_shot_main)(payload, float(timeout), tmp, join)
@@ -342,5 +359,5 @@ def _run_failed(fn: Callable[..., Any], exc: Any, tmp: str) -> WorkerError:
         else:
             dead[r] = failure.exitcode
     name = getattr(fn, "__qualname__", repr(fn))
-    message = _describe(f"task {name} failed", errors, dead=dead, missing=[])
+    message = describe_failure(f"task {name} failed", errors, dead=dead, missing=[])
     return WorkerError(message, errors=errors, exitcodes=dead)

@@ -39,7 +39,7 @@ from .precision import check_mp_policy
 from .reduce import shard
 from .spec import Spec
 from .units import Gathered
-from .units.registry import _start_forward
+from .units.registry import start_forward
 
 __all__ = ["functional_call", "shard_module"]
 
@@ -366,7 +366,7 @@ def functional_call(
     kwargs = {} if kwargs is None else kwargs
     blocks = _blocks(sharded, into=into, recompute=recompute, reshard=reshard_after_forward)
     order, ran = sharded.order, []
-    _start_forward()  # the model's forward begins: its units are one chain
+    start_forward()  # the model's forward begins: its units are one chain
     sharded.active += 1
     try:
         params = _root_weights(sharded, shards, blocks)

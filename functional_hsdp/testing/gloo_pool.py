@@ -29,15 +29,15 @@ from typing import Any
 import torch.distributed as dist
 
 from ..launch import (
-    _MESHES,
     DEFAULT_PRELOAD,
     WorkerError,
-    _describe,
-    _dumps,
-    _forkserver,
-    _format_exc,
-    _join_group,
-    _load_task,
+    describe_failure,
+    dumps,
+    forget_meshes,
+    format_exc,
+    join_group,
+    load_task,
+    starting_workers,
 )
 
 __all__ = ["GlooPool", "WorkerTimeout"]
@@ -65,7 +65,7 @@ def _record_reply(
         try:
             results[r] = pickle.loads(data)
         except Exception as exc:
-            errors[r] = _format_exc(exc)
+            errors[r] = format_exc(exc)
     else:
         errors[r] = data
     return True
@@ -86,10 +86,10 @@ def _serve(
             return
         _, task_id, payload = msg
         try:
-            fn, args, kwargs = _load_task(payload)
-            reply = ("ok", task_id, _dumps(fn(*args, **kwargs)))
+            fn, args, kwargs = load_task(payload)
+            reply = ("ok", task_id, dumps(fn(*args, **kwargs)))
         except BaseException as exc:  # reported to the parent
-            reply = ("err", task_id, _format_exc(exc))
+            reply = ("err", task_id, format_exc(exc))
         try:
             result_conn.send_bytes(pickle.dumps(reply))
         except (BrokenPipeError, OSError):
@@ -109,13 +109,13 @@ def _pool_worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size_, is_master=False)
-        _join_group(timeout_s, store=store, rank=rank_, world_size=world_size_)
+        join_group(timeout_s, store=store, rank=rank_, world_size=world_size_)
     except BaseException as exc:  # reported to the parent
-        result_conn.send_bytes(pickle.dumps(("start_error", _format_exc(exc))))
+        result_conn.send_bytes(pickle.dumps(("start_error", format_exc(exc))))
         return
     result_conn.send_bytes(pickle.dumps(("ready", os.getpid())))
     _serve(task_conn, result_conn)
-    _MESHES.clear()
+    forget_meshes()
     try:
         dist.destroy_process_group()
     except Exception:  # best effort at shutdown
@@ -221,7 +221,7 @@ class GlooPool:
             "127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False
         )
         port = self._store.port
-        with _forkserver(self.preload):
+        with starting_workers(self.preload):
             for r in range(self.world_size):
                 self._spawn_worker(r, port)
         self._await_ready()
@@ -270,14 +270,16 @@ class GlooPool:
         missing = sorted(set(range(self.world_size)) - done - set(dead))
         if dead or len(done) == self.world_size or (errors and time.monotonic() >= deadline):
             raise WorkerError(
-                _describe("starting the gloo pool failed", errors, dead=dead, missing=missing),
+                describe_failure(
+                    "starting the gloo pool failed", errors, dead=dead, missing=missing
+                ),
                 errors=errors,
                 exitcodes=dead,
                 missing=missing,
             )
         if time.monotonic() >= deadline:
             raise WorkerTimeout(
-                _describe(
+                describe_failure(
                     f"starting the gloo pool timed out after {self.start_timeout}s",
                     errors,
                     dead={},
@@ -338,7 +340,7 @@ class GlooPool:
         ``WorkerError`` and ``TimeoutError``) if not all ranks finished within ``timeout``
         seconds (default: the pool's).
         """
-        payload = _dumps((fn, args, kwargs))  # pickling errors raise here
+        payload = dumps((fn, args, kwargs))  # pickling errors raise here
         if self._broken or not self.started or not self._all_alive():
             self.start()
         timeout = self.timeout if timeout is None else timeout
@@ -393,7 +395,7 @@ class GlooPool:
         # Every rank answered, so the pool is still usable: raise without breaking it.
         if errors:
             raise WorkerError(
-                _describe(f"task {name} failed", errors, dead={}, missing=[]),
+                describe_failure(f"task {name} failed", errors, dead={}, missing=[]),
                 errors=errors,
                 results=results,
             )
@@ -413,7 +415,7 @@ class GlooPool:
         self._break()
         missing = sorted(set(range(self.world_size)) - done - set(dead))
         raise WorkerError(
-            _describe(f"task {name}: worker died", errors, dead=dead, missing=missing),
+            describe_failure(f"task {name}: worker died", errors, dead=dead, missing=missing),
             errors=errors,
             exitcodes=dead,
             missing=missing,
@@ -442,7 +444,7 @@ class GlooPool:
             head = f"task {name} timed out after {timeout}s"
             cls = WorkerTimeout
         raise cls(
-            _describe(head, errors, dead={}, missing=missing),
+            describe_failure(head, errors, dead={}, missing=missing),
             errors=errors,
             missing=missing,
             results=results,

@@ -78,7 +78,7 @@ def current_chain() -> Chain:
     return chain
 
 
-def _start_forward() -> None:
+def start_forward() -> None:
     """Begin a new forward pass on this thread: the unit calls from here on are one chain
     (what a model-level call, ``functional_call``, knows and a unit alone does not). A
     previous chain whose backward has not started is left to it, its last unit no longer
