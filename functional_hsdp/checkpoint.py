@@ -551,7 +551,7 @@ def _pieces(plan: Plan, b: int, gathered: torch.Tensor, *, local: list, shapes: 
 
 def _kept(plan: Plan, b: int) -> list[bool]:
     """Per slot of bucket ``b``: whether this rank keeps its piece (always, but at a keep
-    spec's optimizer placement, :class:`~functional_hsdp.owner.Kept`, where only the pieces
+    spec's optimizer placement, :class:`~functional_hsdp.owner.KeptPieces`, where only the pieces
     its coordinate owns are kept)."""
     bucket, geometry = plan.buckets[b], plan.placed[b][ROLE].geometry
     if not getattr(geometry, "kept", False):

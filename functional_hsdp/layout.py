@@ -197,12 +197,15 @@ def build_buckets(
     specs: tuple[Spec, ...],
     units: tuple[int, ...],
     kinds: tuple | None = None,
+    owner_major: Callable[..., Bucket] | None = None,
 ) -> tuple[tuple[Bucket, ...], tuple[Slot, ...]]:
     """Group leaves into buckets; returns (buckets, zero-size slots).
 
     Leaves share a bucket when they share a unit, device and *kind*: by default their dtype.
     A persistent buffer of another dtype (fp32 main grads for bf16 parameters) passes the
-    parameters' dtypes as ``kinds`` to get the parameters' layout.
+    parameters' dtypes as ``kinds`` to get the parameters' layout. ``owner_major`` lays out
+    an Owner spec's buckets (:func:`functional_hsdp.owner.owner_bucket`, which the plan
+    passes: the owner package builds on this module, not this module on it).
     """
     kinds = dtypes if kinds is None else kinds
     groups: dict[tuple, list[int]] = {}
@@ -213,10 +216,13 @@ def build_buckets(
     for (unit, _, device), members in groups.items():
         spec, dtype = specs[members[0]], dtypes[members[0]]
         make = _bucket
-        if spec.owner_axes:  # an Owner spec: owner-major buckets (owner.py builds on this one)
-            from .owner import owner_bucket
-
-            make = owner_bucket
+        if spec.owner_axes:  # an Owner spec: owner-major buckets
+            if owner_major is None:
+                raise ValueError(
+                    "build_buckets: an Owner spec's buckets are owner-major; pass "
+                    "owner_major=functional_hsdp.owner.owner_bucket"
+                )
+            make = owner_major
         for run in _runs(members, paths, shapes, spec=spec, empty=empty):
             buckets.append(make(run, spec, unit=unit, dtype=dtype, device=device))
     return tuple(buckets), tuple(empty)

@@ -53,6 +53,7 @@ order, so that every all-reduce runs on the smallest piece of data.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -67,12 +68,26 @@ __all__ = [
     "Placement",
     "Replicate",
     "Shard",
+    "Step",
     "is_sharded",
     "reduce_op",
     "transition",
 ]
 
 Collective = Literal["reduce_scatter", "all_reduce", "all_gather", "all_to_all", "slice"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective (or local slice) on one axis of ``size`` ranks: a transition's
+    operation as a plan runs it (:mod:`functional_hsdp.plan` makes them, and the owner
+    moves in :mod:`functional_hsdp.owner` add their own)."""
+
+    op: str  # "reduce_scatter" | "all_reduce" | "all_gather" | "slice" | "all_to_all" | ...
+    axis: str
+    reduce: str | None  # "avg" | "sum" for reductions
+    size: int
+
 
 #: Reduce ops a ``Partial`` placement may carry here.
 REDUCE_OPS = ("avg", "sum")

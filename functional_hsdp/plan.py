@@ -33,7 +33,8 @@ from .layout import (
     unpack_full,
     unpack_shard_full,
 )
-from .placement import Owner, Partial, Placement, Replicate, reduce_op, transition
+from .owner import KeptPieces, keep_items, owner_bucket
+from .placement import Owner, Partial, Placement, Replicate, Step, reduce_op, transition
 from .spec import Spec
 
 __all__ = [
@@ -60,16 +61,6 @@ LEGS = (
     ("parameter", "full"),
     ("optimizer", "parameter"),
 )
-
-
-@dataclass(frozen=True)
-class Step:
-    """One collective (or local slice) on one axis of ``size`` ranks."""
-
-    op: str  # "reduce_scatter" | "all_reduce" | "all_gather" | "slice"
-    axis: str
-    reduce: str | None  # "avg" | "sum" for reductions
-    size: int
 
 
 @dataclass(frozen=True)
@@ -187,7 +178,7 @@ def _keep_move(frm: Placement, to: Placement, axis: str) -> str | None:
 
 def _keeps(spec: Spec) -> bool:
     """Whether ``spec`` keeps values by owner along an axis that moves (its optimizer
-    placement is then :class:`functional_hsdp.owner.Kept`)."""
+    placement is then :class:`functional_hsdp.owner.KeptPieces`)."""
     return any(spec.mesh.moves(a) for a in spec.keep_axes)
 
 
@@ -215,6 +206,7 @@ class Plan:
             specs=meta.specs,
             units=meta.units,
             kinds=meta.kinds,
+            owner_major=owner_bucket,
         )
         n = len(meta.shapes)
         self.bucket_of: list[int | None] = [None] * n  # per leaf: its bucket (None: zero-size)
@@ -254,14 +246,22 @@ class Plan:
         for programs in out.values():
             for b, steps in enumerate(programs):
                 if steps and any(x.op in KEEP_MOVES for x in steps):
-                    from .owner import keep_items  # owner builds on plan
-
                     programs[b] = tuple(
                         y
                         for x in steps
-                        for y in (keep_items(self, b, x) if x.op in KEEP_MOVES else (x,))
+                        for y in (self._keep_items(b, x) if x.op in KEEP_MOVES else (x,))
                     )
         return {leg: tuple(programs) for leg, programs in out.items()}
+
+    def _keep_items(self, b: int, step: Step) -> list:
+        """Bucket ``b``'s items for ``step``, a move along its keep axis (``keep_items``)."""
+        placed = self.placed[b]
+        return keep_items(
+            step,
+            mesh=self.mesh,
+            kept=placed["optimizer"].geometry,
+            length=placed["gradient"].length,
+        )
 
     def _placed(self) -> list[dict[str, Placed]]:
         out = []
@@ -277,9 +277,7 @@ class Plan:
                     else ()
                 )
                 if role == "optimizer" and _keeps(spec):  # the kept pieces of the chunk
-                    from .owner import Kept  # owner builds on plan
-
-                    kept = Kept(self.mesh, bucket, axes)
+                    kept = KeptPieces(self.mesh, bucket, axes)
                     roles[role] = Placed(
                         axes=axes,
                         length=kept.length,

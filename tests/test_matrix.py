@@ -355,6 +355,7 @@ def _least_heaviest(widths: list[int], n: int) -> int:
 
 def _unit_bucket(shapes: dict, spec):
     from functional_hsdp.layout import build_buckets
+    from functional_hsdp.owner import owner_bucket
 
     n = len(shapes)
     (bucket,), _ = build_buckets(
@@ -364,6 +365,7 @@ def _unit_bucket(shapes: dict, spec):
         devices=(torch.device("cpu"),) * n,
         specs=(spec,) * n,
         units=(0,) * n,
+        owner_major=owner_bucket,
     )
     return bucket
 
