@@ -4,7 +4,11 @@
   function's docstring, with its arguments and examples, is as long as it needs to be);
 - no call to a function or class of the package passes more than ``MAX_POSITIONAL``
   positional arguments, or ``True`` / ``False`` positionally: what an argument means is
-  written at the call (the definitions make such arguments keyword-only).
+  written at the call (the definitions make such arguments keyword-only);
+- no module imports a private name (a leading underscore) of another module of the package,
+  or reads one as ``module._name``: what a room offers another has a public name;
+- the package's modules import each other without a cycle, imports inside functions
+  counted (importing ``a.b.c`` runs the packages ``a.b`` too, so an import reaches them).
 
 Calls into torch, optree, einops or the standard library are not checked, only those that
 resolve to a definition in the package (:class:`_Index` says how).
@@ -269,6 +273,140 @@ def long_functions(index: _Index) -> dict[str, list[str]]:
     return found
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _from_source(index: _Index, mod: str, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` statement of ``mod`` names, its dots resolved."""
+    _, _, is_package = index.modules[mod]
+    here = mod if is_package else mod.rpartition(".")[0]
+    if not node.level:
+        return node.module or ""
+    base = here.rsplit(".", node.level - 1)[0] if node.level > 1 else here
+    return f"{base}.{node.module}" if node.module else base
+
+
+def _import_sources(index: _Index, mod: str, node: ast.ImportFrom | ast.Import) -> list:
+    """``(module, name)`` pairs an import statement of ``mod`` reads from the package:
+    ``from m import n`` gives ``(m, n)``, or ``(m.n, None)`` where ``m.n`` is a module;
+    ``import m`` gives ``(m, None)``."""
+    if isinstance(node, ast.Import):
+        pairs = [(a.name, None) for a in node.names]
+    else:
+        source, pairs = _from_source(index, mod, node), []
+        for a in node.names:
+            module = f"{source}.{a.name}"
+            pairs.append((module, None) if module in index.modules else (source, a.name))
+    return [(m, n) for m, n in pairs if m in index.modules]
+
+
+def private_imports(index: _Index) -> dict[str, list[str]]:
+    """path -> ``path:line: ...`` for each private name of another package module that a
+    module imports (``from .m import _n``) or reads (``m._n``, ``m`` a package module)."""
+    found: dict[str, list[str]] = {}
+    for mod, (path, tree, _) in index.modules.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = _from_source(index, mod, node)
+                for a in node.names if source in index.modules and source != mod else ():
+                    if _private(a.name):
+                        found.setdefault(path, []).append(
+                            f"{path}:{node.lineno}: imports {a.name} from {source}"
+                        )
+            elif isinstance(node, ast.Attribute) and _private(node.attr):
+                owner = index.value(mod, node.value)
+                if isinstance(owner, str) and owner != mod:
+                    found.setdefault(path, []).append(
+                        f"{path}:{node.lineno}: reads {owner}.{node.attr}"
+                    )
+    return found
+
+
+def import_graph(index: _Index) -> dict[str, dict[str, int]]:
+    """module -> {module it imports: the line of the first such import}, imports inside
+    functions included. An import of ``a.b.c`` also reaches the packages ``a.b`` (not the
+    package root, nor a package the importer is inside: those run first). Imports under
+    ``if TYPE_CHECKING:`` never run (annotations only) and are not counted."""
+    graph: dict[str, dict[str, int]] = {}
+    for mod, (_, tree, _) in index.modules.items():
+        edges = graph.setdefault(mod, {})
+        inside = {mod.rsplit(".", k)[0] for k in range(mod.count(".") + 1)}
+        typing_only = {
+            id(node)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
+            for stmt in block.body
+            for node in ast.walk(stmt)
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in typing_only:
+                continue
+            for source, _ in _import_sources(index, mod, node):
+                parts = source.split(".")
+                reached = {".".join(parts[:k]) for k in range(2, len(parts) + 1)}
+                for target in reached - inside - {index.root}:
+                    if target in index.modules and target != mod:
+                        edges.setdefault(target, node.lineno)
+    return graph
+
+
+def import_cycles(index: _Index) -> list[str]:
+    """Each cycle of :func:`import_graph` as ``a.py:line -> b.py:line -> ... -> a`` (one
+    per strongly connected group of modules: the shortest cycle through its first module)."""
+    graph = import_graph(index)
+    order, low, stack, on, groups = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return sorted(_cycle_text(index, graph, group) for group in groups)
+
+
+def _cycle_text(index: _Index, graph: dict, group: list[str]) -> str:
+    """The shortest cycle through ``group[0]`` within ``group``, each step with its line."""
+    start, members = group[0], set(group)
+    paths, seen = {start: [start]}, {start}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v]):
+                if w == start:
+                    cycle = paths[v] + [start]
+                    steps = [
+                        f"{index.modules[a][0]}:{graph[a][b]}" for a, b in zip(cycle, cycle[1:])
+                    ]
+                    return " -> ".join([*steps, start])
+                if w in members and w not in seen:
+                    seen.add(w)
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    return " <-> ".join(group)
+
+
 @functools.cache
 def _package() -> _Index:
     return _Index({path: (ROOT / path).read_text() for path in FILES})
@@ -284,6 +422,27 @@ def test_no_function_is_long(path: str):
 def test_calls_into_the_package_pass_few_positionals_and_no_positional_bool(path: str):
     found = positional_calls(_package()).get(path, [])
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_no_module_imports_a_private_name_of_another(path: str):
+    found = private_imports(_package()).get(path, [])
+    assert not found, "\n".join(found)
+
+
+def test_the_modules_import_each_other_without_a_cycle():
+    """Dependencies go one way, imports inside functions counted (one hidden there is a
+    cycle all the same: it only runs later)."""
+    cycles = import_cycles(_package())
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_import_checks_reach_the_package():
+    """The import graph holds the package's imports: most modules import another."""
+    graph = import_graph(_package())
+    assert len(graph) == len(FILES)
+    assert sum(map(len, graph.values())) > 150
+    assert "functional_hsdp.owner" in graph["functional_hsdp.plan"]
 
 
 def test_the_call_check_reaches_the_package():
@@ -363,6 +522,45 @@ def test_the_checks_can_fail():
         "pkg/b.py": ["pkg/b.py:6", "pkg/b.py:9", "pkg/b.py:10", "pkg/b.py:13", "pkg/b.py:18"],
     }
     assert "a positional True/False" in positional_calls(index)["pkg/b.py"][2]
+
+
+_IMPORTS = {
+    "pkg/__init__.py": "from .a import f\n",
+    "pkg/a.py": "from .b import g\ndef f():\n    return g\n",
+    "pkg/b.py": (
+        "import os\n"
+        "from . import c\n"
+        "def g():\n"
+        "    from .a import f\n"  # line 4: a cycle hidden in a function
+        "    from .sub.d import _h\n"  # line 5: private; reaches the package sub too
+        "    return c._k, os._exit, f\n"  # line 6: c._k is private, os._exit not ours
+    ),
+    "pkg/c.py": "_k = 1\nfrom .sub import _m\n",  # line 2: a private module is a private name
+    "pkg/sub/__init__.py": "from .d import x\n",
+    "pkg/sub/d.py": "from .. import e\n_h = x = 1\n",
+    "pkg/sub/_m.py": "from ._n import y\n",  # a public name of a private module: fine
+    "pkg/sub/_n.py": "y = 1\n",
+    "pkg/e.py": "from .sub import x\n",  # e -> sub -> d -> e: through the package
+    "pkg/f.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .g import G\n",
+    "pkg/g.py": "from .f import F\n",  # f -> g for annotations only: not a cycle
+}
+
+
+def test_the_import_checks_can_fail():
+    """Private names read across modules, and cycles (one hidden inside a function, one
+    through a package's ``__init__``), are reported with their lines; nothing else."""
+    index = _Index(_IMPORTS)
+    assert private_imports(index) == {
+        "pkg/b.py": [
+            "pkg/b.py:5: imports _h from pkg.sub.d",
+            "pkg/b.py:6: reads pkg.c._k",
+        ],
+        "pkg/c.py": ["pkg/c.py:2: imports _m from pkg.sub"],
+    }
+    assert import_cycles(index) == [
+        "pkg/a.py:1 -> pkg/b.py:4 -> pkg.a",
+        "pkg/e.py:1 -> pkg/sub/__init__.py:1 -> pkg/sub/d.py:1 -> pkg.e",
+    ]
 
 
 def test_maingrads_public_surface_is_what_the_readme_documents():
