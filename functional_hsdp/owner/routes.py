@@ -48,7 +48,7 @@ class Compact:
     """A Shard(d) bucket's routed leaves as the ranks hold them, their data only: each
     rank's nonempty chunks flattened, end to end, then zeros up to ``length`` (the longest
     rank's). ``at[r]``: per chunk rank r holds, ``(slot position, position, lo, hi)``: the
-    chunk is elements ``[lo, hi)`` of the leaf in chunk order (see the module docstring)."""
+    chunk is elements ``[lo, hi)`` of the leaf in chunk order (see :mod:`functional_hsdp.owner`)."""
 
     def __init__(self, mesh: Any, bucket: Bucket, routed: Sequence[bool]):
         self.bucket, self.batch = bucket, mesh.batch_shape
