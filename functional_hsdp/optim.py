@@ -356,8 +356,9 @@ def _moments(tree: Any, name: str, *, params: list, params_def: optree.PyTreeSpe
 
 def _check_state(state: Any, cls: type) -> None:
     if not isinstance(state, cls):
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
         raise TypeError(
-            f"state: expected an {cls.__name__} (from this optimizer's init); got "
+            f"state: expected {article} {cls.__name__} (from this optimizer's init); got "
             f"{type(state).__name__}"
         )
 
