@@ -153,7 +153,11 @@ def _train_hfsdp_chain():
         losses.append(loss_sum)
     events = [(e.op, e.axis, e.numel) for e in log.events]
     counts = (state.inner[1].count, state.inner[3].count, adamw_state.count)
-    return torch.tensor(losses), fh.gather(params, spec), events, same, counts
+    kinds = (type(state), *map(type, state.inner), type(adamw_state))
+    sgd = fh.sgd(SCHEDULE, momentum=0.9)  # a schedule's step is the state's count there too
+    sgd_state = sgd.update(acc, sgd.init(params), params)[1]
+    assert isinstance(sgd_state, fh.SGDState) and sgd_state.count == 1
+    return torch.tensor(losses), fh.gather(params, spec), events, same, counts, kinds
 
 
 def _train_single_rank_lambdalr():
@@ -184,7 +188,10 @@ def test_adam_chain_with_a_schedule_matches_torch_adamw_with_lambdalr(pool):
     losses = torch.stack([r[0] for r in results]).mean(0)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert losses[-1] < losses[0]
-    for _, final, events, same, counts in results:
+    states = (fh.ChainState, fh.EmptyState, fh.ScaleByAdamState, fh.EmptyState)
+    states += (fh.ScaleByLearningRateState, fh.AdamWState)
+    for _, final, events, same, counts, kinds in results:
+        assert kinds == states
         for k in ref_params:
             torch.testing.assert_close(final[k], ref_params[k], rtol=0, atol=1e-6)
         assert all(same) and counts == (SCHEDULE_STEPS,) * 3
