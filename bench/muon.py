@@ -149,8 +149,8 @@ def _naive_muon(tree_spec: dict, units: list[str]):
             ortho = {n: _orthogonalized(x) if mine[k][n] else x for n, x in gathered.items()}
             local[k] = fh.shard(ortho, tree_spec[k])  # this rank's slices: no communication
         o = optree.tree_unflatten(treedef, optree.tree_leaves(local))
-        updates = optree.tree_map(
-            lambda p, u: -MUON_LR * 0.1 * p - MUON_LR * u, params, _masked_as(o, direction)
+        updates = optree.tree_map(  # fh.muon's chain: -lr * (u + weight_decay * p)
+            lambda p, u: -MUON_LR * torch.add(u, p, alpha=0.1), params, _masked_as(o, direction)
         )
         return updates, fh.MuonState(state.count + 1, buf)
 

@@ -5,6 +5,7 @@ HSDP with deferred DP-outer reduction (Megatron-LM PR 5743) for ``torch.func`` t
 reduces the outer axis only on the last one.
 """
 
+from . import schedules
 from .autodiff import per_example_grad_norms
 from .cache import clear_caches
 from .checkpoint import empty_state_dict, load_state_dict, state_dict
@@ -27,12 +28,22 @@ from .mesh import DistMesh, Mesh, SimMesh, per_rank
 from .module import functional_call, shard_module
 from .optim import (
     AdamWState,
+    ChainState,
+    EmptyState,
     GradientTransformation,
+    ScaleByAdamState,
+    ScaleByLearningRateState,
     SGDState,
     adamw,
+    add_decayed_weights,
     apply_updates,
+    chain,
     clip_by_global_norm,
+    clip_global_norm,
     global_norm,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
     sgd,
 )
 from .owner import owned
@@ -45,9 +56,11 @@ from .validate import validation
 
 __all__ = [
     "AdamWState",
+    "ChainState",
     "CollectiveError",
     "CommLog",
     "DistMesh",
+    "EmptyState",
     "Event",
     "Flat",
     "Gathered",
@@ -62,14 +75,19 @@ __all__ = [
     "Placement",
     "Replicate",
     "SGDState",
+    "ScaleByAdamState",
+    "ScaleByLearningRateState",
     "Shard",
     "SimMesh",
     "Spec",
     "adamw",
+    "add_decayed_weights",
     "all_gather",
     "apply_updates",
+    "chain",
     "clear_caches",
     "clip_by_global_norm",
+    "clip_global_norm",
     "comm_log",
     "ddp",
     "empty_state_dict",
@@ -96,6 +114,10 @@ __all__ = [
     "psum",
     "psum_scatter",
     "reduce_grads",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "schedules",
     "sequence",
     "sgd",
     "shard",

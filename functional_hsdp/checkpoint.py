@@ -40,7 +40,14 @@ from .layout import unpack_full
 from .lookup import find_layout
 from .maingrad import MainGrad
 from .matrix import MuonState, PartitionState, masked_like, unmask
-from .optim import AdamWState, SGDState
+from .optim import (
+    AdamWState,
+    ChainState,
+    EmptyState,
+    ScaleByAdamState,
+    ScaleByLearningRateState,
+    SGDState,
+)
 from .owner import chunk_of, piece_of
 from .plan import Plan, Step, TreeMeta, get_plan
 from .schedule import run
@@ -50,8 +57,17 @@ from .tree import flatten, paths_of
 
 __all__ = ["empty_state_dict", "load_state_dict", "state_dict"]
 
-#: Optimizer states saved field by field: trees like the params, host scalars, None.
-OPTIMIZER_STATES = (AdamWState, SGDState, MuonState)
+#: Optimizer states saved field by field: trees like the params, host scalars, None. Inside a
+#: ChainState or PartitionState any NamedTuple is taken for such a state (a user's own
+#: transformation's state, as optax's are).
+OPTIMIZER_STATES = (
+    AdamWState,
+    SGDState,
+    MuonState,
+    ScaleByAdamState,
+    ScaleByLearningRateState,
+    EmptyState,
+)
 ROLE = "optimizer"  # checkpoints hold (and loading returns) the optimizer placement
 
 
@@ -66,10 +82,12 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
             * local shards laid out like the params (``shard``/``reduce_grads`` results,
               optimizer moments, any elementwise function of those), at the optimizer
               (or parameter) placement of ``spec``;
-            * an :class:`AdamWState` / :class:`SGDState` / :class:`MuonState`: its trees as
+            * an :class:`AdamWState` / :class:`SGDState` / :class:`MuonState` (or any
+              state of the combinators: :class:`ScaleByAdamState`, ...): its trees as
               above, its ``count`` saved as a host int; a :class:`PartitionState`: each
               label's state (its trees' :class:`Masked` leaves are another label's, saved
-              there);
+              there); a :class:`ChainState`: each transformation's state (a NamedTuple of
+              your own transformation is saved field by field, as the library's);
             * a :class:`MainGrad` whose step is final (or zeroed); mid-accumulation it is
               refused (a Partial state has no mesh-independent form).
         spec: the :class:`Spec` or spec tree the shards were made with (optional for a
@@ -80,7 +98,8 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
     Returns:
         For a tree: ``{key: DTensor}``, one DTensor of the leaf's full shape per leaf, keyed
         by its path joined with ``"."`` (``"blocks.0.qkv"``). For an optimizer state:
-        ``{"count": int, "mu": {...}, "nu": {...}}``; for a PartitionState ``{label: ...}``.
+        ``{"count": int, "mu": {...}, "nu": {...}}``; for a PartitionState ``{label: ...}``;
+        for a ChainState ``{"0": ..., "1": ...}``, one entry per transformation.
         For a MainGrad: ``{"state": str, "grads": {...}}``. Nest them in one dict for
         ``dcp.save``. Collective: every rank calls it (Flat trees all-gather one bucket at a
         time).
@@ -93,12 +112,7 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
     """
     if isinstance(tree, MainGrad):
         return _maingrad_state(tree, spec)
-    if isinstance(tree, PartitionState):
-        inner = lambda k: None if like is None else like.inner[k]  # noqa: E731
-        return {k: state_dict(x, spec, like=inner(k)) for k, x in tree.inner.items()}
-    if isinstance(tree, OPTIMIZER_STATES):
-        return _by_field(tree, like, lambda sub, sub_like: _tree_state(sub, spec, sub_like))
-    return _tree_state(tree, spec, like)
+    return _save(tree, spec, like, of_transform=False)
 
 
 def empty_state_dict(like: Any, spec: Any = None) -> dict[str, Any]:
@@ -126,11 +140,7 @@ def empty_state_dict(like: Any, spec: Any = None) -> dict[str, Any]:
     if isinstance(like, MainGrad):
         _check_maingrad_spec(like, spec)
         return {"state": "final", "grads": _placeholders(like.plan)}
-    if isinstance(like, PartitionState):
-        return {k: empty_state_dict(x, spec) for k, x in like.inner.items()}
-    if isinstance(like, OPTIMIZER_STATES):
-        return _by_field(like, None, lambda sub, _: _tree_placeholders(sub, spec))
-    return _tree_placeholders(like, spec)
+    return _placeholders_of(like, spec, of_transform=False)
 
 
 def load_state_dict(state: dict[str, Any], spec: Any, like: Any) -> Any:
@@ -155,16 +165,7 @@ def load_state_dict(state: dict[str, Any], spec: Any, like: Any) -> Any:
         raise TypeError(f"state: expected the dict empty_state_dict made; got {type(state)}")
     if isinstance(like, MainGrad):
         return _load_maingrad(state, spec, like)
-    if isinstance(like, PartitionState):
-        for k in like.inner:
-            if k not in state:
-                raise ValueError(f"state: has no entry {k!r} (for the PartitionState's label)")
-        return PartitionState(
-            {k: load_state_dict(state[k], spec, x) for k, x in like.inner.items()}
-        )
-    if isinstance(like, OPTIMIZER_STATES):
-        return _load_fields(state, spec, like)
-    return _load_tree(state, spec, like, name="state")
+    return _load(state, spec, like, of_transform=False, name="state")
 
 
 # -- the per-leaf form ------------------------------------------------------------------------
@@ -574,6 +575,69 @@ def _piece(blocks: torch.Tensor, row: int, chunks: Sequence, *, lo: int, hi: int
 # -- optimizer states -------------------------------------------------------------------------
 
 
+def _members(state: Any) -> dict[str, Any] | None:
+    """A PartitionState's or ChainState's states by key (the keys saved), else None."""
+    if isinstance(state, PartitionState):
+        return dict(state.inner)
+    if isinstance(state, ChainState):
+        return {str(i): s for i, s in enumerate(state.inner)}
+    return None
+
+
+def _rebuilt(like: Any, members: dict[str, Any]) -> Any:
+    return (
+        PartitionState(members)
+        if isinstance(like, PartitionState)
+        else ChainState(tuple(members.values()))
+    )
+
+
+def _has_fields(state: Any, *, of_transform: bool) -> bool:
+    """Saved field by field: a library state, or (as a transformation's state inside a chain
+    or partition) any NamedTuple."""
+    named = isinstance(state, tuple) and hasattr(type(state), "_fields")
+    return isinstance(state, OPTIMIZER_STATES) or (of_transform and named)
+
+
+def _save(tree: Any, spec: Any, like: Any, *, of_transform: bool) -> dict[str, Any]:
+    members = _members(tree)
+    if members is not None:
+        likes = _members(like) or {}
+        return {k: _save(x, spec, likes.get(k), of_transform=True) for k, x in members.items()}
+    if _has_fields(tree, of_transform=of_transform):
+        convert = lambda sub, sub_like: _save(sub, spec, sub_like, of_transform=False)  # noqa: E731
+        return _by_field(tree, like, convert)
+    return _tree_state(tree, spec, like)
+
+
+def _placeholders_of(like: Any, spec: Any, *, of_transform: bool) -> dict[str, Any]:
+    members = _members(like)
+    if members is not None:
+        return {k: _placeholders_of(x, spec, of_transform=True) for k, x in members.items()}
+    if _has_fields(like, of_transform=of_transform):
+        convert = lambda sub, _: _placeholders_of(sub, spec, of_transform=False)  # noqa: E731
+        return _by_field(like, None, convert)
+    return _tree_placeholders(like, spec)
+
+
+def _load(state: dict, spec: Any, like: Any, *, of_transform: bool, name: str) -> Any:
+    members = _members(like)
+    if members is not None:
+        for k in members:
+            if k not in state:
+                raise ValueError(
+                    f"{name}: has no entry {k!r} (for the {type(like).__name__}'s {k!r})"
+                )
+        loaded = {
+            k: _load(state[k], spec, x, of_transform=True, name=f"{name}[{k!r}]")
+            for k, x in members.items()
+        }
+        return _rebuilt(like, loaded)
+    if _has_fields(like, of_transform=of_transform):
+        return _load_fields(state, spec, like, name=name)
+    return _load_tree(state, spec, like, name=name)
+
+
 def _is_scalar(x: Any) -> bool:
     return isinstance(x, (bool, int, float, str))
 
@@ -592,18 +656,19 @@ def _field(like: Any, name: str) -> Any:
     return None if like is None else getattr(like, name)
 
 
-def _load_fields(state: dict, spec: Any, like: Any) -> Any:
+def _load_fields(state: dict, spec: Any, like: Any, *, name: str) -> Any:
     values = {}
-    for name, value in zip(like._fields, like):
+    for field, value in zip(like._fields, like):
         if value is None:
-            values[name] = None
+            values[field] = None
             continue
-        if name not in state:
-            raise ValueError(f"state: has no entry {name!r} (for {type(like).__name__}.{name})")
+        if field not in state:
+            raise ValueError(f"{name}: has no entry {field!r} (for {type(like).__name__}.{field})")
         if _is_scalar(value):
-            values[name] = state[name]
+            values[field] = state[field]
         else:
-            values[name] = _load_tree(state[name], spec, value, name=f"state[{name!r}]")
+            where = f"{name}[{field!r}]"
+            values[field] = _load(state[field], spec, value, of_transform=False, name=where)
     return type(like)(**values)
 
 

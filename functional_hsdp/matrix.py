@@ -33,10 +33,19 @@ import torch
 from . import validate
 from .layout import shard_dims, unpack_full
 from .lookup import find_layout
-from .optim import GradientTransformation
+from .optim import (
+    ChainState,
+    EmptyState,
+    GradientTransformation,
+    ScaleByLearningRateState,
+    add_decayed_weights,
+    chain,
+    scale_by_learning_rate,
+)
 from .owner import BucketRoute, chunk_rows, local_items, owner_of_slot, route
 from .plan import Plan
 from .schedule import run
+from .schedules import Schedule, check_lr
 from .tree import format_path, refuse_tracked, refuse_vmap
 
 __all__ = [
@@ -413,8 +422,8 @@ def _orthogonalized(x: torch.Tensor, *, ns: dict, adjust_lr_fn: str | None) -> t
 
 
 def _check_muon(*, lr, weight_decay, momentum, ns_coefficients, eps, ns_steps, adjust_lr_fn):
+    check_lr(lr, "muon: lr")
     for name, value in (
-        ("lr", lr),
         ("weight_decay", weight_decay),
         ("momentum", momentum),
         ("eps", eps),
@@ -431,7 +440,7 @@ def _check_muon(*, lr, weight_decay, momentum, ns_coefficients, eps, ns_steps, a
 
 def muon(
     spec: Any,
-    lr: float = 1e-3,
+    lr: float | Schedule = 1e-3,
     *,
     weight_decay: float = 0.1,
     momentum: float = 0.95,
@@ -453,10 +462,16 @@ def muon(
     ``0.2 * sqrt(max(M, N))`` (``"match_rms_adamw"``). The momentum lives at the optimizer
     placement (a tree like the params; checkpointed as AdamW's moments are).
 
+    It is a chain (:func:`~functional_hsdp.chain`): the orthogonalized momentum ``ratio * O``,
+    then :func:`~functional_hsdp.add_decayed_weights` and
+    :func:`~functional_hsdp.scale_by_learning_rate`, its state kept as one :class:`MuonState`.
+
     Args:
         spec: the Spec (or spec tree) of the params; :func:`~functional_hsdp.owned` specs
             orthogonalize where the leaves are, others move them (see :func:`per_matrix`).
-        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
+        lr: learning rate: a number, or a schedule ``step -> lr``
+            (:mod:`~functional_hsdp.schedules`; step counted from 0).
+        weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
             as ``torch.optim.Muon``.
         ns_dtype: the dtype of the Newton-Schulz iteration (torch's is bf16; float32 gives
             fp32 accuracy).
@@ -489,22 +504,40 @@ def muon(
     )
     ns = dict(coefficients=tuple(ns_coefficients), steps=ns_steps, eps=eps, dtype=ns_dtype)
     orthogonalize = functools.partial(_orthogonalized, ns=ns, adjust_lr_fn=adjust_lr_fn)
+    parts = chain(
+        _scale_by_muon(spec, momentum=momentum, nesterov=nesterov, orthogonalize=orthogonalize),
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(lr),
+    )
+
+    def init(params: Any) -> MuonState:
+        return parts.init(params).inner[0]
+
+    def update(grads: Any, state: MuonState, params: Any) -> tuple[Any, MuonState]:
+        if not isinstance(state, MuonState):
+            raise TypeError(f"state: expected a MuonState (from init); got {type(state).__name__}")
+        inner = (state, EmptyState(), ScaleByLearningRateState(state.count))
+        updates, new = parts.update(grads, ChainState(inner), params)
+        return updates, new.inner[0]
+
+    return GradientTransformation(init, update)
+
+
+def _scale_by_muon(
+    spec: Any, *, momentum: float, nesterov: bool, orthogonalize: Callable
+) -> GradientTransformation:
+    """Muon's direction before the learning rate: ``ratio * O`` (see :func:`muon`)."""
 
     def init(params: Any) -> MuonState:
         return MuonState(0, optree.tree_map(torch.zeros_like, params))
 
     def update(grads: Any, state: MuonState, params: Any) -> tuple[Any, MuonState]:
-        if not isinstance(state, MuonState):
-            raise TypeError(f"state: expected a MuonState (from init); got {type(state).__name__}")
         _same_layout(grads, params, "grads")
         _same_layout(state.momentum, params, "state.momentum")
         g = optree.tree_map(lambda g, p: g.to(p.dtype), grads, params)
         buf = optree.tree_map(lambda b, g: b.lerp(g, 1 - momentum), state.momentum, g)
         direction = optree.tree_map(lambda g, b: g.lerp(b, momentum), g, buf) if nesterov else buf
-        o = per_matrix(orthogonalize, direction, spec)
-        decay = -lr * weight_decay
-        updates = optree.tree_map(lambda p, o: decay * p - lr * o, params, o)
-        return updates, MuonState(state.count + 1, buf)
+        return per_matrix(orthogonalize, direction, spec), MuonState(state.count + 1, buf)
 
     return GradientTransformation(init, update)
 

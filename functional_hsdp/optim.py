@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -50,18 +51,29 @@ from .collectives import psum
 from .errors import still_partial
 from .mesh import Mesh
 from .placement import Flat
+from .schedules import Schedule, check_lr, value_at
 from .spec import Spec, resolve_specs
 from .tags import result_state, state_of, tag
-from .tree import flatten, structure_error
+from .tree import flatten, format_path, structure_error
 
 __all__ = [
     "AdamWState",
+    "ChainState",
+    "EmptyState",
     "GradientTransformation",
     "SGDState",
+    "ScaleByAdamState",
+    "ScaleByLearningRateState",
+    "add_decayed_weights",
     "adamw",
     "apply_updates",
+    "chain",
     "clip_by_global_norm",
+    "clip_global_norm",
     "global_norm",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
     "sgd",
 ]
 
@@ -226,12 +238,7 @@ def clip_by_global_norm(tree: Any, spec: Any, max_norm: float) -> tuple[Any, tor
         >>> norm, fh.gather(clipped, spec)["w"][0]
         (tensor([5., 5.]), tensor([0.0000, 0.6000, 0.8000]))
     """
-    if (
-        isinstance(max_norm, bool)
-        or not isinstance(max_norm, (int, float))
-        or not (max_norm >= 0 and math.isfinite(max_norm))
-    ):
-        raise ValueError(f"max_norm must be a finite number >= 0; got {max_norm!r}")
+    _check_max_norm(max_norm)
     norm = global_norm(tree, spec)
     factor = torch.clamp(max_norm / (norm + _CLIP_EPS), max=1.0)
 
@@ -241,6 +248,15 @@ def clip_by_global_norm(tree: Any, spec: Any, max_norm: float) -> tuple[Any, tor
         return (x * f).to(x.dtype)
 
     return optree.tree_map(scale, tree), norm
+
+
+def _check_max_norm(max_norm: Any) -> None:
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, (int, float))
+        or not (max_norm >= 0 and math.isfinite(max_norm))
+    ):
+        raise ValueError(f"max_norm must be a finite number >= 0; got {max_norm!r}")
 
 
 # -- optimizers ----------------------------------------------------------------------------
@@ -340,8 +356,9 @@ def _moments(tree: Any, name: str, *, params: list, params_def: optree.PyTreeSpe
 
 def _check_state(state: Any, cls: type) -> None:
     if not isinstance(state, cls):
+        article = "an" if cls.__name__[0] in "AEIOU" else "a"
         raise TypeError(
-            f"state: expected an {cls.__name__} (from this optimizer's init); got "
+            f"state: expected {article} {cls.__name__} (from this optimizer's init); got "
             f"{type(state).__name__}"
         )
 
@@ -352,14 +369,17 @@ def _check_hyper(**values: float) -> None:
             raise ValueError(f"{name} must be a number >= 0; got {value!r}")
 
 
-def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> GradientTransformation:
+def sgd(
+    lr: float | Schedule, momentum: float = 0.0, weight_decay: float = 0.0
+) -> GradientTransformation:
     """Stochastic gradient descent with ``torch.optim.SGD``'s math, on local shards.
 
     ``d = g + weight_decay * p``; with momentum ``buf = momentum * buf + d`` (``buf = d`` on
     the first step) and ``d = buf``; the update is ``-lr * d``.
 
     Args:
-        lr: learning rate.
+        lr: learning rate: a number, or a schedule ``step -> lr`` (:mod:`~functional_hsdp.
+            schedules`; step counted from 0, kept in the state's ``count``).
         momentum: momentum factor (0: none, no per-parameter state).
         weight_decay: L2 penalty added to the gradient (coupled, as torch.optim.SGD).
 
@@ -375,7 +395,8 @@ def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> Gradient
         >>> fh.apply_updates(params, updates)["w"], state.count
         (tensor([0.9000, 0.9000]), 1)
     """
-    _check_hyper(lr=lr, momentum=momentum, weight_decay=weight_decay)
+    check_lr(lr)
+    _check_hyper(momentum=momentum, weight_decay=weight_decay)
 
     def init(params: Any) -> SGDState:
         leaves, treedef, _ = _flat(params, "params")
@@ -399,14 +420,382 @@ def sgd(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> Gradient
             # zero buffers make the first step buf = d, as torch's clone
             d = [momentum * b + di for b, di in zip(buf, d)]
             new_momentum = optree.tree_unflatten(treedef, d)
-        updates = optree.tree_unflatten(treedef, [-lr * di for di in d])
+        step_lr = value_at(lr, state.count)
+        updates = optree.tree_unflatten(treedef, [-step_lr * di for di in d])
         return updates, SGDState(state.count + 1, new_momentum)
 
     return GradientTransformation(init, update)
 
 
+# -- combinators: optax's building blocks ---------------------------------------------------
+
+
+class EmptyState(NamedTuple):
+    """The state of a transformation that keeps none (:func:`scale`,
+    :func:`add_decayed_weights`, :func:`clip_global_norm`)."""
+
+
+class ChainState(NamedTuple):
+    """State of :func:`chain`.
+
+    Attributes:
+        inner: a tuple of the chained transformations' states, in their order.
+    """
+
+    inner: tuple
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam`.
+
+    Attributes:
+        count: number of updates so far (a host int, the same on every rank).
+        mu: tree like the params (local shards): first moments (torch's ``exp_avg``).
+        nu: tree like the params (local shards): second moments (torch's ``exp_avg_sq``).
+    """
+
+    count: int
+    mu: Any
+    nu: Any
+
+
+class ScaleByLearningRateState(NamedTuple):
+    """State of :func:`scale_by_learning_rate`.
+
+    Attributes:
+        count: number of updates so far (a host int): the step a schedule is evaluated at.
+    """
+
+    count: int
+
+
+def _is_transformation(tx: Any) -> bool:
+    return callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Transformations applied one after another (optax's ``chain``).
+
+    ``update`` passes the updates through each transformation in turn, each with its own
+    state and the same ``params``. Any ``(init, update)`` pair on local shards chains: the
+    library's and your own (``update(updates, state, params) -> (updates, state)``; an
+    elementwise function of local shards needs no communication).
+
+    Args:
+        *transforms: :class:`GradientTransformation` s (or any objects with ``init`` and
+            ``update``).
+
+    Returns:
+        A :class:`GradientTransformation`; its state is a :class:`ChainState` of theirs.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> params = {"w": torch.ones(2)}
+        >>> opt = fh.chain(fh.scale(0.5), fh.scale_by_learning_rate(0.1))
+        >>> updates, state = opt.update({"w": torch.tensor([2.0, -4.0])}, opt.init(params), params)
+        >>> updates["w"]
+        tensor([-0.1000,  0.2000])
+        >>> state.inner
+        (EmptyState(), ScaleByLearningRateState(count=1))
+    """
+    for i, tx in enumerate(transforms):
+        if not _is_transformation(tx):
+            raise TypeError(
+                f"chain: transforms[{i}] is not a GradientTransformation (an object with init "
+                f"and update); got {type(tx).__name__}"
+            )
+
+    def init(params: Any) -> ChainState:
+        return ChainState(tuple(tx.init(params) for tx in transforms))
+
+    def update(updates: Any, state: ChainState, params: Any = None) -> tuple[Any, ChainState]:
+        if not isinstance(state, ChainState) or len(state.inner) != len(transforms):
+            got = len(state.inner) if isinstance(state, ChainState) else type(state).__name__
+            raise TypeError(
+                f"state: expected the ChainState of this chain's init ({len(transforms)} "
+                f"states); got {got}"
+            )
+        new = []
+        for i, (tx, s) in enumerate(zip(transforms, state.inner)):
+            try:
+                updates, s = tx.update(updates, s, params)
+            except Exception as e:
+                e.add_note(f"(in chain's transforms[{i}])")
+                raise
+            new.append(s)
+        return updates, ChainState(tuple(new))
+
+    return GradientTransformation(init, update)
+
+
+def _empty_init(params: Any) -> EmptyState:
+    return EmptyState()
+
+
+def _check_empty(state: Any) -> None:
+    if not isinstance(state, EmptyState):
+        raise TypeError(f"state: expected an EmptyState (from init); got {type(state).__name__}")
+
+
+def scale(step_size: float) -> GradientTransformation:
+    """Multiply the updates by a constant (optax's ``scale``).
+
+    Args:
+        step_size: the factor (any finite number; negative flips the sign).
+
+    Returns:
+        A :class:`GradientTransformation`; its state is an :class:`EmptyState`.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> opt = fh.scale(-2.0)
+        >>> opt.update({"w": torch.ones(2)}, opt.init(None))[0]
+        {'w': tensor([-2., -2.])}
+    """
+    if (
+        isinstance(step_size, bool)
+        or not isinstance(step_size, (int, float))
+        or not math.isfinite(step_size)
+    ):
+        raise ValueError(f"scale: step_size must be a finite number; got {step_size!r}")
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        _check_empty(state)
+        leaves, treedef, _ = _flat(updates, "updates")
+        return optree.tree_unflatten(treedef, [step_size * u for u in leaves]), state
+
+    return GradientTransformation(_empty_init, update)
+
+
+def _adam_reference(grads: Any, params: Any) -> tuple[list, optree.PyTreeSpec, list]:
+    """``(params or grads leaves, treedef, grads cast to their dtype)``."""
+    if params is None:
+        g, treedef, _ = _flat(grads, "grads")
+        _grads(grads, g, treedef)  # refuses an accumulating gradient
+        return g, treedef, g
+    p, treedef, _ = _flat(params, "params")
+    return p, treedef, _grads(grads, p, treedef)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam's bias-corrected moment ratio (optax's ``scale_by_adam``), on local shards.
+
+    With ``t`` the step count after this update: ``m = b1 m + (1 - b1) g``,
+    ``v = b2 v + (1 - b2) g²``, and the update is
+    ``(m / (1 - b1**t)) / (sqrt(v) / sqrt(1 - b2**t) + eps)`` (eps added as
+    ``torch.optim.Adam`` adds it). Elementwise: no communication. Chain it with
+    :func:`scale_by_learning_rate` (and :func:`add_decayed_weights` between: AdamW).
+
+    Args:
+        b1: decay rate of the first moment (torch's ``betas[0]``), in [0, 1).
+        b2: decay rate of the second moment (torch's ``betas[1]``), in [0, 1).
+        eps: added to the bias-corrected ``sqrt(v)``.
+
+    Returns:
+        A :class:`GradientTransformation`; its state is a :class:`ScaleByAdamState`. Its
+        updates take the params' dtype (when ``params`` are passed).
+
+    References:
+        Kingma & Ba, *Adam: A Method for Stochastic Optimization*, ICLR 2015.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> params = {"w": torch.ones(2)}
+        >>> opt = fh.scale_by_adam()
+        >>> updates, state = opt.update({"w": torch.tensor([1.0, -3.0])}, opt.init(params), params)
+        >>> updates["w"].round(decimals=6), state.count    # m / sqrt(v) = sign(g) at first
+        (tensor([ 1., -1.]), 1)
+    """
+    _check_hyper(eps=eps)
+    for name, b in (("b1", b1), ("b2", b2)):
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1:
+            raise ValueError(f"{name} must be in [0, 1); got {b!r}")
+
+    def init(params: Any) -> ScaleByAdamState:
+        leaves, treedef, _ = _flat(params, "params")
+        zeros = lambda: optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves])
+        return ScaleByAdamState(0, zeros(), zeros())
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, ScaleByAdamState]:
+        _check_state(state, ScaleByAdamState)
+        p, treedef, g = _adam_reference(grads, params)
+        mu = _moments(state.mu, "state.mu", params=p, params_def=treedef)
+        nu = _moments(state.nu, "state.nu", params=p, params_def=treedef)
+        count = state.count + 1
+        # host scalars, as torch's single-tensor Adam computes them
+        bias_correction1 = 1 - b1**count
+        bias_correction2_sqrt = (1 - b2**count) ** 0.5
+        new_mu = [m.lerp(gi, 1 - b1) for m, gi in zip(mu, g)]
+        new_nu = [torch.addcmul(v * b2, gi, gi, value=1 - b2) for v, gi in zip(nu, g)]
+        updates = [
+            (m / bias_correction1) / (v.sqrt() / bias_correction2_sqrt + eps)
+            for m, v in zip(new_mu, new_nu)
+        ]
+        unflat = functools.partial(optree.tree_unflatten, treedef)
+        return unflat(updates), ScaleByAdamState(count, unflat(new_mu), unflat(new_nu))
+
+    return GradientTransformation(init, update)
+
+
+def _mask_of(mask: Any, params: Any) -> list[bool]:
+    """Every params leaf's mask value, checked (errors name the path)."""
+    leaves, treedef = optree.tree_flatten(params)
+    paths = treedef.paths()
+    if mask is None:
+        return [True] * len(leaves)
+    if callable(mask):
+        out, where = [mask(path, leaf) for path, leaf in zip(paths, leaves)], "mask(path, leaf)"
+    else:
+        errors = optree.prefix_errors(mask, params)
+        if errors:
+            raise ValueError(
+                "add_decayed_weights: mask is not a tree of bools with the params' structure "
+                f"(or a prefix of it): {errors[0]('mask')}"
+            )
+        out = optree.tree_leaves(optree.tree_broadcast_prefix(mask, params))
+        where = "mask"
+    for path, value in zip(paths, out):
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"{where} for params{format_path(path)}: expected a bool (True: decay this "
+                f"leaf); got {type(value).__name__} {value!r}"
+            )
+    return out
+
+
+def add_decayed_weights(weight_decay: float, mask: Any = None) -> GradientTransformation:
+    """Add ``weight_decay * params`` to the updates (optax's ``add_decayed_weights``).
+
+    Before :func:`scale_by_learning_rate` this is decoupled weight decay (AdamW's:
+    ``p -= lr * weight_decay * p``). Elementwise: no communication.
+
+    Args:
+        weight_decay: the factor (a number >= 0).
+        mask: which leaves to decay: None (all); a tree of bools with the params'
+            structure, or a pytree prefix of it (``{"w": True, "b": False}``); or a callable
+            ``(path, leaf) -> bool`` as :func:`~functional_hsdp.partition`'s labels
+            (``path`` the tuple of keys to the leaf, ``leaf`` its local shard: decide by
+            path, since a Flat shard is 1-D).
+
+    Returns:
+        A :class:`GradientTransformation`; its state is an :class:`EmptyState`. Its
+        ``update`` needs ``params``.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> params = {"w": torch.ones(2), "b": torch.ones(1)}
+        >>> opt = fh.add_decayed_weights(0.1, mask=lambda path, leaf: path[-1] != "b")
+        >>> grads = {"w": torch.zeros(2), "b": torch.zeros(1)}
+        >>> opt.update(grads, opt.init(params), params)[0]
+        {'w': tensor([0.1000, 0.1000]), 'b': tensor([0.])}
+    """
+    _check_hyper(weight_decay=weight_decay)
+    if not (mask is None or callable(mask)):
+        optree.tree_leaves(mask)  # a tree; checked against the params at each call
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        _check_empty(state)
+        if params is None:
+            raise ValueError("add_decayed_weights: update needs params (the weights to decay)")
+        p, treedef, _ = _flat(params, "params")
+        hint = "pass the updates of these params"
+        u, _ = _like(updates, "updates", params=p, params_def=treedef, hint=hint)
+        decay = _mask_of(mask, params)
+        out = [
+            torch.add(ui, pi, alpha=weight_decay) if d and weight_decay else ui
+            for ui, pi, d in zip(u, p, decay)
+        ]
+        return optree.tree_unflatten(treedef, out), state
+
+    return GradientTransformation(_empty_init, update)
+
+
+def scale_by_learning_rate(
+    learning_rate: float | Schedule, *, flip_sign: bool = True
+) -> GradientTransformation:
+    """Multiply the updates by ``-learning_rate`` (optax's ``scale_by_learning_rate``).
+
+    Args:
+        learning_rate: a number >= 0, or a schedule ``step -> lr``
+            (:mod:`~functional_hsdp.schedules`), evaluated at the state's ``count``: 0 on the
+            first update, as optax's and as ``torch.optim.lr_scheduler.LambdaLR``'s
+            ``lr_lambda(0)`` for the first ``optimizer.step()``.
+        flip_sign: multiply by ``-lr`` (descent; default) or by ``lr``.
+
+    Returns:
+        A :class:`GradientTransformation`; its state is a :class:`ScaleByLearningRateState`
+        (the step count, so a checkpoint resumes the schedule).
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> opt = fh.scale_by_learning_rate(fh.schedules.linear(1.0, 0.0, transition_steps=2))
+        >>> state, g = opt.init(None), {"w": torch.ones(1)}
+        >>> for _ in range(3):
+        ...     updates, state = opt.update(g, state)
+        ...     print(updates["w"])
+        tensor([-1.])
+        tensor([-0.5000])
+        tensor([-0.])
+    """
+    check_lr(learning_rate, "learning_rate")
+
+    def init(params: Any) -> ScaleByLearningRateState:
+        return ScaleByLearningRateState(0)
+
+    def update(
+        updates: Any, state: Any, params: Any = None
+    ) -> tuple[Any, ScaleByLearningRateState]:
+        _check_state(state, ScaleByLearningRateState)
+        lr = value_at(learning_rate, state.count, "learning_rate")
+        factor = -lr if flip_sign else lr
+        leaves, treedef, _ = _flat(updates, "updates")
+        out = optree.tree_unflatten(treedef, [factor * u for u in leaves])
+        return out, ScaleByLearningRateState(state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+def clip_global_norm(spec: Any, max_norm: float) -> GradientTransformation:
+    """Clip the updates to a global norm of at most ``max_norm``: the transformation form of
+    :func:`clip_by_global_norm` (optax's ``clip_by_global_norm``).
+
+    The norm is the whole sharded tree's (:func:`global_norm`: one small all-reduce per
+    sharded axis), so every rank scales by the same factor
+    ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` on the
+    dense gradient. Put it first in a :func:`chain` to clip the gradient.
+
+    Args:
+        spec: the :class:`Spec` (or spec tree) of the updates' optimizer placement.
+        max_norm: the largest norm allowed (a number >= 0).
+
+    Returns:
+        A :class:`GradientTransformation`; its state is an :class:`EmptyState`.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp": 2})
+        >>> spec = fh.fsdp(mesh)
+        >>> params = fh.shard({"w": torch.zeros(3)}, spec)
+        >>> opt = fh.chain(fh.clip_global_norm(spec, 1.0), fh.scale_by_learning_rate(1.0))
+        >>> g = fh.shard({"w": torch.tensor([0.0, 3.0, 4.0])}, spec)
+        >>> updates, _ = opt.update(g, opt.init(params), params)
+        >>> fh.gather(updates, spec)["w"][0]
+        tensor([-0.0000, -0.6000, -0.8000])
+    """
+    _check_max_norm(max_norm)
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        _check_empty(state)
+        return clip_by_global_norm(updates, spec, max_norm)[0], state
+
+    return GradientTransformation(_empty_init, update)
+
+
+# -- AdamW: the chain of its parts ------------------------------------------------------------
+
+
 def adamw(
-    lr: float,
+    lr: float | Schedule,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -414,12 +803,15 @@ def adamw(
 ) -> GradientTransformation:
     """Adam with decoupled weight decay, with ``torch.optim.AdamW``'s math, on local shards.
 
-    With ``t`` the step count after this update: ``m = b1 m + (1 - b1) g``,
-    ``v = b2 v + (1 - b2) g²``, and the update is
-    ``-lr * weight_decay * p - lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)``.
+    ``chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay),
+    scale_by_learning_rate(lr))``, with the chain's state kept as one :class:`AdamWState`
+    (its parts' step counts are the same count): with ``t`` the step count after this
+    update, ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g²``, and the update is
+    ``-lr * ((m / (1 - b1**t)) / (sqrt(v) / sqrt(1 - b2**t) + eps) + weight_decay * p)``.
 
     Args:
-        lr: learning rate.
+        lr: learning rate: a number, or a schedule ``step -> lr`` (:mod:`~functional_hsdp.
+            schedules`; step counted from 0, as torch's ``LambdaLR``).
         b1: decay rate of the first moment (torch's ``betas[0]``).
         b2: decay rate of the second moment (torch's ``betas[1]``).
         eps: added to the bias-corrected ``sqrt(v)``, elementwise (no communication).
@@ -439,39 +831,19 @@ def adamw(
         >>> updates["w"]
         tensor([-0.1000,  0.1000])
     """
-    _check_hyper(lr=lr, eps=eps, weight_decay=weight_decay)
-    for name, b in (("b1", b1), ("b2", b2)):
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1:
-            raise ValueError(f"{name} must be in [0, 1); got {b!r}")
+    check_lr(lr)
+    parts = chain(
+        scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay), scale_by_learning_rate(lr)
+    )
 
     def init(params: Any) -> AdamWState:
-        leaves, treedef, _ = _flat(params, "params")
-        zeros = lambda: optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves])
-        return AdamWState(0, zeros(), zeros())
+        return AdamWState(*parts.init(params).inner[0])
 
     def update(grads: Any, state: AdamWState, params: Any) -> tuple[Any, AdamWState]:
         _check_state(state, AdamWState)
-        p, treedef, _ = _flat(params, "params")
-        g = _grads(grads, p, treedef)
-        mu = _moments(state.mu, "state.mu", params=p, params_def=treedef)
-        nu = _moments(state.nu, "state.nu", params=p, params_def=treedef)
-        count = state.count + 1
-        # Host scalars, as torch's single-tensor AdamW computes them.
-        step_size = lr / (1 - b1**count)
-        bias_correction2_sqrt = (1 - b2**count) ** 0.5
-        new_mu = [m.lerp(gi, 1 - b1) for m, gi in zip(mu, g)]
-        new_nu = [torch.addcmul(v * b2, gi, gi, value=1 - b2) for v, gi in zip(nu, g)]
-        updates = [
-            torch.addcdiv(
-                -lr * weight_decay * pi, m, v.sqrt() / bias_correction2_sqrt + eps, value=-step_size
-            )
-            for pi, m, v in zip(p, new_mu, new_nu)
-        ]
-        return optree.tree_unflatten(treedef, updates), AdamWState(
-            count,
-            optree.tree_unflatten(treedef, new_mu),
-            optree.tree_unflatten(treedef, new_nu),
-        )
+        inner = (ScaleByAdamState(*state), EmptyState(), ScaleByLearningRateState(state.count))
+        updates, new = parts.update(grads, ChainState(inner), params)
+        return updates, AdamWState(*new.inner[0])
 
     return GradientTransformation(init, update)
 

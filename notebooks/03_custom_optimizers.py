@@ -23,12 +23,16 @@
 # 2. an **optax-style** optimizer (`fh.adamw`: a pair of pure functions `init`, `update`);
 # 3. **`torch.optim`** stepping the local shards directly;
 # 4. what happens when a gradient that is still **Partial** (an accumulation that was never
-#    finished with `last=True`) reaches the optimizer.
+#    finished with `last=True`) reaches the optimizer;
+# 5. optax's **combinators**: `fh.adamw` as the chain of its parts, and a transformation of
+#    your own chained with the library's and a learning-rate **schedule**.
 #
 # Every result is checked against a dense single-process run (`torch.optim.AdamW` and
 # `torch.nn.utils.clip_grad_norm_` on the full model).
 
 # %%
+from typing import Any, NamedTuple
+
 import matplotlib.pyplot as plt
 import optree
 import torch
@@ -333,6 +337,123 @@ grads, _ = sharded_grads(params, hsdp, step=0)
 fixed = optree.tree_map(lambda p, g: p - LR * g, params, grads)
 w = next(iter(fixed.values()))
 assert torch.equal(w[0], w[1])
+
+# %% [markdown]
+# ## 5 · Your own transformation, chained with the library's and a schedule
+#
+# `fh.adamw` is itself a chain of optax's building blocks, and it equals that chain bit for bit:
+# `fh.scale_by_adam` (the bias-corrected moment ratio), `fh.add_decayed_weights` (decoupled
+# weight decay) and `fh.scale_by_learning_rate` (times `-lr`).
+
+# %%
+params = fh.shard(init, hfsdp)
+grads, _ = sharded_grads(params, hfsdp, step=0)
+whole = fh.adamw(lr=LR, weight_decay=0.01)
+parts = fh.chain(fh.scale_by_adam(), fh.add_decayed_weights(0.01), fh.scale_by_learning_rate(LR))
+u_whole, _ = whole.update(grads, whole.init(params), params)
+u_parts, chain_state = parts.update(grads, parts.init(params), params)
+assert all(torch.equal(u_whole[k], u_parts[k]) for k in u_whole)  # bit for bit
+print([type(s).__name__ for s in chain_state.inner])
+
+# %% [markdown]
+# A transformation of your own is the same kind of object: a pair of pure functions
+# `init(params) -> state` and `update(updates, state, params) -> (updates, state)` on **local
+# shards**, with its state a `NamedTuple` (a pytree, saved field by field by `fh.state_dict`).
+# Elementwise arithmetic needs no communication, so it works at any placement. Here: heavy-ball
+# momentum, `trace = beta * trace + g`.
+#
+# It goes in a chain between the library's pieces: the global-norm clip first (the one step
+# that communicates, `fh.clip_global_norm`), then the momentum, decoupled weight decay, and a
+# learning rate that follows a **schedule** (`fh.schedules`: optax's, a function of the step
+# count kept in the state, so a checkpoint resumes it). The dense reference is
+# `torch.optim.SGD(momentum=beta)` with `torch.optim.lr_scheduler.LambdaLR` (the same schedule)
+# and `clip_grad_norm_`, the weight decay applied as AdamW decouples it.
+
+
+# %%
+class MomentumState(NamedTuple):
+    count: int
+    trace: Any  # a tree like the params: local shards
+
+
+def scale_by_momentum(beta: float) -> fh.GradientTransformation:
+    def init(params):
+        return MomentumState(0, optree.tree_map(torch.zeros_like, params))
+
+    def update(updates, state, params=None):
+        trace = optree.tree_map(lambda t, g: beta * t + g, state.trace, updates)
+        return trace, MomentumState(state.count + 1, trace)
+
+    return fh.GradientTransformation(init, update)
+
+
+BETA, WD = 0.9, 0.01
+schedule = fh.schedules.warmup_cosine_decay(
+    init_value=0.0, peak_value=0.05, warmup_steps=3, decay_steps=STEPS, end_value=0.005
+)
+
+
+def train_chain(spec):
+    opt = fh.chain(
+        fh.clip_global_norm(spec, MAX_NORM),
+        scale_by_momentum(BETA),
+        fh.add_decayed_weights(WD, mask=lambda path, leaf: path[0].endswith("weight")),
+        fh.scale_by_learning_rate(schedule),
+    )
+    params = fh.shard(init, spec)
+    state = opt.init(params)
+    losses = []
+    for step in range(STEPS):
+        grads, loss = sharded_grads(params, spec, step)
+        updates, state = opt.update(grads, state, params)
+        params = fh.apply_updates(params, updates)
+        losses.append(loss)
+    return params, losses, state
+
+
+def train_dense_sgd():
+    weights = {k: v.clone().requires_grad_() for k, v in init.items()}
+    opt = torch.optim.SGD(weights.values(), lr=1.0, momentum=BETA)
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step))
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = dense_loss(weights, step)
+        loss.backward()
+        nn.utils.clip_grad_norm_(weights.values(), MAX_NORM)
+        with torch.no_grad():  # decoupled decay, weights only: p -= lr * wd * p
+            for k, w in weights.items():
+                if k.endswith("weight"):
+                    w.mul_(1 - lr_schedule.get_last_lr()[0] * WD)
+        opt.step()
+        lr_schedule.step()
+        losses.append(loss.item())
+    return {k: v.detach() for k, v in weights.items()}, losses
+
+
+sgd_params, sgd_losses = train_dense_sgd()
+for spec in (hsdp, hfsdp):
+    params, losses, state = train_chain(spec)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(sgd_losses), rtol=1e-5, atol=0)
+    optree.tree_map(
+        lambda a, b: torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6),
+        rank0(fh.gather(params, spec)),
+        sgd_params,
+    )
+print("own momentum in a chain == torch.optim.SGD(momentum) + LambdaLR + clip_grad_norm_")
+print("chain state:", [type(s).__name__ for s in state.inner], "counts", state.inner[1].count,
+      state.inner[3].count)  # fmt: skip
+
+# %%
+fig, (ax_lr, ax) = plt.subplots(1, 2, figsize=(11, 3.2))
+ax_lr.plot([schedule(t) for t in range(STEPS)], "o-", ms=3)
+ax_lr.set(xlabel="step (the state's count)", ylabel="lr", title="fh.schedules.warmup_cosine_decay")
+ax.plot(sgd_losses, color="0.6", lw=6, alpha=0.6, label="dense SGD(momentum) + LambdaLR")
+ax.plot(losses, "--", label="HFSDP: chain(clip, own momentum, decay, lr schedule)")
+ax.set(xlabel="step", ylabel="loss", title="loss")
+ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
 
 # %% [markdown]
 # **Summary.** Elementwise optimizers — optax-style pure functions or `torch.optim` — run

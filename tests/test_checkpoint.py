@@ -5,6 +5,7 @@ across world sizes, 4 ranks to 2 and 2 to 4 (a second, 2-rank pool)."""
 from __future__ import annotations
 
 import itertools
+from typing import Any, NamedTuple
 
 import optree
 import pytest
@@ -169,6 +170,84 @@ def test_a_checkpoint_loads_on_another_world_size(pool, pool2, direction, tmp_pa
     for loaded in loader.run(_load_on, shapes, str(tmp_path)):
         for (shape, strategy), full in loaded.items():
             assert _equal(full, saved[0][strategy]), (shape, strategy)
+
+
+# -- a chain with a schedule and a transformation of one's own ----------------------------------
+
+
+class EmaState(NamedTuple):
+    """A user's transformation's state: a count and a tree like the params."""
+
+    count: int
+    ema: Any
+
+
+def _ema(decay: float) -> fh.GradientTransformation:
+    def init(params):
+        return EmaState(0, optree.tree_map(torch.zeros_like, params))
+
+    def update(updates, state, params=None):
+        ema = optree.tree_map(lambda e, u: decay * e + (1 - decay) * u, state.ema, updates)
+        return ema, EmaState(state.count + 1, ema)
+
+    return fh.GradientTransformation(init, update)
+
+
+def _chain(spec):
+    lr = fh.schedules.warmup_cosine_decay(0.0, 0.05, warmup_steps=2, decay_steps=5)
+    return fh.chain(
+        fh.clip_global_norm(spec, 1.0),
+        _ema(0.5),
+        fh.scale_by_adam(),
+        fh.add_decayed_weights(0.01, mask=lambda path, leaf: path[0].endswith("weight")),
+        fh.scale_by_learning_rate(lr),
+    )
+
+
+def _resume_chain(path: str):
+    """A chain's state (the schedule's step included) saved on 2x2 and loaded on 2x2 and 1x4:
+    training resumes mid-schedule as if never interrupted."""
+    spec = preset("hfsdp", _mesh((2, 2)), bucket_cap_mb=CAP)
+    opt = _chain(spec)
+    _, full0, _, _ = mlp_problem(4, M)
+    params = fh.shard(full0, spec)
+    params, state = _train(params, opt.init(params), spec, opt, BEFORE)
+    dcp.save({"params": fh.state_dict(params, spec), "optim": fh.state_dict(state, spec)},
+             checkpoint_id=path)  # fmt: skip
+    ref = fh.gather(_train(params, state, spec, opt, AFTER)[0], spec)
+    like, out = _meta(full0), {}
+    for shape in ((2, 2), (1, 4)):
+        spec2 = preset("hfsdp", _mesh(shape), bucket_cap_mb=CAP)
+        opt2 = _chain(spec2)
+        target = {
+            "params": fh.empty_state_dict(like, spec2),
+            "optim": fh.empty_state_dict(opt2.init(like), spec2),
+        }
+        dcp.load(target, checkpoint_id=path)
+        p2 = fh.load_state_dict(target["params"], spec2, like)
+        s2 = fh.load_state_dict(target["optim"], spec2, opt2.init(like))
+        counts = (s2.inner[1].count, s2.inner[2].count, s2.inner[4].count)
+        exact = shape != (2, 2) or _equal((p2, s2), (params, state))
+        kinds = [type(x).__name__ for x in s2.inner]
+        out[shape] = (counts, exact, kinds, fh.gather(_train(p2, s2, spec2, opt2, AFTER)[0], spec2))
+    return ref, out
+
+
+def test_a_chain_state_with_a_schedule_and_a_users_transform_resumes(pool, tmp_path):
+    for ref, out in pool.run(_resume_chain, str(tmp_path)):
+        for shape, (counts, exact, kinds, trained) in out.items():
+            assert counts == (BEFORE,) * 3 and exact, shape
+            assert kinds == [
+                "EmptyState",
+                "EmaState",
+                "ScaleByAdamState",
+                "EmptyState",
+                "ScaleByLearningRateState",
+            ]
+            for k in ref:
+                if shape == (2, 2):
+                    assert torch.equal(trained[k], ref[k]), k
+                torch.testing.assert_close(trained[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 # -- Shard(0) and Flat units, bf16, zero-size and 0-d leaves -------------------------------------
