@@ -119,7 +119,9 @@ class DiLoCo(NamedTuple):
 
     Attributes:
         inner: the inner loop's spec, ``fh.replicas(spec, axis)``.
-        init: ``init(params) -> DiLoCoState``.
+        init: ``init(params) -> DiLoCoState``; on meta tensors of the full shapes, the
+            ``like`` that :func:`~functional_hsdp.empty_state_dict` and
+            :func:`~functional_hsdp.load_state_dict` take.
         update: ``update(params, state) -> (params, state)``, once after every inner step.
         axis: the replica axis.
         every: H, steps between two syncs of a fragment.
@@ -236,17 +238,31 @@ def diloco(
         """params' leaves, treedef, each leaf's fragment and F (checked once per treedef)."""
         leaves, treedef, paths = flatten(params, "params")
         key = treedef
+        if key not in cache and leaves and all(getattr(x, "is_meta", False) for x in leaves):
+            # a like for loading a checkpoint: full shapes (fh.empty_state_dict's like)
+            sizes = [_bytes(x.shape, x.dtype) for x in leaves]
+            return leaves, treedef, *_fragments(fragments, params, treedef, paths, sizes)
         if key not in cache:
-            plan, _ = find_layout(
-                leaves,
-                treedef,
-                paths,
-                spec=inner,
-                like=None,
-                roles=("optimizer",),
-                kinds=("weights", "final"),
-                name="params",
-            )
+            made = result_state(leaves)
+            if made is not None and made.role in ("optimizer", "parameter"):
+                plan = made.plan  # the shards' own layout (a unit tree's, for shard_module's)
+            else:
+                plan, _ = find_layout(
+                    leaves,
+                    treedef,
+                    paths,
+                    spec=inner,
+                    like=None,
+                    roles=("optimizer",),
+                    kinds=("weights", "final"),
+                    name="params",
+                )
+            wrong = [s for s in plan.specs if axis not in s.replica_axes]
+            if wrong:
+                raise ValueError(
+                    f"diloco: params were sharded with {wrong[0]!r}, which reduces over "
+                    f"{axis!r}; shard them with the inner spec (dl.inner: replicas on {axis!r})"
+                )
             sizes = [_bytes(s, d) for s, d in zip(plan.shapes, plan.dtypes)]
             cache.clear()
             cache[key] = _fragments(fragments, params, treedef, paths, sizes)
@@ -262,7 +278,9 @@ def diloco(
         }
         pending = None
         if delay:
-            pending = optree.tree_unflatten(treedef, [torch.zeros_like(x) for x in leaves])
+            zeros = [torch.zeros_like(x) for x in leaves]
+            _tag_like(zeros, leaves)
+            pending = optree.tree_unflatten(treedef, zeros)
         return DiLoCoState(
             optree.tree_unflatten(treedef, anchor),
             PartitionState(outer_states),
@@ -315,13 +333,15 @@ def diloco(
             touched = True
             if delay:
                 for i, d in zip(idx, delta):
-                    pending[i] = d
+                    pending[i] = d.clone()  # its own memory, not a view of a bucket buffer
                 due[p] = t + delay
             else:
                 merge(p, delta)
-        if touched:
+        if touched:  # the new trees are at the params' placement: tagged so
             _tag_like(new, leaves)
             _tag_like(anchor, leaves)
+            if pending is not None:
+                _tag_like(pending, leaves)
             params = optree.tree_unflatten(treedef, new)
         state = DiLoCoState(
             optree.tree_unflatten(treedef, anchor),

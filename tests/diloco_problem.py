@@ -92,30 +92,46 @@ def reference(
     return reps
 
 
-def train(mesh, full, x, y, *, spec=None, steps: int, log=None, **options) -> tuple:
+def train(mesh, full, x, y, *, spec=None, steps: int, inner=None, **options) -> tuple:
     """The whole-tree loop through fh (any mesh): x, y this process's ranks' batches per step
-    (on a SimMesh with the mesh dims in front). Returns the gathered params (per rank) and,
-    per step, the comm_log events of ``dl.update``. ``options``: diloco's; without
-    ``every``, plain HSDP with the same inner SGD."""
+    (on a SimMesh with the mesh dims in front). Returns the gathered params (per rank), per
+    step the comm_log events of ``dl.update``, and the DiLoCo state. ``options``: diloco's;
+    without them, plain HSDP with the same inner optimizer (``inner``, default SGD)."""
     spec = spec or fh.hsdp(mesh, "dp_outer", "dp_inner")
-    dl = fh.diloco(spec, axis="dp_outer", outer=fh.sgd(**OUTER), **options) if options else None
+    dl = make(spec, **options) if options else None
     inner_spec = dl.inner if dl else spec
     params = fh.shard(full, inner_spec)
-    state = dl.init(params) if dl else None
-    opt = fh.sgd(INNER_LR)
-    opt_state = opt.init(params)
-    events = []
-    grad = fh.per_rank(torch.func.grad(loss), mesh)
-    for t in range(steps):
-        g = grad(fh.gather(params, inner_spec), x[t], y[t])
-        acc = fh.reduce_grads(g, inner_spec, last=True)
-        updates, opt_state = opt.update(acc, opt_state, params)
-        params = fh.apply_updates(params, updates)
-        if dl:
-            with fh.comm_log() as log:
-                params, state = dl.update(params, state)
-            events.append([(e.op, e.axis, e.numel) for e in log.events])
-    return fh.gather(params, inner_spec), events, state
+    opt = inner or fh.sgd(INNER_LR)
+    loop = Loop(
+        mesh, inner_spec, dl, opt, params, opt.init(params), dl.init(params) if dl else None
+    )
+    events = [loop.step(x[t], y[t]) for t in range(steps)]
+    return fh.gather(loop.params, inner_spec), events, loop.state
+
+
+def make(spec, **options):
+    return fh.diloco(spec, axis="dp_outer", outer=fh.sgd(**OUTER), **options)
+
+
+class Loop:
+    """One replica group's whole-tree training loop (gather, grad, reduce_grads, inner
+    optimizer, ``dl.update``), its trees held between steps (for checkpoints)."""
+
+    def __init__(self, mesh, spec, dl, opt, params, opt_state, state):
+        self.spec, self.dl, self.opt = spec, dl, opt
+        self.params, self.opt_state, self.state = params, opt_state, state
+        self.grad = fh.per_rank(torch.func.grad(loss), mesh)
+
+    def step(self, x, y) -> list:
+        g = self.grad(fh.gather(self.params, self.spec), x, y)
+        acc = fh.reduce_grads(g, self.spec, last=True)
+        updates, self.opt_state = self.opt.update(acc, self.opt_state, self.params)
+        self.params = fh.apply_updates(self.params, updates)
+        if self.dl is None:
+            return []
+        with fh.comm_log() as log:
+            self.params, self.state = self.dl.update(self.params, self.state)
+        return [(e.op, e.axis, e.numel) for e in log.events]
 
 
 def max_error(got: dict, want: dict) -> float:
