@@ -204,7 +204,14 @@ class Form:
             Shard(0) if a in axes else Shard(p.dim + 1) if isinstance(p, Shard) else p
             for a, p in zip(mesh.axis_names, self.placements)
         )
-        return Form(self.kind, placed, (1, *self.shape), self.chunks, self.mine, (lead, *shape))
+        return Form(
+            kind=self.kind,
+            placements=placed,
+            shape=(1, *self.shape),
+            chunks=self.chunks,
+            mine=self.mine,
+            full=(lead, *shape),
+        )
 
 
 def even_chunks(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -679,11 +686,11 @@ def _load_diloco(state: dict, spec: Any, like: DiLoCoState) -> DiLoCoState:
     if like.pending is not None:
         pending = _load_tree(state["pending"], spec, like.pending, name="state['pending']")
     return DiLoCoState(
-        _load_tree(state["anchor"], spec, like.anchor, name="state['anchor']"),
-        load_state_dict(state["outer"], spec, like.outer),
-        int(state["count"]),
-        tuple(int(x) for x in state["due"]),
-        pending,
+        anchor=_load_tree(state["anchor"], spec, like.anchor, name="state['anchor']"),
+        outer=load_state_dict(state["outer"], spec, like.outer),
+        count=int(state["count"]),
+        due=tuple(int(x) for x in state["due"]),
+        pending=pending,
     )
 
 

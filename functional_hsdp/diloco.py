@@ -209,6 +209,20 @@ def diloco(
                 [-5.3200, -5.3200, -5.3200, -5.3200]])
     """
     mesh = _mesh(spec)
+    _check_options(mesh, axis=axis, every=every, outer=outer, delay=delay, mix=mix)
+    if compress is not None:
+        raise NotImplementedError(
+            "diloco: compress= is not supported yet (the compressed outer reduction is "
+            "another issue's); pass compress=None"
+        )
+    if isinstance(fragments, int) and not isinstance(fragments, bool):
+        _check_int("fragments", fragments, 1)
+    options = dict(axis=axis, every=every, fragments=fragments, delay=delay, mix=float(mix))
+    run = _Outer(replicas(spec, axis), mesh, outer=outer, compress=compress, **options)
+    return DiLoCo(inner=run.inner, init=run.init, update=run.update, **options)
+
+
+def _check_options(mesh: Mesh, *, axis: Any, every: Any, outer: Any, delay: Any, mix: Any):
     if not isinstance(axis, str) or axis not in mesh.axis_names:
         raise ValueError(
             f"diloco: axis {axis!r} is not in the mesh; its axes are {mesh.axis_names}"
@@ -224,135 +238,151 @@ def diloco(
         raise ValueError(f"diloco: mix must be in (0, 1]; got {mix!r}")
     if not (callable(getattr(outer, "init", None)) and callable(getattr(outer, "update", None))):
         raise TypeError(f"diloco: outer must be a GradientTransformation; got {outer!r}")
-    if compress is not None:
-        raise NotImplementedError(
-            "diloco: compress= is not supported yet (the compressed outer reduction is "
-            "another issue's); pass compress=None"
-        )
-    if isinstance(fragments, int) and not isinstance(fragments, bool):
-        _check_int("fragments", fragments, 1)
-    inner = replicas(spec, axis)
-    cache: dict = {}
 
-    def layout(params: Any) -> tuple[list, optree.PyTreeSpec, list[int], int]:
-        """params' leaves, treedef, each leaf's fragment and F (checked once per treedef)."""
-        leaves, treedef, paths = flatten(params, "params")
-        key = treedef
-        if key not in cache and leaves and all(getattr(x, "is_meta", False) for x in leaves):
-            # a like for loading a checkpoint: full shapes (fh.empty_state_dict's like)
-            sizes = [_bytes(x.shape, x.dtype) for x in leaves]
-            return leaves, treedef, *_fragments(fragments, params, treedef, paths, sizes)
-        if key not in cache:
-            made = result_state(leaves)
-            if made is not None and made.role in ("optimizer", "parameter"):
-                plan = made.plan  # the shards' own layout (a unit tree's, for shard_module's)
-            else:
-                plan, _ = find_layout(
-                    leaves,
-                    treedef,
-                    paths,
-                    spec=inner,
-                    like=None,
-                    roles=("optimizer",),
-                    kinds=("weights", "final"),
-                    name="params",
-                )
-            wrong = [s for s in plan.specs if axis not in s.replica_axes]
-            if wrong:
-                raise ValueError(
-                    f"diloco: params were sharded with {wrong[0]!r}, which reduces over "
-                    f"{axis!r}; shard them with the inner spec (dl.inner: replicas on {axis!r})"
-                )
-            sizes = [_bytes(s, d) for s, d in zip(plan.shapes, plan.dtypes)]
-            cache.clear()
-            cache[key] = _fragments(fragments, params, treedef, paths, sizes)
-        of, n = cache[key]
-        return leaves, treedef, of, n
 
-    def init(params: Any) -> DiLoCoState:
-        leaves, treedef, of, n = layout(params)
-        anchor = [x.detach().clone() for x in leaves]
-        _tag_like(anchor, leaves)
-        outer_states = {
-            str(p): outer.init(_masked(treedef, anchor, of, p, leaves)) for p in range(n)
-        }
-        pending = None
-        if delay:
-            zeros = [torch.zeros_like(x) for x in leaves]
-            _tag_like(zeros, leaves)
-            pending = optree.tree_unflatten(treedef, zeros)
-        return DiLoCoState(
-            optree.tree_unflatten(treedef, anchor),
-            PartitionState(outer_states),
-            0,
-            (0,) * n,
-            pending,
-        )
+class _Step:
+    """One call of ``update``: the trees' leaves, changed in place of the lists."""
 
-    def update(params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
-        leaves, treedef, of, n = layout(params)
-        _check_state(state, treedef, leaves, n, delay)
-        t = state.count + 1
-        anchor = optree.tree_leaves(state.anchor)
-        pending = None if state.pending is None else optree.tree_leaves(state.pending)
-        new, anchor, pending = (
-            list(leaves),
-            list(anchor),
-            None if pending is None else list(pending),
-        )
-        outer_states, due = dict(state.outer.inner), list(state.due)
-        touched = False
+    def __init__(self, params: list, state: DiLoCoState, treedef: Any):
+        self.like, self.treedef = params, treedef
+        self.new, self.anchor = list(params), list(optree.tree_leaves(state.anchor))
+        self.pending = None if state.pending is None else list(optree.tree_leaves(state.pending))
+        self.outer, self.due = dict(state.outer.inner), list(state.due)
+        self.touched = False
 
-        def merge(p: int, delta: list[torch.Tensor]) -> None:
-            idx = [i for i, f in enumerate(of) if f == p]
-            full = list(anchor)
-            for i, d in zip(idx, delta):
-                full[i] = d
-            g = _masked(treedef, full, of, p, leaves)
-            a = _masked(treedef, anchor, of, p, leaves)
-            updates, outer_states[str(p)] = outer.update(g, outer_states[str(p)], a)
-            stepped = optree.tree_leaves(apply_updates(a, updates))
-            for i, x in zip(idx, stepped):
-                anchor[i] = x
-                new[i] = x.clone() if mix == 1 else (mix * x + (1 - mix) * new[i]).to(new[i].dtype)
-
-        for p in range(n):  # syncs issued tau steps ago land first
-            if due[p] == t:
-                idx = [i for i, f in enumerate(of) if f == p]
-                merge(p, [pending[i] for i in idx])
-                for i in idx:
-                    pending[i] = torch.zeros_like(pending[i])
-                due[p], touched = 0, True
-        starts = [(p + 1) * every // n for p in range(n)]
-        for p in range(n):
-            if t < starts[p] or (t - starts[p]) % every:
-                continue
-            idx = [i for i, f in enumerate(of) if f == p]
-            local = [(anchor[i] - new[i]).detach() for i in idx]
-            delta = _reduce_pseudo_gradient(local, mesh=mesh, axis=axis, compress=compress)
-            touched = True
-            if delay:
-                for i, d in zip(idx, delta):
-                    pending[i] = d.clone()  # its own memory, not a view of a bucket buffer
-                due[p] = t + delay
-            else:
-                merge(p, delta)
-        if touched:  # the new trees are at the params' placement: tagged so
-            _tag_like(new, leaves)
-            _tag_like(anchor, leaves)
-            if pending is not None:
-                _tag_like(pending, leaves)
-            params = optree.tree_unflatten(treedef, new)
+    def result(self, params: Any, t: int) -> tuple[Any, DiLoCoState]:
+        tree = lambda xs: optree.tree_unflatten(self.treedef, xs)  # noqa: E731
+        if self.touched:  # the new trees are at the params' placement: tagged so
+            for xs in (self.new, self.anchor, self.pending):
+                if xs is not None:
+                    _tag_like(xs, self.like)
+            params = tree(self.new)
+        pending = None if self.pending is None else tree(self.pending)
         state = DiLoCoState(
-            optree.tree_unflatten(treedef, anchor),
-            PartitionState(outer_states),
-            t,
-            tuple(due),
-            None if pending is None else optree.tree_unflatten(treedef, pending),
+            anchor=tree(self.anchor),
+            outer=PartitionState(self.outer),
+            count=t,
+            due=tuple(self.due),
+            pending=pending,
         )
         return params, state
 
-    return DiLoCo(inner, init, update, axis, every, fragments, delay, float(mix))
+
+class _Outer:
+    """The outer loop of one :func:`diloco` (its ``init`` and ``update``)."""
+
+    def __init__(self, inner, mesh, *, axis, every, outer, fragments, delay, mix, compress):
+        self.inner, self.mesh, self.axis, self.every = inner, mesh, axis, every
+        self.outer, self.fragments, self.delay, self.mix = outer, fragments, delay, mix
+        self.compress = compress
+        self._cache: dict = {}
+
+    def layout(self, params: Any) -> tuple[list, Any, list[int], int]:
+        """params' leaves, treedef, each leaf's fragment and F (checked once per treedef)."""
+        leaves, treedef, paths = flatten(params, "params")
+        if treedef not in self._cache and leaves and all(x.is_meta for x in leaves):
+            # a like for loading a checkpoint: full shapes (fh.empty_state_dict's like)
+            sizes = [_bytes(x.shape, x.dtype) for x in leaves]
+            return (
+                leaves,
+                treedef,
+                *_fragments(self.fragments, params, treedef=treedef, paths=paths, sizes=sizes),
+            )
+        if treedef not in self._cache:
+            plan = self._plan(leaves, treedef, paths)
+            sizes = [_bytes(s, d) for s, d in zip(plan.shapes, plan.dtypes)]
+            self._cache.clear()
+            self._cache[treedef] = _fragments(
+                self.fragments, params, treedef=treedef, paths=paths, sizes=sizes
+            )
+        return leaves, treedef, *self._cache[treedef]
+
+    def _plan(self, leaves: list, treedef: Any, paths: Sequence[str]) -> Any:
+        made = result_state(leaves)
+        if made is not None and made.role in ("optimizer", "parameter"):
+            plan = made.plan  # the shards' own layout (a unit tree's, for shard_module's)
+        else:
+            plan, _ = find_layout(
+                leaves,
+                treedef,
+                paths,
+                spec=self.inner,
+                like=None,
+                roles=("optimizer",),
+                kinds=("weights", "final"),
+                name="params",
+            )
+        wrong = [s for s in plan.specs if self.axis not in s.replica_axes]
+        if wrong:
+            raise ValueError(
+                f"diloco: params were sharded with {wrong[0]!r}, which reduces over "
+                f"{self.axis!r}; shard them with the inner spec (dl.inner: replicas on "
+                f"{self.axis!r})"
+            )
+        return plan
+
+    def init(self, params: Any) -> DiLoCoState:
+        leaves, treedef, of, n = self.layout(params)
+        anchor = [x.detach().clone() for x in leaves]
+        _tag_like(anchor, leaves)
+        outer_states = {
+            str(p): self.outer.init(_masked(treedef, anchor, of=of, p=p, like=leaves))
+            for p in range(n)
+        }
+        pending = None
+        if self.delay:
+            zeros = [torch.zeros_like(x) for x in leaves]
+            _tag_like(zeros, leaves)
+            pending = optree.tree_unflatten(treedef, zeros)
+        tree = optree.tree_unflatten(treedef, anchor)
+        return DiLoCoState(
+            anchor=tree, outer=PartitionState(outer_states), count=0, due=(0,) * n, pending=pending
+        )
+
+    def update(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+        leaves, treedef, of, n = self.layout(params)
+        _check_state(state, treedef, leaves=leaves, n=n, delay=self.delay)
+        t, step = state.count + 1, _Step(leaves, state, treedef)
+        for p in range(n):  # syncs issued tau steps ago land first
+            if step.due[p] == t:
+                idx = [i for i, f in enumerate(of) if f == p]
+                self._merge(step, of=of, p=p, delta=[step.pending[i] for i in idx])
+                for i in idx:
+                    step.pending[i] = torch.zeros_like(step.pending[i])
+                step.due[p], step.touched = 0, True
+        for p, s in enumerate((q + 1) * self.every // n for q in range(n)):
+            if t >= s and (t - s) % self.every == 0:
+                self._issue(step, of=of, p=p, t=t)
+        return step.result(params, t)
+
+    def _issue(self, step: _Step, *, of: list[int], p: int, t: int) -> None:
+        idx = [i for i, f in enumerate(of) if f == p]
+        local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
+        delta = _reduce_pseudo_gradient(
+            local, mesh=self.mesh, axis=self.axis, compress=self.compress
+        )
+        step.touched = True
+        if not self.delay:
+            self._merge(step, of=of, p=p, delta=delta)
+            return
+        for i, d in zip(idx, delta):
+            step.pending[i] = d.clone()  # its own memory, not a view of a bucket buffer
+        step.due[p] = t + self.delay
+
+    def _merge(self, step: _Step, *, of: list[int], p: int, delta: list[torch.Tensor]) -> None:
+        """The outer step on fragment ``p`` with its averaged pseudo-gradient, and the merge."""
+        idx = [i for i, f in enumerate(of) if f == p]
+        full = list(step.anchor)
+        for i, d in zip(idx, delta):
+            full[i] = d
+        g = _masked(step.treedef, full, of=of, p=p, like=step.like)
+        a = _masked(step.treedef, step.anchor, of=of, p=p, like=step.like)
+        updates, step.outer[str(p)] = self.outer.update(g, step.outer[str(p)], a)
+        mix = self.mix
+        for i, x in zip(idx, optree.tree_leaves(apply_updates(a, updates))):
+            step.anchor[i] = x
+            old = step.new[i]
+            step.new[i] = x.clone() if mix == 1 else (mix * x + (1 - mix) * old).to(old.dtype)
 
 
 def _bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -362,7 +392,7 @@ def _bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return n * dtype.itemsize
 
 
-def _masked(treedef: Any, leaves: list, of: list[int], p: int, like: list) -> Any:
+def _masked(treedef: Any, leaves: list, *, of: list[int], p: int, like: list) -> Any:
     """The tree with fragment ``p``'s leaves from ``leaves`` and the others Masked (marked
     from the params' leaves ``like``, so that every tree of one fragment has one structure)."""
     return optree.tree_unflatten(
@@ -377,7 +407,7 @@ def _tag_like(out: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
 
 
 def _fragments(
-    fragments: Any, params: Any, treedef: Any, paths: Sequence[str], sizes: list[int]
+    fragments: Any, params: Any, *, treedef: Any, paths: Sequence[str], sizes: list[int]
 ) -> tuple[list[int], int]:
     """Each leaf's fragment, and F."""
     n_leaves = len(sizes)
@@ -387,21 +417,7 @@ def _fragments(
                 f"diloco: fragments={fragments} is more than the params' {n_leaves} leaves; "
                 "each fragment needs at least one leaf"
             )
-        # contiguous groups of about equal bytes: group k starts at the first leaf whose
-        # middle byte lies past k/F of the total, kept to at least one leaf per group
-        total = sum(sizes) or 1
-        middles, before = [], 0
-        for s in sizes:
-            middles.append(2 * before + s)
-            before += s
-        starts = [0]
-        for k in range(1, fragments):
-            at = next(
-                (i for i, m in enumerate(middles) if m * fragments >= 2 * k * total), n_leaves
-            )
-            starts.append(min(max(at, starts[-1] + 1), n_leaves - (fragments - k)))
-        of = [sum(1 for b in starts[1:] if b <= i) for i in range(n_leaves)]
-        return of, fragments
+        return _contiguous(sizes, fragments), fragments
     try:
         labels = optree.tree_leaves(optree.tree_broadcast_prefix(fragments, params))
     except ValueError as e:
@@ -429,7 +445,22 @@ def _fragments(
     return list(labels), n
 
 
-def _check_state(state: Any, treedef: Any, leaves: list, n: int, delay: int) -> None:
+def _contiguous(sizes: list[int], n: int) -> list[int]:
+    """Contiguous groups of about equal bytes: group k starts at the first leaf whose middle
+    byte lies past k/n of the total, kept to at least one leaf per group."""
+    total, count = sum(sizes) or 1, len(sizes)
+    middles, before = [], 0
+    for s in sizes:
+        middles.append(2 * before + s)
+        before += s
+    starts = [0]
+    for k in range(1, n):
+        at = next((i for i, m in enumerate(middles) if m * n >= 2 * k * total), count)
+        starts.append(min(max(at, starts[-1] + 1), count - (n - k)))
+    return [sum(1 for b in starts[1:] if b <= i) for i in range(count)]
+
+
+def _check_state(state: Any, treedef: Any, *, leaves: list, n: int, delay: int) -> None:
     if not isinstance(state, DiLoCoState):
         raise TypeError(
             f"state: expected a DiLoCoState (from this diloco's init); got {type(state).__name__}"
