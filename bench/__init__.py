@@ -10,6 +10,7 @@ from . import (
     alignment,
     compiled,
     deferred,
+    diloco,
     dpsgd,
     fsdp,
     gpu,
@@ -49,4 +50,5 @@ BENCHMARKS = {
     "unit_checks": unit_checks,
     "muon": muon,
     "hostile": hostile,
+    "diloco": diloco,
 }

@@ -10,6 +10,7 @@ from .autodiff import per_example_grad_norms
 from .cache import clear_caches
 from .checkpoint import empty_state_dict, load_state_dict, state_dict
 from .collectives import all_gather, pmean, psum, psum_scatter
+from .diloco import DiLoCo, DiLoCoState, diloco, sync_steps
 from .dtensor import to_dtensor
 from .errors import CollectiveError
 from .first_order import grad, grad_and_value
@@ -49,7 +50,7 @@ from .optim import (
 from .owner import owned
 from .placement import Flat, Owner, Partial, Placement, Replicate, Shard
 from .reduce import gather, reduce_grads, shard, sync_params
-from .spec import Spec, ddp, fsdp, hfsdp, hsdp
+from .spec import Spec, ddp, fsdp, hfsdp, hsdp, replicas
 from .trace import CommLog, Event, comm_log
 from .units import Gathered, gathered, sequence
 from .validate import validation
@@ -62,6 +63,8 @@ __all__ = [
     "DistMesh",
     "EmptyState",
     "Event",
+    "DiLoCo",
+    "DiLoCoState",
     "Flat",
     "Gathered",
     "GradientTransformation",
@@ -90,6 +93,7 @@ __all__ = [
     "clip_global_norm",
     "comm_log",
     "ddp",
+    "diloco",
     "empty_state_dict",
     "fsdp",
     "functional_call",
@@ -114,6 +118,7 @@ __all__ = [
     "psum",
     "psum_scatter",
     "reduce_grads",
+    "replicas",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
@@ -124,6 +129,7 @@ __all__ = [
     "shard_module",
     "state_dict",
     "sync_params",
+    "sync_steps",
     "to_dtensor",
     "validation",
 ]

@@ -34,6 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import validate
+from .diloco import DiLoCoState
 from .dtensor import contiguous_stride
 from .engine import remember_units
 from .layout import unpack_full
@@ -87,7 +88,9 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
               above, its ``count`` saved as a host int; a :class:`PartitionState`: each
               label's state (its trees' :class:`Masked` leaves are another label's, saved
               there); a :class:`ChainState`: each transformation's state (a NamedTuple of
-              your own transformation is saved field by field, as the library's);
+              your own transformation is saved field by field, as the library's); a
+              :class:`DiLoCoState` (at any step: its anchor, outer state, count, due steps
+              and the averaged syncs in flight);
             * a :class:`MainGrad` whose step is final (or zeroed); mid-accumulation it is
               refused (a Partial state has no mesh-independent form).
         spec: the :class:`Spec` or spec tree the shards were made with (optional for a
@@ -112,6 +115,8 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
     """
     if isinstance(tree, MainGrad):
         return _maingrad_state(tree, spec)
+    if isinstance(tree, DiLoCoState):
+        return _diloco(tree, spec, lambda sub, name: state_dict(sub, spec, like=_field(like, name)))
     return _save(tree, spec, like, of_transform=False)
 
 
@@ -140,6 +145,8 @@ def empty_state_dict(like: Any, spec: Any = None) -> dict[str, Any]:
     if isinstance(like, MainGrad):
         _check_maingrad_spec(like, spec)
         return {"state": "final", "grads": _placeholders(like.plan)}
+    if isinstance(like, DiLoCoState):
+        return _diloco(like, spec, lambda sub, _: empty_state_dict(sub, spec))
     return _placeholders_of(like, spec, of_transform=False)
 
 
@@ -165,6 +172,8 @@ def load_state_dict(state: dict[str, Any], spec: Any, like: Any) -> Any:
         raise TypeError(f"state: expected the dict empty_state_dict made; got {type(state)}")
     if isinstance(like, MainGrad):
         return _load_maingrad(state, spec, like)
+    if isinstance(like, DiLoCoState):
+        return _load_diloco(state, spec, like)
     return _load(state, spec, like, of_transform=False, name="state")
 
 
@@ -186,6 +195,25 @@ class Form:
     shape: tuple[int, ...]  # this rank's local shape in the checkpoint
     chunks: tuple[tuple[int, int], ...] = ()
     mine: int = 0
+    full: tuple[int, ...] | None = None  # the DTensor's shape, if not the leaf's (replicas)
+
+    def replicated_over(self, mesh: Any, axes: tuple[str, ...], shape: tuple) -> Form:
+        """This form with a leading dim of one row per replica (``axes``: a spec's replica
+        axes, whose coordinates hold their own values): ``Shard(0)`` there, the other
+        placements' dims moved by one."""
+        lead = math.prod(mesh.size(a) for a in axes)
+        placed = tuple(
+            Shard(0) if a in axes else Shard(p.dim + 1) if isinstance(p, Shard) else p
+            for a, p in zip(mesh.axis_names, self.placements)
+        )
+        return Form(
+            kind=self.kind,
+            placements=placed,
+            shape=(1, *self.shape),
+            chunks=self.chunks,
+            mine=self.mine,
+            full=(lead, *shape),
+        )
 
 
 def even_chunks(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -203,7 +231,18 @@ def even_chunks(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def forms(plan: Plan, role: str = ROLE) -> list[Form]:
-    """Every leaf's :class:`Form` at ``role`` on this rank."""
+    """Every leaf's :class:`Form` at ``role`` on this rank. A spec with replica axes
+    (:func:`~functional_hsdp.replicas`) saves every replica's values: one more leading dim,
+    of one row per replica (a checkpoint loads on the same number of replicas)."""
+    out = _forms(plan, role)
+    mesh = plan.mesh
+    return [
+        f.replicated_over(mesh, spec.replica_axes, tuple(shape)) if spec.replica_axes else f
+        for f, spec, shape in zip(out, plan.specs, plan.shapes)
+    ]
+
+
+def _forms(plan: Plan, role: str) -> list[Form]:
     mesh, out = plan.mesh, []
     names = mesh.axis_names
     for i, (shape, spec) in enumerate(zip(plan.shapes, plan.specs)):
@@ -245,7 +284,9 @@ def _device_mesh(plan_or_mesh: Any) -> Any:
 
 
 def _dtensor(plan: Plan, i: int, local: torch.Tensor, *, form: Form) -> DTensor:
-    shape = tuple(plan.shapes[i])
+    shape = tuple(plan.shapes[i]) if form.full is None else form.full
+    if form.full is not None and local.dim() < len(form.shape):
+        local = local.unsqueeze(0)  # this replica's row
     return DTensor.from_local(
         local,
         _device_mesh(plan),
@@ -407,20 +448,27 @@ def _loaded(
     out = []
     for i, (key, path, form) in enumerate(zip(keys, paths, shapes)):
         if not present[i]:
-            out.append(torch.zeros(form.shape, dtype=plan.dtypes[i], device=plan.devices[i]))
+            out.append(
+                torch.zeros(
+                    form.shape[1:] if form.full else form.shape,
+                    dtype=plan.dtypes[i],
+                    device=plan.devices[i],
+                )
+            )
             continue
         x, where = state[key], f"{name}[{key!r}]"
         if not isinstance(x, DTensor):
             raise TypeError(f"{where}: expected a DTensor; got {type(x).__name__}")
-        if tuple(x.shape) != tuple(plan.shapes[i]):
+        want = tuple(plan.shapes[i]) if form.full is None else form.full
+        if tuple(x.shape) != want:
+            replicas = "" if form.full is None else " (a row per replica in front)"
             raise ValueError(
-                f"{where}: holds shape {tuple(x.shape)}, but {path} has shape "
-                f"{tuple(plan.shapes[i])}"
+                f"{where}: holds shape {tuple(x.shape)}, but {path} has shape {want}{replicas}"
             )
         if x.dtype != plan.dtypes[i]:
             raise TypeError(f"{where}: holds {x.dtype}, but {path} is {plan.dtypes[i]}")
         _check_placed(x, plan, form, where=where)
-        out.append(_own_local(x))
+        out.append(_own_local(x) if form.full is None else x.to_local()[0])
     return out
 
 
@@ -670,6 +718,46 @@ def _load_fields(state: dict, spec: Any, like: Any, *, name: str) -> Any:
             where = f"{name}[{field!r}]"
             values[field] = _load(state[field], spec, value, of_transform=False, name=where)
     return type(like)(**values)
+
+
+# -- DiLoCo ----------------------------------------------------------------------------------
+
+
+def _diloco(state: DiLoCoState, spec: Any, convert: Callable[[Any, str], Any]) -> dict[str, Any]:
+    """A DiLoCoState as a dict: its trees (anchor, pending) and outer state converted, the
+    step count and each fragment's due step as host values. Nothing is in flight between
+    calls (a sync issued with a delay is held averaged in ``pending``), so any step saves."""
+    out = {
+        "anchor": convert(state.anchor, "anchor"),
+        "outer": convert(state.outer, "outer"),
+        "count": state.count,
+        "due": list(state.due),
+    }
+    if state.pending is not None:
+        out["pending"] = convert(state.pending, "pending")
+    return out
+
+
+def _load_diloco(state: dict, spec: Any, like: DiLoCoState) -> DiLoCoState:
+    names = ("anchor", "outer", "count", "due") + (("pending",) if like.pending is not None else ())
+    for name in names:
+        if name not in state:
+            raise ValueError(f"state: has no entry {name!r} (for DiLoCoState.{name})")
+    if len(state["due"]) != len(like.due):
+        raise ValueError(
+            f"state['due']: {len(state['due'])} fragments, but like has {len(like.due)}: "
+            "load with the diloco (fragments) the checkpoint was saved with"
+        )
+    pending = None
+    if like.pending is not None:
+        pending = _load_tree(state["pending"], spec, like.pending, name="state['pending']")
+    return DiLoCoState(
+        anchor=_load_tree(state["anchor"], spec, like.anchor, name="state['anchor']"),
+        outer=load_state_dict(state["outer"], spec, like.outer),
+        count=int(state["count"]),
+        due=tuple(int(x) for x in state["due"]),
+        pending=pending,
+    )
 
 
 # -- MainGrad ---------------------------------------------------------------------------------

@@ -370,18 +370,25 @@ def _check_hyper(**values: float) -> None:
 
 
 def sgd(
-    lr: float | Schedule, momentum: float = 0.0, weight_decay: float = 0.0
+    lr: float | Schedule,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    *,
+    nesterov: bool = False,
 ) -> GradientTransformation:
     """Stochastic gradient descent with ``torch.optim.SGD``'s math, on local shards.
 
     ``d = g + weight_decay * p``; with momentum ``buf = momentum * buf + d`` (``buf = d`` on
-    the first step) and ``d = buf``; the update is ``-lr * d``.
+    the first step) and ``d = buf``, or with ``nesterov`` ``d = d + momentum * buf``; the
+    update is ``-lr * d``.
 
     Args:
         lr: learning rate: a number, or a schedule ``step -> lr`` (:mod:`~functional_hsdp.
             schedules`; step counted from 0, kept in the state's ``count``).
         momentum: momentum factor (0: none, no per-parameter state).
         weight_decay: L2 penalty added to the gradient (coupled, as torch.optim.SGD).
+        nesterov: Nesterov momentum, as ``torch.optim.SGD(nesterov=True)`` (needs
+            ``momentum > 0``). DiLoCo's outer optimizer is ``sgd(0.7, 0.9, nesterov=True)``.
 
     Returns:
         A :class:`GradientTransformation`; its state is an :class:`SGDState`.
@@ -397,6 +404,12 @@ def sgd(
     """
     check_lr(lr)
     _check_hyper(momentum=momentum, weight_decay=weight_decay)
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"nesterov must be a bool; got {nesterov!r}")
+    if nesterov and not momentum:
+        raise ValueError(
+            f"nesterov=True needs momentum > 0 (as torch.optim.SGD); got momentum={momentum!r}"
+        )
 
     def init(params: Any) -> SGDState:
         leaves, treedef, _ = _flat(params, "params")
@@ -418,8 +431,9 @@ def sgd(
                 )
             buf = _moments(state.momentum, "state.momentum", params=p, params_def=treedef)
             # zero buffers make the first step buf = d, as torch's clone
-            d = [momentum * b + di for b, di in zip(buf, d)]
-            new_momentum = optree.tree_unflatten(treedef, d)
+            bufs = [momentum * b + di for b, di in zip(buf, d)]
+            new_momentum = optree.tree_unflatten(treedef, bufs)
+            d = [di + momentum * b for di, b in zip(d, bufs)] if nesterov else bufs
         step_lr = value_at(lr, state.count)
         updates = optree.tree_unflatten(treedef, [-step_lr * di for di in d])
         return updates, SGDState(state.count + 1, new_momentum)

@@ -21,7 +21,7 @@ from .mesh import Mesh
 from .placement import REDUCE_OPS, Flat, Owner, Partial, Placement, Replicate, Shard, is_sharded
 from .tree import format_path
 
-__all__ = ["Spec", "ddp", "fsdp", "hsdp", "hfsdp", "resolve_specs"]
+__all__ = ["Spec", "ddp", "fsdp", "hsdp", "hfsdp", "replicas", "resolve_specs"]
 
 
 def _tuple(role: str, placements: Any, mesh: Mesh) -> tuple[Placement, ...]:
@@ -67,6 +67,9 @@ class Spec:
         bucket_cap_mb: bucket size cap in MiB, counted as 4-byte elements whatever the
             dtype, so a tree's layout does not depend on its dtype (bf16 gradients line up
             with fp32 main weights). One collective per bucket per axis.
+        replica_axes: axes of diverging replicas (made by :func:`replicas`): not
+            data-parallel, Replicate in every role, never communicated over, but each
+            coordinate holds its own values (checkpoints save every replica's).
 
     Flat axes split a bucket one after another; the *split order* is the gradient's Flat
     axes, then the optimizer's other Flat axes, inner axes first within each group. Every
@@ -89,6 +92,7 @@ class Spec:
     dp_axes: tuple[str, ...] | None = None
     reduce_op: str = "avg"
     bucket_cap_mb: float = 25.0
+    replica_axes: tuple[str, ...] = ()
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +104,13 @@ class Spec:
             set_(role, _tuple(role, getattr(self, role), mesh))
         axes = mesh.axis_names if self.dp_axes is None else _axes(self.dp_axes, mesh, "dp_axes")
         set_("dp_axes", axes)
+        replica = _axes(self.replica_axes, mesh, "replica_axes") if self.replica_axes else ()
+        if any(a in axes for a in replica):
+            raise ValueError(
+                f"Spec.replica_axes: {replica} must not be data-parallel axes (dp_axes={axes}): "
+                "nothing is reduced over an axis of diverging replicas"
+            )
+        set_("replica_axes", replica)
         if self.reduce_op not in REDUCE_OPS:
             raise ValueError(
                 f"Spec.reduce_op: expected one of {REDUCE_OPS}; got {self.reduce_op!r}"
@@ -250,6 +261,7 @@ class Spec:
                     self.dp_axes,
                     self.reduce_op,
                     self.bucket_cap_mb,
+                    self.replica_axes,
                 )
             ),
         )
@@ -313,9 +325,10 @@ class Spec:
 
     def __repr__(self) -> str:
         fmt = lambda ps: "[" + ", ".join(map(str, ps)) + "]"  # noqa: E731
+        replicas = f", replica_axes={self.replica_axes}" if self.replica_axes else ""
         return (
             f"Spec({self.mesh!r}, parameter={fmt(self.parameter)}, gradient={fmt(self.gradient)}"
-            f", optimizer={fmt(self.optimizer)})"
+            f", optimizer={fmt(self.optimizer)}{replicas})"
         )
 
 
@@ -513,6 +526,64 @@ def hfsdp(
         opt_outer=Flat(),
         reduce_op=reduce_op,
         bucket_cap_mb=bucket_cap_mb,
+    )
+
+
+def replicas(spec: Any, axis: str) -> Any:
+    """``spec`` with ``axis`` made an axis of diverging replicas (DiLoCo's outer axis).
+
+    Nothing is ever reduced or gathered over ``axis``: it leaves the data-parallel axes and
+    is ``Replicate`` in every role, so gradients stay per replica, and parameters and
+    optimizer state are per replica (each coordinate along ``axis`` trains its own copy).
+    Every path (``reduce_grads``, ``MainGrad``, units, ``shard_module``/``functional_call``,
+    the optimizers, ``per_matrix``, ``global_norm``, checkpoints) works on it unchanged and
+    issues no collective on ``axis``. Checkpoints save every replica's values.
+
+    Args:
+        spec: a :class:`Spec` or a pytree prefix of Specs (one mesh).
+        axis: a data-parallel mesh axis of ``spec`` (say HSDP's ``"dp_outer"``).
+
+    Returns:
+        The same kind of value: each Spec with ``axis`` turned into a replica axis.
+
+    Example:
+        >>> import functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+        >>> spec = fh.replicas(fh.hsdp(mesh, "dp_outer", "dp_inner"), "dp_outer")
+        >>> spec.gradient, spec.dp_axes, spec.replica_axes
+        ((Replicate(), Flat()), ('dp_inner',), ('dp_outer',))
+    """
+    if isinstance(spec, Spec):
+        return _replicas(spec, axis)
+    leaves, treedef = optree.tree_flatten(spec, is_leaf=_is_spec)
+    if not leaves or not all(isinstance(x, Spec) for x in leaves):
+        raise TypeError(f"replicas: spec must be a Spec or a pytree prefix of Specs; got {spec!r}")
+    return optree.tree_unflatten(treedef, [_replicas(x, axis) for x in leaves])
+
+
+def _replicas(spec: Spec, axis: str) -> Spec:
+    if not isinstance(axis, str) or axis not in spec.mesh.axis_names:
+        raise ValueError(
+            f"replicas: axis {axis!r} is not in the mesh; its axes are {spec.mesh.axis_names}"
+        )
+    if axis in spec.replica_axes:
+        return spec
+    if axis not in spec.dp_axes:
+        raise ValueError(
+            f"replicas: axis {axis!r} is not a data-parallel axis of spec (dp_axes="
+            f"{spec.dp_axes}); give the axis the replicas train apart along"
+        )
+    names = spec.mesh.axis_names
+    row = lambda ps: [Replicate() if a == axis else x for a, x in zip(names, ps)]  # noqa: E731
+    return Spec(
+        spec.mesh,
+        parameter=row(spec.parameter),
+        gradient=row(spec.gradient),
+        optimizer=row(spec.optimizer),
+        dp_axes=tuple(a for a in spec.dp_axes if a != axis),
+        reduce_op=spec.reduce_op,
+        bucket_cap_mb=spec.bucket_cap_mb,
+        replica_axes=tuple(a for a in names if a == axis or a in spec.replica_axes),
     )
 
 

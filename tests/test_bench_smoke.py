@@ -32,6 +32,7 @@ ORDER = [
     "deferred",
     "unit_checks",
     "hostile",
+    "diloco",
     "module",
     "muon",
     "dpsgd",
@@ -102,6 +103,10 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
         assert all(mu["ns"][v]["calls"] > 0 and mu["ns"][v]["seconds"] > 0 for v in mu["ns"])
         assert all(x < 1e-2 for x in mu["loss_maxrel"].values()), mu["losses"]
         assert "### Muon" in md and "Arithmetic, not a measurement" in md
+    if name == "diloco":  # H=2: half HSDP's outer bytes, none on steps without a sync
+        h2 = res["variants"]["H=2"]
+        assert h2["quiet_nonzero"] == 0 and h2["syncs"] == res["cfg"]["steps"] // 2
+        assert h2["bytes_per_step"] == pytest.approx(res["variants"]["hsdp"]["bytes_per_step"] / 2)
     if name == "deferred":  # declared or not, the same step; finish() timed in each
         assert res["loss_maxrel"] < 1e-6, res["losses"]
         assert all(len(t) == res["cfg"]["reps"] for t in res["finish"].values()), res["finish"]

@@ -267,6 +267,21 @@ def test_sgd_on_shards_equals_torch_sgd_on_dense_params(strategy):
     )
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_nesterov_sgd_on_shards_equals_torch_nesterov_sgd(strategy):
+    _run(
+        strategy,
+        (2, 3),
+        lambda: fh.sgd(0.7, momentum=0.9, weight_decay=0.01, nesterov=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, weight_decay=0.01, nesterov=True),
+    )
+
+
+def test_nesterov_without_momentum_is_refused_as_torch_does():
+    with pytest.raises(ValueError, match="nesterov=True needs momentum > 0"):
+        fh.sgd(0.1, nesterov=True)
+
+
 def test_plain_sgd_keeps_no_buffers():
     _run("hsdp", (2, 2), lambda: fh.sgd(0.2), lambda ps: torch.optim.SGD(ps, lr=0.2))
     assert fh.sgd(0.2).init({"w": torch.ones(3)}).momentum is None

@@ -215,4 +215,5 @@ def owned(spec: Spec, axes: str | Sequence[str] | None = None) -> Spec:
         dp_axes=spec.dp_axes,
         reduce_op=spec.reduce_op,
         bucket_cap_mb=spec.bucket_cap_mb,
+        replica_axes=spec.replica_axes,
     )

@@ -1,0 +1,478 @@
+"""Semi-synchronous outer: DiLoCo and Streaming DiLoCo as pure functions on the placements.
+
+HSDP defers the outer reduction to the last microbatch of a step. DiLoCo defers it further:
+the replicas along the outer axis train apart (:func:`~functional_hsdp.replicas`: nothing is
+reduced or gathered over that axis) for ``every`` inner steps, then meet once, and an outer
+optimizer steps on the *pseudo-gradient* ``anchor - mean over the axis of params``.
+Streaming DiLoCo cuts the parameters into ``F`` fragments that sync at staggered steps
+(the peak outer transfer is 1/F of a whole-model sync), lets a fragment's reduction land
+``delay`` steps after it was issued, and merges ``mix * anchor + (1 - mix) * params``.
+
+Inner steps are counted t = 1, 2, ... Fragment p syncs after step t when t >= s_p and
+(t - s_p) % every == 0, with s_p = floor((p + 1) * every / F). At a sync, for the fragment's
+leaves:
+
+=====================  ======================================================================
+step                   what happens (local shards at the inner spec's optimizer placement)
+=====================  ======================================================================
+issue (after t)        ``delta = anchor - params``: one all-reduce (AVG) per bucket over
+                       ``axis``, on the shard each rank holds (never a full tensor)
+land (after t + tau)   ``updates, s = outer.update(delta, s, anchor)``;
+                       ``anchor = apply_updates(anchor, updates)``;
+                       ``params = mix * anchor + (1 - mix) * params`` (of step t + tau)
+=====================  ======================================================================
+
+At one step, syncs landing there are merged before the syncs issued there read the params.
+The inner optimizer's state stays per replica, untouched by syncs. The pseudo-gradient's
+reduction goes through one function, :func:`_reduce_pseudo_gradient` (where compression
+plugs in). A sync issued with ``delay > 0`` is reduced when issued and held, averaged, in
+the state until it lands: the state is a pytree of tensors and host ints at every step,
+which :func:`~functional_hsdp.state_dict` saves (resharded like AdamW's moments).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from .collectives import pmean
+from .lookup import find_layout
+from .matrix import PartitionState, masked
+from .mesh import Mesh
+from .optim import GradientTransformation, apply_updates
+from .spec import Spec, replicas
+from .tags import result_state, tag
+from .tree import flatten, format_path, structure_error
+
+__all__ = ["DiLoCo", "DiLoCoState", "diloco", "sync_steps"]
+
+
+class DiLoCoState(NamedTuple):
+    """State of :func:`diloco` (a pytree: tensors and host ints).
+
+    Attributes:
+        anchor: tree like the params (local shards at the inner spec's optimizer placement):
+            the weights of the last sync, equal on every replica.
+        outer: a :class:`PartitionState` with one outer-optimizer state per fragment
+            (labels ``"0"``, ``"1"``, ...; other fragments' leaves :class:`Masked`).
+        count: inner steps seen so far (a host int, the same on every rank).
+        due: per fragment, the step after which its sync in flight lands (0: none).
+        pending: tree like the params: for a fragment in flight, its averaged
+            pseudo-gradient (equal on every replica); zeros elsewhere. None when
+            ``delay == 0`` (nothing is ever in flight between calls).
+    """
+
+    anchor: Any
+    outer: PartitionState
+    count: int
+    due: tuple[int, ...]
+    pending: Any
+
+
+def sync_steps(every: int, fragments: int, steps: int) -> list[list[int]]:
+    """The schedule: for each inner step t = 1..``steps``, the fragments that sync after it.
+
+    Args:
+        every: steps between two syncs of one fragment (H).
+        fragments: the number of fragments (F).
+        steps: how many steps to list.
+
+    Returns:
+        A list of ``steps`` lists of fragment indices.
+
+    Example:
+        >>> import functional_hsdp as fh
+        >>> fh.sync_steps(every=4, fragments=2, steps=8)
+        [[], [0], [], [1], [], [0], [], [1]]
+    """
+    _check_int("every", every, 1)
+    _check_int("fragments", fragments, 1)
+    starts = [(p + 1) * every // fragments for p in range(fragments)]
+    return [
+        [p for p, s in enumerate(starts) if t >= s and (t - s) % every == 0]
+        for t in range(1, steps + 1)
+    ]
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"diloco: {name} must be an int >= {low}; got {value!r}")
+
+
+def _reduce_pseudo_gradient(
+    local: list[torch.Tensor], *, mesh: Mesh, axis: str, compress: Any
+) -> list[torch.Tensor]:
+    """The average over ``axis`` of each rank's pseudo-gradient pieces: one all-reduce (AVG)
+    per bucket over ``axis`` (buckets per dtype, size-capped), on the local shards. The one
+    place the outer reduction happens: a compressed reduction (``compress``) replaces this
+    call, its error-feedback residual then joining the state."""
+    if compress is not None:  # refused in diloco(); kept as the seam for compression
+        raise NotImplementedError("diloco: compress= is not wired yet")
+    return pmean(list(local), axis, mesh)
+
+
+class DiLoCo(NamedTuple):
+    """What :func:`diloco` returns.
+
+    Attributes:
+        inner: the inner loop's spec, ``fh.replicas(spec, axis)``.
+        init: ``init(params) -> DiLoCoState``; on meta tensors of the full shapes, the
+            ``like`` that :func:`~functional_hsdp.empty_state_dict` and
+            :func:`~functional_hsdp.load_state_dict` take.
+        update: ``update(params, state) -> (params, state)``, once after every inner step.
+        axis: the replica axis.
+        every: H, steps between two syncs of a fragment.
+        fragments: as given: F, or the tree of labels.
+        delay: tau, steps between a sync's issue and its merge.
+        mix: the merge factor.
+    """
+
+    inner: Any
+    init: Any
+    update: Any
+    axis: str
+    every: int
+    fragments: int
+    delay: int
+    mix: float
+
+
+def _mesh(spec: Any) -> Mesh:
+    leaves = optree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, Spec))
+    if not leaves or not all(isinstance(x, Spec) for x in leaves):
+        raise TypeError(f"diloco: spec must be a Spec or a pytree prefix of Specs; got {spec!r}")
+    return leaves[0].mesh
+
+
+def diloco(
+    spec: Any,
+    *,
+    axis: str,
+    every: int,
+    outer: GradientTransformation,
+    fragments: Any = 1,
+    delay: int = 0,
+    mix: float = 1.0,
+    compress: Any = None,
+) -> DiLoCo:
+    """DiLoCo and Streaming DiLoCo: replicas along ``axis`` train apart and meet every
+    ``every`` steps, fragment by fragment, with an outer optimizer on the pseudo-gradient.
+
+    The inner loop trains on ``.inner`` (``fh.replicas(spec, axis)``: every path works on
+    it, none communicates over ``axis``); after each inner optimizer step,
+    ``params, state = dl.update(params, state)`` issues the syncs due (see the module
+    docstring for the math and the schedule, :func:`sync_steps`). Steps without a sync issue
+    no collective at all.
+
+    Args:
+        spec: a :class:`Spec` or spec tree (say ``fh.hsdp(mesh, "dp_outer", "dp_inner")``).
+        axis: the replica axis (a data-parallel axis of ``spec``).
+        every: H >= 1, inner steps between two syncs of one fragment.
+        outer: the outer optimizer, any GradientTransformation; the papers' is
+            ``fh.sgd(0.7, momentum=0.9, nesterov=True)``.
+        fragments: an int F (leaves in tree-flatten order cut into F contiguous groups of
+            about equal bytes), or a tree of ints in [0, F), each used, with the params'
+            structure (or a prefix of it: one label per unit of a spec tree).
+        delay: tau in [0, every): a fragment's sync issued after step t merges after step
+            t + tau, with that step's params.
+        mix: merge factor in (0, 1]: a synced fragment becomes
+            ``mix * anchor + (1 - mix) * params`` (1: the anchor).
+        compress: the pseudo-gradient's compression (``fh.compress(...)``); not wired yet:
+            anything but None raises NotImplementedError.
+
+    Returns:
+        A :class:`DiLoCo` with ``.inner``, ``.init(params)`` and ``.update(params, state)``.
+        ``update`` returns new trees (a leaf that did not sync is the same tensor); shards
+        that must stay the same tensors (``MainGrad``, ``functional_call(into=...)``) take
+        the new values with ``copy_``.
+
+    References:
+        Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language
+        Models*, arXiv 2311.08105, 2023; Douillard et al., *Streaming DiLoCo with
+        overlapping communication*, arXiv 2501.18512, 2025.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+        >>> dl = fh.diloco(fh.hsdp(mesh, "dp_outer", "dp_inner"), axis="dp_outer", every=2,
+        ...                outer=fh.sgd(0.7, momentum=0.9, nesterov=True))
+        >>> params = fh.shard({"w": torch.zeros(4)}, dl.inner)
+        >>> state = dl.init(params)
+        >>> for step in range(2):                       # each replica its own "gradient"
+        ...     params = {"w": params["w"] - torch.tensor([1.0, 3.0]).view(2, 1, 1)}
+        ...     params, state = dl.update(params, state)
+        >>> fh.gather(params, dl.inner)["w"][:, 0]      # met: -4 * 0.7 * (1 + 0.9)
+        tensor([[-5.3200, -5.3200, -5.3200, -5.3200],
+                [-5.3200, -5.3200, -5.3200, -5.3200]])
+    """
+    mesh = _mesh(spec)
+    _check_options(mesh, axis=axis, every=every, outer=outer, delay=delay, mix=mix)
+    if compress is not None:
+        raise NotImplementedError(
+            "diloco: compress= is not supported yet (the compressed outer reduction is "
+            "another issue's); pass compress=None"
+        )
+    if isinstance(fragments, int) and not isinstance(fragments, bool):
+        _check_int("fragments", fragments, 1)
+    options = dict(axis=axis, every=every, fragments=fragments, delay=delay, mix=float(mix))
+    run = _Outer(replicas(spec, axis), mesh, outer=outer, compress=compress, **options)
+    return DiLoCo(inner=run.inner, init=run.init, update=run.update, **options)
+
+
+def _check_options(mesh: Mesh, *, axis: Any, every: Any, outer: Any, delay: Any, mix: Any):
+    if not isinstance(axis, str) or axis not in mesh.axis_names:
+        raise ValueError(
+            f"diloco: axis {axis!r} is not in the mesh; its axes are {mesh.axis_names}"
+        )
+    _check_int("every", every, 1)
+    _check_int("delay", delay, 0)
+    if delay >= every:
+        raise ValueError(
+            f"diloco: delay must be < every (a fragment's sync lands before its next one is "
+            f"issued); got delay={delay}, every={every}"
+        )
+    if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 < mix <= 1:
+        raise ValueError(f"diloco: mix must be in (0, 1]; got {mix!r}")
+    if not (callable(getattr(outer, "init", None)) and callable(getattr(outer, "update", None))):
+        raise TypeError(f"diloco: outer must be a GradientTransformation; got {outer!r}")
+
+
+class _Step:
+    """One call of ``update``: the trees' leaves, changed in place of the lists."""
+
+    def __init__(self, params: list, state: DiLoCoState, treedef: Any):
+        self.like, self.treedef = params, treedef
+        self.new, self.anchor = list(params), list(optree.tree_leaves(state.anchor))
+        self.pending = None if state.pending is None else list(optree.tree_leaves(state.pending))
+        self.outer, self.due = dict(state.outer.inner), list(state.due)
+        self.touched = False
+
+    def result(self, params: Any, t: int) -> tuple[Any, DiLoCoState]:
+        tree = lambda xs: optree.tree_unflatten(self.treedef, xs)  # noqa: E731
+        if self.touched:  # the new trees are at the params' placement: tagged so
+            for xs in (self.new, self.anchor, self.pending):
+                if xs is not None:
+                    _tag_like(xs, self.like)
+            params = tree(self.new)
+        pending = None if self.pending is None else tree(self.pending)
+        state = DiLoCoState(
+            anchor=tree(self.anchor),
+            outer=PartitionState(self.outer),
+            count=t,
+            due=tuple(self.due),
+            pending=pending,
+        )
+        return params, state
+
+
+class _Outer:
+    """The outer loop of one :func:`diloco` (its ``init`` and ``update``)."""
+
+    def __init__(self, inner, mesh, *, axis, every, outer, fragments, delay, mix, compress):
+        self.inner, self.mesh, self.axis, self.every = inner, mesh, axis, every
+        self.outer, self.fragments, self.delay, self.mix = outer, fragments, delay, mix
+        self.compress = compress
+        self._cache: dict = {}
+
+    def layout(self, params: Any) -> tuple[list, Any, list[int], int]:
+        """params' leaves, treedef, each leaf's fragment and F (checked once per treedef)."""
+        leaves, treedef, paths = flatten(params, "params")
+        if treedef not in self._cache and leaves and all(x.is_meta for x in leaves):
+            # a like for loading a checkpoint: full shapes (fh.empty_state_dict's like)
+            sizes = [_bytes(x.shape, x.dtype) for x in leaves]
+            return (
+                leaves,
+                treedef,
+                *_fragments(self.fragments, params, treedef=treedef, paths=paths, sizes=sizes),
+            )
+        if treedef not in self._cache:
+            plan = self._plan(leaves, treedef, paths)
+            sizes = [_bytes(s, d) for s, d in zip(plan.shapes, plan.dtypes)]
+            self._cache.clear()
+            self._cache[treedef] = _fragments(
+                self.fragments, params, treedef=treedef, paths=paths, sizes=sizes
+            )
+        return leaves, treedef, *self._cache[treedef]
+
+    def _plan(self, leaves: list, treedef: Any, paths: Sequence[str]) -> Any:
+        made = result_state(leaves)
+        if made is not None and made.role in ("optimizer", "parameter"):
+            plan = made.plan  # the shards' own layout (a unit tree's, for shard_module's)
+        else:
+            plan, _ = find_layout(
+                leaves,
+                treedef,
+                paths,
+                spec=self.inner,
+                like=None,
+                roles=("optimizer",),
+                kinds=("weights", "final"),
+                name="params",
+            )
+        wrong = [s for s in plan.specs if self.axis not in s.replica_axes]
+        if wrong:
+            raise ValueError(
+                f"diloco: params were sharded with {wrong[0]!r}, which reduces over "
+                f"{self.axis!r}; shard them with the inner spec (dl.inner: replicas on "
+                f"{self.axis!r})"
+            )
+        return plan
+
+    def init(self, params: Any) -> DiLoCoState:
+        leaves, treedef, of, n = self.layout(params)
+        anchor = [x.detach().clone() for x in leaves]
+        _tag_like(anchor, leaves)
+        outer_states = {
+            str(p): self.outer.init(_masked(treedef, anchor, of=of, p=p, like=leaves))
+            for p in range(n)
+        }
+        pending = None
+        if self.delay:
+            zeros = [torch.zeros_like(x) for x in leaves]
+            _tag_like(zeros, leaves)
+            pending = optree.tree_unflatten(treedef, zeros)
+        tree = optree.tree_unflatten(treedef, anchor)
+        return DiLoCoState(
+            anchor=tree, outer=PartitionState(outer_states), count=0, due=(0,) * n, pending=pending
+        )
+
+    def update(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+        leaves, treedef, of, n = self.layout(params)
+        _check_state(state, treedef, leaves=leaves, n=n, delay=self.delay)
+        t, step = state.count + 1, _Step(leaves, state, treedef)
+        for p in range(n):  # syncs issued tau steps ago land first
+            if step.due[p] == t:
+                idx = [i for i, f in enumerate(of) if f == p]
+                self._merge(step, of=of, p=p, delta=[step.pending[i] for i in idx])
+                for i in idx:
+                    step.pending[i] = torch.zeros_like(step.pending[i])
+                step.due[p], step.touched = 0, True
+        for p, s in enumerate((q + 1) * self.every // n for q in range(n)):
+            if t >= s and (t - s) % self.every == 0:
+                self._issue(step, of=of, p=p, t=t)
+        return step.result(params, t)
+
+    def _issue(self, step: _Step, *, of: list[int], p: int, t: int) -> None:
+        idx = [i for i, f in enumerate(of) if f == p]
+        local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
+        delta = _reduce_pseudo_gradient(
+            local, mesh=self.mesh, axis=self.axis, compress=self.compress
+        )
+        step.touched = True
+        if not self.delay:
+            self._merge(step, of=of, p=p, delta=delta)
+            return
+        for i, d in zip(idx, delta):
+            step.pending[i] = d.clone()  # its own memory, not a view of a bucket buffer
+        step.due[p] = t + self.delay
+
+    def _merge(self, step: _Step, *, of: list[int], p: int, delta: list[torch.Tensor]) -> None:
+        """The outer step on fragment ``p`` with its averaged pseudo-gradient, and the merge."""
+        idx = [i for i, f in enumerate(of) if f == p]
+        full = list(step.anchor)
+        for i, d in zip(idx, delta):
+            full[i] = d
+        g = _masked(step.treedef, full, of=of, p=p, like=step.like)
+        a = _masked(step.treedef, step.anchor, of=of, p=p, like=step.like)
+        updates, step.outer[str(p)] = self.outer.update(g, step.outer[str(p)], a)
+        mix = self.mix
+        for i, x in zip(idx, optree.tree_leaves(apply_updates(a, updates))):
+            step.anchor[i] = x
+            old = step.new[i]
+            step.new[i] = x.clone() if mix == 1 else (mix * x + (1 - mix) * old).to(old.dtype)
+
+
+def _bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype.itemsize
+
+
+def _masked(treedef: Any, leaves: list, *, of: list[int], p: int, like: list) -> Any:
+    """The tree with fragment ``p``'s leaves from ``leaves`` and the others Masked (marked
+    from the params' leaves ``like``, so that every tree of one fragment has one structure)."""
+    return optree.tree_unflatten(
+        treedef, [x if f == p else masked(m) for x, f, m in zip(leaves, of, like)]
+    )
+
+
+def _tag_like(out: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
+    made = result_state(leaves)
+    if made is not None:  # the params' placement, kept (as apply_updates does)
+        tag(out, made.plan, made.role, kind=made.kind)
+
+
+def _fragments(
+    fragments: Any, params: Any, *, treedef: Any, paths: Sequence[str], sizes: list[int]
+) -> tuple[list[int], int]:
+    """Each leaf's fragment, and F."""
+    n_leaves = len(sizes)
+    if isinstance(fragments, int) and not isinstance(fragments, bool):
+        if fragments > n_leaves:
+            raise ValueError(
+                f"diloco: fragments={fragments} is more than the params' {n_leaves} leaves; "
+                "each fragment needs at least one leaf"
+            )
+        return _contiguous(sizes, fragments), fragments
+    try:
+        labels = optree.tree_leaves(optree.tree_broadcast_prefix(fragments, params))
+    except ValueError as e:
+        raise ValueError(
+            f"diloco: fragments is not a pytree prefix of the params' tree: "
+            f"{structure_error(treedef, fragments, 'fragments', what='params')}"
+        ) from e
+    bad = [
+        (path, x)
+        for path, x in zip(paths, labels)
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0
+    ]
+    if bad:
+        path, x = bad[0]
+        raise ValueError(
+            f"diloco: fragments{path[len('params') :]}: label {x!r} is not an int >= 0"
+        )
+    n = len(set(labels))
+    for path, x in zip(paths, labels):
+        if x >= n:
+            raise ValueError(
+                f"diloco: fragments{path[len('params') :]}: label {x} is out of range [0, {n}): "
+                f"the labels must be 0 .. F-1, each used (got {sorted(set(labels))})"
+            )
+    return list(labels), n
+
+
+def _contiguous(sizes: list[int], n: int) -> list[int]:
+    """Contiguous groups of about equal bytes: group k starts at the first leaf whose middle
+    byte lies past k/n of the total, kept to at least one leaf per group."""
+    total, count = sum(sizes) or 1, len(sizes)
+    middles, before = [], 0
+    for s in sizes:
+        middles.append(2 * before + s)
+        before += s
+    starts = [0]
+    for k in range(1, n):
+        at = next((i for i, m in enumerate(middles) if m * n >= 2 * k * total), count)
+        starts.append(min(max(at, starts[-1] + 1), count - (n - k)))
+    return [sum(1 for b in starts[1:] if b <= i) for i in range(count)]
+
+
+def _check_state(state: Any, treedef: Any, *, leaves: list, n: int, delay: int) -> None:
+    if not isinstance(state, DiLoCoState):
+        raise TypeError(
+            f"state: expected a DiLoCoState (from this diloco's init); got {type(state).__name__}"
+        )
+    anchor, anchor_def = optree.tree_flatten(state.anchor)
+    if anchor_def != treedef:
+        raise ValueError(structure_error(treedef, state.anchor, "state.anchor", what="params"))
+    for a, p, path in zip(anchor, leaves, (format_path(x) for x in treedef.paths())):
+        if a.shape != p.shape:
+            raise ValueError(
+                f"state.anchor{path}: local shape {tuple(a.shape)}, params{path} "
+                f"{tuple(p.shape)}: this state was made for another spec or tree"
+            )
+    if len(state.due) != n or (state.pending is None) != (delay == 0):
+        raise ValueError("state: was made by another diloco (fragments or delay differ)")

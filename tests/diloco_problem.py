@@ -1,0 +1,143 @@
+"""DiLoCo's test problem and its naive reference: every replica a plain dense model (its
+inner ranks' gradients averaged by hand), the replicas' deltas averaged by hand, and
+``torch.optim.SGD(nesterov=True)`` as the outer optimizer. Shared by tests/test_diloco.py
+(SimMesh) and tests/test_diloco_gloo.py (4 gloo ranks), whose workers import it by name."""
+
+from __future__ import annotations
+
+import torch
+from torch.func import functional_call
+
+import functional_hsdp as fh
+
+D_IN, D_HID, D_OUT, BATCH = 8, 16, 4, 6
+INNER_LR, OUTER = 0.1, dict(lr=0.7, momentum=0.9, nesterov=True)
+
+
+def model() -> torch.nn.Module:
+    """The model, with the same initial weights every time (the global RNG is left alone)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(D_IN, D_HID), torch.nn.Tanh(), torch.nn.Linear(D_HID, D_OUT)
+        )
+
+
+def full_params() -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model().named_parameters()}
+
+
+def loss(p: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(functional_call(_MODEL, p, (x,)), y)
+
+
+_MODEL = model()  # the forward of loss(); its own weights are never used
+
+
+def data(steps: int, outer: int, inner: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per step and rank ``(o, i)`` a batch: x ``(steps, outer, inner, BATCH, D_IN)``; the
+    replicas see different targets, so that they diverge."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps, outer, inner, BATCH, D_IN, generator=gen)
+    w = torch.randn(outer, 1, D_IN, D_OUT, generator=gen) / 2
+    return x, torch.tanh(x @ w[None])
+
+
+def starts(every: int, n: int) -> list[int]:
+    return [(p + 1) * every // n for p in range(n)]
+
+
+def reference(
+    full: dict, x, y, *, every: int, labels: list[int], delay: int, mix: float
+) -> list[dict]:
+    """Each replica's params after ``len(x)`` steps, by hand."""
+    steps, n_outer, n_inner = x.shape[:3]
+    keys = list(full)  # a dict of str keys flattens in sorted order
+    keys.sort()
+    reps = [{k: full[k].clone() for k in keys} for _ in range(n_outer)]
+    anchor = {k: full[k].clone().requires_grad_() for k in keys}
+    opt = torch.optim.SGD(list(anchor.values()), **OUTER)
+    n = len(set(labels))
+    frag = {k: labels[j] for j, k in enumerate(keys)}
+    pending: dict[int, tuple[int, dict]] = {}
+
+    def merge(p: int, delta: dict) -> None:
+        for k in keys:
+            anchor[k].grad = delta[k].clone() if frag[k] == p else None
+        opt.step()
+        for k in keys:
+            if frag[k] == p:
+                for r in reps:
+                    r[k] = mix * anchor[k].detach() + (1 - mix) * r[k]
+
+    for t in range(1, steps + 1):
+        for o, r in enumerate(reps):
+            gs = [torch.func.grad(loss)(r, x[t - 1, o, i], y[t - 1, o, i]) for i in range(n_inner)]
+            for k in keys:
+                r[k] = r[k] - INNER_LR * sum(g[k] for g in gs) / n_inner
+        for p in range(n):
+            if p in pending and pending[p][0] == t:
+                merge(p, pending.pop(p)[1])
+        for p, s in enumerate(starts(every, n)):
+            if t >= s and (t - s) % every == 0:
+                delta = {
+                    k: anchor[k].detach() - sum(r[k] for r in reps) / n_outer
+                    for k in keys
+                    if frag[k] == p
+                }
+                if delay:
+                    pending[p] = (t + delay, delta)
+                else:
+                    merge(p, delta)
+    return reps
+
+
+def train(mesh, full, x, y, *, spec=None, steps: int, inner=None, **options) -> tuple:
+    """The whole-tree loop through fh (any mesh): x, y this process's ranks' batches per step
+    (on a SimMesh with the mesh dims in front). Returns the gathered params (per rank), per
+    step the comm_log events of ``dl.update``, and the DiLoCo state. ``options``: diloco's;
+    without them, plain HSDP with the same inner optimizer (``inner``, default SGD)."""
+    spec = spec or fh.hsdp(mesh, "dp_outer", "dp_inner")
+    dl = make(spec, **options) if options else None
+    inner_spec = dl.inner if dl else spec
+    params = fh.shard(full, inner_spec)
+    opt = inner or fh.sgd(INNER_LR)
+    loop = Loop(
+        mesh, inner_spec, dl, opt, params, opt.init(params), dl.init(params) if dl else None
+    )
+    events = [loop.step(x[t], y[t]) for t in range(steps)]
+    return fh.gather(loop.params, inner_spec), events, loop.state
+
+
+def make(spec, **options):
+    return fh.diloco(spec, axis="dp_outer", outer=fh.sgd(**OUTER), **options)
+
+
+class Loop:
+    """One replica group's whole-tree training loop (gather, grad, reduce_grads, inner
+    optimizer, ``dl.update``), its trees held between steps (for checkpoints)."""
+
+    def __init__(self, mesh, spec, dl, opt, params, opt_state, state):
+        self.spec, self.dl, self.opt = spec, dl, opt
+        self.params, self.opt_state, self.state = params, opt_state, state
+        self.grad = fh.per_rank(torch.func.grad(loss), mesh)
+
+    def step(self, x, y) -> list:
+        g = self.grad(fh.gather(self.params, self.spec), x, y)
+        acc = fh.reduce_grads(g, self.spec, last=True)
+        updates, self.opt_state = self.opt.update(acc, self.opt_state, self.params)
+        self.params = fh.apply_updates(self.params, updates)
+        if self.dl is None:
+            return []
+        with fh.comm_log() as log:
+            self.params, self.state = self.dl.update(self.params, self.state)
+        return [(e.op, e.axis, e.numel) for e in log.events]
+
+
+def max_error(got: dict, want: dict) -> float:
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+#: the leaf labels fragments=F gives this problem's 4 leaves (sorted keys 0.bias, 0.weight,
+#: 2.bias, 2.weight: 16, 128, 4, 64 floats): contiguous groups, about equal bytes
+LABELS = {1: [0, 0, 0, 0], 2: [0, 0, 1, 1]}

@@ -1,0 +1,204 @@
+"""fh.diloco and fh.replicas on a SimMesh: parity with the naive reference
+(tests/diloco_problem.py: dense replicas, deltas averaged by hand, torch.optim.SGD(nesterov=True)
+outside), the fragment schedule, the outer collectives' count and size, and bad input."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from diloco_problem import LABELS, data, full_params, max_error, reference, train
+
+import functional_hsdp as fh
+
+O, I = 2, 2  # noqa: E741
+
+
+def _mesh():
+    return fh.SimMesh({"dp_outer": O, "dp_inner": I})
+
+
+CASES = [
+    dict(every=e, fragments=f, delay=d, mix=m)
+    for e, f, d, m in itertools.product((1, 3), (1, 2), (0, 1), (1.0, 0.5))
+    if d < e
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_whole_tree_loop_equals_the_naive_reference(case):
+    steps = 7
+    x, y = data(steps, O, I)
+    full = full_params()
+    got, _, _ = train(_mesh(), full, x, y, steps=steps, **case)
+    want = reference(
+        full,
+        x,
+        y,
+        every=case["every"],
+        labels=LABELS[case["fragments"]],
+        delay=case["delay"],
+        mix=case["mix"],
+    )
+    for o in range(O):
+        for i in range(I):
+            rank = {k: v[o, i] for k, v in got.items()}
+            assert max_error(rank, want[o]) < 1e-5, (o, i)
+
+
+def test_every_1_with_outer_sgd_lr_1_is_hsdp():
+    steps = 5
+    x, y = data(steps, O, I)
+    full = full_params()
+    mesh = _mesh()
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+    dl = fh.diloco(spec, axis="dp_outer", every=1, outer=fh.sgd(1.0))
+    params, hsdp = fh.shard(full, dl.inner), fh.shard(full, spec)
+    state, opt = dl.init(params), fh.sgd(0.1)
+    s1, s2 = opt.init(params), opt.init(hsdp)
+    grad = fh.per_rank(torch.func.grad(__import__("diloco_problem").loss), mesh)
+    for t in range(steps):
+        acc = fh.reduce_grads(grad(fh.gather(params, dl.inner), x[t], y[t]), dl.inner, last=True)
+        u, s1 = opt.update(acc, s1, params)
+        params, state = dl.update(fh.apply_updates(params, u), state)
+        acc = fh.reduce_grads(grad(fh.gather(hsdp, spec), x[t], y[t]), spec, last=True)
+        u, s2 = opt.update(acc, s2, hsdp)
+        hsdp = fh.apply_updates(hsdp, u)
+    a, b = fh.gather(params, dl.inner), fh.gather(hsdp, spec)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+
+
+def test_steps_without_a_sync_issue_no_collective_and_a_sync_one_all_reduce_per_bucket():
+    steps, every = 8, 4
+    x, y = data(steps, O, I)
+    _, events, state = train(
+        _mesh(), full_params(), x, y, steps=steps, every=every, fragments=2, delay=1
+    )
+    pieces = [a.shape[-1] for a in state.anchor.values()]  # this rank's 1-D pieces, per leaf
+    aligned = [sum(-(-n // 16) * 16 for n in part) for part in (pieces[:2], pieces[2:])]
+    due = fh.sync_steps(every, 2, steps)
+    assert due == [[], [0], [], [1], [], [0], [], [1]]
+    for t, ev in enumerate(events, 1):
+        if not due[t - 1]:
+            assert ev == [], t
+        else:
+            # one bucket per fragment here, of the local shards' pieces (each leaf 16-aligned
+            # in the bucket; on a SimMesh the largest rank's), not the whole fragment
+            (p,) = due[t - 1]
+            assert ev == [("all_reduce", "dp_outer", aligned[p])]
+    assert sum(pieces) < 16 + 128 + 4 + 64  # a shard: the inner ranks split the model
+
+
+def test_the_inner_loop_on_replicas_never_touches_the_replica_axis():
+    mesh = _mesh()
+    spec = fh.replicas(fh.hsdp(mesh, "dp_outer", "dp_inner"), "dp_outer")
+    full = {"w": torch.randn(6, 4), "v": torch.randn(3, 8), "b": torch.randn(5)}
+    g = {k: torch.randn(O, I, *v.shape) for k, v in full.items()}
+    with fh.comm_log() as log:
+        params = fh.shard(full, spec)
+        acc = fh.reduce_grads(g, spec, last=False)
+        acc = fh.reduce_grads(g, spec, last=True, acc=acc)
+        fh.gather(params, spec)
+        fh.clip_by_global_norm(acc, spec, 1.0)
+        mg = fh.MainGrad(spec, like=full)
+        mg.accumulate(g, last=True)
+        u, _ = fh.adamw(0.1).update(acc, fh.adamw(0.1).init(params), params)
+        mats = {"w": acc["w"], "v": acc["v"]}
+        pm = {"w": params["w"], "v": params["v"]}
+        with pytest.raises(ValueError):  # a sub-tree's pieces are not its own layout
+            fh.per_matrix(lambda m: m, mats, spec)
+        owned = fh.owned(spec)
+        po = fh.shard({"w": full["w"], "v": full["v"]}, owned)
+        go = fh.reduce_grads({"w": g["w"], "v": g["v"]}, owned, last=True)
+        mu = fh.muon(owned, lr=0.1)
+        mu.update(go, mu.init(po), po)
+        del pm
+    assert {e.axis for e in log.events} == {"dp_inner"}
+    # each replica reduced its own gradients: the mean over its inner ranks
+    got = fh.gather(acc, spec)["w"]
+    want = (2 * g["w"]).mean(1, keepdim=True).expand_as(got)
+    torch.testing.assert_close(got, want)
+    # the norm is each replica's own
+    norm = fh.global_norm(acc, spec)
+    dense = torch.stack(
+        [torch.cat([(2 * g[k][o]).mean(0).flatten() for k in sorted(g)]).norm() for o in range(O)]
+    )
+    torch.testing.assert_close(norm, dense[:, None].expand(O, I))
+
+
+def test_fragments_as_an_int_cut_contiguous_groups_of_about_equal_bytes():
+    mesh = _mesh()
+    dl = fh.diloco(
+        fh.hsdp(mesh, "dp_outer", "dp_inner"),
+        axis="dp_outer",
+        every=2,
+        outer=fh.sgd(1.0),
+        fragments=2,
+    )
+    state = dl.init(fh.shard(full_params(), dl.inner))
+    marked = {
+        k: [isinstance(v, fh.Masked) for v in s.momentum.values()] if s.momentum else None
+        for k, s in state.outer.inner.items()
+    }
+    assert marked == {"0": None, "1": None}  # sgd(1.0) keeps no momentum
+    dl = fh.diloco(
+        fh.hsdp(mesh, "dp_outer", "dp_inner"),
+        axis="dp_outer",
+        every=2,
+        outer=fh.sgd(0.7, momentum=0.9),
+        fragments=2,
+    )
+    state = dl.init(fh.shard(full_params(), dl.inner))
+    got = [
+        [not isinstance(v, fh.Masked) for v in state.outer.inner[p].momentum.values()]
+        for p in ("0", "1")
+    ]
+    assert got == [[True, True, False, False], [False, False, True, True]]
+
+
+def test_bad_input_names_the_argument():
+    mesh = _mesh()
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+    outer = fh.sgd(0.7, momentum=0.9, nesterov=True)
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
+        fh.diloco(spec, axis="dp_outer", every=0, outer=outer)
+    with pytest.raises(ValueError, match="axis 'pp' is not in the mesh"):
+        fh.diloco(spec, axis="pp", every=2, outer=outer)
+    with pytest.raises(ValueError, match=r"mix must be in \(0, 1\]"):
+        fh.diloco(spec, axis="dp_outer", every=2, outer=outer, mix=0.0)
+    with pytest.raises(ValueError, match=r"mix must be in \(0, 1\]"):
+        fh.diloco(spec, axis="dp_outer", every=2, outer=outer, mix=1.5)
+    with pytest.raises(ValueError, match="delay must be an int >= 0"):
+        fh.diloco(spec, axis="dp_outer", every=2, outer=outer, delay=-1)
+    with pytest.raises(ValueError, match="delay must be < every"):
+        fh.diloco(spec, axis="dp_outer", every=2, outer=outer, delay=2)
+    with pytest.raises(NotImplementedError, match="compress="):
+        fh.diloco(spec, axis="dp_outer", every=2, outer=outer, compress="int8")
+    with pytest.raises(TypeError, match="outer must be a GradientTransformation"):
+        fh.diloco(spec, axis="dp_outer", every=2, outer=torch.optim.SGD)
+    params = fh.shard(full_params(), fh.replicas(spec, "dp_outer"))
+    bad = {"0.bias": 0, "0.weight": 1, "2.bias": 3, "2.weight": 0}
+    with pytest.raises(ValueError, match=r"fragments\['2.bias'\]: label 3 is out of range"):
+        fh.diloco(spec, axis="dp_outer", every=2, outer=outer, fragments=bad).init(params)
+    with pytest.raises(ValueError, match="fragments is not a pytree prefix"):
+        fh.diloco(spec, axis="dp_outer", every=2, outer=outer, fragments={"x": 0}).init(params)
+    with pytest.raises(ValueError, match="fragments=5 is more than the params' 4 leaves"):
+        fh.diloco(spec, axis="dp_outer", every=2, outer=outer, fragments=5).init(params)
+    with pytest.raises(ValueError, match="replicas: axis 'pp' is not in the mesh"):
+        fh.replicas(spec, "pp")
+    with pytest.raises(ValueError, match="replicas: axis 'dp_outer' is not a data-parallel"):
+        fh.replicas(fh.fsdp(mesh, "dp_inner"), "dp_outer")
+
+
+def test_a_label_tree_as_a_prefix_gives_one_fragment_per_subtree():
+    mesh = _mesh()
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+    full = {"a": {"w": torch.randn(4, 4), "b": torch.randn(4)}, "c": torch.randn(8)}
+    dl = fh.diloco(
+        spec, axis="dp_outer", every=2, outer=fh.sgd(0.5, momentum=0.5), fragments={"a": 1, "c": 0}
+    )
+    state = dl.init(fh.shard(full, dl.inner))
+    assert not isinstance(state.outer.inner["0"].momentum["c"], fh.Masked)
+    assert isinstance(state.outer.inner["0"].momentum["a"]["w"], fh.Masked)
+    assert isinstance(state.outer.inner["1"].momentum["c"], fh.Masked)
