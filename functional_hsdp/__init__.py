@@ -9,6 +9,7 @@ from .autodiff import per_example_grad_norms
 from .cache import clear_caches
 from .checkpoint import empty_state_dict, load_state_dict, state_dict
 from .collectives import all_gather, pmean, psum, psum_scatter
+from .compressed import compressed_all_reduce
 from .dtensor import to_dtensor
 from .errors import CollectiveError
 from .first_order import grad, grad_and_value
@@ -36,6 +37,7 @@ from .optim import (
     sgd,
 )
 from .owner import owned
+from .quantize import Compress, compress
 from .placement import Flat, Owner, Partial, Placement, Replicate, Shard
 from .reduce import gather, reduce_grads, shard, sync_params
 from .spec import Spec, ddp, fsdp, hfsdp, hsdp
@@ -47,6 +49,7 @@ __all__ = [
     "AdamWState",
     "CollectiveError",
     "CommLog",
+    "Compress",
     "DistMesh",
     "Event",
     "Flat",
@@ -71,6 +74,8 @@ __all__ = [
     "clear_caches",
     "clip_by_global_norm",
     "comm_log",
+    "compress",
+    "compressed_all_reduce",
     "ddp",
     "empty_state_dict",
     "fsdp",
