@@ -37,8 +37,8 @@ from .optim import (
     sgd,
 )
 from .owner import owned
-from .quantize import Compress, compress
 from .placement import Flat, Owner, Partial, Placement, Replicate, Shard
+from .quantize import Compress, compress
 from .reduce import gather, reduce_grads, shard, sync_params
 from .spec import Spec, ddp, fsdp, hfsdp, hsdp
 from .trace import CommLog, Event, comm_log

@@ -223,9 +223,7 @@ def compressed_all_reduce(
     return mesh.wait(result), (new[0] if feedback else None)
 
 
-def _check(
-    bucket: Any, axis: str, mesh: Any, compress: Any, op: str, residual: Any
-) -> None:
+def _check(bucket: Any, axis: str, mesh: Any, compress: Any, op: str, residual: Any) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"compressed_all_reduce: mesh must be a SimMesh or DistMesh; got {mesh!r}")
     mesh.size(axis)  # names the mesh's axes if it has no such axis

@@ -66,9 +66,7 @@ class Compress:
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"compress: block must be an int >= 1; got {self.block!r}")
         if not isinstance(self.error_feedback, bool):
-            raise TypeError(
-                f"compress: error_feedback must be a bool; got {self.error_feedback!r}"
-            )
+            raise TypeError(f"compress: error_feedback must be a bool; got {self.error_feedback!r}")
 
     def __repr__(self) -> str:
         name = self.dtype if isinstance(self.dtype, str) else str(self.dtype).removeprefix("torch.")
@@ -198,4 +196,3 @@ def compress(dtype: Any, *, block: int = 256, error_feedback: bool = True) -> Co
         0.129
     """
     return Compress(dtype, block=block, error_feedback=error_feedback)
-
