@@ -19,6 +19,7 @@ import optree
 from .cache import lru
 from .mesh import Mesh
 from .placement import REDUCE_OPS, Flat, Owner, Partial, Placement, Replicate, Shard, is_sharded
+from .quantize import Compress
 from .tree import format_path
 
 __all__ = ["Spec", "ddp", "fsdp", "hsdp", "hfsdp", "resolve_specs"]
@@ -67,6 +68,12 @@ class Spec:
         bucket_cap_mb: bucket size cap in MiB, counted as 4-byte elements whatever the
             dtype, so a tree's layout does not depend on its dtype (bf16 gradients line up
             with fp32 main weights). One collective per bucket per axis.
+        outer_compress: a :func:`~functional_hsdp.compress` policy for the outer axis (the
+            first of ``dp_axes``), or None. That axis must be deferred (gradient
+            ``Partial``); its reduction on the last microbatch then travels compressed
+            (:func:`~functional_hsdp.compressed_all_reduce`: all-to-all, fp32 sum,
+            all-gather; no all-gather where the optimizer is Flat on it). Other axes are
+            untouched.
 
     Flat axes split a bucket one after another; the *split order* is the gradient's Flat
     axes, then the optimizer's other Flat axes, inner axes first within each group. Every
@@ -89,6 +96,7 @@ class Spec:
     dp_axes: tuple[str, ...] | None = None
     reduce_op: str = "avg"
     bucket_cap_mb: float = 25.0
+    outer_compress: Compress | None = None
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +121,36 @@ class Spec:
         self._check_shard()
         self._check_owner()
         self._check_split()
+        self._check_compress()
+
+    def _check_compress(self) -> None:
+        policy = self.outer_compress
+        if policy is None:
+            return
+        if not isinstance(policy, Compress):
+            raise TypeError(
+                f"Spec.outer_compress: expected a policy from fh.compress(...) or None; got "
+                f"{policy!r}"
+            )
+        axis = self.compressed_axis
+        names = self.mesh.axis_names
+        g, o = self.gradient[names.index(axis)], self.optimizer[names.index(axis)]
+        if not isinstance(g, Partial):
+            raise ValueError(
+                f"Spec.outer_compress: compresses the outer axis {axis!r}, whose gradient "
+                f"placement is {g!r}: only a deferred axis (gradient Partial, reduced on the "
+                "last microbatch) can be compressed"
+            )
+        if len(self.deferred_axes) > 1:
+            raise NotImplementedError(
+                f"Spec.outer_compress: the spec defers {self.deferred_axes}; compression is "
+                "supported where the compressed axis is the only deferred one (hsdp, hfsdp)"
+            )
+        if not isinstance(o, (Replicate, Flat)):
+            raise NotImplementedError(
+                f"Spec.outer_compress: the optimizer placement {o!r} on axis {axis!r} is not "
+                "supported with compression (Replicate, hsdp, or Flat, hfsdp, are)"
+            )
 
     def _check_owner(self) -> None:
         names = self.mesh.axis_names
@@ -250,6 +288,7 @@ class Spec:
                     self.dp_axes,
                     self.reduce_op,
                     self.bucket_cap_mb,
+                    self.outer_compress,
                 )
             ),
         )
@@ -279,6 +318,11 @@ class Spec:
             )
 
         return self._memo(f"sharded_axes:{role}", axes)
+
+    @property
+    def compressed_axis(self) -> str | None:
+        """The axis ``outer_compress`` compresses (the first of ``dp_axes``), or None."""
+        return None if self.outer_compress is None else self.dp_axes[0]
 
     @property
     def deferred_axes(self) -> tuple[str, ...]:
@@ -313,9 +357,10 @@ class Spec:
 
     def __repr__(self) -> str:
         fmt = lambda ps: "[" + ", ".join(map(str, ps)) + "]"  # noqa: E731
+        extra = "" if self.outer_compress is None else f", outer_compress={self.outer_compress!r}"
         return (
             f"Spec({self.mesh!r}, parameter={fmt(self.parameter)}, gradient={fmt(self.gradient)}"
-            f", optimizer={fmt(self.optimizer)})"
+            f", optimizer={fmt(self.optimizer)}{extra})"
         )
 
 
@@ -440,6 +485,7 @@ def _hybrid(
     opt_outer: Placement,
     reduce_op: str,
     bucket_cap_mb: float,
+    outer_compress: Compress | None,
 ) -> Spec:
     axes = _axes((outer, inner), mesh, name)
     roles = {
@@ -447,11 +493,24 @@ def _hybrid(
         "gradient": {outer: Partial(reduce_op), inner: Flat()},
         "optimizer": {outer: opt_outer, inner: Flat()},
     }
-    return _preset(mesh, roles, axes, reduce_op=reduce_op, bucket_cap_mb=bucket_cap_mb)
+    return _preset(
+        mesh,
+        roles,
+        axes,
+        reduce_op=reduce_op,
+        bucket_cap_mb=bucket_cap_mb,
+        outer_compress=outer_compress,
+    )
 
 
 def hsdp(
-    mesh: Mesh, outer: str, inner: str, *, reduce_op: str = "avg", bucket_cap_mb: float = 25.0
+    mesh: Mesh,
+    outer: str,
+    inner: str,
+    *,
+    reduce_op: str = "avg",
+    bucket_cap_mb: float = 25.0,
+    outer_compress: Compress | None = None,
 ) -> Spec:
     """HSDP with deferred outer reduction (Megatron-LM PR 5743).
 
@@ -464,6 +523,10 @@ def hsdp(
         inner: the sharding axis.
         reduce_op: ``"avg"`` (default) or ``"sum"``.
         bucket_cap_mb: bucket size cap (MiB of 4-byte elements).
+        outer_compress: a :func:`~functional_hsdp.compress` policy: the last microbatch's
+            ``outer`` all-reduce travels compressed (all-to-all, fp32 sum, all-gather), its
+            rounding loss fed back through the residual (``reduce_grads(..., residual=)``,
+            :class:`MainGrad`). Default None: the reduce dtype on the wire.
 
     Returns:
         parameter ``[Replicate, Flat]``, gradient ``[Partial(op), Flat]``, optimizer
@@ -483,18 +546,26 @@ def hsdp(
         opt_outer=Replicate(),
         reduce_op=reduce_op,
         bucket_cap_mb=bucket_cap_mb,
+        outer_compress=outer_compress,
     )
 
 
 def hfsdp(
-    mesh: Mesh, outer: str, inner: str, *, reduce_op: str = "avg", bucket_cap_mb: float = 25.0
+    mesh: Mesh,
+    outer: str,
+    inner: str,
+    *,
+    reduce_op: str = "avg",
+    bucket_cap_mb: float = 25.0,
+    outer_compress: Compress | None = None,
 ) -> Spec:
     """HFSDP: like :func:`hsdp`, but the optimizer is ``[Flat, Flat]``.
 
     The last microbatch reduce-scatters over ``outer`` too; main weights and optimizer state
     are sharded over both axes.
 
-    Args: as :func:`hsdp`.
+    Args: as :func:`hsdp`; with ``outer_compress`` the ``outer`` reduce-scatter is a
+    compressed all-to-all with the sum kept in fp32 (no all-gather leg).
 
     Returns:
         parameter ``[Replicate, Flat]``, gradient ``[Partial(op), Flat]``, optimizer
@@ -513,6 +584,7 @@ def hfsdp(
         opt_outer=Flat(),
         reduce_op=reduce_op,
         bucket_cap_mb=bucket_cap_mb,
+        outer_compress=outer_compress,
     )
 
 
