@@ -62,7 +62,7 @@ class Wire(Step):
     sent: tuple[int, ...] | None = None
 
 
-def _exchange(mesh: Mesh, axis: str, nbytes: int, wire: torch.dtype) -> Wire:
+def _exchange(mesh: Mesh, axis: str, *, nbytes: int, wire: torch.dtype) -> Wire:
     """The all-to-all of equal pieces of ``nbytes`` between the ranks of ``axis``."""
     n = mesh.size(axis)
     rows = {r: (nbytes,) * n for r in np.ndindex(*mesh.sizes)}
@@ -102,57 +102,79 @@ def program(
             f"compressed reduce-scatter over {axis!r}: the bucket's {length} elements do not "
             f"split into {n} equal chunks"
         )
-    piece = -(-length // n)
-    nbytes = policy.nbytes(piece)
-    feedback = policy.error_feedback
-    lost: dict[int, torch.Tensor] = {}  # per bucket: the first leg's loss, (*batch, n, piece)
-    dtypes: dict[int, torch.dtype] = {}
-
-    def encode(b: int, buf: torch.Tensor) -> torch.Tensor:
-        dtypes[b] = buf.dtype
-        x = buf.float()
-        r = residual_in(b) if feedback else None
-        x = x + r if r is not None else x.clone()  # never the caller's buffer
-        x = torch.nn.functional.pad(x, (0, n * piece - length)).unflatten(-1, (n, piece))
-        data, approx = policy.code(x)
-        if feedback:
-            lost[b] = x - approx
-        return data.flatten(-2)
-
-    def reduce(b: int, got: torch.Tensor) -> torch.Tensor:
-        parts = policy.decode(got.unflatten(-1, (n, nbytes)), piece)
-        total = parts[..., 0, :]
-        for s in range(1, n):  # in source order: the same bits on every mesh
-            total = total + parts[..., s, :]
-        if op == "avg":
-            total = total / n
-        if scatter:
-            if feedback:
-                residual_out(b, lost.pop(b).flatten(-2)[..., :length])
-            return total.to(dtypes.pop(b))
-        data, approx = policy.code(total)
-        if feedback:  # the sum's rounding, kept by the rank that owns the piece
-            mine = _own_piece(mesh, axis, n, total.device)
-            weight = n if op == "avg" else 1
-            loss = lost.pop(b) + mine[..., None] * ((total - approx) * weight)[..., None, :]
-            residual_out(b, loss.flatten(-2)[..., :length])
-        return data
-
-    def decode(b: int, got: torch.Tensor) -> torch.Tensor:
-        parts = policy.decode(got.unflatten(-1, (n, nbytes)), piece)
-        return parts.flatten(-2)[..., :length].to(dtypes.pop(b))
-
-    items: list[Any] = [encode, _exchange(mesh, axis, nbytes, policy.wire), reduce]
+    legs = _Legs(policy, axis, mesh, op=op, scatter=scatter, length=length)
+    legs.residual_in, legs.residual_out = residual_in, residual_out  # per call, not per legs
+    items: list[Any] = [
+        legs.encode,
+        _exchange(mesh, axis, nbytes=legs.nbytes, wire=policy.wire),
+        legs.reduce,
+    ]
     if not scatter:
         gather = Wire(op="all_gather", axis=axis, reduce=None, size=n, wire=policy.wire)
-        items += [gather, decode]
+        items += [gather, legs.decode]
     return items
 
 
-def _own_piece(mesh: Mesh, axis: str, n: int, device: torch.device) -> torch.Tensor:
+class _Legs:
+    """The local items of one compressed reduction, and what passes between them per bucket
+    (the first leg's loss, the bucket's dtype) until its last item."""
+
+    def __init__(
+        self, policy: Compress, axis: str, mesh: Mesh, *, op: str, scatter: bool, length: int
+    ):
+        self.policy, self.axis, self.mesh, self.op = policy, axis, mesh, op
+        self.scatter, self.length, self.n = scatter, length, mesh.size(axis)
+        self.piece = -(-length // self.n)
+        self.nbytes = policy.nbytes(self.piece)
+        self.lost: dict[int, torch.Tensor] = {}  # per bucket: (*batch, n, piece)
+        self.dtypes: dict[int, torch.dtype] = {}
+        self.residual_in: ResidualIn = lambda b: None
+        self.residual_out: ResidualOut = lambda b, r: None
+
+    def encode(self, b: int, buf: torch.Tensor) -> torch.Tensor:
+        """Add the residual, cut into pieces, quantize: the all-to-all's bytes."""
+        self.dtypes[b] = buf.dtype
+        x = buf.float()
+        r = self.residual_in(b) if self.policy.error_feedback else None
+        x = x + r if r is not None else x.clone()  # never the caller's buffer
+        pad = self.n * self.piece - self.length
+        x = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (self.n, self.piece))
+        data, approx = self.policy.code(x)
+        if self.policy.error_feedback:
+            self.lost[b] = x - approx
+        return data.flatten(-2)
+
+    def reduce(self, b: int, got: torch.Tensor) -> torch.Tensor:
+        """Sum this rank's piece from every rank in fp32; the chunk (scatter) or its bytes."""
+        n, feedback = self.n, self.policy.error_feedback
+        parts = self.policy.decode(got.unflatten(-1, (n, self.nbytes)), self.piece)
+        total = parts[..., 0, :]
+        for s in range(1, n):  # in source order: the same bits on every mesh
+            total = total + parts[..., s, :]
+        if self.op == "avg":
+            total = total / n
+        if self.scatter:
+            if feedback:
+                self.residual_out(b, self.lost.pop(b).flatten(-2)[..., : self.length])
+            return total.to(self.dtypes.pop(b))
+        data, approx = self.policy.code(total)
+        if feedback:  # the sum's rounding, kept by the rank that owns the piece
+            mine = _own_piece(self.mesh, self.axis, device=total.device)
+            weight = n if self.op == "avg" else 1
+            loss = self.lost.pop(b) + mine[..., None] * ((total - approx) * weight)[..., None, :]
+            self.residual_out(b, loss.flatten(-2)[..., : self.length])
+        return data
+
+    def decode(self, b: int, got: torch.Tensor) -> torch.Tensor:
+        """Every piece of the sum, decoded: the result."""
+        parts = self.policy.decode(got.unflatten(-1, (self.n, self.nbytes)), self.piece)
+        return parts.flatten(-2)[..., : self.length].to(self.dtypes.pop(b))
+
+
+def _own_piece(mesh: Mesh, axis: str, *, device: torch.device) -> torch.Tensor:
     """``(*batch, n)`` float: 1 where piece ``p`` is this rank's (its coordinate on ``axis``)."""
     coord = torch.as_tensor(np.array(mesh.coordinate(axis), dtype=np.int64), device=device)
-    return (torch.arange(n, device=device) == coord[..., None]).float()
+    return (torch.arange(mesh.size(axis), device=device) == coord[..., None]).float()
 
 
 def compressed_all_reduce(
@@ -202,7 +224,7 @@ def compressed_all_reduce(
         >>> [(e.op, str(e.dtype), e.numel) for e in log.events]
         [('all_to_all', 'torch.int8', 16), ('all_gather', 'torch.int8', 8)]
     """
-    _check(bucket, axis, mesh, compress, op, residual)
+    _check(bucket, axis, mesh, compress=compress, op=op, residual=residual)
     feedback = compress.error_feedback
     if not mesh.moves(axis):  # nothing travels, nothing is rounded
         out = bucket + residual.to(bucket.dtype) if feedback and residual is not None else bucket
@@ -223,7 +245,7 @@ def compressed_all_reduce(
     return mesh.wait(result), (new[0] if feedback else None)
 
 
-def _check(bucket: Any, axis: str, mesh: Any, compress: Any, op: str, residual: Any) -> None:
+def _check(bucket: Any, axis: str, mesh: Any, *, compress: Any, op: str, residual: Any) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"compressed_all_reduce: mesh must be a SimMesh or DistMesh; got {mesh!r}")
     mesh.size(axis)  # names the mesh's axes if it has no such axis

@@ -121,12 +121,19 @@ DEFERRED = ("gradient", "optimizer")
 
 
 class Residual:
-    """Error-feedback residuals by plan bucket index: ``get(b)`` (fp32 at the gradient
-    placement, or None for zeros) and ``put(b, r)``. The caller owns them (a MainGrad's
-    buffers, or the tree ``reduce_grads`` takes and returns); this only carries them."""
+    """Error-feedback residuals by plan bucket index, ``bufs[b]``: fp32 at the gradient
+    placement (None: zeros). Its owner (a MainGrad, or ``reduce_grads`` for the tree it takes
+    and returns) keeps the list; a compressed reduction reads ``get(b)`` and replaces it with
+    ``put(b, r)``."""
 
-    def __init__(self, get: Any, put: Any):
-        self.get, self.put = get, put
+    def __init__(self, bufs: list):
+        self.bufs = bufs
+
+    def get(self, b: int) -> torch.Tensor | None:
+        return self.bufs[b]
+
+    def put(self, b: int, r: torch.Tensor) -> None:
+        self.bufs[b] = r
 
 
 def _compressed(plan: Plan, b: int, residual: Residual | None) -> list[Any]:
@@ -234,54 +241,57 @@ def reduce(
                 raise structure_error(treedef, acc, "acc", what=name)
             return optree.tree_unflatten(treedef, [])
         plan = _input_plan(grads, leaves, treedef, paths=paths, spec=spec, at=at, name=name)
-        compressing = last is True and any(s.outer_compress is not None for s in plan.specs)
-        kept = _residual_in(plan, residual, treedef, compressing=compressing, name=name)
+        compressing, store = _residual_in(plan, residual, treedef, last=last, name=name)
         legs: list = [("input", "gradient")] if at == "input" else []
         if acc is not None:  # checked before any collective
             acc_bufs = _acc_buffers(plan, acc, treedef, name=name)
             legs.append(lambda b, buf: _add(buf, acc_bufs[b]))
         if last:
             legs.append(("gradient", "optimizer"))
-        source, nonfinite = _source(
-            plan, leaves, at, check_finite=check_finite
-        )  # at: "input" or "gradient"
+        source, nonfinite = _source(plan, leaves, at, check_finite=check_finite)
         options = (f"check_finite={check_finite}", f"at={at}")
         check = dict(last=last, options=options, nonfinite=nonfinite, defer=True, units=units)
         agreed.check(plan, paths, **check)
     out_role = "optimizer" if last else "gradient"
-    store = None if kept is None else Residual(kept.__getitem__, kept.__setitem__)
     pending = start(plan, source, legs, gate=agreed.settle, residual=store)
     out, bufs = finish(plan, pending, out_role)
     tag(out, plan, out_role, kind="final" if last else "accumulating", bufs=None if last else bufs)
     result = optree.tree_unflatten(treedef, out)
-    if not compressing:
-        return result
-    if kept is None:  # no error feedback: nothing to keep
+    return _residual_out(plan, result, store=store, treedef=treedef) if compressing else result
+
+
+def _residual_out(plan: Plan, result: Any, *, store: Residual | None, treedef: Any) -> tuple:
+    """A compressed last microbatch's ``(result, new residual tree or None)``."""
+    if store is None:  # no error feedback: nothing to keep
         return result, None
-    return result, optree.tree_unflatten(treedef, plan.unpack(kept, "gradient", torch.float32))
+    leaves = plan.unpack(store.bufs, "gradient", torch.float32)
+    return result, optree.tree_unflatten(treedef, leaves)
 
 
 def _residual_in(
-    plan: Plan, residual: Any, treedef: Any, *, compressing: bool, name: str
-) -> list | None:
-    """The residual's buffers per bucket (fp32 at the gradient placement; zeros for None),
-    or None where no bucket feeds its error back. Checked before any collective."""
-    if not compressing:
+    plan: Plan, residual: Any, treedef: Any, *, last: Any, name: str
+) -> tuple[bool, Residual | None]:
+    """(whether the call compresses a reduction: the last microbatch of a spec with
+    ``outer_compress``; the residual's buffers per bucket, fp32 at the gradient placement,
+    zeros for None, or None where no bucket feeds its error back). Checked before any
+    collective."""
+    if not (last is True and any(s.outer_compress is not None for s in plan.specs)):
         if residual is not None:
             raise ValueError(
                 "reduce_grads: residual= is the error feedback of a compressed outer reduction: "
                 "pass it with last=True and a spec with outer_compress (fh.hsdp(..., "
                 "outer_compress=fh.compress(...)))"
             )
-        return None
+        return False, None
     if not any(s.outer_compress.error_feedback for s in plan.specs if s.outer_compress):
-        return None
+        return True, None
     batch = plan.mesh.batch_shape
     if residual is None:
-        return [
+        zeros = [
             torch.zeros((*batch, p["gradient"].length), device=bucket.device)
             for bucket, p in zip(plan.buckets, plan.placed)
         ]
+        return True, Residual(zeros)
     leaves, res_def, paths = flatten(residual, "residual")
     if res_def != treedef:
         raise structure_error(treedef, residual, "residual", what=name)
@@ -292,7 +302,8 @@ def _residual_in(
                 f"{path}: expected the residual's local shape {want} at the gradient "
                 f"placement (as reduce_grads returned it); got {tuple(leaf.shape)}"
             )
-    return [plan.pack(b, leaves, "gradient", dtype=torch.float32) for b in range(len(plan.buckets))]
+    n = len(plan.buckets)
+    return True, Residual([plan.pack(b, leaves, "gradient", dtype=torch.float32) for b in range(n)])
 
 
 def _source(plan: Plan, leaves: list, role: str, *, check_finite: bool) -> tuple[Any, Any]:
