@@ -19,8 +19,9 @@ zeros. A NaN or Inf poisons its whole block: the block's scale is NaN/Inf, so it
 NaN, never to a silent zero (``reduce_grads(..., check_finite=True)`` raises before any
 collective instead).
 
-The encoded form of ``n`` values is one uint8 row: the values' bytes, padded to whole blocks
-(and, for int4, to an even count), then the blocks' scales as fp32 bytes.
+The encoded form of ``n`` values is one uint8 row: the values' bytes (int4: padded to an even
+count), then the ``ceil(n / block)`` blocks' scales as fp32 bytes (the last block may be
+short).
 """
 
 from __future__ import annotations
@@ -87,11 +88,8 @@ class Compress:
         """Bytes of the encoded form of ``n`` values (scales included)."""
         if not self.scaled:
             return 2 * n
-        blocks = -(-n // self.block)
-        values = blocks * self.block
-        if self.dtype == "int4":
-            values = -(-values // 2)
-        return values + 4 * blocks
+        values = -(-n // 2) if self.dtype == "int4" else n
+        return values + 4 * -(-n // self.block)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (``(..., n)``, floating) -> its encoded bytes, ``(..., nbytes(n))`` uint8.
@@ -101,7 +99,7 @@ class Compress:
             >>> c = fh.compress(torch.int8, block=4)
             >>> x = torch.tensor([0.5, -1.0, 0.25, 0.0, 0.0, 0.0])
             >>> c.encode(x).shape, c.decode(c.encode(x), 6)
-            (torch.Size([16]), tensor([ 0.5000, -1.0000,  0.2520,  0.0000,  0.0000,  0.0000]))
+            (torch.Size([14]), tensor([ 0.5039, -1.0000,  0.2520,  0.0000,  0.0000,  0.0000]))
         """
         return self.code(x)[0]
 
@@ -114,12 +112,12 @@ class Compress:
         scale = _view(data[..., values:], torch.float32)
         q = data[..., :values]
         if self.dtype == "int4":
-            pairs = torch.stack([q & 15, q >> 4], -1).flatten(-2)
-            q = pairs[..., : blocks * self.block].to(torch.float32) - 8
+            q = torch.stack([q & 15, q >> 4], -1).flatten(-2)[..., :n].to(torch.float32) - 8
         elif self.dtype == torch.int8:
             q = _view(q, torch.int8).to(torch.float32)
         else:
             q = _view(q, torch.float8_e4m3fn).to(torch.float32)
+        q = torch.nn.functional.pad(q, (0, blocks * self.block - n))
         out = q.unflatten(-1, (blocks, self.block)) * scale[..., None]
         return out.flatten(-2)[..., :n]
 
@@ -142,13 +140,13 @@ class Compress:
         if self.dtype == torch.float8_e4m3fn:
             q = y.clamp(-largest, largest).to(torch.float8_e4m3fn)
             back = q.float()
-            raw = q.view(torch.uint8).flatten(-2)
+            raw = q.view(torch.uint8).flatten(-2)[..., :n]
         else:
             back = y.round().clamp(-largest, largest)
             if self.dtype == torch.int8:
-                raw = back.to(torch.int8).view(torch.uint8).flatten(-2)
+                raw = back.to(torch.int8).view(torch.uint8).flatten(-2)[..., :n]
             else:  # int4: offset by 8 into a nibble, two a byte (low nibble first)
-                nib = (back + 8).to(torch.uint8).flatten(-2)
+                nib = (back + 8).to(torch.uint8).flatten(-2)[..., :n]
                 if nib.shape[-1] % 2:
                     nib = torch.nn.functional.pad(nib, (0, 1), value=8)
                 raw = nib[..., 0::2] | (nib[..., 1::2] << 4)
