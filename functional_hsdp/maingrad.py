@@ -145,25 +145,27 @@ class MainGrad:
         self._fresh = [True] * len(self._buffers)
         self._empty = True  # grads are None: nothing was accumulated since zero_grad()
         self._checked: tuple | None = None  # metadata of the last gradient tree that passed
-        # error feedback of a compressed outer reduction: per bucket, what rounding lost
-        # (fp32 at the gradient placement), kept across steps; None without one
-        feedback = any(s.outer_compress and s.outer_compress.error_feedback for s in specs)
-        self._residuals = self._zero_residuals() if feedback else None
-        # the deferred reductions that gathered units start in backward (begin_microbatch)
-        self._deferred = _Deferred(
+        self._deferred = self._start_deferred()
+
+    def _start_deferred(self) -> _Deferred:
+        """The deferred reductions that gathered units start in backward (begin_microbatch),
+        and their error feedback where a spec compresses with it: per bucket, what rounding
+        lost (fp32 at the gradient placement, zeros at first), kept across steps in
+        ``_residuals`` (None without feedback)."""
+        self._residuals = None
+        if any(s.outer_compress and s.outer_compress.error_feedback for s in self.plan.specs):
+            batch = self.mesh.batch_shape
+            self._residuals = [
+                torch.zeros((*batch, p["gradient"].length), device=bucket.device)
+                for bucket, p in zip(self.plan.buckets, self.plan.placed)
+            ]
+        return _Deferred(
             self.plan,
             self._buffers,
             reduce_dtype=self.reduce_dtype,
             mesh=self.mesh,
             residual=None if self._residuals is None else engine.Residual(self._residuals),
         )
-
-    def _zero_residuals(self) -> list[torch.Tensor]:
-        batch = self.mesh.batch_shape
-        return [
-            torch.zeros((*batch, p["gradient"].length), device=bucket.device)
-            for bucket, p in zip(self.plan.buckets, self.plan.placed)
-        ]
 
     def _allocate(self) -> None:
         """The buffers, one per bucket at the gradient placement (released at once with
