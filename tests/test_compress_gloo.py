@@ -175,3 +175,37 @@ def test_shard_module_and_functional_call_train_within_the_bound(pool):
         for a, b in zip(optree.tree_leaves(w), optree.tree_leaves(w0)):
             rel = ((a - b).abs().max() / b.abs().max()).item()
             assert 0 < rel < 0.02, rel
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+def _checkpoint_task(path: str):
+    """A compressed MainGrad saved with DCP (final, then zeroed) and loaded into a new one: is
+    the residual the same, and the gradients?"""
+    import torch.distributed.checkpoint as dcp
+
+    spec = fh.hsdp(dist_mesh(), *AXES, outer_compress=fh.compress("int4", block=32))
+    like = {"a": torch.zeros(37, 5), "b": [torch.zeros(300)]}
+    mg = fh.MainGrad(spec, like=like)
+    mg.accumulate(optree.tree_map(this_rank, _grads(0, 0)), last=True)
+    same = []
+    for name in ("final", "empty"):
+        dcp.save({"mg": fh.state_dict(mg)}, checkpoint_id=f"{path}/{name}")
+        mg2 = fh.MainGrad(spec, like=like)
+        state = {"mg": fh.empty_state_dict(mg2, spec)}
+        dcp.load(state, checkpoint_id=f"{path}/{name}")
+        fh.load_state_dict(state["mg"], spec, mg2)
+        grads = mg.grads is None or _equal(mg2.grads, mg.grads)
+        same.append(grads and _equal(mg2.residual, mg.residual) and _max(mg.residual) > 0)
+        mg.zero_grad()
+    return same
+
+
+def _max(tree) -> float:
+    return max(x.abs().max().item() for x in optree.tree_leaves(tree) if x.numel())
+
+
+def test_dcp_saves_and_loads_a_compressed_maingrads_residual(pool, tmp_path):
+    for same in pool.run(_checkpoint_task, str(tmp_path)):
+        assert same == [True, True]
