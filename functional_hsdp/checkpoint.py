@@ -81,7 +81,8 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
         For a tree: ``{key: DTensor}``, one DTensor of the leaf's full shape per leaf, keyed
         by its path joined with ``"."`` (``"blocks.0.qkv"``). For an optimizer state:
         ``{"count": int, "mu": {...}, "nu": {...}}``; for a PartitionState ``{label: ...}``.
-        For a MainGrad: ``{"state": str, "grads": {...}}``. Nest them in one dict for
+        For a MainGrad: ``{"state": str, "grads": {...}}`` (and ``"residual"``, per rank,
+        under ``outer_compress`` with error feedback). Nest them in one dict for
         ``dcp.save``. Collective: every rank calls it (Flat trees all-gather one bucket at a
         time).
 
