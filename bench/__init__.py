@@ -9,6 +9,7 @@ from . import (
     agreement,
     alignment,
     compiled,
+    compress,
     deferred,
     dpsgd,
     fsdp,
@@ -49,4 +50,5 @@ BENCHMARKS = {
     "unit_checks": unit_checks,
     "muon": muon,
     "hostile": hostile,
+    "compress": compress,
 }
