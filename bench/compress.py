@@ -3,7 +3,7 @@ each with and without error feedback) versus the uncompressed fp32 outer all-red
 small Hugging Face Llama through ``fh.shard_module`` + ``fh.functional_call(into=MainGrad)``.
 
 4 gloo processes, 2x2 mesh (dp_outer, dp_inner). B13's Llama (``bench/module.py``'s model,
-data and loss; smaller by default so that nine variants train in minutes on this machine),
+data and loss at B13's full size),
 units = its decoder layers, M microbatches declared (``fh.microbatches(..., into=mg)``: each
 unit's compressed outer reduction issued from its backward), ``mg.finish()``, SGD in place
 on the shards, ``mg.zero_grad()`` (the residual stays). Every variant is built in one group
@@ -42,12 +42,12 @@ SIZES = {
         "eval": 1,
         "lr": 0.05,
     },
-    "full": {
-        "llama": {"V": 512, "D": 128, "L": 2, "heads": 4, "T": 64, "B": 4},
+    "full": {  # B13's full Llama; 60 steps: about 5 minutes for the nine variants here
+        "llama": dict(B13.SIZES["full"]["llama"]),
         "M": 2,
-        "steps": 30,
+        "steps": 60,
         "eval": 4,
-        "lr": 0.05,
+        "lr": 0.1,
     },
 }
 FORMATS = ("bf16", "fp8", "int8", "int4")

@@ -32,6 +32,7 @@ ORDER = [
     "deferred",
     "unit_checks",
     "hostile",
+    "compress",
     "module",
     "muon",
     "dpsgd",
