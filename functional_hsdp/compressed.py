@@ -103,7 +103,7 @@ def program(
             f"split into {n} equal chunks"
         )
     legs = _Legs(policy, axis, mesh, op=op, scatter=scatter, length=length)
-    legs.residual_in, legs.residual_out = residual_in, residual_out  # per call, not per legs
+    legs.residual_in, legs.residual_out = residual_in, residual_out
     items: list[Any] = [
         legs.encode,
         _exchange(mesh, axis, nbytes=legs.nbytes, wire=policy.wire),
@@ -128,6 +128,7 @@ class _Legs:
         self.nbytes = policy.nbytes(self.piece)
         self.lost: dict[int, torch.Tensor] = {}  # per bucket: (*batch, n, piece)
         self.dtypes: dict[int, torch.dtype] = {}
+        # where the bucket's residual comes from and goes (set by program)
         self.residual_in: ResidualIn = lambda b: None
         self.residual_out: ResidualOut = lambda b, r: None
 
