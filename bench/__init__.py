@@ -9,6 +9,7 @@ from . import (
     agreement,
     alignment,
     compiled,
+    compress,
     deferred,
     diloco,
     dpsgd,
@@ -51,4 +52,5 @@ BENCHMARKS = {
     "muon": muon,
     "hostile": hostile,
     "diloco": diloco,
+    "compress": compress,
 }

@@ -10,6 +10,7 @@ from .autodiff import per_example_grad_norms
 from .cache import clear_caches
 from .checkpoint import empty_state_dict, load_state_dict, state_dict
 from .collectives import all_gather, pmean, psum, psum_scatter
+from .compressed import compressed_all_reduce
 from .diloco import DiLoCo, DiLoCoState, diloco, sync_steps
 from .dtensor import to_dtensor
 from .errors import CollectiveError
@@ -49,6 +50,7 @@ from .optim import (
 )
 from .owner import owned
 from .placement import Flat, Owner, Partial, Placement, Replicate, Shard
+from .quantize import Compress, compress
 from .reduce import gather, reduce_grads, shard, sync_params
 from .spec import Spec, ddp, fsdp, hfsdp, hsdp, replicas
 from .trace import CommLog, Event, comm_log
@@ -60,6 +62,7 @@ __all__ = [
     "ChainState",
     "CollectiveError",
     "CommLog",
+    "Compress",
     "DistMesh",
     "EmptyState",
     "Event",
@@ -92,6 +95,8 @@ __all__ = [
     "clip_by_global_norm",
     "clip_global_norm",
     "comm_log",
+    "compress",
+    "compressed_all_reduce",
     "ddp",
     "diloco",
     "empty_state_dict",

@@ -103,7 +103,8 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
         by its path joined with ``"."`` (``"blocks.0.qkv"``). For an optimizer state:
         ``{"count": int, "mu": {...}, "nu": {...}}``; for a PartitionState ``{label: ...}``;
         for a ChainState ``{"0": ..., "1": ...}``, one entry per transformation.
-        For a MainGrad: ``{"state": str, "grads": {...}}``. Nest them in one dict for
+        For a MainGrad: ``{"state": str, "grads": {...}}`` (and ``"residual"``, per rank,
+        under ``outer_compress`` with error feedback). Nest them in one dict for
         ``dcp.save``. Collective: every rank calls it (Flat trees all-gather one bucket at a
         time).
 
@@ -144,7 +145,8 @@ def empty_state_dict(like: Any, spec: Any = None) -> dict[str, Any]:
     """
     if isinstance(like, MainGrad):
         _check_maingrad_spec(like, spec)
-        return {"state": "final", "grads": _placeholders(like.plan)}
+        residual = _residual_state(like, like.state_dict()["residuals"])
+        return {"state": "final", "grads": _placeholders(like.plan), **residual}
     if isinstance(like, DiLoCoState):
         return _diloco(like, spec, lambda sub, _: empty_state_dict(sub, spec))
     return _placeholders_of(like, spec, of_transform=False)
@@ -782,12 +784,48 @@ def _maingrad_state(mg: MainGrad, spec: Any) -> dict[str, Any]:
             raise ValueError(_MID_ACCUMULATION.format(axes=_deferred(mg.plan)))
         paths = _paths(mg.plan, "grads")
         agreed.check(mg.plan, paths, options=(f"MainGrad {mg.state}",))
+    residual = _residual_state(mg, mg.state_dict()["residuals"])
     if grads is None:  # zeroed: nothing to gather
         holders = _placeholders(mg.plan)
-        return {"state": "empty", "grads": {k: _zero(v) for k, v in holders.items()}}
+        return {"state": "empty", "grads": {k: _zero(v) for k, v in holders.items()}, **residual}
     leaves = optree.tree_leaves(grads)
     keys = _keys(mg.plan.treedef, paths)
-    return {"state": "final", "grads": dict(zip(keys, to_checkpoint(mg.plan, leaves)))}
+    grads = dict(zip(keys, to_checkpoint(mg.plan, leaves)))
+    return {"state": "final", "grads": grads, **residual}
+
+
+def _residual_state(mg: MainGrad, residuals: list | None) -> dict[str, Any]:
+    """``{"residual": {bucket: DTensor}}`` for a MainGrad that feeds back a compressed
+    reduction's error (else ``{}``): each rank's residual of a bucket as its block of one
+    DTensor ``(*mesh shape, L)`` sharded over every mesh dim. It is per-rank state (each
+    replica's own rounding loss, at the gradient placement), so it loads on the same mesh
+    and layout only."""
+    if residuals is None:
+        return {}
+    dm = _device_mesh(mg.mesh)
+    place, ones = [Shard(d) for d in range(dm.ndim)], (1,) * dm.ndim
+    return {
+        "residual": {
+            str(b): DTensor.from_local(r.reshape(*ones, -1), dm, place, run_check=False)
+            for b, r in enumerate(residuals)
+        }
+    }
+
+
+def _load_residual(state: dict, mg: MainGrad) -> None:
+    """Restore what :func:`_residual_state` saved into ``mg`` (nothing to do without one)."""
+    mine = mg.state_dict()
+    if mine["residuals"] is None:
+        return
+    saved = state.get("residual")
+    if not isinstance(saved, dict) or len(saved) != len(mine["residuals"]):
+        raise ValueError(
+            "state['residual']: this MainGrad feeds back a compressed reduction's error; the "
+            "state has no residual of each of its buckets (saved by fh.state_dict of a "
+            "MainGrad with the same spec, on the same mesh)"
+        )
+    local = [saved[str(b)].to_local().reshape(-1) for b in range(len(saved))]
+    mg.load_state_dict({**mine, "residuals": local})
 
 
 _MID_ACCUMULATION = (
@@ -820,6 +858,7 @@ def _load_maingrad(state: dict, spec: Any, mg: MainGrad) -> MainGrad:
     if saved == "empty":
         _check_maingrad_spec(mg, spec)
         mg.zero_grad(set_to_none=True)
+        _load_residual(state, mg)
         return mg
     plan = mg.plan
     with validate.agreement(mg.mesh, "load_state_dict") as agreed:
@@ -839,6 +878,8 @@ def _load_maingrad(state: dict, spec: Any, mg: MainGrad) -> MainGrad:
             "fresh": [False] * n,
             "empty": False,
             "buffers": mg.buffers,
+            "residuals": mg.state_dict()["residuals"],
         }
     )
+    _load_residual(state, mg)
     return mg

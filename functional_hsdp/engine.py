@@ -25,7 +25,7 @@ from typing import Any
 import optree
 import torch
 
-from . import validate
+from . import compressed, validate
 from .lookup import check_local, find_layout, grads_plan, plan_for, traced_grads_plan
 from .plan import Plan, remember_layout
 from .schedule import expand, run
@@ -42,6 +42,8 @@ from .tree import (
 
 __all__ = [
     "AT",
+    "DEFERRED",
+    "Residual",
     "finish",
     "move",
     "reduce",
@@ -69,9 +71,13 @@ def start(
     sink: Any = None,
     gate: Any = None,
     buckets: Any = None,
+    residual: Residual | None = None,
 ) -> list[Any]:
     """Issue every bucket's role changes ``legs``; returns per bucket its result, the last
     collective possibly in flight (:func:`finish` waits and unpacks).
+
+    A bucket whose spec has ``outer_compress`` runs its deferred reduction (the leg
+    ``gradient -> optimizer``) on that axis compressed (:mod:`functional_hsdp.compressed`).
 
     Args:
         plan: the plan.
@@ -86,6 +92,8 @@ def start(
         gate: as in :func:`~functional_hsdp.schedule.run`: the call's agreement, settled
             just before the first collective.
         buckets: the buckets to run (default: every one); the results are theirs, in order.
+        residual: the error-feedback residuals of compressed buckets (:class:`Residual`),
+            read and written by plan bucket index; None: start from zeros, keep nothing.
     """
     if buckets is not None:  # the scheduler counts from 0: name the plan's buckets for it
         chosen = list(buckets)
@@ -98,9 +106,55 @@ def start(
     for b in chosen:
         items: list = []
         for leg in legs:
-            items.extend(plan.program(b, *leg) if isinstance(leg, tuple) else (leg,))
+            if not isinstance(leg, tuple):
+                items.append(leg)
+            elif leg == DEFERRED and plan.buckets[b].spec.outer_compress is not None:
+                items.extend(_compressed(plan, b, residual))
+            else:
+                items.extend(plan.program(b, *leg))
         programs.append(expand(items, wire or plan.buckets[b].dtype))
     return run(plan.mesh, programs, source, depth=depth, sink=sink, gate=gate)
+
+
+#: the role change of the deferred reduction: the one ``outer_compress`` compresses
+DEFERRED = ("gradient", "optimizer")
+
+
+class Residual:
+    """Error-feedback residuals by plan bucket index, ``bufs[b]``: fp32 at the gradient
+    placement (None: zeros). Its owner (a MainGrad, or ``reduce_grads`` for the tree it takes
+    and returns) keeps the list; a compressed reduction reads ``get(b)`` and replaces it with
+    ``put(b, r)``."""
+
+    def __init__(self, bufs: list):
+        self.bufs = bufs
+
+    def get(self, b: int) -> torch.Tensor | None:
+        return self.bufs[b]
+
+    def put(self, b: int, r: torch.Tensor) -> None:
+        self.bufs[b] = r
+
+
+def _compressed(plan: Plan, b: int, residual: Residual | None) -> list[Any]:
+    """Bucket ``b``'s deferred reduction with its spec's compressed axis compressed."""
+    spec, out = plan.buckets[b].spec, []
+    steps = plan.program(b, *DEFERRED)
+    for step in steps:  # the spec's checks make the compressed axis the only deferred one
+        if step.axis != spec.compressed_axis or step.op not in ("all_reduce", "reduce_scatter"):
+            out.append(step)
+            continue
+        out += compressed.program(
+            spec.outer_compress,
+            step.axis,
+            plan.mesh,
+            op=step.reduce,
+            scatter=step.op == "reduce_scatter",
+            length=plan.placed[b]["gradient"].length,
+            residual_in=lambda _: None if residual is None else residual.get(b),
+            residual_out=lambda _, r: None if residual is None else residual.put(b, r),
+        )
+    return out
 
 
 def _renumbered(fn: Any, chosen: list[int]) -> Any:
@@ -166,10 +220,13 @@ def reduce(
     call: str = "reduce_grads",
     mode: str,
     units: bool = False,
+    residual: Any = None,
 ) -> Any:
     """One microbatch: reduce ``grads`` (at role ``at``), add ``acc``, finish on ``last``.
     ``mode``: the validation mode, read by the public call (``validate.current_mode()``), or
-    handed to a backward by its forward (psum, pmean). ``units``: see ``Agreement.check``."""
+    handed to a backward by its forward (psum, pmean). ``units``: see ``Agreement.check``.
+    On the last microbatch of a spec with ``outer_compress``: ``(result, new residual)``,
+    ``residual`` the previous one (see :func:`~functional_hsdp.reduce_grads`)."""
     leaves, treedef, paths = flatten(grads, name)
     refuse_vmap(leaves, call)
     with validate.agreement_in_mode(spec, call, mode) as agreed:  # a local error: all raise
@@ -184,22 +241,69 @@ def reduce(
                 raise structure_error(treedef, acc, "acc", what=name)
             return optree.tree_unflatten(treedef, [])
         plan = _input_plan(grads, leaves, treedef, paths=paths, spec=spec, at=at, name=name)
+        compressing, store = _residual_in(plan, residual, treedef, last=last, name=name)
         legs: list = [("input", "gradient")] if at == "input" else []
         if acc is not None:  # checked before any collective
             acc_bufs = _acc_buffers(plan, acc, treedef, name=name)
             legs.append(lambda b, buf: _add(buf, acc_bufs[b]))
         if last:
             legs.append(("gradient", "optimizer"))
-        source, nonfinite = _source(
-            plan, leaves, at, check_finite=check_finite
-        )  # at: "input" or "gradient"
+        source, nonfinite = _source(plan, leaves, at, check_finite=check_finite)
         options = (f"check_finite={check_finite}", f"at={at}")
         check = dict(last=last, options=options, nonfinite=nonfinite, defer=True, units=units)
         agreed.check(plan, paths, **check)
     out_role = "optimizer" if last else "gradient"
-    out, bufs = finish(plan, start(plan, source, legs, gate=agreed.settle), out_role)
+    pending = start(plan, source, legs, gate=agreed.settle, residual=store)
+    out, bufs = finish(plan, pending, out_role)
     tag(out, plan, out_role, kind="final" if last else "accumulating", bufs=None if last else bufs)
-    return optree.tree_unflatten(treedef, out)
+    result = optree.tree_unflatten(treedef, out)
+    return _residual_out(plan, result, store=store, treedef=treedef) if compressing else result
+
+
+def _residual_out(plan: Plan, result: Any, *, store: Residual | None, treedef: Any) -> tuple:
+    """A compressed last microbatch's ``(result, new residual tree or None)``."""
+    if store is None:  # no error feedback: nothing to keep
+        return result, None
+    leaves = plan.unpack(store.bufs, "gradient", torch.float32)
+    return result, optree.tree_unflatten(treedef, leaves)
+
+
+def _residual_in(
+    plan: Plan, residual: Any, treedef: Any, *, last: Any, name: str
+) -> tuple[bool, Residual | None]:
+    """(whether the call compresses a reduction: the last microbatch of a spec with
+    ``outer_compress``; the residual's buffers per bucket, fp32 at the gradient placement,
+    zeros for None, or None where no bucket feeds its error back). Checked before any
+    collective."""
+    if not (last is True and any(s.outer_compress is not None for s in plan.specs)):
+        if residual is not None:
+            raise ValueError(
+                "reduce_grads: residual= is the error feedback of a compressed outer reduction: "
+                "pass it with last=True and a spec with outer_compress (fh.hsdp(..., "
+                "outer_compress=fh.compress(...)))"
+            )
+        return False, None
+    if not any(s.outer_compress.error_feedback for s in plan.specs if s.outer_compress):
+        return True, None
+    batch = plan.mesh.batch_shape
+    if residual is None:
+        zeros = [
+            torch.zeros((*batch, p["gradient"].length), device=bucket.device)
+            for bucket, p in zip(plan.buckets, plan.placed)
+        ]
+        return True, Residual(zeros)
+    leaves, res_def, paths = flatten(residual, "residual")
+    if res_def != treedef:
+        raise structure_error(treedef, residual, "residual", what=name)
+    check_tensors(leaves, paths, plan.mesh, floating=True, batched=True)
+    for leaf, path, want in zip(leaves, paths, plan.local_shapes["gradient"]):
+        if tuple(leaf.shape) != want:
+            raise ValueError(
+                f"{path}: expected the residual's local shape {want} at the gradient "
+                f"placement (as reduce_grads returned it); got {tuple(leaf.shape)}"
+            )
+    n = len(plan.buckets)
+    return True, Residual([plan.pack(b, leaves, "gradient", dtype=torch.float32) for b in range(n)])
 
 
 def _source(plan: Plan, leaves: list, role: str, *, check_finite: bool) -> tuple[Any, Any]:

@@ -145,9 +145,26 @@ class MainGrad:
         self._fresh = [True] * len(self._buffers)
         self._empty = True  # grads are None: nothing was accumulated since zero_grad()
         self._checked: tuple | None = None  # metadata of the last gradient tree that passed
-        # the deferred reductions that gathered units start in backward (begin_microbatch)
-        self._deferred = _Deferred(
-            self.plan, self._buffers, reduce_dtype=self.reduce_dtype, mesh=self.mesh
+        self._deferred = self._start_deferred()
+
+    def _start_deferred(self) -> _Deferred:
+        """The deferred reductions that gathered units start in backward (begin_microbatch),
+        and their error feedback where a spec compresses with it: per bucket, what rounding
+        lost (fp32 at the gradient placement, zeros at first), kept across steps in
+        ``_residuals`` (None without feedback)."""
+        self._residuals = None
+        if any(s.outer_compress and s.outer_compress.error_feedback for s in self.plan.specs):
+            batch = self.mesh.batch_shape
+            self._residuals = [
+                torch.zeros((*batch, p["gradient"].length), device=bucket.device)
+                for bucket, p in zip(self.plan.buckets, self.plan.placed)
+            ]
+        return _Deferred(
+            self.plan,
+            self._buffers,
+            reduce_dtype=self.reduce_dtype,
+            mesh=self.mesh,
+            residual=None if self._residuals is None else engine.Residual(self._residuals),
         )
 
     def _allocate(self) -> None:
@@ -188,6 +205,19 @@ class MainGrad:
         bufs = [buf[..., : p[role].length] for buf, p in zip(self._buffers, self.plan.placed)]
         leaves = self.plan.unpack(bufs, role)
         tag(leaves, self.plan, role, kind="final" if self._state == "final" else "accumulating")
+        return optree.tree_unflatten(self.plan.treedef, leaves)
+
+    @property
+    def residual(self) -> Any:
+        """The error feedback of a compressed outer reduction (``outer_compress`` with
+        ``error_feedback=True``): what rounding lost, per rank, as a tree like :attr:`grads`
+        at the gradient placement (fp32), added into the next step's reduction. Kept by
+        ``zero_grad()``, saved by :meth:`state_dict` and ``fh.state_dict``. None without
+        error feedback."""
+        if self._residuals is None:
+            return None
+        self._deferred.land_all()
+        leaves = self.plan.unpack(list(self._residuals), "gradient", torch.float32)
         return optree.tree_unflatten(self.plan.treedef, leaves)
 
     @torch.compiler.disable  # under torch.compile: run eagerly, a clean graph break
@@ -368,7 +398,8 @@ class MainGrad:
             )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Start a new step, with ``torch.optim``'s meaning of ``set_to_none``.
+        """Start a new step, with ``torch.optim``'s meaning of ``set_to_none``. The
+        :attr:`residual` of a compressed outer reduction is kept: it belongs to the next step.
 
         Args:
             set_to_none: True: :attr:`grads` is None until the next ``accumulate``, which
@@ -403,6 +434,7 @@ class MainGrad:
                 buf.detach().clone() if alive else torch.zeros_like(buf)
                 for buf, alive in zip(self._buffers, self._alive)
             ],
+            "residuals": None if self._residuals is None else [r.clone() for r in self._residuals],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -427,9 +459,12 @@ class MainGrad:
                     f"state_dict['buffers'][{b}]: has shape {tuple(saved.shape)} {saved.dtype}; "
                     f"expected {tuple(buf.shape)} {buf.dtype}"
                 )
+        residuals = self._loaded_residuals(state_dict.get("residuals"))
         for b, (buf, saved) in enumerate(zip(self._buffers, buffers)):
             self._hold(b)
             buf.copy_(saved)
+        if residuals is not None:
+            self._residuals[:] = residuals
         if state_dict["state"] not in ("accumulating", "final"):
             raise ValueError(f"load_state_dict: unknown state {state_dict['state']!r}")
         fresh = state_dict.get("fresh")
@@ -437,6 +472,23 @@ class MainGrad:
             raise ValueError("load_state_dict: not a MainGrad state_dict (no per-bucket 'fresh')")
         self._state, self._fresh = state_dict["state"], [bool(f) for f in fresh]
         self._empty = bool(state_dict.get("empty", all(self._fresh)))
+
+    def _loaded_residuals(self, saved: Any) -> list[torch.Tensor] | None:
+        """The residuals of a state dict, checked against this MainGrad's (copies)."""
+        if self._residuals is None:
+            return None
+        if saved is None:  # a state dict of a MainGrad without error feedback
+            raise ValueError(
+                "load_state_dict: this MainGrad feeds back a compressed reduction's error; "
+                "the state_dict holds no 'residuals'"
+            )
+        for b, (mine, r) in enumerate(zip(self._residuals, saved)):
+            if r.shape != mine.shape:
+                raise ValueError(
+                    f"state_dict['residuals'][{b}]: has shape {tuple(r.shape)}; expected "
+                    f"{tuple(mine.shape)}"
+                )
+        return [r.detach().to(torch.float32, copy=True) for r in saved]
 
     def __repr__(self) -> str:
         n = sum(buf.numel() for buf in self._buffers)
@@ -574,8 +626,17 @@ class _Deferred:
     #: the role change of the deferred reduction
     LEG = ("gradient", "optimizer")
 
-    def __init__(self, plan: Plan, buffers: list, *, reduce_dtype: torch.dtype, mesh: Any):
+    def __init__(
+        self,
+        plan: Plan,
+        buffers: list,
+        *,
+        reduce_dtype: torch.dtype,
+        mesh: Any,
+        residual: engine.Residual | None = None,
+    ):
         self.plan, self.buffers, self.reduce_dtype, self.mesh = plan, buffers, reduce_dtype, mesh
+        self.residual = residual  # the MainGrad's residuals, if it compresses with feedback
         self.last = False  # the next backward is the step's last (begin_microbatch)
         self.uses: dict[tuple[int, ...], int] = {}  # per unit: calls whose gradient is due
         self.issued: set[int] = set()  # buckets whose deferred reduction was issued
@@ -620,7 +681,12 @@ class _Deferred:
         if not todo:
             return
         pending = engine.start(
-            self.plan, self._source, [self.LEG], wire=self.reduce_dtype, buckets=todo
+            self.plan,
+            self._source,
+            [self.LEG],
+            wire=self.reduce_dtype,
+            buckets=todo,
+            residual=self.residual,
         )
         self.inflight.extend(DeferredReduction(b, p) for b, p in zip(todo, pending))
         while len(self.inflight) > DEPTH:
@@ -659,6 +725,7 @@ class _Deferred:
             wire=self.reduce_dtype,
             sink=self._landed,
             buckets=rest,
+            residual=self.residual,
         )
 
 

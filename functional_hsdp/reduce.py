@@ -26,6 +26,7 @@ def reduce_grads(
     acc: Any = None,
     at: str = "input",
     check_finite: bool = False,
+    residual: Any = None,
 ) -> Any:
     """Reduce one microbatch's per-rank gradients and add them to the running sum.
 
@@ -49,11 +50,18 @@ def reduce_grads(
             buckets read on the host (a host-device sync) and, even under
             ``validation("off")``, the agreement's summary per call on a DistMesh; must be
             the same on every rank.
+        residual: with a spec whose ``outer_compress`` feeds its error back, on the last
+            microbatch: the residual the previous step's call returned (None on the first
+            step: zeros). Each rank's rounding loss, at the gradient placement; state the
+            caller keeps and checkpoints (nothing is kept for it).
 
     Returns:
         A new tree with the structure of ``grads``: local shards at the gradient placement
         (still Partial on the deferred axes) or, when ``last``, at the optimizer placement.
-        A Flat leaf's local shard is its part of the rank's bucket chunk, 1-D.
+        A Flat leaf's local shard is its part of the rank's bucket chunk, 1-D. On the last
+        microbatch of a spec with ``outer_compress``: ``(grads, residual)``, the new
+        residual a tree like ``grads`` at the gradient placement (fp32), or None without
+        error feedback.
 
     Example:
         >>> import torch, functional_hsdp as fh
@@ -66,22 +74,32 @@ def reduce_grads(
         tensor([2., 2., 2.])
     """
     if check_finite and torch.compiler.is_compiling():  # its check reads the data: eager
-        return _checked_eagerly(grads, spec, last=last, acc=acc, at=at)
+        return _checked_eagerly(grads, spec, last=last, acc=acc, at=at, residual=residual)
     mode = validate.current_mode()
     # the step's last reduction of units' gradients also agrees on the units the ranks ran
     units = last is True and at == "gradient"
     return engine.reduce(
-        grads, spec, last=last, acc=acc, at=at, check_finite=check_finite, mode=mode, units=units
+        grads,
+        spec,
+        last=last,
+        acc=acc,
+        at=at,
+        check_finite=check_finite,
+        mode=mode,
+        units=units,
+        residual=residual,
     )
 
 
 @torch.compiler.disable
-def _checked_eagerly(grads: Any, spec: Any, *, last: Any, acc: Any, at: str) -> Any:
+def _checked_eagerly(grads: Any, spec: Any, *, last: Any, acc: Any, at: str, residual: Any) -> Any:
     """``reduce_grads(..., check_finite=True)`` inside a function ``torch.compile`` traces:
     run eagerly, at a graph break (under ``fullgraph=True`` that break is dynamo's error),
     since the check reads the gradients' values on the host."""
     mode = validate.current_mode()
-    return engine.reduce(grads, spec, last=last, acc=acc, at=at, check_finite=True, mode=mode)
+    return engine.reduce(
+        grads, spec, last=last, acc=acc, at=at, check_finite=True, mode=mode, residual=residual
+    )
 
 
 def shard(tree: Any, spec: Any, *, to: str = "optimizer", stacked: bool | None = None) -> Any:

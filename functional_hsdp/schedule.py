@@ -77,12 +77,14 @@ def issue(mesh: Any, buf: torch.Tensor, step: Step) -> Any:
         return mesh.geometry.chunk(buf, step.axis)
     if not torch.compiler.is_compiling():  # traced collectives are not logged
         impl = mesh.diagnostics.describe(step.op, step.axis, step.reduce)
+        # compressed bytes (a Wire step) are reported in the policy's wire dtype
+        dtype = getattr(step, "wire", None) or buf.dtype
         record(
             Event(
                 op=step.op,
                 axis=step.axis,
-                dtype=buf.dtype,
-                numel=buf.shape[-1],
+                dtype=dtype,
+                numel=buf.shape[-1] * buf.dtype.itemsize // dtype.itemsize,
                 reduce=step.reduce,
                 impl=impl,
                 sent=getattr(step, "sent", None),
@@ -92,7 +94,7 @@ def issue(mesh: Any, buf: torch.Tensor, step: Step) -> Any:
         return mesh.reduce_scatter(buf, step.axis, step.reduce)
     if step.op == "all_reduce":
         return mesh.all_reduce(buf, step.axis, step.reduce)
-    if step.op == "all_to_all":  # an Exchange step (functional_hsdp.owner): it carries counts
+    if step.op == "all_to_all":  # an Exchange (owner) or Wire (compressed) step: its counts
         return mesh.all_to_all(buf, step.axis, counts=step.rows, length=step.length)
     return mesh.all_gather(buf, step.axis)
 

@@ -19,6 +19,7 @@ import optree
 from .cache import lru
 from .mesh import Mesh
 from .placement import REDUCE_OPS, Flat, Owner, Partial, Placement, Replicate, Shard, is_sharded
+from .quantize import Compress
 from .tree import format_path
 
 __all__ = ["Spec", "ddp", "fsdp", "hsdp", "hfsdp", "replicas", "resolve_specs"]
@@ -70,6 +71,12 @@ class Spec:
         replica_axes: axes of diverging replicas (made by :func:`replicas`): not
             data-parallel, Replicate in every role, never communicated over, but each
             coordinate holds its own values (checkpoints save every replica's).
+        outer_compress: a :func:`~functional_hsdp.compress` policy for the outer axis (the
+            first of ``dp_axes``), or None. That axis must be deferred (gradient
+            ``Partial``); its reduction on the last microbatch then travels compressed
+            (:func:`~functional_hsdp.compressed_all_reduce`: all-to-all, fp32 sum,
+            all-gather; no all-gather where the optimizer is Flat on it). Other axes are
+            untouched.
 
     Flat axes split a bucket one after another; the *split order* is the gradient's Flat
     axes, then the optimizer's other Flat axes, inner axes first within each group. Every
@@ -93,6 +100,7 @@ class Spec:
     reduce_op: str = "avg"
     bucket_cap_mb: float = 25.0
     replica_axes: tuple[str, ...] = ()
+    outer_compress: Compress | None = None
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -124,6 +132,36 @@ class Spec:
         self._check_shard()
         self._check_owner()
         self._check_split()
+        self._check_compress()
+
+    def _check_compress(self) -> None:
+        policy = self.outer_compress
+        if policy is None:
+            return
+        if not isinstance(policy, Compress):
+            raise TypeError(
+                f"Spec.outer_compress: expected a policy from fh.compress(...) or None; got "
+                f"{policy!r}"
+            )
+        axis = self.compressed_axis
+        names = self.mesh.axis_names
+        g, o = self.gradient[names.index(axis)], self.optimizer[names.index(axis)]
+        if not isinstance(g, Partial):
+            raise ValueError(
+                f"Spec.outer_compress: compresses the outer axis {axis!r}, whose gradient "
+                f"placement is {g!r}: only a deferred axis (gradient Partial, reduced on the "
+                "last microbatch) can be compressed"
+            )
+        if len(self.deferred_axes) > 1:
+            raise NotImplementedError(
+                f"Spec.outer_compress: the spec defers {self.deferred_axes}; compression is "
+                "supported where the compressed axis is the only deferred one (hsdp, hfsdp)"
+            )
+        if not isinstance(o, (Replicate, Flat)):
+            raise NotImplementedError(
+                f"Spec.outer_compress: the optimizer placement {o!r} on axis {axis!r} is not "
+                "supported with compression (Replicate, hsdp, or Flat, hfsdp, are)"
+            )
 
     def _check_owner(self) -> None:
         names = self.mesh.axis_names
@@ -262,6 +300,7 @@ class Spec:
                     self.reduce_op,
                     self.bucket_cap_mb,
                     self.replica_axes,
+                    self.outer_compress,
                 )
             ),
         )
@@ -291,6 +330,11 @@ class Spec:
             )
 
         return self._memo(f"sharded_axes:{role}", axes)
+
+    @property
+    def compressed_axis(self) -> str | None:
+        """The axis ``outer_compress`` compresses (the first of ``dp_axes``), or None."""
+        return None if self.outer_compress is None else self.dp_axes[0]
 
     @property
     def deferred_axes(self) -> tuple[str, ...]:
@@ -326,9 +370,10 @@ class Spec:
     def __repr__(self) -> str:
         fmt = lambda ps: "[" + ", ".join(map(str, ps)) + "]"  # noqa: E731
         replicas = f", replica_axes={self.replica_axes}" if self.replica_axes else ""
+        extra = "" if self.outer_compress is None else f", outer_compress={self.outer_compress!r}"
         return (
             f"Spec({self.mesh!r}, parameter={fmt(self.parameter)}, gradient={fmt(self.gradient)}"
-            f", optimizer={fmt(self.optimizer)}{replicas})"
+            f", optimizer={fmt(self.optimizer)}{replicas}{extra})"
         )
 
 
@@ -453,6 +498,7 @@ def _hybrid(
     opt_outer: Placement,
     reduce_op: str,
     bucket_cap_mb: float,
+    outer_compress: Compress | None,
 ) -> Spec:
     axes = _axes((outer, inner), mesh, name)
     roles = {
@@ -460,11 +506,24 @@ def _hybrid(
         "gradient": {outer: Partial(reduce_op), inner: Flat()},
         "optimizer": {outer: opt_outer, inner: Flat()},
     }
-    return _preset(mesh, roles, axes, reduce_op=reduce_op, bucket_cap_mb=bucket_cap_mb)
+    return _preset(
+        mesh,
+        roles,
+        axes,
+        reduce_op=reduce_op,
+        bucket_cap_mb=bucket_cap_mb,
+        outer_compress=outer_compress,
+    )
 
 
 def hsdp(
-    mesh: Mesh, outer: str, inner: str, *, reduce_op: str = "avg", bucket_cap_mb: float = 25.0
+    mesh: Mesh,
+    outer: str,
+    inner: str,
+    *,
+    reduce_op: str = "avg",
+    bucket_cap_mb: float = 25.0,
+    outer_compress: Compress | None = None,
 ) -> Spec:
     """HSDP with deferred outer reduction (Megatron-LM PR 5743).
 
@@ -477,6 +536,10 @@ def hsdp(
         inner: the sharding axis.
         reduce_op: ``"avg"`` (default) or ``"sum"``.
         bucket_cap_mb: bucket size cap (MiB of 4-byte elements).
+        outer_compress: a :func:`~functional_hsdp.compress` policy: the last microbatch's
+            ``outer`` all-reduce travels compressed (all-to-all, fp32 sum, all-gather), its
+            rounding loss fed back through the residual (``reduce_grads(..., residual=)``,
+            :class:`MainGrad`). Default None: the reduce dtype on the wire.
 
     Returns:
         parameter ``[Replicate, Flat]``, gradient ``[Partial(op), Flat]``, optimizer
@@ -496,18 +559,26 @@ def hsdp(
         opt_outer=Replicate(),
         reduce_op=reduce_op,
         bucket_cap_mb=bucket_cap_mb,
+        outer_compress=outer_compress,
     )
 
 
 def hfsdp(
-    mesh: Mesh, outer: str, inner: str, *, reduce_op: str = "avg", bucket_cap_mb: float = 25.0
+    mesh: Mesh,
+    outer: str,
+    inner: str,
+    *,
+    reduce_op: str = "avg",
+    bucket_cap_mb: float = 25.0,
+    outer_compress: Compress | None = None,
 ) -> Spec:
     """HFSDP: like :func:`hsdp`, but the optimizer is ``[Flat, Flat]``.
 
     The last microbatch reduce-scatters over ``outer`` too; main weights and optimizer state
     are sharded over both axes.
 
-    Args: as :func:`hsdp`.
+    Args: as :func:`hsdp`; with ``outer_compress`` the ``outer`` reduce-scatter is a
+    compressed all-to-all with the sum kept in fp32 (no all-gather leg).
 
     Returns:
         parameter ``[Replicate, Flat]``, gradient ``[Partial(op), Flat]``, optimizer
@@ -526,6 +597,7 @@ def hfsdp(
         opt_outer=Flat(),
         reduce_op=reduce_op,
         bucket_cap_mb=bucket_cap_mb,
+        outer_compress=outer_compress,
     )
 
 
@@ -573,6 +645,12 @@ def _replicas(spec: Spec, axis: str) -> Spec:
             f"replicas: axis {axis!r} is not a data-parallel axis of spec (dp_axes="
             f"{spec.dp_axes}); give the axis the replicas train apart along"
         )
+    if spec.outer_compress is not None and spec.compressed_axis == axis:
+        raise ValueError(
+            f"replicas: spec compresses the outer axis {axis!r} (outer_compress="
+            f"{spec.outer_compress!r}), which becomes an axis of replicas that nothing reduces "
+            "over; compress DiLoCo's pseudo-gradient with fh.diloco(..., compress=) instead"
+        )
     names = spec.mesh.axis_names
     row = lambda ps: [Replicate() if a == axis else x for a, x in zip(names, ps)]  # noqa: E731
     return Spec(
@@ -584,6 +662,7 @@ def _replicas(spec: Spec, axis: str) -> Spec:
         reduce_op=spec.reduce_op,
         bucket_cap_mb=spec.bucket_cap_mb,
         replica_axes=tuple(a for a in names if a == axis or a in spec.replica_axes),
+        outer_compress=spec.outer_compress,
     )
 
 

@@ -63,6 +63,30 @@ class CommLog:
         """Bytes of one rank's inputs over the matching events."""
         return sum(e.nbytes for e in self._select(op, axis))
 
+    def sent_bytes(self, axis: str, size: int) -> float:
+        """Bytes one rank sends to the others over ``axis`` (``size`` ranks) in the matching
+        events, as bandwidth-optimal algorithms move them: an all-reduce ``2 (n-1)/n`` of its
+        input, a reduce-scatter ``(n-1)/n``, an all-gather ``n-1`` times its input, an
+        all-to-all what it sends to the others (its ``sent``; else ``(n-1)/n``). The measure
+        that compares a compressed reduction (all-to-all + all-gather) with a plain one.
+
+        Example:
+            >>> import torch, functional_hsdp as fh
+            >>> mesh = fh.SimMesh({"dp": 4})
+            >>> with fh.comm_log() as log:
+            ...     _ = fh.psum(torch.ones(4, 1024), "dp", mesh)
+            >>> log.sent_bytes("dp", 4)
+            6144.0
+        """
+        n, total = size, 0.0
+        for e in self._select(None, axis):
+            if e.op == "all_to_all" and e.sent:
+                total += max(e.sent) * e.dtype.itemsize
+                continue
+            share = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1}.get(e.op, (n - 1) / n)
+            total += share * e.nbytes
+        return total
+
     def summary(self) -> dict[tuple[str, str], tuple[int, int]]:
         """``{(axis, op): (count, bytes)}``."""
         counts: Counter = Counter()

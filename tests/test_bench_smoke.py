@@ -33,6 +33,7 @@ ORDER = [
     "unit_checks",
     "hostile",
     "diloco",
+    "compress",
     "module",
     "muon",
     "dpsgd",

@@ -216,4 +216,5 @@ def owned(spec: Spec, axes: str | Sequence[str] | None = None) -> Spec:
         reduce_op=spec.reduce_op,
         bucket_cap_mb=spec.bucket_cap_mb,
         replica_axes=spec.replica_axes,
+        outer_compress=spec.outer_compress,
     )

@@ -1,0 +1,377 @@
+"""(B19) Compressed outer reductions: HSDP with ``outer_compress`` (bf16, fp8 e4m3, int8, int4;
+each with and without error feedback) versus the uncompressed fp32 outer all-reduce, on a
+small Hugging Face Llama through ``fh.shard_module`` + ``fh.functional_call(into=MainGrad)``.
+
+4 gloo processes, 2x2 mesh (dp_outer, dp_inner). B13's Llama (``bench/module.py``'s model,
+data and loss at B13's full size),
+units = its decoder layers, M microbatches declared (``fh.microbatches(..., into=mg)``: each
+unit's compressed outer reduction issued from its backward), ``mg.finish()``, SGD in place
+on the shards, ``mg.zero_grad()`` (the residual stays). Every variant is built in one group
+from the same weights and trains on the same tokens, steps interleaved (one step of each in
+turn), so step times compare on a noisy machine.
+
+Reported per variant: bytes each rank sends over dp_outer per step (``CommLog.sent_bytes``:
+ring all-reduce 2(n-1)/n of its input, all-gather n-1 times, an all-to-all what it sends),
+the mean eval loss after the same tokens (fixed held-out batches, every rank's, after the
+last step; and the training loss per step, plotted into ``bench/compress.png``), the median
+step time (the slowest rank), the step's peak RSS above the RSS before it (``VmHWM``, one
+step), and the codec's share: the seconds spent in the compressed reduction's local work
+(quantize, dequantize and the fp32 sum: ``compressed._Legs``' items, timed by a seam) over
+one step, against the same step's outer collectives. A second, isolated measure: one
+compressed_all_reduce of a bucket as large as one rank's gradient shard, its codec time
+against the whole call and against a plain fp32 all-reduce of the same bucket (fh.psum).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+
+import optree
+import torch
+
+from . import common as C
+from . import module as B13
+
+SIZES = {
+    "tiny": {
+        "llama": {"V": 128, "D": 32, "L": 2, "heads": 4, "T": 16, "B": 2},
+        "M": 2,
+        "steps": 2,
+        "eval": 1,
+        "lr": 0.05,
+    },
+    "full": {  # B13's full Llama; 60 steps: about 5 minutes for the nine variants here
+        "llama": dict(B13.SIZES["full"]["llama"]),
+        "M": 2,
+        "steps": 60,
+        "eval": 4,
+        "lr": 0.1,
+    },
+}
+FORMATS = ("bf16", "fp8", "int8", "int4")
+VARIANTS = ("none", *(f"{f}{ef}" for f in FORMATS for ef in ("+ef", "-ef")))
+PNG = "bench/compress.png"
+
+
+def _policy(variant: str):
+    import functional_hsdp as fh
+
+    if variant == "none":
+        return None
+    name, ef = variant[:-3], variant.endswith("+ef")
+    dtype = {
+        "bf16": torch.bfloat16,
+        "fp8": torch.float8_e4m3fn,
+        "int8": torch.int8,
+        "int4": "int4",
+    }[name]
+    return fh.compress(dtype, error_feedback=ef)
+
+
+class _Run:
+    """One variant: its model, shards, MainGrad; ``step(batches)`` returns the mean loss."""
+
+    def __init__(self, variant: str, cfg: dict, dm):
+        import functional_hsdp as fh
+
+        self.cfg = cfg
+        self.model = B13._model("llama", cfg)
+        spec = fh.hsdp(fh.DistMesh(dm), *C.AXES, outer_compress=_policy(variant))
+        units = B13._units("llama", self.model)
+        self.shards, self.tree_spec = fh.shard_module(self.model, spec, units=units)
+        self.mg = fh.MainGrad(self.tree_spec, like=self.shards)
+        self.leaves = optree.tree_leaves(self.shards)
+
+    def _forward(self, into):
+        import functional_hsdp as fh
+
+        return lambda args, kwargs: fh.functional_call(
+            self.model, self.shards, args, kwargs, into=into
+        )
+
+    def step(self, batches) -> float:
+        import functional_hsdp as fh
+
+        mg, M = self.mg, self.cfg["M"]
+        total = 0.0
+        loss = lambda s, b: B13._loss("llama", self._forward(mg), b) / M  # noqa: E731
+        for b, _last in fh.microbatches(batches, into=mg):
+            _, value = fh.grad_and_value(loss)(self.shards, b)
+            total += float(value)
+        mg.finish()
+        with torch.no_grad():
+            grads = optree.tree_leaves(mg.grads)
+            torch._foreach_add_(self.leaves, grads, alpha=-self.cfg["lr"])
+        mg.zero_grad()
+        return total
+
+    @torch.no_grad()
+    def eval_loss(self, batches) -> float:
+        return sum(float(B13._loss("llama", self._forward(None), b)) for b in batches) / len(
+            batches
+        )
+
+
+# -- the codec's time: a seam on the compressed reduction's local items ------------------------
+
+_CODEC = {"seconds": 0.0}
+
+
+@contextlib.contextmanager
+def _codec_timed():
+    """Every local item of a compressed reduction (encode: residual + quantize; reduce:
+    dequantize, fp32 sum, quantize; decode: dequantize) adds its time to ``_CODEC``."""
+    from functional_hsdp import compressed
+
+    own = {n: getattr(compressed._Legs, n) for n in ("encode", "reduce", "decode")}
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _CODEC["seconds"] += time.perf_counter() - t0
+            return out
+
+        return wrapper
+
+    for n, fn in own.items():
+        setattr(compressed._Legs, n, timed(fn))
+    try:
+        yield
+    finally:
+        for n, fn in own.items():
+            setattr(compressed._Legs, n, fn)
+
+
+def _isolated(dm, numel: int, reps: int) -> dict:
+    """One bucket of ``numel`` (one rank's gradient shard): compressed_all_reduce per format
+    (its codec seconds and whole call) and a plain fp32 psum over dp_outer, medians."""
+    import functional_hsdp as fh
+
+    mesh = fh.DistMesh(dm)
+    gen = torch.Generator().manual_seed(C.rank())
+    x = torch.randn(numel, generator=gen)
+    out = {"psum": [], **{f: {"call": [], "codec": []} for f in FORMATS}}
+    for _ in range(reps):
+        dt, _ = C.timed(lambda: fh.psum(x, "dp_outer", mesh))
+        out["psum"].append(dt)
+        for f in FORMATS:
+            policy = _policy(f + "+ef")
+            _CODEC["seconds"] = 0.0
+            with _codec_timed():
+                dt, _ = C.timed(
+                    lambda p=policy: fh.compressed_all_reduce(x, "dp_outer", mesh, compress=p)
+                )
+            out[f]["call"].append(dt)
+            out[f]["codec"].append(_CODEC["seconds"])
+    return {
+        "psum": C.median(out["psum"]),
+        **{f: {k: C.median(v) for k, v in out[f].items()} for f in FORMATS},
+    }
+
+
+def task(cfg: dict) -> dict:
+    import functional_hsdp as fh
+
+    dm = C.device_mesh((2, 2))
+    runs = {v: _Run(v, cfg, dm) for v in VARIANTS}
+    gc.collect()
+    losses = {v: [] for v in VARIANTS}
+    times = {v: [] for v in VARIANTS}
+    for step in range(cfg["steps"]):
+        data = list(B13._data("llama", cfg, step))
+        for v, run in runs.items():
+            dt, value = C.timed(lambda run=run, data=data: run.step(data))
+            losses[v].append(value)
+            times[v].append(dt)
+    held_out = list(B13._data("llama", {**cfg, "M": cfg["eval"]}, 10**6))
+    evals = {v: run.eval_loss(held_out) for v, run in runs.items()}
+    # one more step each: bytes over dp_outer, the codec's seconds, the outer collectives'
+    data = list(B13._data("llama", cfg, cfg["steps"]))
+    wire, codec, peak = {}, {}, {}
+    for v, run in runs.items():
+        _CODEC["seconds"] = 0.0
+        C.barrier()
+        gc.collect()
+        C.reset_peak()
+        before = C.status("VmRSS")
+        with fh.comm_log() as log, _codec_timed():
+            run.step(data)
+        peak[v] = C.status("VmHWM") - before
+        wire[v] = {
+            "outer": log.sent_bytes("dp_outer", 2),
+            "inner": log.sent_bytes("dp_inner", 2),
+            "ops": sorted(
+                {
+                    (e.op, str(e.dtype).removeprefix("torch."))
+                    for e in log.events
+                    if e.axis == "dp_outer"
+                }
+            ),
+            "count": log.count(axis="dp_outer"),
+        }
+        codec[v] = _CODEC["seconds"]
+    shard = sum(b.numel() for b in runs["none"].mg.buffers)
+    isolated = _isolated(dm, shard, 5 if cfg["steps"] > 5 else 1)
+    return {
+        "losses": losses,
+        "times": times,
+        "eval": evals,
+        "wire": wire,
+        "codec": codec,
+        "peak": peak,
+        "residual_bytes": {v: 0 if r.mg.residual is None else 4 * shard for v, r in runs.items()},
+        "isolated": isolated,
+        "shard": shard,
+        "numel": sum(p.numel() for p in runs["none"].model.parameters()),
+    }
+
+
+def run(size: str = "full", pool=None) -> dict:
+    per_rank, res = C.run_task(task, SIZES, size, pool)
+    n = len(per_rank)
+    res["losses"] = {
+        v: [sum(x) / n for x in zip(*(r["losses"][v] for r in per_rank))] for v in VARIANTS
+    }
+    res["eval"] = {v: sum(r["eval"][v] for r in per_rank) / n for v in VARIANTS}
+    # per step the slowest rank; the median over the steps after the first (a warm-up)
+    slowest = {v: [max(x) for x in zip(*(r["times"][v] for r in per_rank))] for v in VARIANTS}
+    res["step_s"] = {v: C.median(t[1:] or t) for v, t in slowest.items()}
+    res["wire"] = per_rank[0]["wire"]
+    res["codec"] = {v: max(r["codec"][v] for r in per_rank) for v in VARIANTS}
+    res["peak"] = {v: max(r["peak"][v] for r in per_rank) for v in VARIANTS}
+    res["isolated"] = {
+        "psum": max(r["isolated"]["psum"] for r in per_rank),
+        **{
+            f: {k: max(r["isolated"][f][k] for r in per_rank) for k in ("call", "codec")}
+            for f in FORMATS
+        },
+    }
+    res["shard"], res["numel"] = per_rank[0]["shard"], per_rank[0]["numel"]
+    res["residual_bytes"] = per_rank[0]["residual_bytes"]
+    base = res["wire"]["none"]["outer"]
+    res["ratio"] = {v: res["wire"][v]["outer"] / base for v in VARIANTS}
+    none = res["eval"]["none"]
+    res["loss_rel"] = {v: (res["eval"][v] - none) / none for v in VARIANTS}
+    res["goals"] = {
+        "bf16 outer bytes 0.50x": (res["ratio"]["bf16+ef"], 0.5),
+        "fp8 outer bytes <= 0.26x": (res["ratio"]["fp8+ef"], 0.26),
+        "int8 outer bytes <= 0.26x": (res["ratio"]["int8+ef"], 0.26),
+        "int4 outer bytes <= 0.14x": (res["ratio"]["int4+ef"], 0.14),
+        **{
+            f"{v} eval loss within 1 % of none": (abs(res["loss_rel"][v]), 0.01)
+            for v in ("bf16+ef", "fp8+ef", "int8+ef")
+        },
+        **{
+            f"{f} codec <= 10 % of the compressed reduction (isolated)": (
+                res["isolated"][f]["codec"] / res["isolated"][f]["call"],
+                0.10,
+            )
+            for f in FORMATS
+        },
+    }
+    if size == "full":
+        _plot(res)
+    return res
+
+
+def _plot(res: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for v in VARIANTS:
+        a.plot(res["losses"][v], label=v, lw=1)
+    a.set_xlabel("step")
+    a.set_ylabel("training loss (mean over ranks)")
+    a.legend(fontsize=7, ncol=2)
+    b.bar(range(len(VARIANTS)), [res["eval"][v] for v in VARIANTS])
+    b.set_xticks(range(len(VARIANTS)), VARIANTS, rotation=45, fontsize=7)
+    lo = min(res["eval"].values())
+    b.set_ylim(lo * 0.995, max(res["eval"].values()) * 1.002)
+    b.set_ylabel("eval loss after the same tokens")
+    fig.suptitle("B19: HSDP outer reduction compressed (Llama, 2x2 gloo)")
+    fig.tight_layout()
+    fig.savefig(PNG, dpi=100)
+    plt.close(fig)
+
+
+def report(res: dict, command: str, when: str) -> str:
+    cfg, ll = res["cfg"], res["cfg"]["llama"]
+    lines = [
+        C.section_header(
+            "(B19) Compressed outer reductions: HSDP with outer_compress on a Llama "
+            "(4 gloo processes, 2x2 mesh)",
+            command,
+            when,
+        ),
+        f"Model: transformers `LlamaForCausalLM` (vocab {ll['V']}, hidden {ll['D']}, {ll['L']} "
+        f"layers, {res['numel']:,} parameters), batch {ll['B']} x {ll['T']} tokens per "
+        f"microbatch, M={cfg['M']}, SGD lr {cfg['lr']}, {cfg['steps']} steps, every variant "
+        f"the same tokens; eval: {cfg['eval']} held-out batches per rank after the last step. "
+        f"One rank's gradient shard: {res['shard']:,} elements. Plot: `{PNG}`.\n",
+    ]
+    rows = []
+    for v in VARIANTS:
+        w = res["wire"][v]
+        rows.append(
+            [
+                v,
+                C.mib(w["outer"]),
+                f"{res['ratio'][v]:.3f}",
+                ", ".join(f"{op} {dt}" for op, dt in w["ops"]),
+                f"{res['eval'][v]:.4f}",
+                f"{100 * res['loss_rel'][v]:+.2f} %",
+                f"{1000 * res['step_s'][v]:.0f}",
+                C.mib(res["peak"][v]),
+                C.mib(res["residual_bytes"][v]),
+                f"{1000 * res['codec'][v]:.1f}",
+            ]
+        )
+    lines.append(
+        C.table(
+            [
+                "variant",
+                "dp_outer sent / step",
+                "vs none",
+                "dp_outer collectives",
+                "eval loss",
+                "vs none",
+                "step ms (median)",
+                "step peak RSS",
+                "residual",
+                "codec ms / step",
+            ],
+            rows,
+        )
+    )
+    iso = res["isolated"]
+    lines.append(
+        f"\nIsolated, one bucket of {res['shard']:,} fp32 elements (a rank's whole gradient "
+        f"shard) over dp_outer, median of the slowest rank: plain fp32 all-reduce (`fh.psum`) "
+        f"{1000 * iso['psum']:.2f} ms; compressed_all_reduce:\n"
+    )
+    lines.append(
+        C.table(
+            ["format", "call ms", "codec ms", "codec share of the call", "call vs fp32 psum"],
+            [
+                [
+                    f,
+                    f"{1000 * iso[f]['call']:.2f}",
+                    f"{1000 * iso[f]['codec']:.2f}",
+                    f"{100 * iso[f]['codec'] / iso[f]['call']:.0f} %",
+                    f"{iso[f]['call'] / iso['psum']:.2f}x",
+                ]
+                for f in FORMATS
+            ],
+        )
+    )
+    lines.append("\nGoals:\n")
+    for name, (got, goal) in res["goals"].items():
+        ok = abs(got - goal) < 1e-3 if "0.50x" in name else got <= goal
+        lines.append(f"- {name}: {got:.3f} -> {'met' if ok else 'NOT met'}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,279 @@
+"""The compressed reduction on one axis: quantize, all-to-all, sum in fp32, quantize, all-gather.
+
+One bucket of ``L`` elements on an axis of ``n`` ranks is cut into ``n`` pieces of ``P``
+(``ceil(L / n)``, the last padded with zeros). Its program, run by the one scheduler
+(:mod:`functional_hsdp.schedule`), is:
+
+==========================  ============================================================
+item                        what it does
+==========================  ============================================================
+encode (local)              ``x = bucket + residual``; every piece quantized (its bytes)
+all-to-all (``Wire``)       piece ``p`` of every rank goes to rank ``p``: a reduce-scatter
+                            by pieces, in compressed bytes
+reduce (local)              the ``n`` pieces decoded and summed in fp32 (in source order,
+                            so every mesh gives the same bits), divided for ``avg``; the
+                            sum quantized again (not with ``scatter``)
+all-gather (``Wire``)       every rank gets every piece of the sum, compressed
+decode (local)              the pieces decoded: the result, ``L`` long
+==========================  ============================================================
+
+With ``scatter=True`` (the optimizer is sharded over the axis, hfsdp) the sum's piece is the
+result and the all-gather is not issued. Error feedback keeps what rounding lost on both
+legs, on the rank that rounded it: ``x - decode(encode(x))`` of the sender, plus, on the
+owner of piece ``p``, the loss of the sum's rounding (times ``n`` for ``avg``, since the
+residual is averaged with the next contributions). So ``result + mean(new residual) ==
+mean(x)`` (``sum`` alike): over K steps, what was sent plus the last residual is the sum of
+the true contributions.
+
+``comm_log`` reports each leg with the wire dtype of the policy (int4 as ``torch.uint8``) and
+its numel in that dtype, the scales included; on the mesh the bytes travel as uint8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .mesh import Mesh
+from .plan import Step
+from .quantize import Compress
+from .schedule import run
+
+__all__ = ["Wire", "compressed_all_reduce", "program"]
+
+#: per bucket: its residual in (None: zeros), and where its new residual goes
+ResidualIn = Callable[[int], "torch.Tensor | None"]
+ResidualOut = Callable[[int, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Wire(Step):
+    """A collective of compressed bytes (``all_to_all`` or ``all_gather``): ``wire`` is the
+    dtype ``comm_log`` reports; an all-to-all carries ``rows`` and ``length`` as
+    ``Mesh.all_to_all`` takes them, and ``sent`` as ``Event.sent``."""
+
+    wire: torch.dtype | None = None
+    rows: Any = None
+    length: int = 0
+    sent: tuple[int, ...] | None = None
+
+
+def _exchange(mesh: Mesh, axis: str, *, nbytes: int, wire: torch.dtype) -> Wire:
+    """The all-to-all of equal pieces of ``nbytes`` between the ranks of ``axis``."""
+    n = mesh.size(axis)
+    rows = {r: (nbytes,) * n for r in np.ndindex(*mesh.sizes)}
+    per = (n - 1) * nbytes // wire.itemsize
+    held = int(np.prod(mesh.batch_shape)) if mesh.batch_shape else 1
+    return Wire(
+        op="all_to_all",
+        axis=axis,
+        reduce=None,
+        size=n,
+        wire=wire,
+        rows=rows,
+        length=n * nbytes,
+        sent=(per,) * held,
+    )
+
+
+def program(
+    policy: Compress,
+    axis: str,
+    mesh: Mesh,
+    *,
+    op: str,
+    scatter: bool,
+    length: int,
+    residual_in: ResidualIn,
+    residual_out: ResidualOut,
+) -> list[Any]:
+    """The scheduler items of a compressed reduction over ``axis`` of a bucket of ``length``
+    (per rank), for any bucket index (see the module docstring). The bucket arrives in any
+    floating dtype and leaves in it; the work is fp32. With ``policy.error_feedback``,
+    ``residual_in(b)`` (fp32, the bucket's shape, or None for zeros) is added first and
+    ``residual_out(b, r)`` receives the new residual before the last item returns."""
+    n = mesh.size(axis)
+    if scatter and length % n:
+        raise ValueError(
+            f"compressed reduce-scatter over {axis!r}: the bucket's {length} elements do not "
+            f"split into {n} equal chunks"
+        )
+    legs = _Legs(policy, axis, mesh, op=op, scatter=scatter, length=length)
+    legs.residual_in, legs.residual_out = residual_in, residual_out
+    items: list[Any] = [
+        legs.encode,
+        _exchange(mesh, axis, nbytes=legs.nbytes, wire=policy.wire),
+        legs.reduce,
+    ]
+    if not scatter:
+        gather = Wire(op="all_gather", axis=axis, reduce=None, size=n, wire=policy.wire)
+        items += [gather, legs.decode]
+    return items
+
+
+class _Legs:
+    """The local items of one compressed reduction, and what passes between them per bucket
+    (the first leg's loss, the bucket's dtype) until its last item."""
+
+    def __init__(
+        self, policy: Compress, axis: str, mesh: Mesh, *, op: str, scatter: bool, length: int
+    ):
+        self.policy, self.axis, self.mesh, self.op = policy, axis, mesh, op
+        self.scatter, self.length, self.n = scatter, length, mesh.size(axis)
+        self.piece = -(-length // self.n)
+        self.nbytes = policy.nbytes(self.piece)
+        self.lost: dict[int, torch.Tensor] = {}  # per bucket: (*batch, n, piece)
+        self.dtypes: dict[int, torch.dtype] = {}
+        # where the bucket's residual comes from and goes (set by program)
+        self.residual_in: ResidualIn = lambda b: None
+        self.residual_out: ResidualOut = lambda b, r: None
+
+    def encode(self, b: int, buf: torch.Tensor) -> torch.Tensor:
+        """Add the residual, cut into pieces, quantize: the all-to-all's bytes."""
+        self.dtypes[b] = buf.dtype
+        x = buf.float()
+        r = self.residual_in(b) if self.policy.error_feedback else None
+        x = x + r if r is not None else x.clone()  # never the caller's buffer
+        pad = self.n * self.piece - self.length
+        x = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (self.n, self.piece))
+        data, approx = self.policy.code(x)
+        if self.policy.error_feedback:
+            self.lost[b] = x - approx
+        return data.flatten(-2)
+
+    def reduce(self, b: int, got: torch.Tensor) -> torch.Tensor:
+        """Sum this rank's piece from every rank in fp32; the chunk (scatter) or its bytes."""
+        n, feedback = self.n, self.policy.error_feedback
+        parts = self.policy.decode(got.unflatten(-1, (n, self.nbytes)), self.piece)
+        total = parts[..., 0, :]
+        for s in range(1, n):  # in source order: the same bits on every mesh
+            total = total + parts[..., s, :]
+        if self.op == "avg":
+            total = total / n
+        if self.scatter:
+            if feedback:
+                self.residual_out(b, self.lost.pop(b).flatten(-2)[..., : self.length])
+            return total.to(self.dtypes.pop(b))
+        data, approx = self.policy.code(total)
+        if feedback:  # the sum's rounding, kept by the rank that owns the piece
+            mine = _own_piece(self.mesh, self.axis, device=total.device)
+            weight = n if self.op == "avg" else 1
+            loss = self.lost.pop(b) + mine[..., None] * ((total - approx) * weight)[..., None, :]
+            self.residual_out(b, loss.flatten(-2)[..., : self.length])
+        return data
+
+    def decode(self, b: int, got: torch.Tensor) -> torch.Tensor:
+        """Every piece of the sum, decoded: the result."""
+        parts = self.policy.decode(got.unflatten(-1, (self.n, self.nbytes)), self.piece)
+        return parts.flatten(-2)[..., : self.length].to(self.dtypes.pop(b))
+
+
+def _own_piece(mesh: Mesh, axis: str, *, device: torch.device) -> torch.Tensor:
+    """``(*batch, n)`` float: 1 where piece ``p`` is this rank's (its coordinate on ``axis``)."""
+    coord = torch.as_tensor(np.array(mesh.coordinate(axis), dtype=np.int64), device=device)
+    return (torch.arange(mesh.size(axis), device=device) == coord[..., None]).float()
+
+
+def compressed_all_reduce(
+    bucket: torch.Tensor,
+    axis: str,
+    mesh: Mesh,
+    *,
+    compress: Compress,
+    op: str = "avg",
+    residual: torch.Tensor | None = None,
+    scatter: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """All-reduce one flat buffer over ``axis`` in a compressed format, summed in fp32.
+
+    Each rank adds its residual and quantizes its contribution; ONE all-to-all moves the
+    pieces (a reduce-scatter by pieces); each rank dequantizes its piece from every rank and
+    sums in fp32; it quantizes the sum, and ONE all-gather returns it (not issued with
+    ``scatter=True``). Both legs carry compressed bytes. Both collectives go through the mesh
+    and are logged (``comm_log``: the wire dtype, numel with the scales).
+
+    Args:
+        bucket: this rank's flat buffer, ``(*mesh.batch_shape, L)`` (``(L,)`` on a
+            DistMesh), floating. Not modified.
+        axis: the mesh axis to reduce over.
+        mesh: a :class:`SimMesh` or :class:`DistMesh`.
+        compress: the policy (:func:`compress`).
+        op: ``"avg"`` (default) or ``"sum"``.
+        residual: the residual this call returned last time for this buffer (fp32, the
+            bucket's shape), or None (zeros). Ignored without error feedback.
+        scatter: return only this rank's chunk of the sum (``L / n`` long, uncompressed:
+            a reduce-scatter, for an optimizer sharded over ``axis``); ``L`` must divide.
+
+    Returns:
+        ``(result, new_residual)``: ``result`` in the bucket's dtype, ``L`` long (or the
+        chunk), the same on every rank of the group; ``new_residual`` what rounding lost on
+        both legs (fp32, the bucket's shape), None without error feedback.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp": 2})
+        >>> x = torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]])
+        >>> out, res = fh.compressed_all_reduce(x, "dp", mesh, compress=fh.compress(torch.int8))
+        >>> out[0]                                  # int8 rounding on both legs
+        tensor([2.0039, 2.0039, 2.0000])
+        >>> out[0] + res.mean(0)                    # what was lost is in the residual
+        tensor([2., 2., 2.])
+        >>> with fh.comm_log() as log:
+        ...     _ = fh.compressed_all_reduce(x, "dp", mesh, compress=fh.compress(torch.int8))
+        >>> [(e.op, str(e.dtype), e.numel) for e in log.events]
+        [('all_to_all', 'torch.int8', 12), ('all_gather', 'torch.int8', 6)]
+    """
+    _check(bucket, axis, mesh, compress=compress, op=op, residual=residual)
+    feedback = compress.error_feedback
+    if not mesh.moves(axis):  # nothing travels, nothing is rounded
+        out = bucket + residual.to(bucket.dtype) if feedback and residual is not None else bucket
+        kept = torch.zeros_like(bucket, dtype=torch.float32) if feedback else None
+        return out.clone(), kept
+    new: list[torch.Tensor] = []
+    items = program(
+        compress,
+        axis,
+        mesh,
+        op=op,
+        scatter=scatter,
+        length=bucket.shape[-1],
+        residual_in=lambda b: residual,
+        residual_out=lambda b, r: new.append(r),
+    )
+    (result,) = run(mesh, [items], lambda b: bucket)
+    return mesh.wait(result), (new[0] if feedback else None)
+
+
+def _check(bucket: Any, axis: str, mesh: Any, *, compress: Any, op: str, residual: Any) -> None:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"compressed_all_reduce: mesh must be a SimMesh or DistMesh; got {mesh!r}")
+    mesh.size(axis)  # names the mesh's axes if it has no such axis
+    if not isinstance(compress, Compress):
+        raise TypeError(
+            f"compressed_all_reduce: compress must be a policy from fh.compress(...); got "
+            f"{compress!r}"
+        )
+    if op not in ("avg", "sum"):
+        raise ValueError(f"compressed_all_reduce: op must be 'avg' or 'sum'; got {op!r}")
+    batch = tuple(mesh.batch_shape)
+    if (
+        not isinstance(bucket, torch.Tensor)
+        or not bucket.is_floating_point()
+        or bucket.dim() != len(batch) + 1
+        or tuple(bucket.shape[:-1]) != batch
+    ):
+        raise ValueError(
+            f"compressed_all_reduce: bucket must be a floating tensor of shape "
+            f"(*{batch}, L); got {getattr(bucket, 'shape', type(bucket).__name__)}"
+        )
+    if residual is not None and (
+        not isinstance(residual, torch.Tensor) or residual.shape != bucket.shape
+    ):
+        raise ValueError(
+            f"compressed_all_reduce: residual must be None or a tensor of the bucket's shape "
+            f"{tuple(bucket.shape)}; got {getattr(residual, 'shape', type(residual).__name__)}"
+        )
