@@ -1,0 +1,54 @@
+"""Each call's ``into=`` (and ``recompute=``, ``reshard_after_forward=``) on 4 gloo ranks (2x2
+hsdp): through ``fh.functional_call`` on an ``nn.Module`` (an ``nn.Embedding`` root, a head
+tied to it or not, or every parameter in a unit) and through ``fh.gathered`` blocks made
+with different ``into=``, every sequence of issue 36 gives what the same step, or the same
+probe without ``into=``, gives made clean (tests/into_problem.py), on every rank."""
+
+from __future__ import annotations
+
+import pytest
+from into_problem import SEQUENCES
+
+KINDS = ("module-untied", "module-tied", "module-units", "blocks-untied", "blocks-tied")
+
+
+def _sequences_task(kind: str, recompute: bool, grad: str) -> dict:
+    """On each rank: every sequence on a fresh model of ``kind``; ``{sequence: checks}``, or
+    the error a sequence raised."""
+    from into_problem import blocks_model, module_model, run
+    from reference import AXES, dist_mesh
+
+    import functional_hsdp as fh
+
+    spec = fh.hsdp(dist_mesh(), *AXES)
+    how, tied = kind.split("-")
+    if how == "module":
+        make = lambda: module_model(spec, tied == "tied", root=tied != "units")  # noqa: E731
+    else:
+        make = lambda: blocks_model(spec, tied == "tied")  # noqa: E731
+    out = {}
+    for sequence in SEQUENCES:
+        try:
+            out[sequence] = run(sequence, make, spec.mesh, grad=grad, recompute=recompute)
+        except Exception as e:  # noqa: BLE001 - reported per sequence
+            out[sequence] = f"{type(e).__name__}: {e}"
+    fh.clear_caches()
+    return out
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["graph", "recompute"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_sequence_is_exact_on_every_rank(pool, kind, recompute):
+    for rank, results in enumerate(pool.run(_sequences_task, kind, recompute, "fh.grad")):
+        for sequence, checks in results.items():
+            assert isinstance(checks, dict), (rank, sequence, checks)
+            assert max(checks.values()) <= 1e-6, (rank, sequence, checks)
+
+
+def test_under_torch_func_grad_too(pool):
+    for rank, results in enumerate(
+        pool.run(_sequences_task, "module-tied", False, "torch.func.grad")
+    ):
+        for sequence, checks in results.items():
+            assert isinstance(checks, dict), (rank, sequence, checks)
+            assert max(checks.values()) <= 1e-6, (rank, sequence, checks)
