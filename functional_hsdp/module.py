@@ -449,10 +449,13 @@ def _check_units(sharded: _Sharded, shards: dict) -> None:
 
 
 def _blocks(sharded: _Sharded, *, into: Any, recompute: bool, reshard: bool) -> dict:
-    """The gathered block of every unit for these options (made once, kept for the next
-    calls with the same options)."""
-    key = (into, recompute, reshard)
-    if sharded.blocks is not None and all(a is b for a, b in zip(sharded.blocks[0], key)):
+    """The gathered block of every unit for these options (``into``, ``recompute``,
+    ``reshard``): made for the first call with them, kept for the next calls with the same
+    ones; a call with other options makes its own."""
+    options = (into, recompute, reshard)
+    # every option, compared by identity (a MainGrad is its own target): blocks made for
+    # other options would add into another call's MainGrad, or run otherwise
+    if sharded.blocks is not None and all(a is b for a, b in zip(sharded.blocks[0], options)):
         return sharded.blocks[1]
     mp = sharded.mp_policy
     blocks = {
@@ -480,7 +483,7 @@ def _blocks(sharded: _Sharded, *, into: Any, recompute: bool, reshard: bool) -> 
         )
     for key, block in blocks.items():  # errors name the unit's shards as the caller passed them
         block.shards_path = f"shards[{key!r}]"
-    sharded.blocks = (key, blocks)
+    sharded.blocks = (options, blocks)
     return blocks
 
 

@@ -37,6 +37,7 @@ class Prepared(NamedTuple):
     call: Call
     leaves: list  # the shards, as given
     wrapped: list  # the shards through the wait node
+    grad: bool  # made with grad mode on: its wait node is in the graph
 
 
 class _Forward(threading.local):
@@ -82,11 +83,16 @@ def start_forward() -> None:
     """Begin a new forward pass on this thread: the unit calls from here on are one chain
     (what a model-level call, ``functional_call``, knows and a unit alone does not). A
     previous chain whose backward has not started is left to it, its last unit no longer
-    kept."""
+    kept; wait nodes made ahead and never called are forgotten."""
     chain = _FORWARD.chain
     if chain is not None and not chain.closed and not chain.closing:
         chains.drop_kept(chain)
     _FORWARD.chain = Chain()
+    # wait nodes made ahead by an earlier forward (for a unit it did not call) belong to
+    # that call, its options and grad mode: none is taken by this one
+    prepared, _FORWARD.prepared = _FORWARD.prepared, {}
+    for entry in prepared.values():
+        collectives.abandon_ahead(entry.call)
 
 
 def remember(call: Call, leaves: list, wrapped: list) -> None:
@@ -99,12 +105,18 @@ def remember(call: Call, leaves: list, wrapped: list) -> None:
         collectives.abandon_ahead(prepared.pop(key).call)
     while len(prepared) >= _PREPARED:  # prepared but never called: forget the oldest
         collectives.abandon_ahead(prepared.pop(next(iter(prepared))).call)
-    prepared[key] = Prepared(call, leaves, wrapped)
+    prepared[key] = Prepared(call, leaves, wrapped, torch.is_grad_enabled())
 
 
 def take(leaves: list) -> Prepared | None:
-    """The record made ahead for these tensors, taken off the registry, or None."""
-    return _FORWARD.prepared.pop(tuple(map(id, leaves)), None)
+    """The record made ahead for these tensors, taken off the registry, or None. One made in
+    the other grad mode (an eval forward's under ``torch.no_grad()``) is forgotten: its wait
+    node would be missing from, or needlessly in, this call's graph."""
+    found = _FORWARD.prepared.pop(tuple(map(id, leaves)), None)
+    if found is not None and found.grad != torch.is_grad_enabled():
+        collectives.abandon_ahead(found.call)
+        return None
+    return found
 
 
 def forget(leaves: list) -> None:
