@@ -219,7 +219,7 @@ def diloco(
         _check_int("fragments", fragments, 1)
     options = dict(axis=axis, every=every, fragments=fragments, delay=delay, mix=float(mix))
     run = _Outer(replicas(spec, axis), mesh, outer=outer, compress=compress, **options)
-    return DiLoCo(inner=run.inner, init=run.init, update=run.update, **options)
+    return DiLoCo(inner=run.inner, init=run.init, update=run.advance, **options)
 
 
 def _check_options(mesh: Mesh, *, axis: Any, every: Any, outer: Any, delay: Any, mix: Any):
@@ -339,7 +339,7 @@ class _Outer:
             anchor=tree, outer=PartitionState(outer_states), count=0, due=(0,) * n, pending=pending
         )
 
-    def update(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+    def advance(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         leaves, treedef, of, n = self.layout(params)
         _check_state(state, treedef, leaves=leaves, n=n, delay=self.delay)
         t, step = state.count + 1, _Step(leaves, state, treedef)

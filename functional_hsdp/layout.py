@@ -451,8 +451,7 @@ def shard_dims(slot: Slot) -> tuple[str, str, dict[str, int]]:
     """einops names for a Shard(d) leaf's dims before and after d, and their sizes."""
     shape, dim = slot.shape, slot.dim
     before, after = range(dim), range(len(shape) - dim - 1)
-    sizes = {f"a{k}": shape[k] for k in before}
-    sizes.update({f"b{k}": shape[dim + 1 + k] for k in after})
+    sizes = {f"a{k}": shape[k] for k in before} | {f"b{k}": shape[dim + 1 + k] for k in after}
     return " ".join(f"a{k}" for k in before), " ".join(f"b{k}" for k in after), sizes
 
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, TypeVar
@@ -123,6 +125,8 @@ class MainGrad:
         if not leaves:
             raise ValueError("MainGrad: like has no tensor leaves")
         self.mesh = specs[0].mesh
+        #: where this MainGrad was made (the first frame outside the library), for errors
+        self.made_at = _made_at()
         shapes = _full_shapes(leaves, paths, treedef=treedef, specs=specs)
         self.dtype, self.reduce_dtype = dtype, reduce_dtype or dtype
         meta = TreeMeta(
@@ -390,12 +394,20 @@ class MainGrad:
             agreed.check(self.plan, paths_of(self.plan.treedef, "grads"), defer=True, units=True)
         self._finish(agreed.settle)
 
-    def _check_accumulating(self, what: str) -> None:
-        if self._state == "final":
+    def _check_accumulating(self, what: str, by: str | None = None) -> None:
+        if self._state != "final":
+            return
+        if by is None:
             raise ValueError(
                 f"{what}: this MainGrad holds the final gradients of a finished step; call "
                 "zero_grad() before accumulating the next step"
             )
+        raise ValueError(
+            f"{what}: the backward of {by} would add into {self!r}, made at {self.made_at}, "
+            "whose step is finished (finish() ran; it holds that step's final gradients): "
+            "call zero_grad() on it before the next step, or pass this call's MainGrad as "
+            "its into="
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Start a new step, with ``torch.optim``'s meaning of ``set_to_none``. The
@@ -747,12 +759,13 @@ class _Units:
         """A unit holding ``buckets`` was called (forward)."""
         self._mg._deferred.called(buckets)
 
-    def add(self, buckets: list[int], chunks: list[torch.Tensor]) -> None:
+    def add(self, buckets: list[int], chunks: list[torch.Tensor], *, by: str) -> None:
         """Add reduced chunks at the gradient placement into ``buckets`` (overwriting a
         bucket that holds nothing of this step). Safe inside a backward under ``torch.func``:
-        the add is a custom op that declares its mutation."""
+        the add is a custom op that declares its mutation. ``by``: the call adding, for
+        errors."""
         mg = self._mg
-        mg._check_accumulating("gradients")
+        mg._check_accumulating("gradients", by)
         issued = mg._deferred.issued.intersection(buckets)
         if issued:
             raise ValueError(
@@ -783,6 +796,22 @@ class _Units:
             if local is not None:
                 local()
             agreed.check(mg.plan, paths_of(mg.plan.treedef, "grads"), units=True)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _made_at() -> str:
+    """``file:line`` of the first caller outside this package (where a user made a
+    MainGrad)."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        _PACKAGE + os.sep
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 @torch.library.custom_op("functional_hsdp::accumulate_", mutates_args=("buf",))

@@ -8,6 +8,7 @@ The module path (``fh.functional_call``) is tested on gloo ranks (tests/test_int
 from __future__ import annotations
 
 import pytest
+import torch
 from into_problem import SEQUENCES, blocks_model, run
 
 import functional_hsdp as fh
@@ -50,3 +51,26 @@ def test_under_torch_func_grad_too(sequence):
         recompute=False,
     )
     assert max(checks.values()) <= 1e-6, checks
+
+
+def test_a_backward_into_a_finished_step_names_the_maingrad_and_the_call():
+    from into_problem import mesh_batches, step
+
+    spec = _spec()
+    model = blocks_model(spec, tied=False)
+    mg = fh.MainGrad(model.tree_spec, like=model.shards)  # the error points here
+    made_line = test_a_backward_into_a_finished_step_names_the_maingrad_and_the_call
+    step(model.loss(mg), model.shards, mg, spec.mesh)
+    with pytest.raises(ValueError) as info:  # no zero_grad(): the step is still finished
+        fh.grad(model.loss(mg))(model.shards, mesh_batches(spec.mesh)[0])
+    text = str(info.value)
+    line = made_line.__code__.co_firstlineno + 5
+    assert f"test_into.py:{line}" in text, text
+    assert "MainGrad(" in text and "whose step is finished" in text, text
+    assert "the unit _head on tree['head']" in text, text  # the call: its unit and shards
+    mg.zero_grad()  # and the MainGrad is usable again: a clean step
+    got = step(model.loss(mg), model.shards, mg, spec.mesh)
+    fresh = blocks_model(spec, tied=False)
+    fresh_mg = fresh.maingrad()
+    want = step(fresh.loss(fresh_mg), fresh.shards, fresh_mg, spec.mesh)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -52,3 +52,38 @@ def test_under_torch_func_grad_too(pool):
         for sequence, checks in results.items():
             assert isinstance(checks, dict), (rank, sequence, checks)
             assert max(checks.values()) <= 1e-6, (rank, sequence, checks)
+
+
+def _finished_task() -> dict:
+    """A step into ``mg`` through ``fh.functional_call``, then a backward into ``mg`` again
+    without ``zero_grad()``: the error; then ``zero_grad()`` and a step, against a clean one."""
+    import torch
+    from into_problem import mesh_batches, module_model, step
+    from reference import AXES, dist_mesh
+
+    import functional_hsdp as fh
+
+    spec = fh.hsdp(dist_mesh(), *AXES)
+    model = module_model(spec, tied=False)
+    mg = model.maingrad()
+    step(model.loss(mg), model.shards, mg, spec.mesh)
+    try:
+        fh.grad(model.loss(mg))(model.shards, mesh_batches(spec.mesh)[0])
+        text = "no error"
+    except ValueError as e:
+        text = str(e)
+    mg.zero_grad()
+    got = step(model.loss(mg), model.shards, mg, spec.mesh)
+    fresh = module_model(spec, tied=False)
+    fresh_mg = fresh.maingrad()
+    want = step(fresh.loss(fresh_mg), fresh.shards, fresh_mg, spec.mesh)
+    fh.clear_caches()
+    return {"error": text, "then exact": all(torch.equal(a, b) for a, b in zip(got, want))}
+
+
+def test_a_backward_into_a_finished_step_names_the_maingrad_and_the_call(pool):
+    for out in pool.run(_finished_task):
+        assert "whose step is finished" in out["error"], out
+        assert "made at " in out["error"] and "into_problem.py:" in out["error"], out
+        assert "the backward of the unit " in out["error"], out
+        assert out["then exact"], out

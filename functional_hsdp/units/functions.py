@@ -296,7 +296,7 @@ class _Wait(torch.autograd.Function):
             return (None, *(torch.zeros_like(g) for g in grads))
         if call.sink is not None:  # added into the MainGrad; the shards' gradient is zero
             units = call.block.into._units
-            units.add(call.sink, buffers)
+            units.add(call.sink, buffers, by=f"the unit {call.block.name} on {call.where}")
             units.done(call.sink)  # its deferred reduction may start now
             zeros = lambda g: torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)  # noqa: E731
             return (None, *map(zeros, grads))
