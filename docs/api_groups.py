@@ -8,6 +8,7 @@ The reference pages are generated from this mapping (``docs/conf.py``), and
 from __future__ import annotations
 
 # group title -> (page slug, one line on what the group is for, names in reading order)
+# fmt: off
 GROUPS: dict[str, tuple[str, str, list[str]]] = {
     "Placements and specs": (
         "placements",
@@ -54,6 +55,7 @@ GROUPS: dict[str, tuple[str, str, list[str]]] = {
         ["validation", "CollectiveError", "clear_caches"],
     ),
 }
+# fmt: on
 
 
 def problems(public: list[str]) -> list[str]:

@@ -131,8 +131,10 @@ def _group_page(title: str, blurb: str, names: list[str]) -> str:
 def _api_pages() -> None:
     wrong = api_groups.problems(list(fh.__all__))
     if wrong:
-        raise ConfigError("the API reference's groups do not match functional_hsdp.__all__:\n  "
-                          + "\n  ".join(wrong))
+        raise ConfigError(
+            "the API reference's groups do not match functional_hsdp.__all__:\n  "
+            + "\n  ".join(wrong)
+        )
     wanted = {"index.md"}
     index = [
         "# API reference\n",
