@@ -65,14 +65,18 @@ nb_execution_timeout = 300
 nb_execution_raise_on_error = True  # a failing cell fails the build, with its traceback
 nb_execution_show_tb = True
 nb_merge_streams = True
+nb_output_stderr = "remove"  # native log lines (the profiler's kineto in 04) are no reading
 
 # -- autodoc: Google-style docstrings (Args / Returns / Example)
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"  # no "Return type: Any" rows
 autodoc_typehints_format = "short"
 autosummary_generate = False  # the pages are written below, from api_groups
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
+# "Returns:" as written: its first line is prose, not "type: description"
+napoleon_custom_sections = ["Returns"]
 napoleon_use_ivar = True  # a NamedTuple's Attributes: once, as fields (its members are listed)
 add_module_names = False
 
@@ -84,7 +88,8 @@ html_theme_options = {
     "home_page_in_toc": True,
     "use_download_button": True,
 }
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 copybutton_prompt_text = r">>> |\.\.\. "
 copybutton_prompt_is_regexp = True
 
