@@ -76,9 +76,35 @@ autosummary_generate = False  # the pages are written below, from api_groups
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 # "Returns:" as written: its first line is prose, not "type: description"
-napoleon_custom_sections = ["Returns"]
+napoleon_custom_sections = ["Returns", "Raises"]
 napoleon_use_ivar = True  # a NamedTuple's Attributes: once, as fields (its members are listed)
 add_module_names = False
+
+# The build is nitpicky: every cross-reference in a docstring (:class:`Spec`, :func:`gather`)
+# must reach its page. What the site does not document is named here: torch's and the standard
+# library's objects (intersphinx would fetch their inventories; the build stays offline) and the
+# library's private modules and types that public signatures mention.
+nitpicky = True
+nitpick_ignore_regex = [
+    (r"py:.*", r"(torch|collections\.abc|typing|optree)(\..*)?"),
+    (r"py:.*", r"functional_hsdp\.[a-z_]+(\.[a-z_]+)*(\.[A-Za-z_]+)?"),  # private modules' names
+    (r"py:.*", r"(Geometry|Diagnostics|Kept|MeshAxes|T|BACKENDS)"),
+]
+
+# napoleon reads the first line of a property's docstring as "type: description"; the
+# library's properties are written as prose ("Leading dims of every distributed value: ..."),
+# so they are left to autodoc as written. Raises sections are prose too.
+import sphinx.ext.napoleon as _napoleon  # noqa: E402
+
+_napoleon_process = _napoleon._process_docstring
+
+
+def _process_docstring(app, what, name, obj, options, lines):
+    if what not in ("attribute", "property"):
+        _napoleon_process(app, what, name, obj, options, lines)
+
+
+_napoleon._process_docstring = _process_docstring
 
 # -- HTML
 html_theme = "sphinx_book_theme"
@@ -114,9 +140,10 @@ def _name_page(name: str) -> str:
         # torch's own class, re-exported: the library takes it as torch defines it
         origin = f"{module.rsplit('.placement_types', 1)[0]}.{name}"
         return (
-            f"# {name}\n\n`fh.{name}` is torch's own `{origin}`, re-exported: the library "
-            "takes torch's placement with torch's meaning (see "
-            "[Placements and specs](placements.md) for what it means in a spec).\n"
+            f"{head}.. py:class:: {name}\n   :canonical: {origin}\n\n"
+            f"   torch's own ``{origin}``, re-exported: the library takes torch's placement "
+            "with torch's meaning.\n```\n\nWhat it means in a spec: "
+            "[Concepts](../guides/concepts.md), and the [placements](placements.md).\n"
         )
     if isinstance(obj, type):
         return head + f".. autoclass:: {name}\n   :members:\n   :show-inheritance:\n```\n"
