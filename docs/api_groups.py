@@ -12,9 +12,10 @@ from __future__ import annotations
 GROUPS: dict[str, tuple[str, str, list[str]]] = {
     "Placements and specs": (
         "placements",
-        "Where a value lives on each mesh axis, and the three placements of a spec.",
+        "Where a value lives on each mesh axis, the three placements of a spec, and what a "
+        "spec's axes do: replicas that train apart, a compressed outer reduction.",
         ["Placement", "Replicate", "Partial", "Flat", "Shard", "Owner",
-         "Spec", "ddp", "fsdp", "hsdp", "hfsdp", "owned"],
+         "Spec", "ddp", "fsdp", "hsdp", "hfsdp", "owned", "replicas", "compress", "Compress"],
     ),
     "Meshes": (
         "meshes",
@@ -24,7 +25,8 @@ GROUPS: dict[str, tuple[str, str, list[str]]] = {
     "Collectives": (
         "collectives",
         "Per-axis bucketed collectives with JAX's names, and the log of what was issued.",
-        ["psum", "pmean", "psum_scatter", "all_gather", "comm_log", "CommLog", "Event"],
+        ["psum", "pmean", "psum_scatter", "all_gather", "compressed_all_reduce",
+         "comm_log", "CommLog", "Event"],
     ),
     "Gradients": (
         "gradients",
@@ -39,10 +41,15 @@ GROUPS: dict[str, tuple[str, str, list[str]]] = {
     ),
     "Optimizers": (
         "optimizers",
-        "optax-style transformations on sharded trees, global norms and matrix optimizers.",
+        "optax-style optimizers and combinators on sharded trees, learning-rate schedules, "
+        "global norms, matrix optimizers, and DiLoCo's outer loop.",
         ["GradientTransformation", "sgd", "SGDState", "adamw", "AdamWState", "apply_updates",
+         "chain", "scale", "scale_by_adam", "add_decayed_weights", "scale_by_learning_rate",
+         "clip_global_norm", "ChainState", "EmptyState", "ScaleByAdamState",
+         "ScaleByLearningRateState", "schedules",
          "global_norm", "clip_by_global_norm", "per_matrix", "newton_schulz", "muon",
-         "MuonState", "partition", "PartitionState", "Masked", "masked"],
+         "MuonState", "partition", "PartitionState", "Masked", "masked",
+         "diloco", "DiLoCo", "DiLoCoState", "sync_steps"],
     ),
     "Checkpoints": (
         "checkpoints",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,6 +24,13 @@ def problems(html: Path) -> list[str]:
         page = html / "api" / f"{name}.html"
         if not page.exists():
             out.append(f"fh.{name}: no API page ({page.relative_to(html)})")
+        elif isinstance(getattr(fh, name), types.ModuleType):  # fh.schedules: each of its names
+            text, module = page.read_text(), getattr(fh, name)
+            if f'id="module-{module.__name__}"' not in text:
+                out.append(f"fh.{name}: its page documents no module of that name")
+            for member in module.__all__:
+                if f'id="{module.__name__}.{member}"' not in text:
+                    out.append(f"fh.{name}.{member}: not documented on fh.{name}'s page")
         elif f'id="functional_hsdp.{name}"' not in page.read_text():
             out.append(f"fh.{name}: its page documents no object of that name")
     for source in sorted((ROOT / "notebooks").glob("*.py")):

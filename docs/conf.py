@@ -23,6 +23,7 @@ import hashlib
 import os
 import shutil
 import sys
+import types
 from pathlib import Path
 
 from sphinx.errors import ConfigError
@@ -134,6 +135,11 @@ def _write(path: Path, text: str) -> None:
 
 def _name_page(name: str) -> str:
     obj = getattr(fh, name)
+    if isinstance(obj, types.ModuleType):  # a public submodule (fh.schedules): its own names
+        return (
+            f"# {name}\n\n```{{eval-rst}}\n.. automodule:: {obj.__name__}\n"
+            "   :members:\n   :member-order: bysource\n```\n"
+        )
     module = getattr(obj, "__module__", "") or ""
     head = f"# {name}\n\n```{{eval-rst}}\n.. currentmodule:: functional_hsdp\n\n"
     if not module.startswith("functional_hsdp"):
