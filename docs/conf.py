@@ -20,7 +20,9 @@ What this file does before Sphinx reads the sources:
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
+import re
 import shutil
 import sys
 import types
@@ -90,6 +92,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(torch|collections\.abc|typing|optree)(\..*)?"),
     (r"py:.*", r"functional_hsdp\.[a-z_]+(\.[a-z_]+)*(\.[A-Za-z_]+)?"),  # private modules' names
     (r"py:.*", r"(Geometry|Diagnostics|Kept|MeshAxes|T|BACKENDS)"),
+    (r"py:.*", r"_\w+"),  # a private function a module docstring names (_reduce_pseudo_gradient)
 ]
 
 # napoleon reads the first line of a property's docstring as "type: description"; the
@@ -114,6 +117,13 @@ html_theme_options = {
     "show_toc_level": 2,
     "home_page_in_toc": True,
     "use_download_button": True,
+    # an API page's own contents are one entry: its room goes to the docstring's examples,
+    # written to 100 columns as the guides' code is
+    "secondary_sidebar_items": {
+        "*": ["page-toc.html"],
+        "guides/*": ["page-toc.html"],
+        "notebooks/*": ["page-toc.html"],
+    },
 }
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
@@ -152,8 +162,22 @@ def _name_page(name: str) -> str:
             "[Concepts](../guides/concepts.md), and the [placements](placements.md).\n"
         )
     if isinstance(obj, type):
-        return head + f".. autoclass:: {name}\n   :members:\n   :show-inheritance:\n```\n"
-    return head + f".. autofunction:: {name}\n```\n"
+        page = head + f".. autoclass:: {name}\n   :members:\n   :show-inheritance:\n```\n"
+    else:
+        page = head + f".. autofunction:: {name}\n```\n"
+    return page + _module_notes(obj)
+
+
+def _module_notes(obj) -> str:
+    """A docstring that sends the reader to "the module docstring" (fh.diloco's: the math
+    and the schedule) gets that docstring on its page: the library's modules have no pages."""
+    module = sys.modules[obj.__module__]
+    if not re.search(r"module\s+docstring", obj.__doc__ or "") or not module.__doc__:
+        return ""
+    return (
+        f"\n## The module docstring (`{module.__name__}`)\n\n```{{eval-rst}}\n"
+        f".. currentmodule:: functional_hsdp\n\n{inspect.cleandoc(module.__doc__)}\n```\n"
+    )
 
 
 def _group_page(title: str, blurb: str, names: list[str]) -> str:
