@@ -80,6 +80,7 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
 
     Args:
         tree: one of
+
             * local shards laid out like the params (``shard``/``reduce_grads`` results,
               optimizer moments, any elementwise function of those), at the optimizer
               (or parameter) placement of ``spec``;

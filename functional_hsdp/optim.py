@@ -383,8 +383,9 @@ def sgd(
     update is ``-lr * d``.
 
     Args:
-        lr: learning rate: a number, or a schedule ``step -> lr`` (:mod:`~functional_hsdp.
-            schedules`; step counted from 0, kept in the state's ``count``).
+        lr: learning rate: a number, or a schedule ``step -> lr``
+            (:mod:`~functional_hsdp.schedules`; step counted from 0, kept in the state's
+            ``count``).
         momentum: momentum factor (0: none, no per-parameter state).
         weight_decay: L2 penalty added to the gradient (coupled, as torch.optim.SGD).
         nesterov: Nesterov momentum, as ``torch.optim.SGD(nesterov=True)`` (needs
@@ -824,8 +825,8 @@ def adamw(
     ``-lr * ((m / (1 - b1**t)) / (sqrt(v) / sqrt(1 - b2**t) + eps) + weight_decay * p)``.
 
     Args:
-        lr: learning rate: a number, or a schedule ``step -> lr`` (:mod:`~functional_hsdp.
-            schedules`; step counted from 0, as torch's ``LambdaLR``).
+        lr: learning rate: a number, or a schedule ``step -> lr``
+            (:mod:`~functional_hsdp.schedules`; step counted from 0, as torch's ``LambdaLR``).
         b1: decay rate of the first moment (torch's ``betas[0]``).
         b2: decay rate of the second moment (torch's ``betas[1]``).
         eps: added to the bias-corrected ``sqrt(v)``, elementwise (no communication).

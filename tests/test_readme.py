@@ -1,16 +1,18 @@
-"""Every Python block of README.md runs, and what it computes is checked, so the README cannot
-drift from the library.
+"""Every Python block of README.md and of the documentation's pages (``docs/**/*.md``, the
+guides) runs, and what it computes is checked, so neither can drift from the library.
 
 Blocks that build a ``DistMesh`` run as ``torchrun --nproc-per-node 4 train.py`` runs them: 4
 fresh gloo workers with no process group (``launch.run(..., join=False)``), so the block's own
 ``init_device_mesh`` makes the group, exactly as written. A block that starts with
 ``# continuing the quickstart`` (or ``the layer-wise example``) runs after that example's block
-(less its closing ``dist.destroy_process_group()``), in one namespace. After a distributed block,
-a check from :data:`CHECKS` compares what it computed with a dense single-process reference
-(every rank's data, mean over ranks of the sum over microbatches), on every rank, and the run
-reports how each collective was carried (``comm_log``'s ``impl``), what each rank printed and
-every warning raised. A block whose last lines are ``print(...)`` followed by a ``# <output>``
-comment must print that output.
+(less its closing ``dist.destroy_process_group()``), in one namespace: the quickstart guide's
+(``docs/guides/quickstart.md``) and the layer-wise guide's. After a distributed block, a check
+from :data:`CHECKS` compares what it computed with a dense single-process reference (every
+rank's data, mean over ranks of the sum over microbatches), on every rank, and the run reports
+how each collective was carried (``comm_log``'s ``impl``), what each rank printed and every
+warning raised. A block whose last lines are ``print(...)`` followed by a ``# <output>``
+comment must print that output. A block found twice (the README's quickstart is the guide's)
+runs once.
 """
 
 from __future__ import annotations
@@ -30,18 +32,44 @@ from torch.func import grad
 import functional_hsdp as fh
 from functional_hsdp import launch
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+GENERATED = ("_build", "api", "notebooks")  # docs/conf.py writes these at build time
 DESTROY = "dist.destroy_process_group()"
 WORLD = 4
 
 
-def _blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+def _sources() -> list[Path]:
+    pages = [
+        p for p in sorted(DOCS.rglob("*.md"))
+        if not set(p.relative_to(DOCS).parts[:-1]) & set(GENERATED)
+    ]  # fmt: skip
+    return [*pages, README]
 
 
-BLOCKS = _blocks()
-QUICKSTART = next(b for b in BLOCKS if "init_device_mesh" in b)
-LAYERWISE = next(b for b in BLOCKS if "into=mg)" in b)
+def _blocks() -> tuple[list[str], dict[str, Path]]:
+    """Every distinct Python block, the docs' first, and the file each is in (a block the
+    README shares with a guide counts as the guide's)."""
+    blocks, where = [], {}
+    for path in _sources():
+        for block in re.findall(r"^```python\n(.*?)^```", path.read_text(), re.S | re.M):
+            if block not in where:
+                blocks.append(block)
+                where[block] = path
+    return blocks, where
+
+
+BLOCKS, WHERE = _blocks()
+GUIDES = DOCS / "guides"
+
+
+def _first(page: str, needle: str) -> str:
+    return next(b for b in BLOCKS if WHERE[b] == GUIDES / page and needle in b)
+
+
+QUICKSTART = _first("quickstart.md", "init_device_mesh")
+LAYERWISE = _first("layerwise.md", "into=mg)")
 BASES = {
     "# continuing the quickstart": QUICKSTART,
     "# continuing the layer-wise example": LAYERWISE,
@@ -67,17 +95,21 @@ def _distributed(block: str) -> bool:
 
 
 def _name(block: str) -> str:
-    """The block's README section (its first word), with "pure" for the layer-wise
-    continuation."""
-    text = README.read_text()
-    heading = re.findall(r"^## (\S+)", text[: text.index(block)], re.M)[-1].rstrip(":,").lower()
+    """The block's section (its first word): in the README the ``##`` heading above it, in a
+    guide the page's title; with "pure" for the layer-wise continuation."""
+    text = WHERE[block].read_text()
+    if WHERE[block] == README:
+        heading = re.findall(r"^## (\S+)", text[: text.index(block)], re.M)[-1]
+    else:
+        heading = re.search(r"^# (\S+)", text, re.M).group(1)
+    heading = heading.rstrip(":,").lower()
     return heading + (", pure" if block.startswith("# continuing the layer-wise") else "")
 
 
 def _run(code: str) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, str(README), "exec"), {"__name__": "__readme__"})
+        exec(compile(code, "<readme block>", "exec"), {"__name__": "__readme__"})
     return out.getvalue()
 
 
@@ -281,7 +313,7 @@ def _torchrun_task(code: str, check, carriage: str | None = None) -> dict:
     with warnings.catch_warnings(record=True) as caught, fh.comm_log() as log:
         warnings.simplefilter("always")
         with contextlib.redirect_stdout(out):
-            exec(compile(code, str(README), "exec"), ns)
+            exec(compile(code, "<readme block>", "exec"), ns)
         result = check(ns, out.getvalue())
     impls = sorted({(e.op, e.impl) for e in log.events})
     dist.destroy_process_group()

@@ -27,12 +27,13 @@ def _lane_text() -> str:
         ROOT / "tests" / n
         for n in ("reference.py", "transform_problem.py", "hf_problem.py", "lw_problem.py")
     }
-    return "\n".join(p.read_text() for p in [*files, *helpers]) + (ROOT / "README.md").read_text()
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
+    return "\n".join(p.read_text() for p in [*files, *helpers, *pages])  # test_readme runs pages
 
 
 def test_the_lane_runs_every_public_name():
     """Every name of ``fh.__all__`` is used (``fh.NAME``) by a test, helper, doctest or README
-    block that the lane runs."""
+    or guide block that the lane runs."""
     text = _lane_text()
     missing = [n for n in fh.__all__ if not re.search(rf"\bfh\.{n}\b|\bimport .*\b{n}\b", text)]
     assert missing == []
