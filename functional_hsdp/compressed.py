@@ -133,24 +133,35 @@ class _Legs:
         self.residual_in: ResidualIn = lambda b: None
         self.residual_out: ResidualOut = lambda b, r: None
 
+    @torch.no_grad()
     def encode(self, b: int, buf: torch.Tensor) -> torch.Tensor:
         """Add the residual, cut into pieces, quantize: the all-to-all's bytes."""
         self.dtypes[b] = buf.dtype
-        r = self.residual_in(b) if self.policy.error_feedback else None
-        # x = bucket + residual, written once into a new fp32 buffer padded to n pieces
-        # (never the caller's buffer)
-        x = buf.new_empty((*buf.shape[:-1], self.n * self.piece), dtype=torch.float32)
+        feedback = self.policy.error_feedback
+        r = self.residual_in(b) if feedback else None
+        x = self._padded(buf, r)  # never written: the codec reads it
+        x = einops.rearrange(x, "... (n p) -> ... n p", n=self.n)
+        if not feedback:
+            return einops.rearrange(self.policy.encode(x), "... n c -> ... (n c)")
+        data, approx = self.policy.code(x)
+        self.lost[b] = torch.sub(x, approx, out=approx)  # this rank's loss, in approx's buffer
+        return einops.rearrange(data, "... n c -> ... (n c)")
+
+    def _padded(self, buf: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        """``buf + r`` (``r`` None: ``buf``), fp32, padded with zeros to ``n`` whole pieces:
+        ``buf`` itself where that is it already, else one new buffer written once."""
+        total = self.n * self.piece
+        if r is None and buf.dtype == torch.float32 and total == self.length:
+            return buf
+        x = buf.new_empty((*buf.shape[:-1], total), dtype=torch.float32)
         if r is None:
             x[..., : self.length] = buf
         else:
             torch.add(buf, r, out=x[..., : self.length])
         x[..., self.length :] = 0
-        x = einops.rearrange(x, "... (n p) -> ... n p", n=self.n)
-        data, approx = self.policy.code(x)
-        if self.policy.error_feedback:  # what this rank's rounding lost, in approx's buffer
-            self.lost[b] = torch.sub(x, approx, out=approx)
-        return einops.rearrange(data, "... n c -> ... (n c)")
+        return x
 
+    @torch.no_grad()
     def reduce(self, b: int, got: torch.Tensor) -> torch.Tensor:
         """Sum this rank's piece from every rank in fp32; the chunk (scatter) or its bytes."""
         n, feedback = self.n, self.policy.error_feedback
@@ -174,6 +185,7 @@ class _Legs:
             self.residual_out(b, loss.flatten(-2)[..., : self.length])
         return data
 
+    @torch.no_grad()
     def decode(self, b: int, got: torch.Tensor) -> torch.Tensor:
         """Every piece of the sum, decoded: the result."""
         got = einops.rearrange(got, "... (n c) -> ... n c", n=self.n)

@@ -26,6 +26,7 @@ short).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,7 +105,7 @@ class Compress:
             >>> c.encode(x).shape, c.decode(c.encode(x), 6)
             (torch.Size([14]), tensor([ 0.5039, -1.0000,  0.2520,  0.0000,  0.0000,  0.0000]))
         """
-        return self.code(x)[0]
+        return self._code(x, keep=False)[0]
 
     @torch.no_grad()
     def decode(self, data: torch.Tensor, n: int) -> torch.Tensor:
@@ -121,15 +122,19 @@ class Compress:
             out = _lookup(self.dtype, q)[..., :n]
         return _per_block(torch.mul, out, scale, block=self.block, out=out)
 
-    @torch.no_grad()
     def code(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(``encode(x)``, what it decodes to, fp32): the sender's own rounding, for error
         feedback, without decoding the bytes again. ``x`` is not modified; both results are
         new tensors (the caller may overwrite the second)."""
+        return self._code(x, keep=True)
+
+    @torch.no_grad()
+    def _code(self, x: torch.Tensor, *, keep: bool) -> tuple[torch.Tensor, Any]:
+        """(bytes, what they decode to if ``keep`` else None)."""
         x = x.float()
         if not self.scaled:
             q = x.to(torch.bfloat16).contiguous()
-            return q.view(torch.uint8), q.float()
+            return q.view(torch.uint8), (q.float() if keep else None)
         largest = _LARGEST[self.dtype]
         # one fp32 buffer, reused: |x|, then x / scale, then the rounded values, then approx
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
@@ -146,20 +151,28 @@ class Compress:
             (*x.shape[:-1], self.nbytes(x.shape[-1])), dtype=torch.uint8, device=x.device
         )
         values = data.shape[-1] - 4 * scale.shape[-1]
-        self._round(y, data[..., :values])
+        self._round(y, data[..., :values], clamp=_may_exceed(scale), keep=keep)
         data[..., values:] = scale.view(torch.uint8)
+        if not keep:
+            return data, None
         return data, _per_block(torch.mul, y, scale, block=self.block, out=y)
 
-    def _round(self, y: torch.Tensor, raw: torch.Tensor) -> None:
-        """``y``, values over their block's scale -> their bytes in ``raw``; ``y`` becomes
-        the values the bytes hold (before the scale)."""
+    def _round(self, y: torch.Tensor, raw: torch.Tensor, *, clamp: bool, keep: bool) -> None:
+        """``y``, values over their block's scale -> their bytes in ``raw``; if ``keep``,
+        ``y`` becomes the values the bytes hold (before the scale). ``clamp``: whether a
+        value may lie beyond the format's largest (see :func:`_may_exceed`)."""
         largest = _LARGEST[self.dtype]
         if self.dtype == torch.float8_e4m3fn:
-            y.clamp_(-largest, largest)
+            if clamp:
+                y.clamp_(-largest, largest)
             raw.view(torch.float8_e4m3fn).copy_(y)  # the cast rounds to nearest even
-            torch.index_select(_table(self.dtype, y.device), 0, raw.flatten().int(), out=y.view(-1))
+            if keep:
+                table = _table(self.dtype, y.device)
+                torch.index_select(table, 0, raw.int().view(-1), out=y.view(-1))
             return
-        y.round_().clamp_(-largest, largest)
+        y.round_()
+        if clamp:
+            y.clamp_(-largest, largest)
         if self.dtype == torch.int8:
             raw.view(torch.int8).copy_(y)
             return
@@ -170,25 +183,42 @@ class Compress:
         nib[..., :n].view(torch.int8).copy_(y)
         nib[..., n:] = 0
         nib += 8
-        torch.bitwise_or(nib[..., 0::2], nib[..., 1::2] << 4, out=raw)
+        if sys.byteorder == "little":  # a pair of nibbles read as one int16: lo + 256 * hi
+            pair = nib.view(torch.int16)
+            raw.copy_(pair | (pair >> 4))  # low byte: lo | hi << 4 (the int16 -> uint8 wraps)
+        else:
+            torch.bitwise_or(nib[..., 0::2], nib[..., 1::2] << 4, out=raw)
+
+
+def _may_exceed(scale: torch.Tensor) -> bool:
+    """Whether ``x / scale`` may exceed the format's largest value in a block, so that the
+    rounded values need a clamp. With a normal fp32 scale (``absmax / largest`` rounded, at
+    most 2^-24 off) it stays within ``largest * (1 + 2^-23)``, which rounds to ``largest``
+    (int: below ``largest + 0.5``; e4m3: below 464); a subnormal scale is coarser. Off the
+    CPU the answer is yes without looking (no host sync for a saved pass)."""
+    if scale.device.type != "cpu":
+        return True
+    tiny = torch.finfo(torch.float32).tiny
+    return bool(((scale > 0) & (scale < tiny)).any())
 
 
 @lru(maxsize=16)
 def _table(dtype: Any, device: torch.device) -> torch.Tensor:
-    """Byte -> the fp32 value(s) it encodes: fp8 e4m3, ``(256,)`` (what the cast gives, NaN
-    included); int4, ``(256, 2)`` (low nibble, high nibble, each minus 8)."""
+    """Byte -> the fp32 value(s) it encodes: fp8 e4m3, ``(256,)`` fp32 (what the cast gives,
+    NaN included); int4, ``(256,)`` int64, each the bytes of two fp32 (low nibble, high
+    nibble, each minus 8): one 8-byte element a byte, so the lookup is a 1-D gather."""
     byte = torch.arange(256, device=device)
     if dtype == torch.float8_e4m3fn:
         return byte.to(torch.uint8).view(torch.float8_e4m3fn).float()
-    return torch.stack([byte & 15, byte >> 4], -1).float() - 8
+    pairs = torch.stack([byte & 15, byte >> 4], -1).float() - 8
+    return pairs.view(torch.int64).view(-1)
 
 
 def _lookup(dtype: Any, q: torch.Tensor) -> torch.Tensor:
     """Bytes ``q`` (``(..., m)`` uint8) -> the fp32 values they encode (fp8: ``(..., m)``;
     int4: ``(..., 2m)``), a new contiguous tensor."""
-    table = _table(dtype, q.device)
-    out = table.index_select(0, q.flatten().int())
-    return out.view(*q.shape[:-1], -1)
+    out = _table(dtype, q.device).index_select(0, q.int().view(-1))
+    return out.view(torch.float32).view(*q.shape[:-1], -1)
 
 
 def _blocks(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
