@@ -136,16 +136,9 @@ class Compress:
             q = x.to(torch.bfloat16).contiguous()
             return q.view(torch.uint8), (q.float() if keep else None)
         largest = _LARGEST[self.dtype]
-        # one fp32 buffer, reused: |x|, then x / scale, then the rounded values, then approx
+        scale = _absmax(x, self.block) / largest
+        # one fp32 buffer, reused: x / scale, then the rounded values, then approx
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        torch.abs(x, out=y)
-        # absmax propagates NaN, and an Inf makes the scale Inf: either way the block decodes
-        # to NaN (0 * Inf, NaN * q), never to a silent zero
-        main, tail = _blocks(y, self.block)
-        scale = main.amax(-1)
-        if tail is not None:
-            scale = torch.cat([scale, tail.amax(-1, keepdim=True)], -1)
-        scale = scale / largest
         _per_block(torch.div, x, torch.where(scale == 0, 1.0, scale), block=self.block, out=y)
         data = torch.empty(
             (*x.shape[:-1], self.nbytes(x.shape[-1])), dtype=torch.uint8, device=x.device
@@ -188,6 +181,19 @@ class Compress:
             raw.copy_(pair | (pair >> 4))  # low byte: lo | hi << 4 (the int16 -> uint8 wraps)
         else:
             torch.bitwise_or(nib[..., 0::2], nib[..., 1::2] << 4, out=raw)
+
+
+def _absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Each block's largest magnitude, ``(..., ceil(n / block))``: the larger of its max and
+    minus its min (two reads, no ``|x|`` written), ``+0.0`` so that a block of zeros gives
+    +0. A NaN propagates, and an Inf makes it Inf: either way the block decodes to NaN
+    (``0 * Inf``, ``NaN * q``), never to a silent zero."""
+    main, tail = _blocks(x, block)
+    top = torch.maximum(main.amax(-1), main.amin(-1).neg_())
+    if tail is not None:
+        last = torch.maximum(tail.amax(-1, keepdim=True), tail.amin(-1, keepdim=True).neg_())
+        top = torch.cat([top, last], -1)
+    return top.add_(0.0)
 
 
 def _may_exceed(scale: torch.Tensor) -> bool:
