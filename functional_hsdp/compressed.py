@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import einops
 import numpy as np
 import torch
 
@@ -132,50 +133,81 @@ class _Legs:
         self.residual_in: ResidualIn = lambda b: None
         self.residual_out: ResidualOut = lambda b, r: None
 
+    @torch.no_grad()
     def encode(self, b: int, buf: torch.Tensor) -> torch.Tensor:
         """Add the residual, cut into pieces, quantize: the all-to-all's bytes."""
         self.dtypes[b] = buf.dtype
-        x = buf.float()
-        r = self.residual_in(b) if self.policy.error_feedback else None
-        x = x + r if r is not None else x.clone()  # never the caller's buffer
-        pad = self.n * self.piece - self.length
-        x = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (self.n, self.piece))
+        feedback = self.policy.error_feedback
+        r = self.residual_in(b) if feedback else None
+        x = self._padded(buf, r)  # never written: the codec reads it
+        x = einops.rearrange(x, "... (n p) -> ... n p", n=self.n)
+        if not feedback:
+            return einops.rearrange(self.policy.encode(x), "... n c -> ... (n c)")
         data, approx = self.policy.code(x)
-        if self.policy.error_feedback:
-            self.lost[b] = x - approx
-        return data.flatten(-2)
+        self.lost[b] = torch.sub(x, approx, out=approx)  # this rank's loss, in approx's buffer
+        return einops.rearrange(data, "... n c -> ... (n c)")
 
+    def _padded(self, buf: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        """``buf + r`` (``r`` None: ``buf``), fp32, padded with zeros to ``n`` whole pieces:
+        ``buf`` itself where that is it already, else one new buffer written once."""
+        total = self.n * self.piece
+        if r is None and buf.dtype == torch.float32 and total == self.length:
+            return buf
+        x = buf.new_empty((*buf.shape[:-1], total), dtype=torch.float32)
+        if r is None:
+            x[..., : self.length] = buf
+        else:
+            torch.add(buf, r, out=x[..., : self.length])
+        x[..., self.length :] = 0
+        return x
+
+    @torch.no_grad()
     def reduce(self, b: int, got: torch.Tensor) -> torch.Tensor:
         """Sum this rank's piece from every rank in fp32; the chunk (scatter) or its bytes."""
         n, feedback = self.n, self.policy.error_feedback
-        parts = self.policy.decode(got.unflatten(-1, (n, self.nbytes)), self.piece)
+        got = einops.rearrange(got, "... (n c) -> ... n c", n=n)
+        parts = self.policy.decode(got, self.piece)  # a new buffer: summed into its first row
         total = parts[..., 0, :]
         for s in range(1, n):  # in source order: the same bits on every mesh
-            total = total + parts[..., s, :]
+            total += parts[..., s, :]
         if self.op == "avg":
-            total = total / n
+            total /= n
         if self.scatter:
             if feedback:
                 self.residual_out(b, self.lost.pop(b).flatten(-2)[..., : self.length])
             return total.to(self.dtypes.pop(b))
         data, approx = self.policy.code(total)
         if feedback:  # the sum's rounding, kept by the rank that owns the piece
-            mine = _own_piece(self.mesh, self.axis, device=total.device)
-            weight = n if self.op == "avg" else 1
-            loss = self.lost.pop(b) + mine[..., None] * ((total - approx) * weight)[..., None, :]
+            lost = torch.sub(total, approx, out=approx)
+            if self.op == "avg":
+                lost *= n
+            loss = _add_own_piece(self.lost.pop(b), lost, mesh=self.mesh, axis=self.axis)
             self.residual_out(b, loss.flatten(-2)[..., : self.length])
         return data
 
+    @torch.no_grad()
     def decode(self, b: int, got: torch.Tensor) -> torch.Tensor:
         """Every piece of the sum, decoded: the result."""
-        parts = self.policy.decode(got.unflatten(-1, (self.n, self.nbytes)), self.piece)
+        got = einops.rearrange(got, "... (n c) -> ... n c", n=self.n)
+        parts = self.policy.decode(got, self.piece)
         return parts.flatten(-2)[..., : self.length].to(self.dtypes.pop(b))
 
 
-def _own_piece(mesh: Mesh, axis: str, *, device: torch.device) -> torch.Tensor:
-    """``(*batch, n)`` float: 1 where piece ``p`` is this rank's (its coordinate on ``axis``)."""
-    coord = torch.as_tensor(np.array(mesh.coordinate(axis), dtype=np.int64), device=device)
-    return (torch.arange(mesh.size(axis), device=device) == coord[..., None]).float()
+def _add_own_piece(
+    lost: torch.Tensor, loss: torch.Tensor, *, mesh: Mesh, axis: str
+) -> torch.Tensor:
+    """``lost`` (``(*batch, n, piece)``) with ``loss`` (``(*batch, piece)``) added, in place,
+    into piece ``p`` where ``p`` is this rank's coordinate on ``axis`` (every rank's, on a
+    SimMesh); the other pieces are left as they are."""
+    coord = np.asarray(mesh.coordinate(axis), dtype=np.int64)
+    if coord.ndim == 0:
+        lost[..., int(coord), :] += loss
+        return lost
+    rows = lost.view(-1, *lost.shape[-2:])
+    mine = torch.tensor(coord.reshape(-1), device=lost.device)
+    ranks = torch.arange(rows.shape[0], device=lost.device)
+    rows.index_put_((ranks, mine), loss.reshape(-1, loss.shape[-1]), accumulate=True)
+    return lost
 
 
 def compressed_all_reduce(

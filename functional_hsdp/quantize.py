@@ -26,10 +26,14 @@ short).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
+import einops
 import torch
+
+from .cache import lru
 
 __all__ = ["Compress", "compress"]
 
@@ -101,8 +105,9 @@ class Compress:
             >>> c.encode(x).shape, c.decode(c.encode(x), 6)
             (torch.Size([14]), tensor([ 0.5039, -1.0000,  0.2520,  0.0000,  0.0000,  0.0000]))
         """
-        return self.code(x)[0]
+        return self._code(x, keep=False)[0]
 
+    @torch.no_grad()
     def decode(self, data: torch.Tensor, n: int) -> torch.Tensor:
         """Encoded bytes ``(..., nbytes(n))`` -> the ``n`` values they hold, fp32."""
         if not self.scaled:
@@ -111,47 +116,135 @@ class Compress:
         values = self.nbytes(n) - 4 * blocks
         scale = _view(data[..., values:], torch.float32)
         q = data[..., :values]
-        if self.dtype == "int4":
-            q = torch.stack([q & 15, q >> 4], -1).flatten(-2)[..., :n].to(torch.float32) - 8
-        elif self.dtype == torch.int8:
-            q = _view(q, torch.int8).to(torch.float32)
-        else:
-            q = _view(q, torch.float8_e4m3fn).to(torch.float32)
-        q = torch.nn.functional.pad(q, (0, blocks * self.block - n))
-        out = q.unflatten(-1, (blocks, self.block)) * scale[..., None]
-        return out.flatten(-2)[..., :n]
+        if self.dtype == torch.int8:
+            out = q.view(torch.int8).float()
+        else:  # a byte's value(s) looked up: fp8's cast to fp32 is slow on a CPU
+            out = _lookup(self.dtype, q)[..., :n]
+        return _per_block(torch.mul, out, scale, block=self.block, out=out)
 
     def code(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(``encode(x)``, what it decodes to, fp32): the sender's own rounding, for error
-        feedback, without decoding the bytes again."""
+        feedback, without decoding the bytes again. ``x`` is not modified; both results are
+        new tensors (the caller may overwrite the second)."""
+        return self._code(x, keep=True)
+
+    @torch.no_grad()
+    def _code(self, x: torch.Tensor, *, keep: bool) -> tuple[torch.Tensor, Any]:
+        """(bytes, what they decode to if ``keep`` else None)."""
         x = x.float()
-        n = x.shape[-1]
         if not self.scaled:
             q = x.to(torch.bfloat16).contiguous()
-            return q.view(torch.uint8), q.float()
+            return q.view(torch.uint8), (q.float() if keep else None)
         largest = _LARGEST[self.dtype]
-        blocks = -(-n // self.block)
-        pad = blocks * self.block - n
-        xb = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (blocks, self.block))
-        # absmax propagates NaN, and an Inf makes the scale Inf: either way the block decodes
-        # to NaN (0 * Inf, NaN * q), never to a silent zero
-        scale = xb.abs().amax(-1) / largest
-        y = xb / torch.where(scale == 0, 1.0, scale)[..., None]
+        scale = _absmax(x, self.block) / largest
+        # one fp32 buffer, reused: x / scale, then the rounded values, then approx
+        y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        _per_block(torch.div, x, torch.where(scale == 0, 1.0, scale), block=self.block, out=y)
+        data = torch.empty(
+            (*x.shape[:-1], self.nbytes(x.shape[-1])), dtype=torch.uint8, device=x.device
+        )
+        values = data.shape[-1] - 4 * scale.shape[-1]
+        self._round(y, data[..., :values], clamp=_may_exceed(scale), keep=keep)
+        data[..., values:] = scale.view(torch.uint8)
+        if not keep:
+            return data, None
+        return data, _per_block(torch.mul, y, scale, block=self.block, out=y)
+
+    def _round(self, y: torch.Tensor, raw: torch.Tensor, *, clamp: bool, keep: bool) -> None:
+        """``y``, values over their block's scale -> their bytes in ``raw``; if ``keep``,
+        ``y`` becomes the values the bytes hold (before the scale). ``clamp``: whether a
+        value may lie beyond the format's largest (see :func:`_may_exceed`)."""
+        largest = _LARGEST[self.dtype]
         if self.dtype == torch.float8_e4m3fn:
-            q = y.clamp(-largest, largest).to(torch.float8_e4m3fn)
-            back = q.float()
-            raw = q.view(torch.uint8).flatten(-2)[..., :n]
+            if clamp:
+                y.clamp_(-largest, largest)
+            raw.view(torch.float8_e4m3fn).copy_(y)  # the cast rounds to nearest even
+            if keep:
+                table = _table(self.dtype, y.device)
+                torch.index_select(table, 0, raw.int().view(-1), out=y.view(-1))
+            return
+        y.round_()
+        if clamp:
+            y.clamp_(-largest, largest)
+        if self.dtype == torch.int8:
+            raw.view(torch.int8).copy_(y)
+            return
+        # int4: offset by 8 into a nibble, two a byte (low nibble first; an odd count padded
+        # with the nibble of 0)
+        n = y.shape[-1]
+        nib = torch.empty((*y.shape[:-1], n + n % 2), dtype=torch.uint8, device=y.device)
+        nib[..., :n].view(torch.int8).copy_(y)
+        nib[..., n:] = 0
+        nib += 8
+        if sys.byteorder == "little":  # a pair of nibbles read as one int16: lo + 256 * hi
+            pair = nib.view(torch.int16)
+            raw.copy_(pair | (pair >> 4))  # low byte: lo | hi << 4 (the int16 -> uint8 wraps)
         else:
-            back = y.round().clamp(-largest, largest)
-            if self.dtype == torch.int8:
-                raw = back.to(torch.int8).view(torch.uint8).flatten(-2)[..., :n]
-            else:  # int4: offset by 8 into a nibble, two a byte (low nibble first)
-                nib = (back + 8).to(torch.uint8).flatten(-2)[..., :n]
-                if nib.shape[-1] % 2:
-                    nib = torch.nn.functional.pad(nib, (0, 1), value=8)
-                raw = nib[..., 0::2] | (nib[..., 1::2] << 4)
-        approx = (back * scale[..., None]).flatten(-2)[..., :n]
-        return torch.cat([raw, scale.contiguous().view(torch.uint8)], -1), approx
+            torch.bitwise_or(nib[..., 0::2], nib[..., 1::2] << 4, out=raw)
+
+
+def _absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Each block's largest magnitude, ``(..., ceil(n / block))``: the larger of its max and
+    minus its min (two reads, no ``|x|`` written), ``+0.0`` so that a block of zeros gives
+    +0. A NaN propagates, and an Inf makes it Inf: either way the block decodes to NaN
+    (``0 * Inf``, ``NaN * q``), never to a silent zero."""
+    main, tail = _blocks(x, block)
+    top = torch.maximum(main.amax(-1), main.amin(-1).neg_())
+    if tail is not None:
+        last = torch.maximum(tail.amax(-1, keepdim=True), tail.amin(-1, keepdim=True).neg_())
+        top = torch.cat([top, last], -1)
+    return top.add_(0.0)
+
+
+def _may_exceed(scale: torch.Tensor) -> bool:
+    """Whether ``x / scale`` may exceed the format's largest value in a block, so that the
+    rounded values need a clamp. With a normal fp32 scale (``absmax / largest`` rounded, at
+    most 2^-24 off) it stays within ``largest * (1 + 2^-23)``, which rounds to ``largest``
+    (int: below ``largest + 0.5``; e4m3: below 464); a subnormal scale is coarser. Off the
+    CPU the answer is yes without looking (no host sync for a saved pass)."""
+    if scale.device.type != "cpu":
+        return True
+    tiny = torch.finfo(torch.float32).tiny
+    return bool(((scale > 0) & (scale < tiny)).any())
+
+
+@lru(maxsize=16)
+def _table(dtype: Any, device: torch.device) -> torch.Tensor:
+    """Byte -> the fp32 value(s) it encodes: fp8 e4m3, ``(256,)`` fp32 (what the cast gives,
+    NaN included); int4, ``(256,)`` int64, each the bytes of two fp32 (low nibble, high
+    nibble, each minus 8): one 8-byte element a byte, so the lookup is a 1-D gather."""
+    byte = torch.arange(256, device=device)
+    if dtype == torch.float8_e4m3fn:
+        return byte.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    pairs = torch.stack([byte & 15, byte >> 4], -1).float() - 8
+    return pairs.view(torch.int64).view(-1)
+
+
+def _lookup(dtype: Any, q: torch.Tensor) -> torch.Tensor:
+    """Bytes ``q`` (``(..., m)`` uint8) -> the fp32 values they encode (fp8: ``(..., m)``;
+    int4: ``(..., 2m)``), a new contiguous tensor."""
+    out = _table(dtype, q.device).index_select(0, q.int().view(-1))
+    return out.view(torch.float32).view(*q.shape[:-1], -1)
+
+
+def _blocks(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Views of ``t`` (``(..., n)``, unit stride last): its whole blocks ``(..., n // block,
+    block)`` and the short last block ``(..., n % block)`` (None if there is none)."""
+    n = t.shape[-1]
+    whole = n - n % block
+    main = einops.rearrange(t[..., :whole], "... (k b) -> ... k b", b=block)
+    return main, (t[..., whole:] if whole < n else None)
+
+
+def _per_block(op: Any, t: torch.Tensor, scale: torch.Tensor, *, block: int, out: torch.Tensor):
+    """``out = op(t, the scale of each element's block)``, block by block, into ``out`` (unit
+    stride last; may be ``t``): no padding, no copy."""
+    (t_main, t_tail), (o_main, o_tail) = _blocks(t, block), _blocks(out, block)
+    k = t_main.shape[-2]
+    op(t_main, scale[..., :k, None], out=o_main)
+    if t_tail is not None:
+        op(t_tail, scale[..., k:], out=o_tail)
+    return out
 
 
 def _view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -111,6 +111,75 @@ def test_nan_and_inf_are_never_a_silent_zero(fmt):
         fh.reduce_grads(g, spec, last=True, check_finite=True)
 
 
+def _textbook(policy, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scaled codec as its docstring states it, the plain way (padded blocks, absmax,
+    divide, round or cast, clamp, unpacked bytes): (the value bytes, unpacked for int4 as
+    one nibble a value; what they decode to)."""
+    largest = {torch.float8_e4m3fn: 448.0, **LARGEST}[policy.dtype]
+    n = x.shape[-1]
+    pad = (-n) % policy.block
+    xb = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, policy.block))
+    scale = xb.abs().amax(-1) / largest
+    y = xb / torch.where(scale == 0, 1.0, scale)[..., None]
+    if policy.dtype == torch.float8_e4m3fn:
+        q = y.clamp(-largest, largest).to(torch.float8_e4m3fn)
+        raw, back = q.view(torch.uint8), q.float()
+    else:
+        back = y.round().clamp(-largest, largest)
+        raw = back.to(torch.int8).view(torch.uint8)
+        if policy.dtype == "int4":
+            raw = (back + 8).to(torch.uint8)
+    approx = (back * scale[..., None]).flatten(-2)[..., :n]
+    return raw.flatten(-2)[..., :n], approx
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.int8, "int4"], ids=str)
+def test_the_codec_gives_the_textbook_bytes_and_values_tiny_scales_included(fmt):
+    """The codec (views of whole blocks and the short last one, a clamp skipped where no
+    value can exceed the format, fp8 and int4 decoded by lookup) gives bit for bit the bytes
+    and values of the plain formula: for odd lengths, batch dims, and blocks whose scale is a
+    subnormal fp32 (there a value over its scale can exceed the format's largest)."""
+    for size in (1, 7, 256):
+        policy = fh.compress(fmt, block=size)
+        for n, magnitude in ((1, 1.0), (255, 1.0), (1001, 1e-41), (1001, 1e-43), (600, 1e30)):
+            x = _spread(2, 3, n, seed=n) * magnitude
+            data, approx = policy.code(x)
+            raw, want = _textbook(policy, x)
+            values = policy.nbytes(n) - 4 * -(-n // size)
+            got = data[..., :values]
+            if fmt == "int4":
+                got = torch.stack([got & 15, got >> 4], -1).flatten(-2)[..., :n]
+            assert torch.equal(got, raw), (size, n, magnitude)
+            assert torch.equal(approx.view(torch.int32), want.view(torch.int32))
+            assert torch.equal(policy.decode(data, n), want)  # (a -0 sent decodes to +0)
+            assert torch.equal(policy.encode(x), data)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_code_encode_and_decode_leave_their_inputs_alone(fmt):
+    policy = fh.compress(fmt, block=16)
+    x = _spread(2, 100)
+    x0 = x.clone()
+    data, approx = policy.code(x)
+    data0 = data.clone()
+    policy.encode(x)
+    policy.decode(data, 100).mul_(2)
+    approx.mul_(2)  # a new tensor: writing it changes nothing else
+    assert torch.equal(x, x0) and torch.equal(data, data0)
+    assert torch.equal(policy.decode(data, 100), policy.code(x)[1])
+
+
+def test_a_nan_in_one_piece_stays_out_of_the_other_pieces_residual():
+    """The owner of a piece keeps its sum's rounding loss in that piece only: a NaN summed
+    there does not reach the residual of the pieces it does not own."""
+    mesh = fh.SimMesh({"dp": 2})
+    x = _spread(2, 64)
+    x[1, 3] = float("nan")  # piece 0 (elements 0-31), owned by rank 0
+    out, res = fh.compressed_all_reduce(x, "dp", mesh, compress=fh.compress(torch.int8))
+    assert not torch.isfinite(out[:, :32]).all() and torch.isfinite(out[:, 32:]).all()
+    assert torch.isfinite(res[:, 32:]).all()
+
+
 def test_bf16_needs_no_scale_and_int4_packs_two_values_a_byte():
     assert fh.compress(torch.bfloat16).nbytes(1000) == 2000
     assert fh.compress(torch.int8, block=256).nbytes(1024) == 1024 + 4 * 4
