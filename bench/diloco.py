@@ -7,7 +7,8 @@ bytes for training and the last 10 % for evaluation (fixed). Model: a small tran
 ``fh.shard_module`` (a unit per decoder layer) + ``fh.functional_call(into=MainGrad)`` on 4
 gloo ranks, 2x2 (2 replicas x 2 inner), inner optimizer ``fh.adamw`` (HSDP's too; a constant
 learning rate, or warmup and cosine decay). Variants: HSDP; DiLoCo with H in {5, 20, 50}
-(outer ``fh.sgd(lr, momentum, nesterov=True)``, the same for every DiLoCo variant); Streaming
+(outer ``fh.sgd(lr, momentum, nesterov=momentum > 0)``, the same for every DiLoCo variant;
+the full size's: ``fh.sgd(1.0)``, the replicas' mean, see bench/RESULTS.md); Streaming
 DiLoCo (H = 20, F = 4, delay 1). Each rank draws its own batches; every variant sees the same
 batches. Reported: eval loss curves (the mean of the two replicas' losses; plot
 ``bench/diloco.png``), ``dp_outer`` bytes per step from ``comm_log`` (mean and the largest
@@ -38,7 +39,7 @@ SIZES = {
                  data_mb=0.2, inner_lr=3e-3, warmup=0, outer_lr=0.7, outer_momentum=0.9,
                  variants=(("hsdp", 0, 1, 0), ("H=2", 2, 1, 0))),
     "full": dict(steps=800, seq=64, batch=4, hidden=64, layers=2, eval_every=40, eval_batches=8,
-                 data_mb=4.0, inner_lr=3e-3, warmup=0, outer_lr=0.7, outer_momentum=0.9,
+                 data_mb=4.0, inner_lr=3e-3, warmup=0, outer_lr=1.0, outer_momentum=0.0,
                  variants=(("hsdp", 0, 1, 0), ("DiLoCo H=5", 5, 1, 0), ("DiLoCo H=20", 20, 1, 0),
                            ("DiLoCo H=50", 50, 1, 0), ("Streaming H=20 F=4 tau=1", 20, 4, 1))),
 }  # fmt: skip
@@ -375,8 +376,8 @@ def report(res: dict, command: str, when: str) -> str:
         C.section_header(title, command, when)
         + f"\nLlama (hidden {cfg['hidden']}, {cfg['layers']} layers, vocab 256), "
         f"{cfg['steps']} steps of {cfg['batch']}x{cfg['seq']} tokens per rank (the same tokens "
-        f"for every variant), inner {lr} (HSDP's optimizer too), outer "
-        f"fh.sgd({cfg['outer_lr']:g}, {cfg['outer_momentum']:g}, nesterov).\n\n"
+        f"for every variant), inner {lr} (HSDP's optimizer too), outer {_outer(cfg)} (every "
+        "DiLoCo variant).\n\n"
         "| variant | final eval loss (vs HSDP) | dp_outer bytes/step, 2 inner ranks (vs HSDP) "
         "| largest step | outer collectives on steps without a sync | median step ms "
         "(no sync / sync) | DiLoCo state / shard bytes |\n|---|---|---|---|---|---|---|\n"
@@ -386,6 +387,12 @@ def report(res: dict, command: str, when: str) -> str:
         + _memory_table(res)
         + _goals(v)
     )
+
+
+def _outer(cfg: dict) -> str:
+    if cfg["outer_momentum"]:
+        return f"fh.sgd({cfg['outer_lr']:g}, momentum={cfg['outer_momentum']:g}, nesterov=True)"
+    return f"fh.sgd({cfg['outer_lr']:g}) (no momentum: at lr 1, the replicas' mean)"
 
 
 def _memory_table(res: dict) -> str:
