@@ -193,3 +193,92 @@ def test_a_checkpoint_mid_period_with_a_sync_in_flight_resumes_exactly(pool, tmp
     # the replicas had diverged when saved: each one's own weights came back
     replica0, replica1 = results[0][1], results[2][1]
     assert any(not torch.equal(replica0[k], replica1[k]) for k in replica0)
+
+
+def _rejoin(path: str, case: dict, before: int, after: int):
+    """Every rank trains ``before`` steps and saves (DCP); then replica group 1 (dp_outer
+    coordinate 1) restarts: its trees are dropped, and a fresh diloco and inner optimizer
+    take params, inner state and DiLoCo state from the checkpoint, loaded by its own ranks
+    only (``dcp.load`` over its dp_inner group, validation off for the load: group 0 takes
+    no part), while group 0 goes on with its live trees. Both train ``after`` more steps
+    (group 1 replays its steps since the checkpoint), through the next sync; compared with
+    an uninterrupted run of the same steps (inner SGD with momentum: its state is restored
+    too), which the other tests hold to the naive reference."""
+    mesh = _mesh()
+    o, i = _coords(mesh)
+    x, y = data(before + after, O, I)
+
+    def fresh(dl, opt):
+        params = fh.shard(full_params(), dl.inner)
+        return Loop(mesh, dl.inner, dl, opt, params, opt.init(params), dl.init(params))
+
+    def inner():
+        return fh.sgd(INNER_LR, momentum=0.5)
+
+    dl = make(fh.hsdp(mesh, *AXES), **case)
+    ref, loop = fresh(dl, inner()), fresh(dl, inner())
+    for t in range(before + after):
+        ref.step(x[t, o, i], y[t, o, i])
+    for t in range(before):
+        loop.step(x[t, o, i], y[t, o, i])
+    saved = {
+        "params": fh.state_dict(loop.params, dl.inner),
+        "inner": fh.state_dict(loop.opt_state, dl.inner),
+        "diloco": fh.state_dict(loop.state, dl.inner),
+    }
+    dcp.save(saved, checkpoint_id=path)
+    in_flight = any(loop.state.due)
+    if o == 1:  # this group restarts: nothing of its run is kept
+        del loop, saved
+        dl2, opt2 = make(fh.hsdp(mesh, *AXES), **case), inner()
+        like = optree.tree_map(lambda v: torch.empty_like(v, device="meta"), full_params())
+        target = {
+            "params": fh.empty_state_dict(like, dl2.inner),
+            "inner": fh.empty_state_dict(opt2.init(like), dl2.inner),
+            "diloco": fh.empty_state_dict(dl2.init(like), dl2.inner),
+        }
+        group = device_mesh((O, I), AXES).get_group("dp_inner")
+        with fh.validation("off"):  # an agreement would wait for group 0, which is training
+            dcp.load(target, checkpoint_id=path, process_group=group)
+            loop = Loop(
+                mesh,
+                dl2.inner,
+                dl2,
+                opt2,
+                fh.load_state_dict(target["params"], dl2.inner, like),
+                fh.load_state_dict(target["inner"], dl2.inner, opt2.init(like)),
+                fh.load_state_dict(target["diloco"], dl2.inner, dl2.init(like)),
+            )
+    for t in range(before, before + after):
+        loop.step(x[t, o, i], y[t, o, i])
+    got, want = fh.gather(loop.params, loop.spec), fh.gather(ref.params, ref.spec)
+    anchor = fh.gather(loop.state.anchor, loop.spec)
+    same = all(torch.equal(got[k], want[k]) for k in want) and all(
+        torch.equal(anchor[k], v) for k, v in fh.gather(ref.state.anchor, ref.spec).items()
+    )
+    return in_flight, same, got, anchor, loop.state.count
+
+
+@pytest.mark.parametrize(
+    "case, before, after",
+    [  # saved mid-period; the next sync after step 6
+        (dict(every=3, fragments=1, delay=0, mix=1.0), 4, 2),
+        # saved with fragment 1's sync in flight (lands after step 5); fragment 0 syncs after
+        # step 6 (lands after 7), fragment 1 after 8 (lands after 9)
+        (dict(every=4, fragments=2, delay=1, mix=1.0), 4, 5),
+    ],
+)
+def test_a_replica_group_restarted_from_a_checkpoint_joins_at_the_next_sync(
+    pool, tmp_path, case, before, after
+):
+    results = pool.run(_rejoin, str(tmp_path), case, before, after)
+    for in_flight, same, _, _, count in results:
+        assert same and count == before + after, (same, count)
+        assert in_flight == (case["delay"] > 0)
+    # the groups meet: the same anchor (the averaged weights) on both replicas, and with
+    # mix=1 after a sync of the whole model, the same params
+    anchors = [r[3] for r in results]
+    assert all(torch.equal(anchors[0][k], anchors[2][k]) for k in anchors[0])
+    if case["fragments"] == 1:
+        a, b = results[0][2], results[2][2]
+        assert all(torch.equal(a[k], b[k]) for k in a)
