@@ -105,7 +105,7 @@ def remember(call: Call, leaves: list, wrapped: list) -> None:
         collectives.abandon_ahead(prepared.pop(key).call)
     while len(prepared) >= _PREPARED:  # prepared but never called: forget the oldest
         collectives.abandon_ahead(prepared.pop(next(iter(prepared))).call)
-    prepared[key] = Prepared(call, leaves, wrapped, torch.is_grad_enabled())
+    prepared[key] = Prepared(call, leaves, wrapped, grad=torch.is_grad_enabled())
 
 
 def take(leaves: list) -> Prepared | None:
