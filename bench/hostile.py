@@ -9,7 +9,12 @@ README's contract says must happen; the harness records what did:
 
 - ``ok``: every rank returned, and its result equals the dense ``torch`` reference (the
   gradient of the mean over ranks of each rank's loss, on the full weights, sharded as the
-  library's result is);
+  library's result is); the ``*/into/*`` cases (issue 36: calls with other ``into=``,
+  ``recompute=``, ``reshard_after_forward=`` on one model, run by
+  ``functional_hsdp/testing/into_problem.py``, which the tests share) compare every step and
+  probe of the sequence with the same one made clean instead (fresh shards, a fresh
+  ``MainGrad``, nothing run before), to 1e-6, and each step's collectives and layer runs with
+  the clean step's;
 - ``clear error``: every rank raised the same kind of error, not a ``CollectiveError`` (a
   library ``ValueError``/``TypeError``/``NotImplementedError``/``RuntimeError``, or the case's
   own exception, which must come through), or strict mode's ``errors.UnitsDiffer`` (a
@@ -48,6 +53,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -74,8 +80,16 @@ ODD = 1  # the rank that differs in the cases where ranks disagree
 OUTCOMES = ("ok", "clear error", "CollectiveError", "silent wrong", "hang", "crash", "other")
 
 SIZES = {
-    # the smoke test's: one valid case on a SimMesh, ranks that disagree on gloo (seconds)
-    "tiny": {"cases": ["units/valid/sequence-into", "units/diverge/order"], "gloo": False},
+    # the smoke test's: valid cases on a SimMesh (one an issue-36 sequence, checked against
+    # its clean step), ranks that disagree on gloo (seconds)
+    "tiny": {
+        "cases": [
+            "units/valid/sequence-into",
+            "units/into/probe_between_steps-untied",
+            "units/diverge/order",
+        ],
+        "gloo": False,
+    },
     "full": {"cases": None, "gloo": True},
 }
 
@@ -128,10 +142,29 @@ class Expected(Exception):
 
 class Check:
     """A case's result and the dense reference for it (this rank's local shards, or the
-    stacked ranks' on a SimMesh)."""
+    stacked ranks' on a SimMesh); or, made by :meth:`measured`, the relative errors a case
+    measured against its own reference."""
 
     def __init__(self, got: Any, want: Any, then_raise: BaseException | None = None):
         self.got, self.want, self.then_raise = got, want, then_raise
+        self.errors: dict[str, float] | None = None
+
+    @classmethod
+    def measured(cls, errors: dict[str, float]) -> Check:
+        """``{check: relative error}`` (a yes/no check is 0.0 or 1.0), which the case computed
+        against its own reference (the ``*/into/*`` cases: the same step made clean)."""
+        check = cls(None, None)
+        check.errors = dict(errors)
+        return check
+
+    def error(self) -> tuple[float, str | None]:
+        """The largest relative error, and the check it is of (None: the whole result)."""
+        if self.errors is None:
+            return _relative_error(self.got, self.want), None
+        if not self.errors:
+            return float("inf"), "no check ran"
+        worst = max(self.errors, key=self.errors.__getitem__)
+        return self.errors[worst], worst
 
 
 class Ctx:
@@ -917,6 +950,122 @@ def _(ctx):
     return Check(pb.step(), pb.want())
 
 
+# ---- calls with other options on one model (issue 36): each sequence equals the same ---------
+# ---- steps and probes made clean (fresh shards, a fresh MainGrad, nothing run before) ---------
+
+# the sequences of functional_hsdp/testing/into_problem.py (shared with tests/test_into*.py)
+INTO_SEQUENCES = {
+    "probe_before_first_step": "a gradient without into= (a probe), then a step into mg",
+    "probe_between_steps": "a step, zero_grad, a probe without into=, a step",
+    "new_maingrad": "a step into mg, then a step into a new MainGrad (mg keeps its step)",
+    "two_maingrads_interleaved": "two MainGrads (two losses), each microbatch into both",
+    "eval_between_steps": "a step, zero_grad, an eval forward under no_grad, a step",
+    "options_alternate": "steps with recompute / reshard_after_forward flipped each call, "
+    "each followed by a probe with the other options",
+}
+INTO_MODELS = {  # path -> model -> what
+    "module": {
+        "untied": "nn.Embedding root, untied Linear head, 3 layer units; functional_call",
+        "tied": "nn.Embedding root, head tied to it, 3 layer units; functional_call",
+        "units": "no root: embedding, 3 layers, head each a unit; functional_call",
+    },
+    "units": {
+        "untied": "gathered blocks: embedding unit (kept), 3 layers by fh.sequence (prefetch), "
+        "untied head",
+        "tied": "gathered blocks: embedding unit (kept), 3 layers by fh.sequence, tied head",
+        "whole": "the whole model one gathered unit",
+    },
+}
+
+
+def _into_make(ctx: Ctx, path: str, model: str) -> Callable:
+    """A maker of fresh models (into_problem's ``Model``) of ``path`` and ``model``."""
+    from functional_hsdp.testing import into_problem as ip
+
+    if path == "module":
+        tied, root = model == "tied", model != "units"
+        return lambda: ip.module_model(ctx.spec, tied, root=root)
+    return lambda: ip.blocks_model(ctx.spec, model == "tied", whole=model == "whole")
+
+
+def _into_case(path: str, model: str, sequence: str, grad: str) -> Callable:
+    """``sequence`` with recompute off, then on: every check against its clean reference."""
+
+    def fn(ctx: Ctx) -> Check:
+        from functional_hsdp.testing import into_problem as ip
+
+        make, errors = _into_make(ctx, path, model), {}
+        for recompute in (False, True):
+            got = ip.run(sequence, make, ctx.mesh, grad=grad, recompute=recompute)
+            errors.update({f"recompute={recompute}: {k}": v for k, v in got.items()})
+        return Check.measured(errors)
+
+    return fn
+
+
+INTO_TOL = 1e-6  # the issue's: exact to 1e-6 against the clean step
+for _path, _models in INTO_MODELS.items():
+    for _model, _model_what in _models.items():
+        for _seq, _seq_what in INTO_SEQUENCES.items():
+            case(
+                f"{_path}/into/{_seq}-{_model}",
+                f"{_seq_what}; {_model_what}; fh.grad, recompute off and on",
+                sim=_path == "units",
+                tol=INTO_TOL,
+            )(_into_case(_path, _model, _seq, "fh.grad"))
+    for _seq in ("probe_between_steps", "new_maingrad"):
+        case(
+            f"{_path}/into/{_seq}-tied-funcgrad",
+            f"{INTO_SEQUENCES[_seq]}; {_models['tied']}; torch.func.grad, recompute off and on",
+            sim=_path == "units",
+            tol=INTO_TOL,
+        )(_into_case(_path, "tied", _seq, "torch.func.grad"))
+
+
+def _into_finished(path: str) -> Callable:
+    """A step into ``mg``, then a backward into ``mg`` again without ``zero_grad()``: a
+    ValueError that names the MainGrad (where it was made) and the call (its unit); then
+    ``zero_grad()`` and a step, which must equal the same step made clean."""
+
+    def fn(ctx: Ctx) -> Check:
+        from functional_hsdp.testing import into_problem as ip
+
+        make = _into_make(ctx, path, "untied")
+        clean = make()  # first: nothing run before it
+        clean_mg = clean.maingrad()
+        want = ip.step(clean.loss(clean_mg), clean.shards, clean_mg, mesh=ctx.mesh)
+        model = make()
+        mg = model.maingrad()  # the error must point here
+        made = f"made at {__file__}:{sys._getframe().f_lineno - 1}"
+        ip.step(model.loss(mg), model.shards, mg, mesh=ctx.mesh)
+        try:
+            ip.GRADS["fh.grad"](model.loss(mg))(model.shards, ip.mesh_batches(ctx.mesh)[0])
+        except ValueError as exc:
+            raised = exc
+        else:
+            raise AssertionError("a backward into a finished MainGrad: nothing raised")
+        text = str(raised)
+        for part in ("MainGrad(", made, "whose step is finished", "the backward of the unit "):
+            if part not in text:  # a ValueError, but not the one that names both
+                raise AssertionError(f"the error does not say {part!r}: {text}")
+        mg.zero_grad()
+        got = ip.step(model.loss(mg), model.shards, mg, mesh=ctx.mesh)
+        return Check(got, want, then_raise=raised)
+
+    return fn
+
+
+for _path in INTO_MODELS:
+    case(
+        f"{_path}/into/finished-maingrad",
+        "a backward into a finished MainGrad (no zero_grad): a ValueError naming the "
+        "MainGrad and the call, then zero_grad and a step equal to a clean one",
+        expect="clear error",
+        sim=_path == "units",
+        tol=INTO_TOL,
+    )(_into_finished(_path))
+
+
 # ---- ranks that disagree (gloo only): caught on every rank before the optimizer step ----------
 
 
@@ -1197,11 +1346,11 @@ def _once(c: Case, ctx: Ctx) -> dict:
     try:
         with fh.validation(ctx.mode):
             res = c.fn(ctx)
-        err = _relative_error(res.got, res.want) if isinstance(res, Check) else None
+        err, worst = res.error() if isinstance(res, Check) else (None, None)
         if isinstance(res, Check) and res.then_raise is not None and err is not None:
             if err <= c.tol:  # the next step was clean: what counts is the error raised
                 raise res.then_raise
-        return {"kind": "ok", "err": err, "elapsed": time.monotonic() - start}
+        return {"kind": "ok", "err": err, "worst": worst, "elapsed": time.monotonic() - start}
     except Exception as exc:  # what the case is about
         return {
             "kind": "error",
@@ -1394,9 +1543,12 @@ def judge(c: Case, run: dict) -> dict:
     else:
         kinds = {x["kind"] for x in replies.values()}
         if kinds == {"ok"}:
-            err = max((x["err"] or 0.0) for x in replies.values())
+            worst = max(replies.values(), key=lambda x: x["err"] or 0.0)
+            err = worst["err"] or 0.0
             outcome = "ok" if err <= c.tol else "silent wrong"
             detail = f"max relative error {err:.2g}"
+            if outcome != "ok" and worst.get("worst"):
+                detail += f" in '{worst['worst']}'"
         elif kinds == {"error"}:
             coll = [x["collective"] for x in replies.values()]
             types = sorted({x["type"] for x in replies.values()})

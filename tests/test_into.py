@@ -1,17 +1,18 @@
 """Each call's ``into=`` (and ``recompute=``, ``reshard_after_forward=``) on a SimMesh: blocks
 made with different ``into=`` alternate freely on one model, and every sequence of issue 36
 gives what the same step, or the same probe without ``into=``, gives made clean
-(tests/into_problem.py): a probe before the first step or between two steps, a new MainGrad,
-two MainGrads in one step, an eval forward between steps, options that change every call.
+(functional_hsdp/testing/into_problem.py, which bench/hostile.py runs too): a probe before the
+first step or between two steps, a new MainGrad, two MainGrads in one step, an eval forward
+between steps, options that change every call.
 The module path (``fh.functional_call``) is tested on gloo ranks (tests/test_into_gloo.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from into_problem import SEQUENCES, blocks_model, run
 
 import functional_hsdp as fh
+from functional_hsdp.testing.into_problem import SEQUENCES, blocks_model, run
 
 MODELS = {  # (tied, whole model one unit)
     "untied": (False, False),
@@ -54,13 +55,13 @@ def test_under_torch_func_grad_too(sequence):
 
 
 def test_a_backward_into_a_finished_step_names_the_maingrad_and_the_call():
-    from into_problem import mesh_batches, step
+    from functional_hsdp.testing.into_problem import mesh_batches, step
 
     spec = _spec()
     model = blocks_model(spec, tied=False)
     mg = fh.MainGrad(model.tree_spec, like=model.shards)  # the error points here
     made_line = test_a_backward_into_a_finished_step_names_the_maingrad_and_the_call
-    step(model.loss(mg), model.shards, mg, spec.mesh)
+    step(model.loss(mg), model.shards, mg, mesh=spec.mesh)
     with pytest.raises(ValueError) as info:  # no zero_grad(): the step is still finished
         fh.grad(model.loss(mg))(model.shards, mesh_batches(spec.mesh)[0])
     text = str(info.value)
@@ -69,8 +70,8 @@ def test_a_backward_into_a_finished_step_names_the_maingrad_and_the_call():
     assert "MainGrad(" in text and "whose step is finished" in text, text
     assert "the unit _head on tree['head']" in text, text  # the call: its unit and shards
     mg.zero_grad()  # and the MainGrad is usable again: a clean step
-    got = step(model.loss(mg), model.shards, mg, spec.mesh)
+    got = step(model.loss(mg), model.shards, mg, mesh=spec.mesh)
     fresh = blocks_model(spec, tied=False)
     fresh_mg = fresh.maingrad()
-    want = step(fresh.loss(fresh_mg), fresh.shards, fresh_mg, spec.mesh)
+    want = step(fresh.loss(fresh_mg), fresh.shards, fresh_mg, mesh=spec.mesh)
     assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -136,7 +136,7 @@ def block_loss(
 GRADS = {"fh.grad": fh.grad, "torch.func.grad": torch.func.grad}
 
 
-def step(loss: Callable, shards, mg: fh.MainGrad, mesh, grad: str = "fh.grad") -> list:
+def step(loss: Callable, shards, mg: fh.MainGrad, *, mesh, grad: str = "fh.grad") -> list:
     """One step into ``mg`` (``loss`` adds into it), finished: its gradients, copied."""
     for ids, _ in fh.microbatches(mesh_batches(mesh), into=mg):
         GRADS[grad](loss)(shards, ids)
@@ -144,7 +144,7 @@ def step(loss: Callable, shards, mg: fh.MainGrad, mesh, grad: str = "fh.grad") -
     return [g.clone() for g in optree.tree_leaves(mg.grads)]
 
 
-def probe(loss: Callable, shards, mesh, grad: str = "fh.grad") -> list:
+def probe(loss: Callable, shards, *, mesh, grad: str = "fh.grad") -> list:
     """One gradient without ``into=`` (the first microbatch): returned at the gradient
     placement."""
     g = GRADS[grad](loss)(shards, mesh_batches(mesh)[0])
@@ -251,12 +251,12 @@ def module_model(spec: fh.Spec, tied: bool, root: bool = True) -> Model:
     return Model(shards, ts, loss)
 
 
-def traced_step(model: Model, mg: fh.MainGrad, mesh, grad: str, **opts) -> tuple[list, tuple]:
+def traced_step(model: Model, mg: fh.MainGrad, *, mesh, grad: str, **opts) -> tuple[list, tuple]:
     """:func:`step` with these options, and what it did: its collectives (op, axis, numel)
     and how many times a layer's forward ran."""
     LAYER_RUNS[0] = 0
     with fh.comm_log() as log:
-        g = step(model.loss(mg, **opts), model.shards, mg, mesh, grad)
+        g = step(model.loss(mg, **opts), model.shards, mg, mesh=mesh, grad=grad)
     return g, ([(e.op, e.axis, e.numel) for e in log.events], LAYER_RUNS[0])
 
 
@@ -272,77 +272,112 @@ SEQUENCES = (
 )
 
 
+class _Checks:
+    """One sequence's run: clean references made on fresh models, and the checks so far
+    (``{check: relative error}``)."""
+
+    def __init__(self, make: Callable[[], Model], mesh, *, grad: str, recompute: bool):
+        self.make, self.mesh, self.grad = make, mesh, grad
+        self.opts = {"recompute": recompute, "reshard": True}
+        self.out: dict[str, float] = {}
+        self.ref = self.clean(**self.opts)  # made first: nothing run before it
+
+    def traced(self, model: Model, mg: fh.MainGrad, **opts) -> tuple[list, tuple]:
+        return traced_step(model, mg, mesh=self.mesh, grad=self.grad, **opts)
+
+    def probe(self, model: Model, **opts) -> list:
+        return probe(model.loss(None, **opts), model.shards, mesh=self.mesh, grad=self.grad)
+
+    def clean(self, **opts) -> tuple[list, tuple]:
+        model = self.make()
+        return self.traced(model, model.maingrad(), **opts)
+
+    def step(self, name: str, model: Model, mg: fh.MainGrad, **opts) -> None:
+        """A step into ``mg`` against the same step made clean (:attr:`ref` for the run's
+        options, else made after it): its gradients, and its collectives and layer runs."""
+        got = self.traced(model, mg, **opts)
+        want = self.ref if opts == self.opts else self.clean(**opts)
+        self.out[name] = error(got[0], want[0])
+        self.out[name + ": collectives and layer runs"] = float(got[1] != want[1])
+
+    def probe_alone(self, name: str, model: Model, mg: fh.MainGrad, **opts) -> None:
+        """A probe against the same probe made clean; it leaves ``mg`` empty."""
+        self.out[name] = error(self.probe(model, **opts), self.probe(self.make(), **opts))
+        self.out[name + " left the MainGrad empty"] = float(mg.grads is not None)
+
+
+def _probe_before_first_step(c: _Checks, m: Model, mg: fh.MainGrad) -> None:
+    c.probe_alone("probe", m, mg, **c.opts)
+    c.step("step", m, mg, **c.opts)
+
+
+def _probe_between_steps(c: _Checks, m: Model, mg: fh.MainGrad) -> None:
+    c.traced(m, mg, **c.opts)
+    mg.zero_grad()
+    c.probe_alone("probe", m, mg, **c.opts)
+    c.step("second step", m, mg, **c.opts)
+
+
+def _new_maingrad(c: _Checks, m: Model, mg: fh.MainGrad) -> None:
+    c.traced(m, mg, **c.opts)
+    c.step("step into the new MainGrad", m, m.maingrad(), **c.opts)
+    c.out["the first MainGrad kept its step"] = error(optree.tree_leaves(mg.grads), c.ref[0])
+
+
+def _two_maingrads_interleaved(c: _Checks, m: Model, mg: fh.MainGrad) -> None:
+    """Two losses, two MainGrads, one step."""
+    mg1 = m.maingrad()
+    for ids, last in fh.microbatches(mesh_batches(c.mesh)):
+        for target in (mg, mg1):
+            target.begin_microbatch(last=last)
+            GRADS[c.grad](m.loss(target, **c.opts))(m.shards, ids)
+    for target in (mg, mg1):
+        target.finish()
+    c.out["first MainGrad"] = error(optree.tree_leaves(mg.grads), c.ref[0])
+    c.out["second MainGrad"] = error(optree.tree_leaves(mg1.grads), c.ref[0])
+
+
+def _eval_between_steps(c: _Checks, m: Model, mg: fh.MainGrad) -> None:
+    c.traced(m, mg, **c.opts)
+    mg.zero_grad()
+    with torch.no_grad():
+        m.loss(None, **c.opts)(m.shards, mesh_batches(c.mesh)[0])
+    c.step("second step", m, mg, **c.opts)
+
+
+def _options_alternate(c: _Checks, m: Model, mg: fh.MainGrad) -> None:
+    """Steps whose options change every call, each followed by a probe with the others."""
+    recompute = c.opts["recompute"]
+    for k, o in enumerate(
+        [
+            {"recompute": not recompute, "reshard": True},
+            {"recompute": recompute, "reshard": False},
+            {"recompute": not recompute, "reshard": False},
+            c.opts,
+        ]
+    ):
+        c.step(f"step {k} {o}", m, mg, **o)
+        mg.zero_grad()
+        p = {"recompute": not o["recompute"], "reshard": not o["reshard"]}
+        c.out[f"probe {k} {p}"] = error(c.probe(m, **p), c.probe(c.make(), **p))
+
+
+_RUN = {
+    "probe_before_first_step": _probe_before_first_step,
+    "probe_between_steps": _probe_between_steps,
+    "new_maingrad": _new_maingrad,
+    "two_maingrads_interleaved": _two_maingrads_interleaved,
+    "eval_between_steps": _eval_between_steps,
+    "options_alternate": _options_alternate,
+}
+
+
 def run(sequence: str, make: Callable[[], Model], mesh, *, grad: str, recompute: bool) -> dict:
     """Run ``sequence`` on a model ``make()`` makes; ``{check: relative error}`` against the
     clean step or probe (0.0 is exact; a check that is a yes/no is 0.0 or 1.0)."""
-    opts = {"recompute": recompute, "reshard": True}
-
-    def clean(**o):
-        m = make()
-        return traced_step(m, m.maingrad(), mesh, grad, **o)
-
-    def clean_probe(**o):
-        m = make()
-        return probe(m.loss(None, **o), m.shards, mesh, grad)
-
-    ref, ref_trace = clean(**opts)
-    out: dict[str, float] = {}
-    m = make()
-    mg = m.maingrad()
-
-    def check_step(name: str, got: tuple, want: tuple) -> None:
-        out[name] = error(got[0], want[0])
-        out[name + ": collectives and layer runs"] = float(got[1] != want[1])
-
-    if sequence == "probe_before_first_step":
-        out["probe"] = error(probe(m.loss(None, **opts), m.shards, mesh, grad), clean_probe(**opts))
-        out["probe left the MainGrad empty"] = float(mg.grads is not None)
-        check_step("step", traced_step(m, mg, mesh, grad, **opts), (ref, ref_trace))
-    elif sequence == "probe_between_steps":
-        traced_step(m, mg, mesh, grad, **opts)
-        mg.zero_grad()
-        out["probe"] = error(probe(m.loss(None, **opts), m.shards, mesh, grad), clean_probe(**opts))
-        out["probe left the MainGrad empty"] = float(mg.grads is not None)
-        check_step("second step", traced_step(m, mg, mesh, grad, **opts), (ref, ref_trace))
-    elif sequence == "new_maingrad":
-        traced_step(m, mg, mesh, grad, **opts)
-        mg1 = m.maingrad()
-        check_step(
-            "step into the new MainGrad", traced_step(m, mg1, mesh, grad, **opts), (ref, ref_trace)
-        )
-        out["the first MainGrad kept its step"] = error(optree.tree_leaves(mg.grads), ref)
-    elif sequence == "two_maingrads_interleaved":  # two losses, two MainGrads, one step
-        mg1 = m.maingrad()
-        for ids, last in fh.microbatches(mesh_batches(mesh)):
-            for target in (mg, mg1):
-                target.begin_microbatch(last=last)
-                GRADS[grad](m.loss(target, **opts))(m.shards, ids)
-        for target in (mg, mg1):
-            target.finish()
-        out["first MainGrad"] = error(optree.tree_leaves(mg.grads), ref)
-        out["second MainGrad"] = error(optree.tree_leaves(mg1.grads), ref)
-    elif sequence == "eval_between_steps":
-        traced_step(m, mg, mesh, grad, **opts)
-        mg.zero_grad()
-        with torch.no_grad():
-            m.loss(None, **opts)(m.shards, mesh_batches(mesh)[0])
-        check_step("second step", traced_step(m, mg, mesh, grad, **opts), (ref, ref_trace))
-    elif sequence == "options_alternate":
-        flipped = not recompute
-        for k, o in enumerate(
-            [
-                {"recompute": flipped, "reshard": True},
-                {"recompute": recompute, "reshard": False},
-                {"recompute": flipped, "reshard": False},
-                opts,
-            ]
-        ):
-            check_step(f"step {k} {o}", traced_step(m, mg, mesh, grad, **o), clean(**o))
-            mg.zero_grad()
-            p = {"recompute": not o["recompute"], "reshard": not o["reshard"]}
-            out[f"probe {k} {p}"] = error(
-                probe(m.loss(None, **p), m.shards, mesh, grad), clean_probe(**p)
-            )
-    else:
+    if sequence not in _RUN:
         raise ValueError(f"unknown sequence {sequence!r}")
-    return out
+    checks = _Checks(make, mesh, grad=grad, recompute=recompute)
+    model = make()
+    _RUN[sequence](checks, model, model.maingrad())
+    return checks.out
