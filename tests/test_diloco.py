@@ -173,8 +173,10 @@ def test_bad_input_names_the_argument():
         fh.diloco(spec, axis="dp_outer", every=2, outer=outer, delay=-1)
     with pytest.raises(ValueError, match="delay must be < every"):
         fh.diloco(spec, axis="dp_outer", every=2, outer=outer, delay=2)
-    with pytest.raises(NotImplementedError, match="compress="):
+    with pytest.raises(TypeError, match="compress must be a policy from fh.compress"):
         fh.diloco(spec, axis="dp_outer", every=2, outer=outer, compress="int8")
+    with pytest.raises(TypeError, match="compress must be a policy from fh.compress"):
+        fh.diloco(spec, axis="dp_outer", every=2, outer=outer, compress=torch.int8)
     with pytest.raises(TypeError, match="outer must be a GradientTransformation"):
         fh.diloco(spec, axis="dp_outer", every=2, outer=torch.optim.SGD)
     params = fh.shard(full_params(), fh.replicas(spec, "dp_outer"))
