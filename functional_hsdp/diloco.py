@@ -196,7 +196,7 @@ class Packing:
         return [x.reshape(s) for x, s in zip(parts, self.shapes)]
 
 
-def packing(plan: Any, role: str, leaves: list[torch.Tensor], members: list[int]) -> Packing:
+def packing(plan: Any, leaves: list[torch.Tensor], *, role: str, members: list[int]) -> Packing:
     """The :class:`Packing` of the leaves ``members`` (tree indices) of ``leaves``, local
     values at ``role`` of ``plan``: which elements of each piece are this rank's (its mesh's
     fill is not) comes from packing ones and unpacking them; the longest row from the
@@ -405,9 +405,7 @@ class _Step:
         self.like, self.treedef = params, treedef
         self.new, self.anchor = list(params), list(optree.tree_leaves(state.anchor))
         self.pending = None if state.pending is None else list(optree.tree_leaves(state.pending))
-        self.residual = (
-            None if state.residual is None else list(optree.tree_leaves(state.residual))
-        )
+        self.residual = None if state.residual is None else list(optree.tree_leaves(state.residual))
         self.outer, self.due = dict(state.outer.inner), list(state.due)
         self.touched = False
 
@@ -465,7 +463,7 @@ class _Outer:
         if key not in self._packings:
             plan, role = self._cache[step.treedef][2:]
             members = [i for i, f in enumerate(of) if f == p]
-            self._packings[key] = packing(plan, role, step.like, members)
+            self._packings[key] = packing(plan, step.like, role=role, members=members)
         return self._packings[key]
 
     def _plan(self, leaves: list, treedef: Any, paths: Sequence[str]) -> tuple[Any, str]:
