@@ -409,8 +409,10 @@ def _device(mesh: Any) -> torch.device:
     return torch.device(kind)
 
 
-def _like_plan(like: Any, spec: Any) -> tuple[Plan, tuple[str, ...]]:
-    """The plan of local shards of ``like``'s full shapes and dtypes under ``spec``."""
+def _like_plan(like: Any, spec: Any, *, kinds: tuple | None = None) -> tuple[Plan, tuple[str, ...]]:
+    """The plan of local shards of ``like``'s full shapes and dtypes under ``spec``
+    (``kinds``: which leaves may share a bucket, as :class:`TreeMeta`'s; default the
+    dtypes)."""
     leaves, treedef, paths = flatten(like, "like")
     if spec is None:
         raise TypeError("spec is required (the Spec or spec tree to load at)")
@@ -429,6 +431,7 @@ def _like_plan(like: Any, spec: Any) -> tuple[Plan, tuple[str, ...]]:
         devices=tuple(device if x.is_meta else x.device for x in leaves),
         specs=specs,
         units=units,
+        kinds=kinds,
     )
     return get_plan(meta, paths), paths
 
@@ -499,13 +502,13 @@ def _own_local(x: DTensor) -> torch.Tensor:
     return local
 
 
-def _load_tree(state: dict, spec: Any, like: Any, *, name: str) -> Any:
+def _load_tree(state: dict, spec: Any, like: Any, *, name: str, kinds: tuple | None = None) -> Any:
     _, present, treedef, _ = unmask(like, "like")
     if not any(present):
         return like
     like = _with_stand_ins(like)  # Masked leaves: loaded as Masked at their local shapes
     with validate.agreement(spec, "load_state_dict") as agreed:
-        plan, paths = _like_plan(like, spec)
+        plan, paths = _like_plan(like, spec, kinds=kinds)
         shapes = forms(plan)
         local = _loaded(state, plan, shapes, name=name, present=present)
         agreed.check(plan, paths)
@@ -754,10 +757,13 @@ def _load_diloco(state: dict, spec: Any, like: DiLoCoState) -> DiLoCoState:
             f"state['due']: {len(state['due'])} fragments, but like has {len(like.due)}: "
             "load with the diloco (fragments) the checkpoint was saved with"
         )
-    loaded = {
-        name: _load_tree(state[name], spec, getattr(like, name), name=f"state[{name!r}]")
-        for name in trees
-    }
+    # the residual (fp32) sits at the params' layout: their dtypes choose its buckets
+    kinds = dict(residual=tuple(x.dtype for x in optree.tree_leaves(like.anchor)))
+    loaded = dict.fromkeys(("pending", "residual"))
+    for name in trees:
+        loaded[name] = _load_tree(
+            state[name], spec, getattr(like, name), name=f"state[{name!r}]", kinds=kinds.get(name)
+        )
     return DiLoCoState(
         anchor=_load_tree(state["anchor"], spec, like.anchor, name="state['anchor']"),
         outer=load_state_dict(state["outer"], spec, like.outer),

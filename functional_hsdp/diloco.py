@@ -41,6 +41,7 @@ leaves hold its own, added into its next sync.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -55,6 +56,7 @@ from .lookup import find_layout
 from .matrix import PartitionState, masked
 from .mesh import Mesh
 from .optim import GradientTransformation, apply_updates
+from .plan import get_plan
 from .quantize import Compress
 from .spec import Spec, replicas
 from .tags import result_state, tag
@@ -412,7 +414,7 @@ class _Step:
     def result(self, params: Any, t: int) -> tuple[Any, DiLoCoState]:
         tree = lambda xs: optree.tree_unflatten(self.treedef, xs)  # noqa: E731
         if self.touched:  # the new trees are at the params' placement: tagged so
-            for xs in (self.new, self.anchor, self.pending, self.residual):
+            for xs in (self.new, self.anchor, self.pending):
                 if xs is not None:
                     _tag_like(xs, self.like)
             params = tree(self.new)
@@ -454,14 +456,14 @@ class _Outer:
             self._cache.clear()
             self._packings.clear()
             of_n = _fragments(self.fragments, params, treedef=treedef, paths=paths, sizes=sizes)
-            self._cache[treedef] = (*of_n, plan, role)
+            self._cache[treedef] = (*of_n, plan, role, residual_plan(plan, paths))
         return leaves, treedef, *self._cache[treedef][:2]
 
     def _packing(self, step: _Step, *, of: list[int], p: int) -> Packing:
         """Fragment ``p``'s :class:`Packing` (made at its first compressed sync)."""
         key = (step.treedef, p)
         if key not in self._packings:
-            plan, role = self._cache[step.treedef][2:]
+            plan, role, _ = self._cache[step.treedef][2:]
             members = [i for i, f in enumerate(of) if f == p]
             self._packings[key] = packing(plan, step.like, role=role, members=members)
         return self._packings[key]
@@ -505,6 +507,7 @@ class _Outer:
             pending = _zeros(treedef, leaves, dtype=None)
         if self.compress is not None and self.compress.error_feedback:
             residual = _zeros(treedef, leaves, dtype=torch.float32)
+            self._tag_residual(treedef, residual)
         return DiLoCoState(
             anchor=optree.tree_unflatten(treedef, anchor),
             outer=PartitionState(outer_states),
@@ -529,7 +532,17 @@ class _Outer:
         for p, s in enumerate((q + 1) * self.every // n for q in range(n)):
             if t >= s and (t - s) % self.every == 0:
                 self._issue(step, of=of, p=p, t=t)
-        return step.result(params, t)
+        params, state = step.result(params, t)
+        if step.touched and state.residual is not None:
+            self._tag_residual(treedef, state.residual)
+        return params, state
+
+    def _tag_residual(self, treedef: Any, residual: Any) -> None:
+        """Tag the residual at the params' layout in fp32 (:func:`residual_plan`), where
+        :func:`~functional_hsdp.state_dict` finds and saves it (not for a meta ``like``)."""
+        if treedef in self._cache:
+            _, _, _, role, plan = self._cache[treedef]
+            tag(optree.tree_leaves(residual), plan, role, kind="weights")
 
     def _issue(self, step: _Step, *, of: list[int], p: int, t: int) -> None:
         idx = [i for i, f in enumerate(of) if f == p]
@@ -574,6 +587,16 @@ def _bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     for s in shape:
         n *= s
     return n * dtype.itemsize
+
+
+def residual_plan(plan: Any, paths: Sequence[str]) -> Any:
+    """``plan``'s layout in fp32: the leaves' dtypes still choose which share a bucket (as
+    a MainGrad's fp32 buffers keep the parameters' layout), so the residual's local shapes
+    are the params', and a checkpoint packs it in fp32."""
+    meta = plan.meta
+    kinds = meta.kinds if meta.kinds is not None else meta.dtypes
+    fp32 = dataclasses.replace(meta, dtypes=(torch.float32,) * len(meta.dtypes), kinds=kinds)
+    return get_plan(fp32, tuple(paths))
 
 
 def _zeros(treedef: Any, leaves: list, *, dtype: torch.dtype | None) -> Any:

@@ -59,12 +59,13 @@ def reference(
     delay: int,
     mix: float,
     compress=None,
+    units=None,
     updates=None,
 ) -> list[dict]:
     """Each replica's params after ``len(x)`` steps, by hand (``compress``: a policy the
-    deltas travel in, each inner rank's part of a fragment on its own, as under fh.hsdp;
-    ``updates``: per step and replica a dict subtracted from its params, in place of the
-    inner SGD step on ``x``, ``y``)."""
+    deltas travel in, each inner rank's part of a fragment on its own, as under fh.hsdp,
+    ``units`` as in :func:`chunks`; ``updates``: per step and replica a dict subtracted from
+    its params, in place of the inner SGD step on ``x``, ``y``)."""
     steps, n_outer, n_inner = x.shape[:3]
     keys = list(full)  # a dict of str keys flattens in sorted order
     keys.sort()
@@ -74,7 +75,7 @@ def reference(
     n = len(set(labels))
     frag = {k: labels[j] for j, k in enumerate(keys)}
     pending: dict[int, tuple[int, dict]] = {}
-    held = chunks(full, n_inner)
+    held = chunks(full, n_inner, units=units)
     residuals: dict = {}  # (fragment, inner rank) -> per replica, its residual
 
     def merge(p: int, delta: dict) -> None:
@@ -116,18 +117,23 @@ def reference(
     return reps
 
 
-def chunks(full: dict, n_inner: int) -> list[list[tuple[str, int]]]:
-    """Per inner rank, the elements ``(key, flat index)`` it holds under ``fh.hsdp``: the
-    leaves in tree order in one bucket, each at an offset that is a multiple of 16, the
-    bucket cut into ``n_inner`` equal chunks."""
-    slots, end = [], 0
-    for k in sorted(full):
-        start = -(-end // 16) * 16
-        slots += [None] * (start - end) + [(k, j) for j in range(full[k].numel())]
-        end = start + full[k].numel()
-    slots += [None] * (-end % n_inner)
-    size = len(slots) // n_inner
-    return [[s for s in slots[i * size : (i + 1) * size] if s] for i in range(n_inner)]
+def chunks(full: dict, n_inner: int, units=None) -> list[list[tuple[str, int]]]:
+    """Per inner rank, the elements ``(key, flat index)`` it holds under ``fh.hsdp``, in tree
+    order: each unit's leaves (``units``: lists of keys, default one of all) in one bucket of
+    its own, each leaf at an offset that is a multiple of 16, the bucket cut into
+    ``n_inner`` equal chunks."""
+    held: list[list] = [[] for _ in range(n_inner)]
+    for keys in units or [sorted(full)]:
+        slots, end = [], 0
+        for k in keys:
+            start = -(-end // 16) * 16
+            slots += [None] * (start - end) + [(k, j) for j in range(full[k].numel())]
+            end = start + full[k].numel()
+        slots += [None] * (-end % n_inner)
+        size = len(slots) // n_inner
+        for i in range(n_inner):
+            held[i] += [s for s in slots[i * size : (i + 1) * size] if s]
+    return held
 
 
 def compressed_mean(xs: list[torch.Tensor], policy) -> tuple[torch.Tensor, list[torch.Tensor]]:
