@@ -123,7 +123,7 @@ def _check_int(name: str, value: Any, low: int) -> None:
 
 
 #: the pseudo-gradient's bucket cap (as pmean's default): 25 MiB of fp32
-CAP_MB = 25.0
+_CAP_MB = 25.0
 
 
 def _reduce_pseudo_gradient(
@@ -132,7 +132,7 @@ def _reduce_pseudo_gradient(
     mesh: Mesh,
     axis: str,
     compress: Compress | None,
-    packing: Packing | None = None,
+    packing: _Packing | None = None,
     residual: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """The average over ``axis`` of each rank's pseudo-gradient pieces, and the new residual.
@@ -144,8 +144,8 @@ def _reduce_pseudo_gradient(
     fp32 residual, or None: zeros) is added first. Returns the averages (the pieces' dtypes)
     and, with error feedback, the new residual pieces (fp32; else None)."""
     if compress is None:
-        return pmean(list(local), axis, mesh, bucket_cap_mb=CAP_MB), None
-    cap = max(1, int(CAP_MB * 2**20) // 4)
+        return pmean(list(local), axis, mesh, bucket_cap_mb=_CAP_MB), None
+    cap = max(1, int(_CAP_MB * 2**20) // 4)
     flat = packing.gather(local)
     res = None if residual is None else packing.gather(residual)
     outs, kept = [], []
@@ -164,9 +164,9 @@ def _reduce_pseudo_gradient(
     return avg, (packing.scatter(kept) if compress.error_feedback else None)
 
 
-class Packing:
+class _Packing:
     """Where a fragment's pseudo-gradient sits in its compressed buckets, built once per tree
-    and fragment (:func:`packing`): per rank, its elements of the fragment's local pieces, in
+    and fragment (:func:`_packing`): per rank, its elements of the fragment's local pieces, in
     tree order, side by side; each row zero-padded to ``length``, the longest rank's.
 
     Attributes:
@@ -198,8 +198,8 @@ class Packing:
         return [x.reshape(s) for x, s in zip(parts, self.shapes)]
 
 
-def packing(plan: Any, leaves: list[torch.Tensor], *, role: str, members: list[int]) -> Packing:
-    """The :class:`Packing` of the leaves ``members`` (tree indices) of ``leaves``, local
+def _packing(plan: Any, leaves: list[torch.Tensor], *, role: str, members: list[int]) -> _Packing:
+    """The :class:`_Packing` of the leaves ``members`` (tree indices) of ``leaves``, local
     values at ``role`` of ``plan``: which elements of each piece are this rank's (its mesh's
     fill is not) comes from packing ones and unpacking them; the longest row from the
     plan's layout, for every rank of the mesh (:func:`_longest`)."""
@@ -214,7 +214,7 @@ def packing(plan: Any, leaves: list[torch.Tensor], *, role: str, members: list[i
     first = torch.argsort((~real).to(torch.uint8), dim=-1, stable=True)[..., :length]
     mine = torch.arange(length, device=real.device) < real.sum(-1, keepdim=True)
     index = torch.where(mine, first, width)
-    return Packing(index, [tuple(masks[i].shape) for i in members], length)
+    return _Packing(index, [tuple(masks[i].shape) for i in members], length)
 
 
 def _longest(plan: Any, role: str, members: set[int]) -> int:
@@ -437,7 +437,7 @@ class _Outer:
         self.outer, self.fragments, self.delay, self.mix = outer, fragments, delay, mix
         self.compress = compress
         self._cache: dict = {}
-        self._packings: dict = {}  # (treedef, fragment) -> its Packing, for compress=
+        self._packings: dict = {}  # (treedef, fragment) -> its _Packing, for compress=
 
     def layout(self, params: Any) -> tuple[list, Any, list[int], int]:
         """params' leaves, treedef, each leaf's fragment and F (checked once per treedef)."""
@@ -456,16 +456,16 @@ class _Outer:
             self._cache.clear()
             self._packings.clear()
             of_n = _fragments(self.fragments, params, treedef=treedef, paths=paths, sizes=sizes)
-            self._cache[treedef] = (*of_n, plan, role, residual_plan(plan, paths))
+            self._cache[treedef] = (*of_n, plan, role, _residual_plan(plan, paths))
         return leaves, treedef, *self._cache[treedef][:2]
 
-    def _packing(self, step: _Step, *, of: list[int], p: int) -> Packing:
-        """Fragment ``p``'s :class:`Packing` (made at its first compressed sync)."""
+    def _packing_of(self, step: _Step, *, of: list[int], p: int) -> _Packing:
+        """Fragment ``p``'s :class:`_Packing` (made at its first compressed sync)."""
         key = (step.treedef, p)
         if key not in self._packings:
             plan, role, _ = self._cache[step.treedef][2:]
             members = [i for i, f in enumerate(of) if f == p]
-            self._packings[key] = packing(plan, step.like, role=role, members=members)
+            self._packings[key] = _packing(plan, step.like, role=role, members=members)
         return self._packings[key]
 
     def _plan(self, leaves: list, treedef: Any, paths: Sequence[str]) -> tuple[Any, str]:
@@ -538,7 +538,7 @@ class _Outer:
         return params, state
 
     def _tag_residual(self, treedef: Any, residual: Any) -> None:
-        """Tag the residual at the params' layout in fp32 (:func:`residual_plan`), where
+        """Tag the residual at the params' layout in fp32 (:func:`_residual_plan`), where
         :func:`~functional_hsdp.state_dict` finds and saves it (not for a meta ``like``)."""
         if treedef in self._cache:
             _, _, _, role, plan = self._cache[treedef]
@@ -549,7 +549,7 @@ class _Outer:
         local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
         compressed = dict(packing=None, residual=None)
         if self.compress is not None:
-            compressed["packing"] = self._packing(step, of=of, p=p)
+            compressed["packing"] = self._packing_of(step, of=of, p=p)
             if step.residual is not None:
                 compressed["residual"] = [step.residual[i] for i in idx]
         delta, residual = _reduce_pseudo_gradient(
@@ -589,7 +589,7 @@ def _bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return n * dtype.itemsize
 
 
-def residual_plan(plan: Any, paths: Sequence[str]) -> Any:
+def _residual_plan(plan: Any, paths: Sequence[str]) -> Any:
     """``plan``'s layout in fp32: the leaves' dtypes still choose which share a bucket (as
     a MainGrad's fp32 buffers keep the parameters' layout), so the residual's local shapes
     are the params', and a checkpoint packs it in fp32."""
