@@ -230,9 +230,10 @@ def _longest(plan: Any, role: str, members: set[int]) -> int:
             continue
         if getattr(placed.geometry, "kept", False):
             raise NotImplementedError(
-                "diloco: compress= with an Owner optimizer placement (fh.owned) is not "
-                "supported; compress a spec whose optimizer placement is Flat, Shard or "
-                "Replicate (fh.hsdp, fh.fsdp, ...)"
+                "diloco: compress= with the optimizer placement Owner on some data-parallel "
+                "axes only (fh.owned(spec, axes=...): each rank keeps the pieces its "
+                "coordinate owns) is not supported; owner-major fh.owned(spec) and Flat, "
+                "Shard(d) or Replicate placements are"
             )
         if not placed.axes:  # whole leaves on every rank
             total += sum(s.numel for s in slots)
@@ -459,13 +460,13 @@ class _Outer:
             self._cache[treedef] = (*of_n, plan, role, _residual_plan(plan, paths))
         return leaves, treedef, *self._cache[treedef][:2]
 
-    def _packing_of(self, step: _Step, *, of: list[int], p: int) -> _Packing:
-        """Fragment ``p``'s :class:`_Packing` (made at its first compressed sync)."""
-        key = (step.treedef, p)
+    def _packing_of(self, treedef: Any, leaves: list, *, of: list[int], p: int) -> _Packing:
+        """Fragment ``p``'s :class:`_Packing` (made by ``init``, or at the first sync)."""
+        key = (treedef, p)
         if key not in self._packings:
-            plan, role, _ = self._cache[step.treedef][2:]
+            plan, role, _ = self._cache[treedef][2:]
             members = [i for i, f in enumerate(of) if f == p]
-            self._packings[key] = _packing(plan, step.like, role=role, members=members)
+            self._packings[key] = _packing(plan, leaves, role=role, members=members)
         return self._packings[key]
 
     def _plan(self, leaves: list, treedef: Any, paths: Sequence[str]) -> tuple[Any, str]:
@@ -505,6 +506,9 @@ class _Outer:
         pending = residual = None
         if self.delay:
             pending = _zeros(treedef, leaves, dtype=None)
+        if self.compress is not None and treedef in self._cache:  # not for a meta like
+            for p in range(n):  # every layout the wire cannot take is refused here
+                self._packing_of(treedef, leaves, of=of, p=p)
         if self.compress is not None and self.compress.error_feedback:
             residual = _zeros(treedef, leaves, dtype=torch.float32)
             self._tag_residual(treedef, residual)
@@ -549,7 +553,7 @@ class _Outer:
         local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
         compressed = dict(packing=None, residual=None)
         if self.compress is not None:
-            compressed["packing"] = self._packing_of(step, of=of, p=p)
+            compressed["packing"] = self._packing_of(step.treedef, step.like, of=of, p=p)
             if step.residual is not None:
                 compressed["residual"] = [step.residual[i] for i in idx]
         delta, residual = _reduce_pseudo_gradient(

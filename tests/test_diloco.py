@@ -27,6 +27,7 @@ from diloco_problem import (
 import functional_hsdp as fh
 
 O, I = 2, 2  # noqa: E741
+_PLACE = {"R": fh.Replicate(), "P": fh.Partial(), "F": fh.Flat()}
 
 
 def _mesh():
@@ -193,7 +194,21 @@ def test_bad_input_names_the_argument():
         fh.diloco(spec, axis="dp_outer", every=2, outer=outer, compress=torch.int8)
     with pytest.raises(TypeError, match="outer must be a GradientTransformation"):
         fh.diloco(spec, axis="dp_outer", every=2, outer=torch.optim.SGD)
+    # the Owner placement on some axes only: each rank keeps pieces, not a chunk
+    pod = fh.SimMesh({"pod": 2, "dp_outer": 2, "dp_inner": 2})
+    rows = dict(parameter=["R", "R", "F"], gradient=["P", "P", "F"], optimizer=["R", "R", "F"])
+    kept = fh.owned(fh.Spec(pod, **{k: [_PLACE[x] for x in v] for k, v in rows.items()}),
+                    axes="dp_outer")  # fmt: skip
+    dl = fh.diloco(kept, axis="pod", every=2, outer=outer, compress=fh.compress(torch.int8))
+    with pytest.raises(NotImplementedError, match="Owner on some data-parallel axes only"):
+        dl.init(fh.shard(full_params(), dl.inner))
     params = fh.shard(full_params(), fh.replicas(spec, "dp_outer"))
+    plain = fh.diloco(spec, axis="dp_outer", every=2, outer=outer)
+    packed = fh.diloco(spec, axis="dp_outer", every=2, outer=outer, compress=fh.compress("int4"))
+    with pytest.raises(ValueError, match="compress differs: the residual .* is missing"):
+        packed.update(params, plain.init(params))
+    with pytest.raises(ValueError, match="compress differs: the residual .* is there"):
+        plain.update(params, packed.init(params))
     bad = {"0.bias": 0, "0.weight": 1, "2.bias": 3, "2.weight": 0}
     with pytest.raises(ValueError, match=r"fragments\['2.bias'\]: label 3 is out of range"):
         fh.diloco(spec, axis="dp_outer", every=2, outer=outer, fragments=bad).init(params)
