@@ -20,6 +20,15 @@ step), and the codec's share: the seconds spent in the compressed reduction's lo
 one step, against the same step's outer collectives. A second, isolated measure: one
 compressed_all_reduce of a bucket as large as one rank's gradient shard, its codec time
 against the whole call and against a plain fp32 all-reduce of the same bucket (fh.psum).
+
+DiLoCo (``fh.diloco(..., compress=)``: the pseudo-gradient compressed) on B18's language model
+and data (``bench/diloco.py``: a Llama on the stdlib's ``.py`` bytes, inner ``fh.adamw``,
+outer ``fh.sgd(0.7, 0.9, nesterov)``, every H = 5 steps) through ``shard_module`` +
+``functional_call(into=MainGrad)``, 2x2 gloo: uncompressed against int8, fp8 and int4 with
+error feedback, variants interleaved step by step on the same tokens. Reported: bytes each
+rank sends over dp_outer per step (``CommLog.sent_bytes``, mean over the steps and ranks),
+the eval loss on fixed held-out bytes after the last step (mean of the two replicas; the
+training loss per step in the plot's third panel), and the residual each rank keeps.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import optree
 import torch
 
 from . import common as C
+from . import diloco as B18
 from . import module as B13
 
 SIZES = {
@@ -41,6 +51,9 @@ SIZES = {
         "steps": 2,
         "eval": 1,
         "lr": 0.05,
+        "diloco": dict(
+            steps=4, every=2, seq=32, batch=2, hidden=32, layers=1, eval_batches=2, data_mb=0.2
+        ),
     },
     "full": {  # B13's full Llama; 60 steps: about 5 minutes for the nine variants here
         "llama": dict(B13.SIZES["full"]["llama"]),
@@ -48,11 +61,16 @@ SIZES = {
         "steps": 60,
         "eval": 4,
         "lr": 0.1,
+        # B18's model and data; about a minute for the four DiLoCo variants (7 s per 30 steps)
+        "diloco": dict(
+            steps=250, every=5, seq=64, batch=4, hidden=64, layers=2, eval_batches=8, data_mb=4.0
+        ),
     },
 }
 FORMATS = ("bf16", "fp8", "int8", "int4")
 VARIANTS = ("none", *(f"{f}{ef}" for f in FORMATS for ef in ("+ef", "-ef")))
 PNG = "bench/compress.png"
+DILOCO = ("none", "int8+ef", "fp8+ef", "int4+ef")
 
 
 def _policy(variant: str):
@@ -172,6 +190,90 @@ def _isolated(dm, numel: int, reps: int) -> dict:
     }
 
 
+class _DiLoCo:
+    """One DiLoCo variant on B18's Llama (``compress=`` the policy of ``variant``):
+    ``step(ids)`` trains one inner step, then ``dl.update``; returns the loss and the bytes
+    sent over dp_outer."""
+
+    def __init__(self, variant: str, cfg: dict, dm):
+        import functional_hsdp as fh
+
+        self.model = B18._model(cfg)
+        spec = fh.hsdp(fh.DistMesh(dm), *C.AXES)
+        self.dl = fh.diloco(spec, axis="dp_outer", every=cfg["every"],
+                            outer=fh.sgd(0.7, momentum=0.9, nesterov=True),
+                            compress=_policy(variant))  # fmt: skip
+        units = list(self.model.model.layers)
+        self.shards, tree_spec = fh.shard_module(self.model, self.dl.inner, units=units)
+        self.mg = fh.MainGrad(tree_spec, like=self.shards)
+        self.opt = fh.adamw(lr=3e-3, weight_decay=0.0)
+        self.opt_state, self.state = self.opt.init(self.shards), self.dl.init(self.shards)
+
+    def step(self, ids) -> tuple[float, float]:
+        import functional_hsdp as fh
+
+        def loss_fn(s, ids):
+            logits = fh.functional_call(self.model, s, (ids,), into=self.mg).logits
+            return B18._loss(logits, ids)
+
+        self.mg.begin_microbatch(last=True)
+        _, value = fh.grad_and_value(loss_fn)(self.shards, ids)
+        self.mg.finish()
+        updates, self.opt_state = self.opt.update(self.mg.grads, self.opt_state, self.shards)
+        leaves = optree.tree_leaves(self.shards)
+        with torch.no_grad():
+            torch._foreach_add_(leaves, optree.tree_leaves(updates))
+        self.mg.zero_grad()
+        with fh.comm_log() as log:
+            new, self.state = self.dl.update(self.shards, self.state)
+        with torch.no_grad():
+            for p, q in zip(leaves, optree.tree_leaves(new)):
+                if p is not q:
+                    p.copy_(q)  # the units' shards stay the tensors shard_module made
+        return float(value), log.sent_bytes("dp_outer", 2)
+
+    @torch.no_grad()
+    def eval_loss(self, batches) -> float:
+        import functional_hsdp as fh
+
+        losses = [
+            B18._loss(fh.functional_call(self.model, self.shards, (b,)).logits, b) for b in batches
+        ]
+        return float(sum(losses)) / len(losses)
+
+    def residual_bytes(self) -> int:
+        leaves = optree.tree_leaves(self.state.residual)
+        return sum(x.numel() * x.element_size() for x in leaves)
+
+
+def _diloco_task(cfg: dict, dm) -> dict:
+    """Every DiLoCo variant in one group, stepped in turn on the same batches."""
+    text = B18._text(cfg["data_mb"])
+    split = int(0.9 * len(text))
+    train, held = text[:split], text[split:]
+    eval_gen = torch.Generator().manual_seed(7)
+    held_out = [B18._batch(held, eval_gen, cfg) for _ in range(cfg["eval_batches"])]
+    gen = torch.Generator().manual_seed(1000 + C.rank())
+    runs = {v: _DiLoCo(v, cfg, dm) for v in DILOCO}
+    losses, sent, times = ({v: [] for v in DILOCO} for _ in range(3))
+    for _ in range(cfg["steps"]):
+        ids = B18._batch(train, gen, cfg)
+        for v, run in runs.items():
+            dt, (value, nbytes) = C.timed(lambda run=run, ids=ids: run.step(ids))
+            losses[v].append(value)
+            sent[v].append(nbytes)
+            times[v].append(dt)
+    return {
+        "losses": losses,
+        "sent": sent,
+        "times": times,
+        "eval": {v: run.eval_loss(held_out) for v, run in runs.items()},
+        "residual": {v: run.residual_bytes() for v, run in runs.items()},
+        "shard": sum(x.numel() * x.element_size() for x in optree.tree_leaves(runs["none"].shards)),
+        "numel": sum(p.numel() for p in runs["none"].model.parameters()),
+    }
+
+
 def task(cfg: dict) -> dict:
     import functional_hsdp as fh
 
@@ -226,6 +328,7 @@ def task(cfg: dict) -> dict:
         "isolated": isolated,
         "shard": shard,
         "numel": sum(p.numel() for p in runs["none"].model.parameters()),
+        "diloco": _diloco_task(cfg["diloco"], dm),
     }
 
 
@@ -272,9 +375,48 @@ def run(size: str = "full", pool=None) -> dict:
             for f in FORMATS
         },
     }
+    res["diloco"] = _diloco_summary([r["diloco"] for r in per_rank])
+    dl = res["diloco"]
+    res["goals"].update(
+        {
+            **{
+                f"DiLoCo {f} outer bytes <= 0.26x": (dl["ratio"][f"{f}+ef"], 0.26)
+                for f in ("int8", "fp8")
+            },
+            "DiLoCo int4 outer bytes <= 0.14x": (dl["ratio"]["int4+ef"], 0.14),
+            **{
+                f"DiLoCo {v} eval loss within 1 % of none": (abs(dl["loss_rel"][v]), 0.01)
+                for v in ("int8+ef", "fp8+ef")
+            },
+        }
+    )
     if size == "full":
         _plot(res)
     return res
+
+
+def _diloco_summary(per_rank: list[dict]) -> dict:
+    """DiLoCo's figures over the ranks: bytes sent per step (mean over steps and ranks), eval
+    loss (mean of the replicas: ranks 0 and 2), training loss per step (mean over ranks),
+    median step time of the slowest rank."""
+    n = len(per_rank)
+    sent = {v: sum(sum(r["sent"][v]) / len(r["sent"][v]) for r in per_rank) / n for v in DILOCO}
+    evals = {v: (per_rank[0]["eval"][v] + per_rank[2]["eval"][v]) / 2 for v in DILOCO}
+    slowest = {v: [max(x) for x in zip(*(r["times"][v] for r in per_rank))] for v in DILOCO}
+    return {
+        "sent": sent,
+        "ratio": {v: sent[v] / sent["none"] for v in DILOCO},
+        "syncs": sum(1 for x in per_rank[0]["sent"]["none"] if x),
+        "eval": evals,
+        "loss_rel": {v: (evals[v] - evals["none"]) / evals["none"] for v in DILOCO},
+        "losses": {
+            v: [sum(x) / n for x in zip(*(r["losses"][v] for r in per_rank))] for v in DILOCO
+        },
+        "step_s": {v: C.median(t[1:] or t) for v, t in slowest.items()},
+        "residual": per_rank[0]["residual"],
+        "shard": per_rank[0]["shard"],
+        "numel": per_rank[0]["numel"],
+    }
 
 
 def _plot(res: dict) -> None:
@@ -283,7 +425,7 @@ def _plot(res: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     for v in VARIANTS:
         a.plot(res["losses"][v], label=v, lw=1)
     a.set_xlabel("step")
@@ -294,7 +436,17 @@ def _plot(res: dict) -> None:
     lo = min(res["eval"].values())
     b.set_ylim(lo * 0.995, max(res["eval"].values()) * 1.002)
     b.set_ylabel("eval loss after the same tokens")
-    fig.suptitle("B19: HSDP outer reduction compressed (Llama, 2x2 gloo)")
+    dl, k = res["diloco"], 10
+    for v in DILOCO:  # a moving mean over k steps: per-step losses of one batch are noisy
+        xs = dl["losses"][v]
+        c.plot([sum(xs[i : i + k]) / k for i in range(len(xs) - k + 1)], label=v, lw=1)
+    c.set_xlabel(f"inner step (mean of {k})")
+    c.set_ylabel("DiLoCo H=5 training loss (stdlib bytes)")
+    c.legend(fontsize=7)
+    fig.suptitle(
+        "B19: outer reduction compressed: HSDP (B13's Llama), DiLoCo's pseudo-gradient "
+        "(B18's Llama) (2x2 gloo)"
+    )
     fig.tight_layout()
     fig.savefig(PNG, dpi=100)
     plt.close(fig)
@@ -370,8 +522,52 @@ def report(res: dict, command: str, when: str) -> str:
             ],
         )
     )
+    lines.append(_diloco_report(res))
     lines.append("\nGoals:\n")
     for name, (got, goal) in res["goals"].items():
         ok = abs(got - goal) < 1e-3 if "0.50x" in name else got <= goal
         lines.append(f"- {name}: {got:.3f} -> {'met' if ok else 'NOT met'}")
     return "\n".join(lines) + "\n"
+
+
+def _diloco_report(res: dict) -> str:
+    dl, cfg = res["diloco"], res["cfg"]["diloco"]
+    rows = [
+        [
+            v,
+            f"{dl['sent'][v] / 1e3:.1f} kB",
+            f"{dl['ratio'][v]:.3f}",
+            f"{dl['eval'][v]:.4f}",
+            f"{100 * dl['loss_rel'][v]:+.2f} %",
+            f"{1000 * dl['step_s'][v]:.0f}",
+            f"{dl['residual'][v] / 1e3:.1f} kB",
+        ]
+        for v in DILOCO
+    ]
+    head = (
+        f"\nDiLoCo, the pseudo-gradient compressed (`fh.diloco(..., compress=)`), on B18's "
+        f"model and data: Llama (hidden {cfg['hidden']}, {cfg['layers']} layers, vocab 256, "
+        f"{dl['numel']:,} parameters) on the stdlib's `.py` bytes, {cfg['steps']} steps of "
+        f"{cfg['batch']}x{cfg['seq']} tokens per rank (every variant the same tokens, steps "
+        f"interleaved), inner fh.adamw(3e-3), outer fh.sgd(0.7, 0.9, nesterov), H = "
+        f"{cfg['every']} ({dl['syncs']} syncs), every format with error feedback (block 256). "
+        f"Bytes: what each rank sends over dp_outer per step, mean over the steps and ranks; "
+        f"eval: {cfg['eval_batches']} held-out batches after the last step, mean of the two "
+        f"replicas. One rank's shard: {dl['shard'] / 1e3:.1f} kB.\n"
+    )
+    return (
+        head
+        + "\n"
+        + C.table(
+            [
+                f"DiLoCo H={cfg['every']}",
+                "dp_outer sent / step",
+                "vs none",
+                "eval loss",
+                "vs none",
+                "step ms (median)",
+                "residual per rank",
+            ],
+            rows,
+        )
+    )

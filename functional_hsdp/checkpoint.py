@@ -90,8 +90,9 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
               label's state (its trees' :class:`Masked` leaves are another label's, saved
               there); a :class:`ChainState`: each transformation's state (a NamedTuple of
               your own transformation is saved field by field, as the library's); a
-              :class:`DiLoCoState` (at any step: its anchor, outer state, count, due steps
-              and the averaged syncs in flight);
+              :class:`DiLoCoState` (at any step: its anchor, outer state, count, due steps,
+              the averaged syncs in flight and, with ``compress=``, the error feedback's
+              residual, each rank's own);
             * a :class:`MainGrad` whose step is final (or zeroed); mid-accumulation it is
               refused (a Partial state has no mesh-independent form).
         spec: the :class:`Spec` or spec tree the shards were made with (optional for a
@@ -409,8 +410,10 @@ def _device(mesh: Any) -> torch.device:
     return torch.device(kind)
 
 
-def _like_plan(like: Any, spec: Any) -> tuple[Plan, tuple[str, ...]]:
-    """The plan of local shards of ``like``'s full shapes and dtypes under ``spec``."""
+def _like_plan(like: Any, spec: Any, *, kinds: tuple | None = None) -> tuple[Plan, tuple[str, ...]]:
+    """The plan of local shards of ``like``'s full shapes and dtypes under ``spec``
+    (``kinds``: which leaves may share a bucket, as :class:`TreeMeta`'s; default the
+    dtypes)."""
     leaves, treedef, paths = flatten(like, "like")
     if spec is None:
         raise TypeError("spec is required (the Spec or spec tree to load at)")
@@ -429,6 +432,7 @@ def _like_plan(like: Any, spec: Any) -> tuple[Plan, tuple[str, ...]]:
         devices=tuple(device if x.is_meta else x.device for x in leaves),
         specs=specs,
         units=units,
+        kinds=kinds,
     )
     return get_plan(meta, paths), paths
 
@@ -499,13 +503,13 @@ def _own_local(x: DTensor) -> torch.Tensor:
     return local
 
 
-def _load_tree(state: dict, spec: Any, like: Any, *, name: str) -> Any:
+def _load_tree(state: dict, spec: Any, like: Any, *, name: str, kinds: tuple | None = None) -> Any:
     _, present, treedef, _ = unmask(like, "like")
     if not any(present):
         return like
     like = _with_stand_ins(like)  # Masked leaves: loaded as Masked at their local shapes
     with validate.agreement(spec, "load_state_dict") as agreed:
-        plan, paths = _like_plan(like, spec)
+        plan, paths = _like_plan(like, spec, kinds=kinds)
         shapes = forms(plan)
         local = _loaded(state, plan, shapes, name=name, present=present)
         agreed.check(plan, paths)
@@ -727,23 +731,26 @@ def _load_fields(state: dict, spec: Any, like: Any, *, name: str) -> Any:
 
 
 def _diloco(state: DiLoCoState, spec: Any, convert: Callable[[Any, str], Any]) -> dict[str, Any]:
-    """A DiLoCoState as a dict: its trees (anchor, pending) and outer state converted, the
-    step count and each fragment's due step as host values. Nothing is in flight between
-    calls (a sync issued with a delay is held averaged in ``pending``), so any step saves."""
+    """A DiLoCoState as a dict: its trees (anchor, pending, residual) and outer state
+    converted, the step count and each fragment's due step as host values. Nothing is in
+    flight between calls (a sync issued with a delay is held averaged in ``pending``), so any
+    step saves. The residual of a compressed sync's error feedback is per rank: a tree at the
+    params' placement, saved like them (one row per replica, each replica's own)."""
     out = {
         "anchor": convert(state.anchor, "anchor"),
         "outer": convert(state.outer, "outer"),
         "count": state.count,
         "due": list(state.due),
     }
-    if state.pending is not None:
-        out["pending"] = convert(state.pending, "pending")
+    for name in ("pending", "residual"):
+        if getattr(state, name) is not None:
+            out[name] = convert(getattr(state, name), name)
     return out
 
 
 def _load_diloco(state: dict, spec: Any, like: DiLoCoState) -> DiLoCoState:
-    names = ("anchor", "outer", "count", "due") + (("pending",) if like.pending is not None else ())
-    for name in names:
+    trees = [name for name in ("pending", "residual") if getattr(like, name) is not None]
+    for name in ("anchor", "outer", "count", "due", *trees):
         if name not in state:
             raise ValueError(f"state: has no entry {name!r} (for DiLoCoState.{name})")
     if len(state["due"]) != len(like.due):
@@ -751,15 +758,19 @@ def _load_diloco(state: dict, spec: Any, like: DiLoCoState) -> DiLoCoState:
             f"state['due']: {len(state['due'])} fragments, but like has {len(like.due)}: "
             "load with the diloco (fragments) the checkpoint was saved with"
         )
-    pending = None
-    if like.pending is not None:
-        pending = _load_tree(state["pending"], spec, like.pending, name="state['pending']")
+    # the residual (fp32) sits at the params' layout: their dtypes choose its buckets
+    kinds = dict(residual=tuple(x.dtype for x in optree.tree_leaves(like.anchor)))
+    loaded = dict.fromkeys(("pending", "residual"))
+    for name in trees:
+        loaded[name] = _load_tree(
+            state[name], spec, getattr(like, name), name=f"state[{name!r}]", kinds=kinds.get(name)
+        )
     return DiLoCoState(
         anchor=_load_tree(state["anchor"], spec, like.anchor, name="state['anchor']"),
         outer=load_state_dict(state["outer"], spec, like.outer),
         count=int(state["count"]),
         due=tuple(int(x) for x in state["due"]),
-        pending=pending,
+        **loaded,
     )
 
 

@@ -24,25 +24,40 @@ land (after t + tau)   ``updates, s = outer.update(delta, s, anchor)``;
 
 At one step, syncs landing there are merged before the syncs issued there read the params.
 The inner optimizer's state stays per replica, untouched by syncs. The pseudo-gradient's
-reduction goes through one function, :func:`_reduce_pseudo_gradient` (where compression
-plugs in). A sync issued with ``delay > 0`` is reduced when issued and held, averaged, in
-the state until it lands: the state is a pytree of tensors and host ints at every step,
-which :func:`~functional_hsdp.state_dict` saves (resharded like AdamW's moments).
+reduction goes through one function, :func:`_reduce_pseudo_gradient`. A sync issued with
+``delay > 0`` is reduced when issued and held, averaged, in the state until it lands: the
+state is a pytree of tensors and host ints at every step, which
+:func:`~functional_hsdp.state_dict` saves (resharded like AdamW's moments).
+
+With ``compress=fh.compress(...)`` the pseudo-gradient travels compressed
+(:func:`~functional_hsdp.compressed_all_reduce`: one all-to-all and one all-gather per
+bucket, summed in fp32). A fragment's buckets hold this rank's elements of the fragment's
+local shards, in tree order, side by side in fp32 (no alignment gaps, no SimMesh fill),
+each rank's row zero-padded to the longest rank's, so that every group of ``axis`` runs the
+same program and a SimMesh gives a DistMesh's bits. With error feedback the residual of
+what rounding lost is ``DiLoCoState.residual``, a tree like the params (fp32): a fragment's
+leaves hold its own, added into its next sync.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import optree
 import torch
 
 from .collectives import pmean
+from .compressed import compressed_all_reduce
 from .lookup import find_layout
 from .matrix import PartitionState, masked
 from .mesh import Mesh
 from .optim import GradientTransformation, apply_updates
+from .plan import get_plan
+from .quantize import Compress
 from .spec import Spec, replicas
 from .tags import result_state, tag
 from .tree import flatten, format_path, structure_error
@@ -63,6 +78,10 @@ class DiLoCoState(NamedTuple):
         pending: tree like the params: for a fragment in flight, its averaged
             pseudo-gradient (equal on every replica); zeros elsewhere. None when
             ``delay == 0`` (nothing is ever in flight between calls).
+        residual: with ``compress=`` and error feedback, tree like the params (fp32, local
+            shards): what rounding lost of each rank's part of its fragment's last compressed
+            sync, added into the next (per rank: it differs between replicas). None
+            otherwise.
     """
 
     anchor: Any
@@ -70,6 +89,7 @@ class DiLoCoState(NamedTuple):
     count: int
     due: tuple[int, ...]
     pending: Any
+    residual: Any = None
 
 
 def sync_steps(every: int, fragments: int, steps: int) -> list[list[int]]:
@@ -102,16 +122,135 @@ def _check_int(name: str, value: Any, low: int) -> None:
         raise ValueError(f"diloco: {name} must be an int >= {low}; got {value!r}")
 
 
+#: the pseudo-gradient's bucket cap (as pmean's default): 25 MiB of fp32
+_CAP_MB = 25.0
+
+
 def _reduce_pseudo_gradient(
-    local: list[torch.Tensor], *, mesh: Mesh, axis: str, compress: Any
-) -> list[torch.Tensor]:
-    """The average over ``axis`` of each rank's pseudo-gradient pieces: one all-reduce (AVG)
-    per bucket over ``axis`` (buckets per dtype, size-capped), on the local shards. The one
-    place the outer reduction happens: a compressed reduction (``compress``) replaces this
-    call, its error-feedback residual then joining the state."""
-    if compress is not None:  # refused in diloco(); kept as the seam for compression
-        raise NotImplementedError("diloco: compress= is not wired yet")
-    return pmean(list(local), axis, mesh)
+    local: list[torch.Tensor],
+    *,
+    mesh: Mesh,
+    axis: str,
+    compress: Compress | None,
+    packing: _Packing | None = None,
+    residual: list[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """The average over ``axis`` of each rank's pseudo-gradient pieces, and the new residual.
+
+    Uncompressed: one all-reduce (AVG) per bucket over ``axis`` (buckets per dtype,
+    size-capped), on the local shards. With ``compress``: the fragment's ``packing`` rows cut
+    into buckets of the same cap, one :func:`~functional_hsdp.compressed_all_reduce` per
+    bucket (one all-to-all and one all-gather), summed in fp32; ``residual`` (the pieces'
+    fp32 residual, or None: zeros) is added first. Returns the averages (the pieces' dtypes)
+    and, with error feedback, the new residual pieces (fp32; else None)."""
+    if compress is None:
+        return pmean(list(local), axis, mesh, bucket_cap_mb=_CAP_MB), None
+    cap = max(1, int(_CAP_MB * 2**20) // 4)
+    flat = packing.gather(local)
+    res = None if residual is None else packing.gather(residual)
+    outs, kept = [], []
+    for lo in range(0, packing.length, cap):
+        hi = min(lo + cap, packing.length)
+        out, new = compressed_all_reduce(
+            flat[..., lo:hi],
+            axis,
+            mesh,
+            compress=compress,
+            residual=None if res is None else res[..., lo:hi],
+        )
+        outs.append(out)
+        kept.append(new)
+    avg = [x.to(y.dtype) for x, y in zip(packing.scatter(outs), local)]
+    return avg, (packing.scatter(kept) if compress.error_feedback else None)
+
+
+class _Packing:
+    """Where a fragment's pseudo-gradient sits in its compressed buckets, built once per tree
+    and fragment (:func:`_packing`): per rank, its elements of the fragment's local pieces, in
+    tree order, side by side; each row zero-padded to ``length``, the longest rank's.
+
+    Attributes:
+        index: ``(*batch, length)`` int64: the position of each bucket element in the
+            pieces laid end to end (their flattened local values, SimMesh fill included);
+            the total width for padding (a zero appended there).
+        shapes: the pieces' local shapes (batch dims in front).
+        length: elements of every rank's row.
+    """
+
+    def __init__(self, index: torch.Tensor, shapes: list[tuple[int, ...]], length: int):
+        self.index, self.shapes, self.length = index, shapes, length
+        self.widths = [math.prod(s[index.dim() - 1 :]) for s in shapes]
+
+    def gather(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The rows, fp32, from pieces of ``shapes``."""
+        lead = self.index.shape[:-1]
+        flat = [x.reshape(*lead, w).float() for x, w in zip(pieces, self.widths)]
+        row = torch.cat([*flat, torch.zeros(*lead, 1, device=self.index.device)], -1)
+        return torch.take_along_dim(row, self.index, -1)
+
+    def scatter(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Pieces of ``shapes`` (fp32, zero fill) from the rows (cut in buckets, in order)."""
+        lead = self.index.shape[:-1]
+        out = torch.zeros(*lead, sum(self.widths) + 1, device=self.index.device)
+        if rows:
+            out.scatter_(-1, self.index, torch.cat(rows, -1).float())
+        parts = out.narrow(-1, 0, sum(self.widths)).split(self.widths, -1)
+        return [x.reshape(s) for x, s in zip(parts, self.shapes)]
+
+
+def _packing(plan: Any, leaves: list[torch.Tensor], *, role: str, members: list[int]) -> _Packing:
+    """The :class:`_Packing` of the leaves ``members`` (tree indices) of ``leaves``, local
+    values at ``role`` of ``plan``: which elements of each piece are this rank's (its mesh's
+    fill is not) comes from packing ones and unpacking them; the longest row from the
+    plan's layout, for every rank of the mesh (:func:`_longest`)."""
+    with torch.no_grad():
+        ones = [torch.ones_like(x) for x in leaves]
+        bufs = [plan.pack(b, ones, role) for b in range(len(plan.buckets))]
+        masks = plan.unpack(bufs, role)
+    lead = plan.mesh.batch_shape
+    real = torch.cat([masks[i].reshape(*lead, -1) != 0 for i in members], -1)
+    width, length = real.shape[-1], _longest(plan, role, set(members))
+    real = torch.nn.functional.pad(real, (0, max(length - width, 0)))  # a DistMesh's short row
+    first = torch.argsort((~real).to(torch.uint8), dim=-1, stable=True)[..., :length]
+    mine = torch.arange(length, device=real.device) < real.sum(-1, keepdim=True)
+    index = torch.where(mine, first, width)
+    return _Packing(index, [tuple(masks[i].shape) for i in members], length)
+
+
+def _longest(plan: Any, role: str, members: set[int]) -> int:
+    """The most elements of the leaves ``members`` any rank holds at ``role``: from the
+    plan's buckets, for every coordinate of the mesh (a DistMesh rank sees only its own
+    pieces, and every rank must agree on the buckets' length)."""
+    mesh = plan.mesh
+    coords = dict(zip(mesh.axis_names, np.indices(mesh.sizes).reshape(len(mesh.sizes), -1)))
+    total = np.zeros(math.prod(mesh.sizes), dtype=np.int64)
+    for bucket, placed in zip(plan.buckets, plan.placed):
+        placed, slots = placed[role], [s for s in bucket.slots if s.index in members]
+        if not slots:
+            continue
+        if getattr(placed.geometry, "kept", False):
+            raise NotImplementedError(
+                "diloco: compress= with the optimizer placement Owner on some data-parallel "
+                "axes only (fh.owned(spec, axes=...): each rank keeps the pieces its "
+                "coordinate owns) is not supported; owner-major fh.owned(spec) and Flat, "
+                "Shard(d) or Replicate placements are"
+            )
+        if not placed.axes:  # whole leaves on every rank
+            total += sum(s.numel for s in slots)
+        elif bucket.shard is not None:  # torch.chunk along the shard dim
+            axis, dim = bucket.shard
+            for s in slots:
+                along = np.clip(s.shape[dim] - coords[axis] * s.size, 0, s.size)
+                total += s.numel // s.shape[dim] * along
+        else:  # Flat: each leaf's range cut by the rank's chunk of the bucket
+            start, stride = 0, bucket.padded
+            for a in placed.axes:
+                stride //= mesh.size(a)
+                start = start + coords[a] * stride
+            for s in slots:
+                lo = np.clip(s.offset - start, 0, placed.length)
+                total += np.maximum(np.clip(s.offset + s.numel - start, 0, placed.length), lo) - lo
+    return int(total.max())
 
 
 class DiLoCo(NamedTuple):
@@ -128,6 +267,7 @@ class DiLoCo(NamedTuple):
         fragments: as given: F, or the tree of labels.
         delay: tau, steps between a sync's issue and its merge.
         mix: the merge factor.
+        compress: the pseudo-gradient's compression policy, or None.
     """
 
     inner: Any
@@ -138,6 +278,7 @@ class DiLoCo(NamedTuple):
     fragments: int
     delay: int
     mix: float
+    compress: Compress | None = None
 
 
 def _mesh(spec: Any) -> Mesh:
@@ -180,8 +321,12 @@ def diloco(
             t + tau, with that step's params.
         mix: merge factor in (0, 1]: a synced fragment becomes
             ``mix * anchor + (1 - mix) * params`` (1: the anchor).
-        compress: the pseudo-gradient's compression (``fh.compress(...)``); not wired yet:
-            anything but None raises NotImplementedError.
+        compress: the pseudo-gradient's compression, a policy from ``fh.compress(...)``
+            (None: the reduce dtype, uncompressed). Each rank quantizes its part, an
+            all-to-all moves the pieces, each rank sums its piece in fp32 and quantizes the
+            sum, an all-gather returns it: one all-to-all and one all-gather per bucket over
+            ``axis``, nothing else. With error feedback the rounding's residual is the
+            state's ``residual``, added into the fragment's next sync (and checkpointed).
 
     Returns:
         A :class:`DiLoCo` with ``.inner``, ``.init(params)`` and ``.update(params, state)``.
@@ -207,19 +352,35 @@ def diloco(
         >>> fh.gather(params, dl.inner)["w"][:, 0]      # met: -4 * 0.7 * (1 + 0.9)
         tensor([[-5.3200, -5.3200, -5.3200, -5.3200],
                 [-5.3200, -5.3200, -5.3200, -5.3200]])
+
+        The same, with the pseudo-gradient sent as int8 (one fp32 scale per block)::
+
+        >>> dl = fh.diloco(fh.hsdp(mesh, "dp_outer", "dp_inner"), axis="dp_outer", every=1,
+        ...                outer=fh.sgd(1.0), compress=fh.compress(torch.int8))
+        >>> params = fh.shard({"w": torch.zeros(4)}, dl.inner)
+        >>> state = dl.init(params)
+        >>> params = {"w": params["w"] - torch.tensor([0.3, 1.0]).view(2, 1, 1)}
+        >>> with fh.comm_log() as log:
+        ...     params, state = dl.update(params, state)
+        >>> [(e.op, e.axis, str(e.dtype)) for e in log.events]
+        [('all_to_all', 'dp_outer', 'torch.int8'), ('all_gather', 'dp_outer', 'torch.int8')]
+        >>> fh.gather(params, dl.inner)["w"][0, 0]      # the mean, -0.65, within int8's step
+        tensor([-0.6500, -0.6500, -0.6500, -0.6500])
+        >>> fh.gather(state.residual, dl.inner)["w"].shape   # per rank: what rounding lost
+        torch.Size([2, 2, 4])
     """
     mesh = _mesh(spec)
     _check_options(mesh, axis=axis, every=every, outer=outer, delay=delay, mix=mix)
-    if compress is not None:
-        raise NotImplementedError(
-            "diloco: compress= is not supported yet (the compressed outer reduction is "
-            "another issue's); pass compress=None"
+    if compress is not None and not isinstance(compress, Compress):
+        raise TypeError(
+            f"diloco: compress must be a policy from fh.compress(...) (say "
+            f"fh.compress(torch.int8)) or None; got {compress!r}"
         )
     if isinstance(fragments, int) and not isinstance(fragments, bool):
         _check_int("fragments", fragments, 1)
     options = dict(axis=axis, every=every, fragments=fragments, delay=delay, mix=float(mix))
     run = _Outer(replicas(spec, axis), mesh, outer=outer, compress=compress, **options)
-    return DiLoCo(inner=run.inner, init=run.init, update=run.advance, **options)
+    return DiLoCo(inner=run.inner, init=run.init, update=run.advance, compress=compress, **options)
 
 
 def _check_options(mesh: Mesh, *, axis: Any, every: Any, outer: Any, delay: Any, mix: Any):
@@ -247,6 +408,7 @@ class _Step:
         self.like, self.treedef = params, treedef
         self.new, self.anchor = list(params), list(optree.tree_leaves(state.anchor))
         self.pending = None if state.pending is None else list(optree.tree_leaves(state.pending))
+        self.residual = None if state.residual is None else list(optree.tree_leaves(state.residual))
         self.outer, self.due = dict(state.outer.inner), list(state.due)
         self.touched = False
 
@@ -257,13 +419,13 @@ class _Step:
                 if xs is not None:
                     _tag_like(xs, self.like)
             params = tree(self.new)
-        pending = None if self.pending is None else tree(self.pending)
         state = DiLoCoState(
             anchor=tree(self.anchor),
             outer=PartitionState(self.outer),
             count=t,
             due=tuple(self.due),
-            pending=pending,
+            pending=None if self.pending is None else tree(self.pending),
+            residual=None if self.residual is None else tree(self.residual),
         )
         return params, state
 
@@ -276,6 +438,7 @@ class _Outer:
         self.outer, self.fragments, self.delay, self.mix = outer, fragments, delay, mix
         self.compress = compress
         self._cache: dict = {}
+        self._packings: dict = {}  # (treedef, fragment) -> its _Packing, for compress=
 
     def layout(self, params: Any) -> tuple[list, Any, list[int], int]:
         """params' leaves, treedef, each leaf's fragment and F (checked once per treedef)."""
@@ -289,18 +452,29 @@ class _Outer:
                 *_fragments(self.fragments, params, treedef=treedef, paths=paths, sizes=sizes),
             )
         if treedef not in self._cache:
-            plan = self._plan(leaves, treedef, paths)
+            plan, role = self._plan(leaves, treedef, paths)
             sizes = [_bytes(s, d) for s, d in zip(plan.shapes, plan.dtypes)]
             self._cache.clear()
-            self._cache[treedef] = _fragments(
-                self.fragments, params, treedef=treedef, paths=paths, sizes=sizes
-            )
-        return leaves, treedef, *self._cache[treedef]
+            self._packings.clear()
+            of_n = _fragments(self.fragments, params, treedef=treedef, paths=paths, sizes=sizes)
+            self._cache[treedef] = (*of_n, plan, role, _residual_plan(plan, paths))
+        return leaves, treedef, *self._cache[treedef][:2]
 
-    def _plan(self, leaves: list, treedef: Any, paths: Sequence[str]) -> Any:
+    def _packing_of(self, treedef: Any, leaves: list, *, of: list[int], p: int) -> _Packing:
+        """Fragment ``p``'s :class:`_Packing` (made by ``init``, or at the first sync)."""
+        key = (treedef, p)
+        if key not in self._packings:
+            plan, role, _ = self._cache[treedef][2:]
+            members = [i for i, f in enumerate(of) if f == p]
+            self._packings[key] = _packing(plan, leaves, role=role, members=members)
+        return self._packings[key]
+
+    def _plan(self, leaves: list, treedef: Any, paths: Sequence[str]) -> tuple[Any, str]:
+        """The params' plan and role (their placement)."""
         made = result_state(leaves)
+        role = "optimizer"
         if made is not None and made.role in ("optimizer", "parameter"):
-            plan = made.plan  # the shards' own layout (a unit tree's, for shard_module's)
+            plan, role = made.plan, made.role  # the shards' own layout (a unit tree's, ...)
         else:
             plan, _ = find_layout(
                 leaves,
@@ -319,7 +493,7 @@ class _Outer:
                 f"{self.axis!r}; shard them with the inner spec (dl.inner: replicas on "
                 f"{self.axis!r})"
             )
-        return plan
+        return plan, role
 
     def init(self, params: Any) -> DiLoCoState:
         leaves, treedef, of, n = self.layout(params)
@@ -329,19 +503,28 @@ class _Outer:
             str(p): self.outer.init(_masked(treedef, anchor, of=of, p=p, like=leaves))
             for p in range(n)
         }
-        pending = None
+        pending = residual = None
         if self.delay:
-            zeros = [torch.zeros_like(x) for x in leaves]
-            _tag_like(zeros, leaves)
-            pending = optree.tree_unflatten(treedef, zeros)
-        tree = optree.tree_unflatten(treedef, anchor)
+            pending = _zeros(treedef, leaves, dtype=None)
+        if self.compress is not None and treedef in self._cache:  # not for a meta like
+            for p in range(n):  # every layout the wire cannot take is refused here
+                self._packing_of(treedef, leaves, of=of, p=p)
+        if self.compress is not None and self.compress.error_feedback:
+            residual = _zeros(treedef, leaves, dtype=torch.float32)
+            self._tag_residual(treedef, residual)
         return DiLoCoState(
-            anchor=tree, outer=PartitionState(outer_states), count=0, due=(0,) * n, pending=pending
+            anchor=optree.tree_unflatten(treedef, anchor),
+            outer=PartitionState(outer_states),
+            count=0,
+            due=(0,) * n,
+            pending=pending,
+            residual=residual,
         )
 
     def advance(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
         leaves, treedef, of, n = self.layout(params)
-        _check_state(state, treedef, leaves=leaves, n=n, delay=self.delay)
+        feedback = self.compress is not None and self.compress.error_feedback
+        _check_state(state, treedef, leaves=leaves, n=n, delay=self.delay, feedback=feedback)
         t, step = state.count + 1, _Step(leaves, state, treedef)
         for p in range(n):  # syncs issued tau steps ago land first
             if step.due[p] == t:
@@ -353,14 +536,32 @@ class _Outer:
         for p, s in enumerate((q + 1) * self.every // n for q in range(n)):
             if t >= s and (t - s) % self.every == 0:
                 self._issue(step, of=of, p=p, t=t)
-        return step.result(params, t)
+        params, state = step.result(params, t)
+        if step.touched and state.residual is not None:
+            self._tag_residual(treedef, state.residual)
+        return params, state
+
+    def _tag_residual(self, treedef: Any, residual: Any) -> None:
+        """Tag the residual at the params' layout in fp32 (:func:`_residual_plan`), where
+        :func:`~functional_hsdp.state_dict` finds and saves it (not for a meta ``like``)."""
+        if treedef in self._cache:
+            _, _, _, role, plan = self._cache[treedef]
+            tag(optree.tree_leaves(residual), plan, role, kind="weights")
 
     def _issue(self, step: _Step, *, of: list[int], p: int, t: int) -> None:
         idx = [i for i, f in enumerate(of) if f == p]
         local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
-        delta = _reduce_pseudo_gradient(
-            local, mesh=self.mesh, axis=self.axis, compress=self.compress
+        compressed = dict(packing=None, residual=None)
+        if self.compress is not None:
+            compressed["packing"] = self._packing_of(step.treedef, step.like, of=of, p=p)
+            if step.residual is not None:
+                compressed["residual"] = [step.residual[i] for i in idx]
+        delta, residual = _reduce_pseudo_gradient(
+            local, mesh=self.mesh, axis=self.axis, compress=self.compress, **compressed
         )
+        if residual is not None:
+            for i, r in zip(idx, residual):
+                step.residual[i] = r
         step.touched = True
         if not self.delay:
             self._merge(step, of=of, p=p, delta=delta)
@@ -390,6 +591,24 @@ def _bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     for s in shape:
         n *= s
     return n * dtype.itemsize
+
+
+def _residual_plan(plan: Any, paths: Sequence[str]) -> Any:
+    """``plan``'s layout in fp32: the leaves' dtypes still choose which share a bucket (as
+    a MainGrad's fp32 buffers keep the parameters' layout), so the residual's local shapes
+    are the params', and a checkpoint packs it in fp32."""
+    meta = plan.meta
+    kinds = meta.kinds if meta.kinds is not None else meta.dtypes
+    fp32 = dataclasses.replace(meta, dtypes=(torch.float32,) * len(meta.dtypes), kinds=kinds)
+    return get_plan(fp32, tuple(paths))
+
+
+def _zeros(treedef: Any, leaves: list, *, dtype: torch.dtype | None) -> Any:
+    """A tree of zeros like the params' ``leaves`` (in ``dtype``, default theirs), tagged
+    with their placement."""
+    zeros = [torch.zeros_like(x, dtype=dtype) for x in leaves]
+    _tag_like(zeros, leaves)
+    return optree.tree_unflatten(treedef, zeros)
 
 
 def _masked(treedef: Any, leaves: list, *, of: list[int], p: int, like: list) -> Any:
@@ -460,19 +679,31 @@ def _contiguous(sizes: list[int], n: int) -> list[int]:
     return [sum(1 for b in starts[1:] if b <= i) for i in range(count)]
 
 
-def _check_state(state: Any, treedef: Any, *, leaves: list, n: int, delay: int) -> None:
+def _check_state(
+    state: Any, treedef: Any, *, leaves: list, n: int, delay: int, feedback: bool
+) -> None:
     if not isinstance(state, DiLoCoState):
         raise TypeError(
             f"state: expected a DiLoCoState (from this diloco's init); got {type(state).__name__}"
         )
-    anchor, anchor_def = optree.tree_flatten(state.anchor)
-    if anchor_def != treedef:
-        raise ValueError(structure_error(treedef, state.anchor, "state.anchor", what="params"))
-    for a, p, path in zip(anchor, leaves, (format_path(x) for x in treedef.paths())):
-        if a.shape != p.shape:
-            raise ValueError(
-                f"state.anchor{path}: local shape {tuple(a.shape)}, params{path} "
-                f"{tuple(p.shape)}: this state was made for another spec or tree"
-            )
     if len(state.due) != n or (state.pending is None) != (delay == 0):
         raise ValueError("state: was made by another diloco (fragments or delay differ)")
+    if (state.residual is None) == feedback:
+        raise ValueError(
+            "state: was made by another diloco (compress differs: the residual of error "
+            f"feedback is {'missing' if feedback else 'there'})"
+        )
+    paths = [format_path(x) for x in treedef.paths()]
+    for name in ("anchor", "residual"):
+        tree = getattr(state, name)
+        if tree is None:
+            continue
+        got, got_def = optree.tree_flatten(tree)
+        if got_def != treedef:
+            raise ValueError(structure_error(treedef, tree, f"state.{name}", what="params"))
+        for a, p, path in zip(got, leaves, paths):
+            if a.shape != p.shape:
+                raise ValueError(
+                    f"state.{name}{path}: local shape {tuple(a.shape)}, params{path} "
+                    f"{tuple(p.shape)}: this state was made for another spec or tree"
+                )

@@ -256,7 +256,7 @@ def _view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def compress(dtype: Any, *, block: int = 256, error_feedback: bool = True) -> Compress:
     """A compression policy for an outer reduction (``fh.hsdp(..., outer_compress=...)``,
-    :func:`compressed_all_reduce`).
+    ``fh.diloco(..., compress=...)``, :func:`compressed_all_reduce`).
 
     Each rank quantizes its contribution, an all-to-all moves the pieces, each rank sums its
     piece in fp32 and quantizes the sum, and an all-gather returns it: no sum is taken in low
@@ -270,7 +270,8 @@ def compress(dtype: Any, *, block: int = 256, error_feedback: bool = True) -> Co
         block: elements per fp32 scale, an int >= 1 (default 256).
         error_feedback: keep each rank's rounding loss (both legs) as a residual added into
             the next reduction of the same buffer (default True); the residual is state the
-            caller holds (``reduce_grads``'s ``residual=``, :class:`MainGrad`).
+            caller holds (``reduce_grads``'s ``residual=``, :class:`MainGrad`,
+            ``DiLoCoState.residual``).
 
     Returns:
         A frozen :class:`Compress`.

@@ -1,7 +1,9 @@
 """DiLoCo's test problem and its naive reference: every replica a plain dense model (its
 inner ranks' gradients averaged by hand), the replicas' deltas averaged by hand, and
-``torch.optim.SGD(nesterov=True)`` as the outer optimizer. Shared by tests/test_diloco.py
-(SimMesh) and tests/test_diloco_gloo.py (4 gloo ranks), whose workers import it by name."""
+``torch.optim.SGD(nesterov=True)`` as the outer optimizer. With ``compress=``, each rank's
+part of the deltas goes through the policy's codec round trip and is averaged by hand, with
+error feedback (:func:`compressed_mean`). Shared by tests/test_diloco.py (SimMesh) and
+tests/test_diloco_gloo.py (4 gloo ranks), whose workers import it by name."""
 
 from __future__ import annotations
 
@@ -48,9 +50,22 @@ def starts(every: int, n: int) -> list[int]:
 
 
 def reference(
-    full: dict, x, y, *, every: int, labels: list[int], delay: int, mix: float
+    full: dict,
+    x,
+    y,
+    *,
+    every: int,
+    labels: list[int],
+    delay: int,
+    mix: float,
+    compress=None,
+    units=None,
+    updates=None,
 ) -> list[dict]:
-    """Each replica's params after ``len(x)`` steps, by hand."""
+    """Each replica's params after ``len(x)`` steps, by hand (``compress``: a policy the
+    deltas travel in, each inner rank's part of a fragment on its own, as under fh.hsdp,
+    ``units`` as in :func:`chunks`; ``updates``: per step and replica a dict subtracted from
+    its params, in place of the inner SGD step on ``x``, ``y``)."""
     steps, n_outer, n_inner = x.shape[:3]
     keys = list(full)  # a dict of str keys flattens in sorted order
     keys.sort()
@@ -60,6 +75,8 @@ def reference(
     n = len(set(labels))
     frag = {k: labels[j] for j, k in enumerate(keys)}
     pending: dict[int, tuple[int, dict]] = {}
+    held = chunks(full, n_inner, units=units)
+    residuals: dict = {}  # (fragment, inner rank) -> per replica, its residual
 
     def merge(p: int, delta: dict) -> None:
         for k in keys:
@@ -72,6 +89,10 @@ def reference(
 
     for t in range(1, steps + 1):
         for o, r in enumerate(reps):
+            if updates is not None:
+                for k in keys:
+                    r[k] = r[k] - updates[t - 1][o][k]
+                continue
             gs = [torch.func.grad(loss)(r, x[t - 1, o, i], y[t - 1, o, i]) for i in range(n_inner)]
             for k in keys:
                 r[k] = r[k] - INNER_LR * sum(g[k] for g in gs) / n_inner
@@ -80,16 +101,86 @@ def reference(
                 merge(p, pending.pop(p)[1])
         for p, s in enumerate(starts(every, n)):
             if t >= s and (t - s) % every == 0:
-                delta = {
-                    k: anchor[k].detach() - sum(r[k] for r in reps) / n_outer
-                    for k in keys
-                    if frag[k] == p
-                }
+                if compress is None:
+                    delta = {
+                        k: anchor[k].detach() - sum(r[k] for r in reps) / n_outer
+                        for k in keys
+                        if frag[k] == p
+                    }
+                else:
+                    own = [{k: anchor[k].detach() - r[k] for k in keys} for r in reps]
+                    delta = _compressed_delta(own, held, frag, p, compress, residuals)
                 if delay:
                     pending[p] = (t + delay, delta)
                 else:
                     merge(p, delta)
     return reps
+
+
+def chunks(full: dict, n_inner: int, units=None) -> list[list[tuple[str, int]]]:
+    """Per inner rank, the elements ``(key, flat index)`` it holds under ``fh.hsdp``, in tree
+    order: each unit's leaves (``units``: lists of keys, default one of all) in one bucket of
+    its own, each leaf at an offset that is a multiple of 16, the bucket cut into
+    ``n_inner`` equal chunks."""
+    held: list[list] = [[] for _ in range(n_inner)]
+    for keys in units or [sorted(full)]:
+        slots, end = [], 0
+        for k in keys:
+            start = -(-end // 16) * 16
+            slots += [None] * (start - end) + [(k, j) for j in range(full[k].numel())]
+            end = start + full[k].numel()
+        slots += [None] * (-end % n_inner)
+        size = len(slots) // n_inner
+        for i in range(n_inner):
+            held[i] += [s for s in slots[i * size : (i + 1) * size] if s]
+    return held
+
+
+def compressed_mean(xs: list[torch.Tensor], policy) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The mean of the replicas' rows ``xs`` (residual already added) as the compressed
+    all-reduce makes it, by hand: each row cut into one piece per replica, each piece
+    through the codec (``decode(encode(.))``), piece q of every row summed in fp32 in order
+    and divided on replica q, the mean through the codec again. Returns it and each
+    replica's loss: its own rounding, plus, on replica q, n times the mean's of piece q."""
+    n, length = len(xs), xs[0].numel()
+    piece = -(-length // n)
+
+    def round_trip(v):
+        return policy.decode(policy.encode(v), v.shape[-1])
+
+    rows = [torch.nn.functional.pad(v, (0, n * piece - length)).view(n, piece) for v in xs]
+    sent = [round_trip(v) for v in rows]
+    total = sent[0]
+    for s in sent[1:]:
+        total = total + s
+    total = total / n
+    back = round_trip(total)
+    lost = [v - s for v, s in zip(rows, sent)]
+    for q in range(n):
+        lost[q][q] = lost[q][q] + (total[q] - back[q]) * n
+    return back.flatten()[:length], [v.flatten()[:length] for v in lost]
+
+
+def _compressed_delta(own: list[dict], held, frag: dict, p: int, policy, residuals: dict) -> dict:
+    """Fragment ``p``'s averaged delta: per inner rank, its elements of the fragment (every
+    replica's, in tree order, padded to the longest rank's) through :func:`compressed_mean`,
+    each replica's residual added first and kept after (error feedback)."""
+    delta = {k: torch.zeros_like(v) for k, v in own[0].items() if frag[k] == p}
+    mine = [[(k, j) for k, j in ids if frag[k] == p] for ids in held]
+    length = max(len(ids) for ids in mine)
+    for i, ids in enumerate(mine):
+        rows = [torch.zeros(length) for _ in own]
+        for row, d in zip(rows, own):
+            row[: len(ids)] = torch.stack([d[k].flatten()[j] for k, j in ids]) if ids else 0
+        kept = residuals.get((p, i))
+        if policy.error_feedback and kept is not None:
+            rows = [row + r for row, r in zip(rows, kept)]
+        mean, lost = compressed_mean(rows, policy)
+        if policy.error_feedback:
+            residuals[(p, i)] = lost
+        for m, (k, j) in zip(mean, ids):
+            delta[k].view(-1)[j] = m
+    return delta
 
 
 def train(mesh, full, x, y, *, spec=None, steps: int, inner=None, **options) -> tuple:

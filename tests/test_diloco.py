@@ -1,18 +1,33 @@
 """fh.diloco and fh.replicas on a SimMesh: parity with the naive reference
 (tests/diloco_problem.py: dense replicas, deltas averaged by hand, torch.optim.SGD(nesterov=True)
-outside), the fragment schedule, the outer collectives' count and size, and bad input."""
+outside), the fragment schedule, the outer collectives' count and size, and bad input; with
+``compress=``: parity with the reference's codec round trips by hand, error feedback's
+bookkeeping, and the compressed wire."""
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
-from diloco_problem import LABELS, data, full_params, max_error, reference, train
+from diloco_problem import (
+    INNER_LR,
+    LABELS,
+    chunks,
+    data,
+    full_params,
+    loss,
+    make,
+    max_error,
+    reference,
+    train,
+)
 
 import functional_hsdp as fh
 
 O, I = 2, 2  # noqa: E741
+_PLACE = {"R": fh.Replicate(), "P": fh.Partial(), "F": fh.Flat()}
 
 
 def _mesh():
@@ -173,11 +188,27 @@ def test_bad_input_names_the_argument():
         fh.diloco(spec, axis="dp_outer", every=2, outer=outer, delay=-1)
     with pytest.raises(ValueError, match="delay must be < every"):
         fh.diloco(spec, axis="dp_outer", every=2, outer=outer, delay=2)
-    with pytest.raises(NotImplementedError, match="compress="):
+    with pytest.raises(TypeError, match="compress must be a policy from fh.compress"):
         fh.diloco(spec, axis="dp_outer", every=2, outer=outer, compress="int8")
+    with pytest.raises(TypeError, match="compress must be a policy from fh.compress"):
+        fh.diloco(spec, axis="dp_outer", every=2, outer=outer, compress=torch.int8)
     with pytest.raises(TypeError, match="outer must be a GradientTransformation"):
         fh.diloco(spec, axis="dp_outer", every=2, outer=torch.optim.SGD)
+    # the Owner placement on some axes only: each rank keeps pieces, not a chunk
+    pod = fh.SimMesh({"pod": 2, "dp_outer": 2, "dp_inner": 2})
+    rows = dict(parameter=["R", "R", "F"], gradient=["P", "P", "F"], optimizer=["R", "R", "F"])
+    kept = fh.owned(fh.Spec(pod, **{k: [_PLACE[x] for x in v] for k, v in rows.items()}),
+                    axes="dp_outer")  # fmt: skip
+    dl = fh.diloco(kept, axis="pod", every=2, outer=outer, compress=fh.compress(torch.int8))
+    with pytest.raises(NotImplementedError, match="Owner on some data-parallel axes only"):
+        dl.init(fh.shard(full_params(), dl.inner))
     params = fh.shard(full_params(), fh.replicas(spec, "dp_outer"))
+    plain = fh.diloco(spec, axis="dp_outer", every=2, outer=outer)
+    packed = fh.diloco(spec, axis="dp_outer", every=2, outer=outer, compress=fh.compress("int4"))
+    with pytest.raises(ValueError, match="compress differs: the residual .* is missing"):
+        packed.update(params, plain.init(params))
+    with pytest.raises(ValueError, match="compress differs: the residual .* is there"):
+        plain.update(params, packed.init(params))
     bad = {"0.bias": 0, "0.weight": 1, "2.bias": 3, "2.weight": 0}
     with pytest.raises(ValueError, match=r"fragments\['2.bias'\]: label 3 is out of range"):
         fh.diloco(spec, axis="dp_outer", every=2, outer=outer, fragments=bad).init(params)
@@ -202,3 +233,152 @@ def test_a_label_tree_as_a_prefix_gives_one_fragment_per_subtree():
     assert not isinstance(state.outer.inner["0"].momentum["c"], fh.Masked)
     assert isinstance(state.outer.inner["0"].momentum["a"]["w"], fh.Masked)
     assert isinstance(state.outer.inner["1"].momentum["c"], fh.Masked)
+
+
+# -- compress= -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("feedback", [True, False], ids=["feedback", "no-feedback"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_compressed_whole_tree_loop_equals_the_naive_reference(case, feedback):
+    steps = 7
+    x, y = data(steps, O, I)
+    policy = fh.compress(torch.int8, block=32, error_feedback=feedback)
+    got, _, state = train(_mesh(), full_params(), x, y, steps=steps, compress=policy, **case)
+    labels = LABELS[case["fragments"]]
+    want = reference(full_params(), x, y, every=case["every"], labels=labels,
+                     delay=case["delay"], mix=case["mix"], compress=policy)  # fmt: skip
+    plain = reference(full_params(), x, y, every=case["every"], labels=labels,
+                      delay=case["delay"], mix=case["mix"])  # fmt: skip
+    for o in range(O):
+        assert max_error(want[o], plain[o]) > 1e-5  # the rounding shows
+        for i in range(I):
+            assert max_error({k: v[o, i] for k, v in got.items()}, want[o]) < 1e-6, (o, i)
+    assert (state.residual is None) != feedback
+
+
+def _synthetic(steps: int) -> list[list[dict]]:
+    """Per step and replica, what its inner step subtracts (elementwise: the same bits in the
+    reference, so that no rounding of the wire can tip on float noise of the inner loop)."""
+    gen = torch.Generator().manual_seed(3)
+    full = full_params()
+    return [
+        [{k: 0.05 * (1 + o) * torch.randn(v.shape, generator=gen) for k, v in full.items()}
+         for o in range(O)]
+        for _ in range(steps)
+    ]  # fmt: skip
+
+
+def _per_replica(trees: list[dict], spec) -> dict:
+    """Replica o's local shards of ``trees[o]`` (each tree sharded, its replica's row kept)."""
+    rows = [fh.shard(t, spec) for t in trees]
+    return {k: torch.stack([rows[o][k][o] for o in range(O)]) for k in rows[0]}
+
+
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float8_e4m3fn, "int4"], ids=str)
+def test_compressed_outer_step_equals_the_naive_reference_in_every_format(fmt):
+    steps, policy = 7, fh.compress(fmt, block=32)
+    x, y = data(steps, O, I)
+    updates = _synthetic(steps)
+    for case in CASES:
+        dl = make(fh.hsdp(_mesh(), "dp_outer", "dp_inner"), compress=policy, **case)
+        params = fh.shard(full_params(), dl.inner)
+        state = dl.init(params)
+        for t in range(steps):
+            u = _per_replica(updates[t], dl.inner)
+            params, state = dl.update({k: params[k] - u[k] for k in params}, state)
+        got = fh.gather(params, dl.inner)
+        want = reference(full_params(), x, y, every=case["every"],
+                         labels=LABELS[case["fragments"]], delay=case["delay"],
+                         mix=case["mix"], compress=policy, updates=updates)  # fmt: skip
+        for o in range(O):
+            for i in range(I):
+                rank = {k: v[o, i] for k, v in got.items()}
+                assert max_error(rank, want[o]) < 1e-6, (case, o, i)
+
+
+def _recorder(seen: list):
+    """An outer optimizer that keeps the averaged pseudo-gradient it gets and steps by it."""
+    return fh.GradientTransformation(
+        init=lambda params: fh.EmptyState(),
+        update=lambda g, s, params=None: (
+            seen.append({k: v.clone() for k, v in g.items()}) or {k: -v for k, v in g.items()},
+            s,
+        ),
+    )
+
+
+def _feed(policy, deltas: list[list[dict]]) -> tuple[list[dict], list[dict], Any]:
+    """Sync after every step, each replica's params ``anchor - deltas[k][o]``: per sync the
+    true mean of the replicas' local pieces and what arrived; the last state."""
+    seen: list = []
+    dl = fh.diloco(fh.hsdp(_mesh(), "dp_outer", "dp_inner"), axis="dp_outer", every=1,
+                   outer=_recorder(seen), compress=policy)  # fmt: skip
+    state, true = dl.init(fh.shard(full_params(), dl.inner)), []
+    for d in deltas:
+        mine = _per_replica(d, dl.inner)
+        true.append({k: v.mean(0, keepdim=True) for k, v in mine.items()})
+        _, state = dl.update({k: state.anchor[k] - mine[k] for k in mine}, state)
+    return true, seen, state
+
+
+def test_error_feedback_sent_plus_the_last_residual_is_the_sum_of_the_contributions():
+    k_syncs = 6
+    gen = torch.Generator().manual_seed(5)
+    deltas = [[{k: v * torch.rand(1, generator=gen) for k, v in d.items()} for d in row]
+              for row in _synthetic(k_syncs)]  # fmt: skip
+    true, seen, state = _feed(fh.compress(torch.int8, block=32), deltas)
+    for key in true[0]:
+        want = sum(t[key] for t in true)
+        sent = sum(s[key] for s in seen)
+        back = sent + state.residual[key].mean(0, keepdim=True)
+        assert (back - want).abs().max() < 1e-6 * want.abs().max() * k_syncs
+        assert (sent - want).abs().max() > 1e-4 * want.abs().max()  # the residual is needed
+    # the same gradient fed K times: the running sum's error stays at one step's with
+    # feedback, and grows about K times without
+    same = [_synthetic(1)[0]] * k_syncs
+    errors = {}
+    for feedback in (True, False):
+        true, seen, _ = _feed(fh.compress(torch.int8, block=32, error_feedback=feedback), same)
+        errors[feedback] = [
+            max((sum(s[k] for s in seen[:n]) - n * true[0][k]).abs().max().item() for k in seen[0])
+            for n in (1, k_syncs)
+        ]
+    with_, without = errors[True], errors[False]
+    assert with_[1] <= 2 * with_[0] and without[1] >= 0.8 * k_syncs * without[0], errors
+
+
+def test_a_compressed_sync_issues_one_all_to_all_and_one_all_gather_per_bucket_and_nothing_else():
+    steps, every = 8, 4
+    x, y = data(steps, O, I)
+    mesh, policy = _mesh(), fh.compress(torch.int8, block=32)
+    dl = make(fh.hsdp(mesh, "dp_outer", "dp_inner"), every=every, fragments=2, delay=1,
+              compress=policy)  # fmt: skip
+    params, opt = fh.shard(full_params(), dl.inner), fh.sgd(INNER_LR)
+    opt_state, state = opt.init(params), dl.init(params)
+    grad = fh.per_rank(torch.func.grad(loss), mesh)
+    events = []
+    for t in range(steps):
+        acc = fh.reduce_grads(grad(fh.gather(params, dl.inner), x[t], y[t]), dl.inner, last=True)
+        u, opt_state = opt.update(acc, opt_state, params)
+        with fh.comm_log() as log:
+            params, state = dl.update(fh.apply_updates(params, u), state)
+        events.append([(e.op, e.axis, e.dtype, e.numel) for e in log.events])
+    # each rank's row: its elements of the fragment, the longest inner rank's length
+    held = chunks(full_params(), I)
+    length = [max(sum(1 for k, _ in ids if k.startswith(p)) for ids in held) for p in "02"]
+    assert length == [112, 68]
+    due = fh.sync_steps(every, 2, steps)
+    for t, ev in enumerate(events, 1):
+        if not due[t - 1]:
+            assert ev == [], t
+            continue
+        (p,) = due[t - 1]
+        piece = policy.nbytes(-(-length[p] // O))
+        assert ev == [
+            ("all_to_all", "dp_outer", torch.int8, O * piece),
+            ("all_gather", "dp_outer", torch.int8, piece),
+        ], t
+        # the two legs' bytes, scales included, against fp32's (a reduce-scatter and an
+        # all-gather of the same row): about a quarter
+        assert (O * piece + piece) / (2 * length[p] * 4) < 0.3

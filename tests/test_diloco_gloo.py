@@ -1,8 +1,10 @@
 """fh.diloco on 4 gloo ranks (2 replicas x 2 inner): the whole-tree loop and
 ``fh.functional_call(into=MainGrad)`` equal the naive reference (tests/diloco_problem.py),
 every=1 with sgd(1.0) equals HSDP, steps without a sync issue no collective, and a DCP
-checkpoint taken in the middle of a period resumes as if never interrupted. One pool (one
-process group) for the module."""
+checkpoint taken in the middle of a period resumes as if never interrupted; with
+``compress=``, the same results bit for bit and the same comm_log events as a SimMesh, and a
+resume that restores the error feedback's residual. One pool (one process group) for the
+module."""
 
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ def _whole_tree(cases) -> list[float]:
         got, _, _ = train(mesh, full_params(), x[:, o, i], y[:, o, i], steps=STEPS, **case)
         labels = LABELS[case["fragments"]]
         want = reference(full_params(), x, y, every=case["every"], labels=labels,
-                         delay=case["delay"], mix=case["mix"])[o]  # fmt: skip
+                         delay=case["delay"], mix=case["mix"],
+                         compress=case.get("compress"))[o]  # fmt: skip
         out.append(_error(got, want))
     return out
 
@@ -98,7 +101,8 @@ def _module(cases) -> list[float]:
         full = fh.gather(shards, tree_spec)
         got = {f"{u}.{k}": v for u, leaves in full.items() for k, v in leaves.items()}
         want = reference(full_params(), x, y, every=case["every"], labels=LABELS[case["fragments"]],
-                         delay=case["delay"], mix=case["mix"])[o]  # fmt: skip
+                         delay=case["delay"], mix=case["mix"], compress=case.get("compress"),
+                         units=[["0.bias", "0.weight"], ["2.bias", "2.weight"]])[o]  # fmt: skip
         out.append(_error(got, want))
     return out
 
@@ -142,13 +146,14 @@ def test_every_1_is_hsdp_and_no_collective_runs_between_syncs(pool):
         assert (sent > 0) == bool(due[t]), t
 
 
-def _resume(path: str, before: int, after: int):
+def _resume(path: str, before: int, after: int, compress=None, drop_residual=False):
     """Train ``before`` steps, save everything (params and inner momentum per replica, the
-    DiLoCo state), train ``after`` more; load into fresh trees and train the same steps."""
+    DiLoCo state), train ``after`` more; load into fresh trees and train the same steps
+    (``drop_residual``: with the loaded residual of ``compress``'s error feedback zeroed)."""
     mesh = _mesh()
     o, i = _coords(mesh)
     x, y = data(before + after, O, I)
-    dl = make(fh.hsdp(mesh, *AXES), every=3, fragments=2, delay=1, mix=0.5)
+    dl = make(fh.hsdp(mesh, *AXES), every=3, fragments=2, delay=1, mix=0.5, compress=compress)
     opt = fh.sgd(INNER_LR, momentum=0.5)
     params = fh.shard(full_params(), dl.inner)
     loop = Loop(mesh, dl.inner, dl, opt, params, opt.init(params), dl.init(params))
@@ -179,6 +184,9 @@ def _resume(path: str, before: int, after: int):
         fh.load_state_dict(target["inner"], dl.inner, opt.init(like)),
         fh.load_state_dict(target["diloco"], dl.inner, dl.init(like)),
     )
+    if drop_residual:
+        zeros = optree.tree_map(torch.zeros_like, resumed.state.residual)
+        resumed.state = resumed.state._replace(residual=zeros)
     for t in range(before, before + after):
         resumed.step(x[t, o, i], y[t, o, i])
     a, b = fh.gather(loop.params, dl.inner), fh.gather(resumed.params, dl.inner)
@@ -282,3 +290,122 @@ def test_a_replica_group_restarted_from_a_checkpoint_joins_at_the_next_sync(
     if case["fragments"] == 1:
         a, b = results[0][2], results[2][2]
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- compress= -----------------------------------------------------------------------------------
+
+FORMATS = (torch.int8, torch.float8_e4m3fn, "int4")
+
+
+def _updates(steps: int) -> list[list[dict]]:
+    gen = torch.Generator().manual_seed(3)
+    return [
+        [{k: 0.05 * (1 + o) * torch.randn(v.shape, generator=gen)
+          for k, v in full_params().items()} for o in range(O)]
+        for _ in range(steps)
+    ]  # fmt: skip
+
+
+def _outer_steps(mesh, fmt, rows) -> list:
+    """Seven steps of dl.update on elementwise inner steps (fragments=2,
+    delay=1, mix=0.5): per step the local params, the residual and the events. ``rows``:
+    replica o's local shards of a tree (on a SimMesh, every replica's stacked)."""
+    dl = make(fh.hsdp(mesh, *AXES), every=2, fragments=2, delay=1, mix=0.5,
+              compress=fh.compress(fmt, block=32))  # fmt: skip
+    params = fh.shard(full_params(), dl.inner)
+    state, out = dl.init(params), []
+    for u in _updates(7):
+        u = rows([fh.shard(tree, dl.inner) for tree in u])
+        with fh.comm_log() as log:
+            params, state = dl.update({k: params[k] - u[k] for k in params}, state)
+        events = [(e.op, e.axis, e.dtype, e.numel) for e in log.events]
+        out.append((optree.tree_map(torch.clone, params), state.residual, events))
+    return out
+
+
+def _outer_steps_task(fmts) -> list:
+    mesh = _mesh()
+    o = mesh.coordinate("dp_outer")
+    return [_outer_steps(mesh, fmt, lambda trees, o=o: trees[o]) for fmt in fmts]
+
+
+def _rows_sim(trees: list[dict]) -> dict:
+    return {k: torch.stack([trees[o][k][o] for o in range(O)]) for k in trees[0]}
+
+
+def _equal(a, b) -> bool:
+    """Same leaves bit for bit, ``b``'s SimMesh fill (a ragged Flat piece) past ``a``'s end
+    zero."""
+    la, lb = optree.tree_leaves(a), optree.tree_leaves(b)
+    same = lambda x, y: torch.equal(x, y[: len(x)]) and not y[len(x) :].any()  # noqa: E731
+    return len(la) == len(lb) and all(same(x, y) for x, y in zip(la, lb))
+
+
+def test_compressed_whole_tree_loop_equals_the_naive_reference(pool):
+    policy = fh.compress(torch.int8, block=32)
+    for errors in pool.run(_whole_tree, [dict(c, compress=policy) for c in CASES]):
+        assert max(errors) < 1e-6, errors
+
+
+def test_compressed_functional_call_into_maingrad_equals_the_naive_reference(pool):
+    # a bucket per unit: each inner rank's part of a fragment is its chunk of each unit
+    policy = fh.compress(torch.int8, block=32)
+    cases = [dict(c, compress=policy) for c in CASES if c["every"] == 3 and c["mix"] == 0.5]
+    for errors in pool.run(_module, cases):
+        assert max(errors) < 1e-6, errors
+
+
+def test_compressed_syncs_on_gloo_equal_the_simmesh_bit_for_bit(pool):
+    sim_mesh = fh.SimMesh(dict(zip(AXES, (O, I))))
+    sims = [_outer_steps(sim_mesh, fmt, _rows_sim) for fmt in FORMATS]
+    for rank, runs in enumerate(pool.run(_outer_steps_task, FORMATS)):
+        o, i = divmod(rank, I)
+        for fmt, got, sim in zip(FORMATS, runs, sims):
+            for t, ((params, res, events), (p, r, e)) in enumerate(zip(got, sim)):
+                assert events == e, (fmt, t)
+                row = lambda tree, o=o, i=i: optree.tree_map(lambda x: x[o, i], tree)  # noqa: E731
+                assert _equal(params, row(p)) and _equal(res, row(r)), (fmt, t, rank)
+    due = fh.sync_steps(2, 2, 7)  # a fragment syncs after every step here
+    ops = [[op for op, *_ in e] for _, _, e in sims[0]]
+    assert ops == [["all_to_all", "all_gather"] if d else [] for d in due]
+
+
+def test_a_compressed_checkpoint_mid_period_resumes_exactly_with_its_residual(pool, tmp_path):
+    policy = fh.compress(torch.int8, block=32)
+    results = pool.run(_resume, str(tmp_path / "kept"), 4, 4, policy)
+    for in_flight, _, same, count in results:
+        assert in_flight and same and count == 8
+    dropped = pool.run(_resume, str(tmp_path / "dropped"), 4, 4, policy, True)
+    assert not all(same for _, _, same, _ in dropped)  # the residual carries the rounding
+
+
+def _mixed_dtypes(path: str):
+    """bf16 and fp32 params (two buckets), delay 0: the fp32 residual saved with DCP and
+    loaded comes back bit for bit, at the params' local shapes."""
+    mesh = _mesh()
+    full = {k: v.to(torch.bfloat16) for k, v in full_params().items()}
+    full["norm"] = torch.linspace(-1.0, 1.0, 40)
+    dl = make(fh.hsdp(mesh, *AXES), every=1, fragments=2, compress=fh.compress(torch.int8))
+    params = fh.shard(full, dl.inner)
+    state = dl.init(params)
+    gen = torch.Generator().manual_seed(mesh.coordinate("dp_outer"))
+    for _ in range(2):
+        step = {
+            k: (0.01 * torch.randn(v.shape, generator=gen)).to(v.dtype) for k, v in params.items()
+        }
+        params, state = dl.update({k: params[k] - step[k] for k in params}, state)
+    dcp.save({"diloco": fh.state_dict(state, dl.inner)}, checkpoint_id=path)
+    like = dl.init(optree.tree_map(lambda v: torch.empty_like(v, device="meta"), full))
+    target = {"diloco": fh.empty_state_dict(like, dl.inner)}
+    dcp.load(target, checkpoint_id=path)
+    back = fh.load_state_dict(target["diloco"], dl.inner, like).residual
+    kept = state.residual
+    return all(back[k].dtype == torch.float32 and torch.equal(back[k], kept[k]) for k in full), [
+        float(kept[k].abs().sum()) for k in full
+    ]
+
+
+def test_the_residual_of_mixed_dtype_params_checkpoints_in_fp32(pool, tmp_path):
+    results = pool.run(_mixed_dtypes, str(tmp_path))
+    assert all(same for same, _ in results)
+    assert all(sum(x[k] for _, x in results) > 0 for k in range(5))  # something was kept
