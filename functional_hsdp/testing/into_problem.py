@@ -277,10 +277,17 @@ class _Checks:
     (``{check: relative error}``)."""
 
     def __init__(self, make: Callable[[], Model], mesh, *, grad: str, recompute: bool):
+        # nothing runs here (a constructor that trains would be reachable, for the static
+        # checks of tests/test_device_threads.py, from every super().__init__)
         self.make, self.mesh, self.grad = make, mesh, grad
         self.opts = {"recompute": recompute, "reshard": True}
         self.out: dict[str, float] = {}
-        self.ref = self.clean(**self.opts)  # made first: nothing run before it
+        self.ref: tuple[list, tuple] | None = None
+
+    def begin(self) -> _Checks:
+        """Make the clean reference of the run's options, first: nothing run before it."""
+        self.ref = self.clean(**self.opts)
+        return self
 
     def traced(self, model: Model, mg: fh.MainGrad, **opts) -> tuple[list, tuple]:
         return traced_step(model, mg, mesh=self.mesh, grad=self.grad, **opts)
@@ -377,7 +384,7 @@ def run(sequence: str, make: Callable[[], Model], mesh, *, grad: str, recompute:
     clean step or probe (0.0 is exact; a check that is a yes/no is 0.0 or 1.0)."""
     if sequence not in _RUN:
         raise ValueError(f"unknown sequence {sequence!r}")
-    checks = _Checks(make, mesh, grad=grad, recompute=recompute)
+    checks = _Checks(make, mesh, grad=grad, recompute=recompute).begin()
     model = make()
     _RUN[sequence](checks, model, model.maingrad())
     return checks.out
