@@ -1,25 +1,28 @@
 """(B19) Compressed outer reductions: HSDP with ``outer_compress`` (bf16, fp8 e4m3, int8, int4;
-each with and without error feedback) versus the uncompressed fp32 outer all-reduce, on a
-small Hugging Face Llama through ``fh.shard_module`` + ``fh.functional_call(into=MainGrad)``.
+each with and without error feedback) versus the uncompressed fp32 outer all-reduce, on B18's
+language model and data (``bench/diloco.py``: a small transformers ``LlamaForCausalLM`` on the
+Python stdlib's ``.py`` files as byte tokens, the first 90 % for training, the last 10 % held
+out) through ``fh.shard_module`` + ``fh.functional_call(into=MainGrad)``.
 
-4 gloo processes, 2x2 mesh (dp_outer, dp_inner). B13's Llama (``bench/module.py``'s model,
-data and loss at B13's full size),
-units = its decoder layers, M microbatches declared (``fh.microbatches(..., into=mg)``: each
-unit's compressed outer reduction issued from its backward), ``mg.finish()``, SGD in place
-on the shards, ``mg.zero_grad()`` (the residual stays). Every variant is built in one group
-from the same weights and trains on the same tokens, steps interleaved (one step of each in
-turn), so step times compare on a noisy machine.
+4 gloo processes, 2x2 mesh (dp_outer, dp_inner). Units = the decoder layers, M microbatches
+declared (``fh.microbatches(..., into=mg)``: each unit's compressed outer reduction issued
+from its backward), ``mg.finish()``, ``fh.adamw`` (B18's HSDP optimizer, the same constant
+learning rate for every variant) on the shards, ``mg.zero_grad()`` (the residual stays).
+Every variant is built in one group from the same weights and trains on the same tokens (each
+rank draws its own batches of the training bytes, once per step, fed to every variant), steps
+interleaved (one step of each in turn), so step times compare on a noisy machine.
 
 Reported per variant: bytes each rank sends over dp_outer per step (``CommLog.sent_bytes``:
 ring all-reduce 2(n-1)/n of its input, all-gather n-1 times, an all-to-all what it sends),
-the mean eval loss after the same tokens (fixed held-out batches, every rank's, after the
-last step; and the training loss per step, plotted into ``bench/compress.png``), the median
-step time (the slowest rank), the step's peak RSS above the RSS before it (``VmHWM``, one
-step), and the codec's share: the seconds spent in the compressed reduction's local work
-(quantize, dequantize and the fp32 sum: ``compressed._Legs``' items, timed by a seam) over
-one step, against the same step's outer collectives. A second, isolated measure: one
-compressed_all_reduce of a bucket as large as one rank's gradient shard, its codec time
-against the whole call and against a plain fp32 all-reduce of the same bucket (fh.psum).
+the eval loss on fixed held-out batches (each rank its own, the mean over the ranks) every
+``eval_every`` steps and after the last step (the curves plotted into ``bench/compress.png``),
+the median step time (the slowest rank), the step's peak RSS above the RSS before it
+(``VmHWM``, one step), and the codec's share: the seconds spent in the compressed reduction's
+local work (quantize, dequantize and the fp32 sum: ``compressed._Legs``' items, timed by a
+seam) over one step, against the same step's outer collectives. A second, isolated measure:
+one compressed_all_reduce of a large flat bucket (``isolated_numel``: B13's full Llama's
+gradient shard, 2,491,520 elements), its codec time against the whole call and against a
+plain fp32 all-reduce of the same bucket (fh.psum).
 
 DiLoCo (``fh.diloco(..., compress=)``: the pseudo-gradient compressed) on B18's language model
 and data (``bench/diloco.py``: a Llama on the stdlib's ``.py`` bytes, inner ``fh.adamw``,
@@ -42,31 +45,27 @@ import torch
 
 from . import common as C
 from . import diloco as B18
-from . import module as B13
 
 SIZES = {
     "tiny": {
-        "llama": {"V": 128, "D": 32, "L": 2, "heads": 4, "T": 16, "B": 2},
-        "M": 2,
-        "steps": 2,
-        "eval": 1,
-        "lr": 0.05,
+        "hsdp": dict(steps=2, M=2, seq=16, batch=2, hidden=32, layers=1, eval_batches=1,
+                     eval_every=1, lr=3e-3, data_mb=0.2),
+        "isolated_numel": 4096,
         "diloco": dict(
             steps=4, every=2, seq=32, batch=2, hidden=32, layers=1, eval_batches=2, data_mb=0.2
         ),
     },
-    "full": {  # B13's full Llama; 60 steps: about 5 minutes for the nine variants here
-        "llama": dict(B13.SIZES["full"]["llama"]),
-        "M": 2,
-        "steps": 60,
-        "eval": 4,
-        "lr": 0.1,
+    "full": {
+        # B18's model and data (its full Llama); 300 steps of the nine variants: about 5 minutes
+        "hsdp": dict(steps=300, M=2, seq=64, batch=4, hidden=64, layers=2, eval_batches=8,
+                     eval_every=25, lr=3e-3, data_mb=4.0),
+        "isolated_numel": 2_491_520,  # B13's full Llama's gradient shard: a large flat bucket
         # B18's model and data; about a minute for the four DiLoCo variants (7 s per 30 steps)
         "diloco": dict(
             steps=250, every=5, seq=64, batch=4, hidden=64, layers=2, eval_batches=8, data_mb=4.0
         ),
     },
-}
+}  # fmt: skip
 FORMATS = ("bf16", "fp8", "int8", "int4")
 VARIANTS = ("none", *(f"{f}{ef}" for f in FORMATS for ef in ("+ef", "-ef")))
 PNG = "bench/compress.png"
@@ -89,47 +88,47 @@ def _policy(variant: str):
 
 
 class _Run:
-    """One variant: its model, shards, MainGrad; ``step(batches)`` returns the mean loss."""
+    """One variant: B18's Llama, its shards, MainGrad, AdamW; ``step(batches)`` returns the
+    mean training loss of the step's microbatches."""
 
     def __init__(self, variant: str, cfg: dict, dm):
         import functional_hsdp as fh
 
         self.cfg = cfg
-        self.model = B13._model("llama", cfg)
+        self.model = B18._model(cfg)
         spec = fh.hsdp(fh.DistMesh(dm), *C.AXES, outer_compress=_policy(variant))
-        units = B13._units("llama", self.model)
+        units = list(self.model.model.layers)
         self.shards, self.tree_spec = fh.shard_module(self.model, spec, units=units)
         self.mg = fh.MainGrad(self.tree_spec, like=self.shards)
         self.leaves = optree.tree_leaves(self.shards)
+        self.opt = fh.adamw(lr=cfg["lr"], weight_decay=0.0)
+        self.opt_state = self.opt.init(self.shards)
 
-    def _forward(self, into):
+    def _logits(self, ids, into):
         import functional_hsdp as fh
 
-        return lambda args, kwargs: fh.functional_call(
-            self.model, self.shards, args, kwargs, into=into
-        )
+        return fh.functional_call(self.model, self.shards, (ids,), into=into).logits
 
     def step(self, batches) -> float:
         import functional_hsdp as fh
 
-        mg, M = self.mg, self.cfg["M"]
+        mg, M = self.mg, len(batches)
         total = 0.0
-        loss = lambda s, b: B13._loss("llama", self._forward(mg), b) / M  # noqa: E731
-        for b, _last in fh.microbatches(batches, into=mg):
-            _, value = fh.grad_and_value(loss)(self.shards, b)
+        loss = lambda s, ids: B18._loss(self._logits(ids, mg), ids) / M  # noqa: E731
+        for ids, _last in fh.microbatches(batches, into=mg):
+            _, value = fh.grad_and_value(loss)(self.shards, ids)
             total += float(value)
         mg.finish()
+        updates, self.opt_state = self.opt.update(mg.grads, self.opt_state, self.shards)
         with torch.no_grad():
-            grads = optree.tree_leaves(mg.grads)
-            torch._foreach_add_(self.leaves, grads, alpha=-self.cfg["lr"])
+            torch._foreach_add_(self.leaves, optree.tree_leaves(updates))
+        del updates
         mg.zero_grad()
         return total
 
     @torch.no_grad()
     def eval_loss(self, batches) -> float:
-        return sum(float(B13._loss("llama", self._forward(None), b)) for b in batches) / len(
-            batches
-        )
+        return sum(float(B18._loss(self._logits(b, None), b)) for b in batches) / len(batches)
 
 
 # -- the codec's time: a seam on the compressed reduction's local items ------------------------
@@ -278,20 +277,31 @@ def task(cfg: dict) -> dict:
     import functional_hsdp as fh
 
     dm = C.device_mesh((2, 2))
-    runs = {v: _Run(v, cfg, dm) for v in VARIANTS}
+    hc = cfg["hsdp"]
+    text = B18._text(hc["data_mb"])
+    split = int(0.9 * len(text))
+    train, held = text[:split], text[split:]
+    eval_gen = torch.Generator().manual_seed(7 + C.rank())
+    held_out = [B18._batch(held, eval_gen, hc) for _ in range(hc["eval_batches"])]
+    gen = torch.Generator().manual_seed(1000 + C.rank())
+    draw = lambda: [B18._batch(train, gen, hc) for _ in range(hc["M"])]  # noqa: E731
+    runs = {v: _Run(v, hc, dm) for v in VARIANTS}
     gc.collect()
     losses = {v: [] for v in VARIANTS}
     times = {v: [] for v in VARIANTS}
-    for step in range(cfg["steps"]):
-        data = list(B13._data("llama", cfg, step))
+    curve = {v: [(0, run.eval_loss(held_out))] for v, run in runs.items()}
+    for step in range(1, hc["steps"] + 1):
+        data = draw()
         for v, run in runs.items():
             dt, value = C.timed(lambda run=run, data=data: run.step(data))
             losses[v].append(value)
             times[v].append(dt)
-    held_out = list(B13._data("llama", {**cfg, "M": cfg["eval"]}, 10**6))
-    evals = {v: run.eval_loss(held_out) for v, run in runs.items()}
+        if step % hc["eval_every"] == 0 or step == hc["steps"]:
+            for v, run in runs.items():
+                curve[v].append((step, run.eval_loss(held_out)))
+    evals = {v: curve[v][-1][1] for v in VARIANTS}
     # one more step each: bytes over dp_outer, the codec's seconds, the outer collectives'
-    data = list(B13._data("llama", cfg, cfg["steps"]))
+    data = draw()
     wire, codec, peak = {}, {}, {}
     for v, run in runs.items():
         _CODEC["seconds"] = 0.0
@@ -316,10 +326,11 @@ def task(cfg: dict) -> dict:
         }
         codec[v] = _CODEC["seconds"]
     shard = sum(b.numel() for b in runs["none"].mg.buffers)
-    isolated = _isolated(dm, shard, 5 if cfg["steps"] > 5 else 1)
+    isolated = _isolated(dm, cfg["isolated_numel"], 5 if hc["steps"] > 5 else 1)
     return {
         "losses": losses,
         "times": times,
+        "curve": curve,
         "eval": evals,
         "wire": wire,
         "codec": codec,
@@ -339,6 +350,13 @@ def run(size: str = "full", pool=None) -> dict:
         v: [sum(x) / n for x in zip(*(r["losses"][v] for r in per_rank))] for v in VARIANTS
     }
     res["eval"] = {v: sum(r["eval"][v] for r in per_rank) / n for v in VARIANTS}
+    res["curve"] = {
+        v: [
+            (pts[0][0], sum(p[1] for p in pts) / n)
+            for pts in zip(*(r["curve"][v] for r in per_rank))
+        ]
+        for v in VARIANTS
+    }
     # per step the slowest rank; the median over the steps after the first (a warm-up)
     slowest = {v: [max(x) for x in zip(*(r["times"][v] for r in per_rank))] for v in VARIANTS}
     res["step_s"] = {v: C.median(t[1:] or t) for v, t in slowest.items()}
@@ -427,15 +445,17 @@ def _plot(res: dict) -> None:
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     for v in VARIANTS:
-        a.plot(res["losses"][v], label=v, lw=1)
+        steps, vals = zip(*res["curve"][v])
+        a.plot(steps, vals, label=v, lw=1, ls="-" if v == "none" or v.endswith("+ef") else "--")
     a.set_xlabel("step")
-    a.set_ylabel("training loss (mean over ranks)")
+    a.set_ylabel("HSDP eval loss (held-out stdlib bytes)")
     a.legend(fontsize=7, ncol=2)
-    b.bar(range(len(VARIANTS)), [res["eval"][v] for v in VARIANTS])
+    rel = [100 * res["loss_rel"][v] for v in VARIANTS]
+    b.bar(range(len(VARIANTS)), rel)
+    b.axhline(1.0, color="r", lw=0.8, ls=":")
+    b.axhline(-1.0, color="r", lw=0.8, ls=":")
     b.set_xticks(range(len(VARIANTS)), VARIANTS, rotation=45, fontsize=7)
-    lo = min(res["eval"].values())
-    b.set_ylim(lo * 0.995, max(res["eval"].values()) * 1.002)
-    b.set_ylabel("eval loss after the same tokens")
+    b.set_ylabel("final eval loss vs none, % (goal: within 1 %)")
     dl, k = res["diloco"], 10
     for v in DILOCO:  # a moving mean over k steps: per-step losses of one batch are noisy
         xs = dl["losses"][v]
@@ -444,8 +464,8 @@ def _plot(res: dict) -> None:
     c.set_ylabel("DiLoCo H=5 training loss (stdlib bytes)")
     c.legend(fontsize=7)
     fig.suptitle(
-        "B19: outer reduction compressed: HSDP (B13's Llama), DiLoCo's pseudo-gradient "
-        "(B18's Llama) (2x2 gloo)"
+        "B19: outer reduction compressed: HSDP, DiLoCo's pseudo-gradient "
+        "(B18's Llama on the stdlib's bytes, 2x2 gloo)"
     )
     fig.tight_layout()
     fig.savefig(PNG, dpi=100)
@@ -453,19 +473,24 @@ def _plot(res: dict) -> None:
 
 
 def report(res: dict, command: str, when: str) -> str:
-    cfg, ll = res["cfg"], res["cfg"]["llama"]
+    hc = res["cfg"]["hsdp"]
     lines = [
         C.section_header(
-            "(B19) Compressed outer reductions: HSDP with outer_compress on a Llama "
+            "(B19) Compressed outer reductions: HSDP with outer_compress on a Llama on text "
             "(4 gloo processes, 2x2 mesh)",
             command,
             when,
         ),
-        f"Model: transformers `LlamaForCausalLM` (vocab {ll['V']}, hidden {ll['D']}, {ll['L']} "
-        f"layers, {res['numel']:,} parameters), batch {ll['B']} x {ll['T']} tokens per "
-        f"microbatch, M={cfg['M']}, SGD lr {cfg['lr']}, {cfg['steps']} steps, every variant "
-        f"the same tokens; eval: {cfg['eval']} held-out batches per rank after the last step. "
-        f"One rank's gradient shard: {res['shard']:,} elements. Plot: `{PNG}`.\n",
+        f"Model and data: B18's (`bench/diloco.py`): transformers `LlamaForCausalLM` (hidden "
+        f"{hc['hidden']}, {hc['layers']} layers, vocab 256, {res['numel']:,} parameters) on "
+        f"the Python stdlib's `.py` files as bytes (first 90 % train, last 10 % held out), "
+        f"through `fh.shard_module` + `fh.functional_call(into=MainGrad)`, units = the decoder "
+        f"layers, M={hc['M']} microbatches of {hc['batch']} x {hc['seq']} tokens per rank, "
+        f"fh.adamw({hc['lr']:g}) (constant, the same for every variant), {hc['steps']} steps, "
+        f"every variant the same tokens (steps interleaved); eval: {hc['eval_batches']} "
+        f"held-out batches per rank (mean over the 4 ranks) every {hc['eval_every']} steps and "
+        f"after the last; error feedback's blocks 256. One rank's gradient shard: "
+        f"{res['shard']:,} elements. Plot: `{PNG}` (eval loss curves).\n",
     ]
     rows = []
     for v in VARIANTS:
@@ -476,6 +501,7 @@ def report(res: dict, command: str, when: str) -> str:
                 C.mib(w["outer"]),
                 f"{res['ratio'][v]:.3f}",
                 ", ".join(f"{op} {dt}" for op, dt in w["ops"]),
+                f"{res['curve'][v][0][1]:.3f}",
                 f"{res['eval'][v]:.4f}",
                 f"{100 * res['loss_rel'][v]:+.2f} %",
                 f"{1000 * res['step_s'][v]:.0f}",
@@ -491,7 +517,8 @@ def report(res: dict, command: str, when: str) -> str:
                 "dp_outer sent / step",
                 "vs none",
                 "dp_outer collectives",
-                "eval loss",
+                "eval loss at step 0",
+                "eval loss after the last step",
                 "vs none",
                 "step ms (median)",
                 "step peak RSS",
@@ -503,8 +530,9 @@ def report(res: dict, command: str, when: str) -> str:
     )
     iso = res["isolated"]
     lines.append(
-        f"\nIsolated, one bucket of {res['shard']:,} fp32 elements (a rank's whole gradient "
-        f"shard) over dp_outer, median of the slowest rank: plain fp32 all-reduce (`fh.psum`) "
+        f"\nIsolated, one flat bucket of {res['cfg']['isolated_numel']:,} fp32 elements (as "
+        f"large as one rank's gradient shard of B13's full Llama) over dp_outer, median of the "
+        f"slowest rank: plain fp32 all-reduce (`fh.psum`) "
         f"{1000 * iso['psum']:.2f} ms; compressed_all_reduce:\n"
     )
     lines.append(
