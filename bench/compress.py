@@ -476,7 +476,7 @@ def report(res: dict, command: str, when: str) -> str:
     hc = res["cfg"]["hsdp"]
     lines = [
         C.section_header(
-            "(B19) Compressed outer reductions: HSDP with outer_compress on a Llama on text "
+            "(B19) Compressed outer reductions: HSDP with outer_compress on a Llama "
             "(4 gloo processes, 2x2 mesh)",
             command,
             when,
