@@ -21,6 +21,7 @@ mmapping allocations >= 64 KiB; see :func:`_memory`).
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import sysconfig
@@ -230,9 +231,10 @@ def _paired(events: list, windows: list) -> tuple[list, int, int, list[bool]]:
     the shard bytes higher; it is what made DiLoCo's 2.8-4.2x over HSDP's in a run of the
     whole bench). Every step waits for its collectives, so such a buffer is taken as freed
     at the end of the step that allocated it (one made outside a step, before the next
-    step), or when its address is allocated again if sooner. A free of an allocation made
-    before the profile started is dropped (not counted negative); an allocation never
-    freed nor reused by the end of the profile stays live."""
+    step), or when its address is allocated again if sooner. An allocation made in a step
+    and neither freed nor reused by the end of the profile (which deletes the run and
+    collects garbage first) is such a buffer too. A free of an allocation made before the
+    profile started is dropped (not counted negative)."""
 
     def freed_by(t0: int, t: int) -> int:  # the end of t0's step, or the next one's start
         k = next(((a, b) for a, b in windows if b >= t0), (t, t))
@@ -251,6 +253,11 @@ def _paired(events: list, windows: list) -> tuple[list, int, int, list[bool]]:
             out.append((t, nbytes))
         elif ptr in live:
             out.append((t, -live.pop(ptr)[1]))
+    for t0, size in live.values():  # still live after the run was deleted and collected
+        k = next((k for k, (a, b) in enumerate(windows) if a <= t0 <= b), None)
+        if k is not None:  # made in a step: a free the profiler missed, never reused
+            out.append((windows[k][1], -size))
+            lost, n, hit[k] = lost + size, n + 1, True
     return sorted(out), lost, n, hit
 
 
@@ -328,6 +335,7 @@ def _memory(
                 with torch.profiler.record_function(f"{_MARK}{k}"):
                     run.step(ids)
             del run
+            gc.collect()
     events, windows, updates = _allocations(prof)
     steps_ns = [windows[k] for k in range(steps)]
     events, out["missed_bytes"], out["missed_frees"], out["torch_missed"] = _paired(
@@ -526,10 +534,10 @@ def _memory_table(res: dict) -> str:
         "HSDP's as much as DiLoCo's, at random. Such a buffer is taken as freed at the end "
         "of its step, and the steps that allocated one are left out of the peaks (last "
         "column: how many, over the 4 ranks, and the most bytes of missed frees on a rank). "
-        "What is left still varies with timing (a recorded free that comes late: the same "
-        "step on the same data varies by 0.1-0.4 MB, more under load; it only ever adds), so "
-        "the lowest step peak (every step allocates the same tensors here) is the figure "
-        "free of timing; the held bytes and `dl.update`'s own peak are stable too. "
+        "What is left varies a little with timing (about 0.15 MB between steps of the same "
+        "variant, HSDP's too: when a gather's buffer is freed against the peak; it only ever "
+        "adds), so the lowest step peak (every step allocates the same tensors here) is the "
+        "figure free of timing; the held bytes and `dl.update`'s own peak are stable too. "
         "RSS: `VmHWM` (reset "
         "with `/proc/self/clear_refs` before each step) minus the RSS before the variant was "
         "built, the workers' glibc set (`mallopt`, as `MALLOC_MMAP_THRESHOLD_=65536` would) "

@@ -166,9 +166,9 @@ def test_write_section_replaces_in_place_and_keeps_other_text(tmp_path):
 
 def test_diloco_memory_pairs_the_frees_the_profiler_misses():
     """B18's tensor peaks: an allocation whose address is allocated again with no free
-    reported (a free the profiler missed) counts as freed at the end of its step, not to the
-    end of the profile; the step that made it is flagged; a free of an allocation made
-    before the profile is dropped."""
+    reported, or that is still live at the end of the profile (a free the profiler missed),
+    counts as freed at the end of its step, not to the end of the profile; the step that
+    made it is flagged; a free of an allocation made before the profile is dropped."""
     from bench import diloco
 
     steps = [(10, 20), (30, 40)]
@@ -179,12 +179,14 @@ def test_diloco_memory_pairs_the_frees_the_profiler_misses():
         (15, 0x1, -100),
         (31, 0x2, 70),  # step 1 reuses 0x2: the first one was freed unseen
         (32, 0x3, 10),
+        (33, 0x4, 20),  # step 1: never freed nor reused by the end of the profile
         (35, 0x2, -70),
         (36, 0x3, -10),
     ]
     paired, lost, n, hit = diloco._paired(events, steps)
-    assert (lost, n, hit) == (70, 1, [True, False])
+    assert (lost, n, hit) == (90, 2, [True, True])
     peaks, starts = diloco._peaks(paired, steps)
-    assert peaks == [170, 80] and starts == [0, 0]
-    # summed as reported, the missed free keeps 70 bytes live through step 1
-    assert diloco._peaks([(t, b) for t, _, b in events[1:]], steps)[0] == [170, 150]
+    assert peaks == [170, 100] and starts == [0, 0]
+    assert sum(b for _, b in paired) == 0
+    # summed as reported, the missed frees keep 70 bytes live through step 1, 90 after it
+    assert diloco._peaks([(t, b) for t, _, b in events[1:]], steps)[0] == [170, 170]
