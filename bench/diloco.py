@@ -14,7 +14,7 @@ batches. Reported: eval loss curves (the mean of the two replicas' losses; plot
 ``bench/diloco.png``), ``dp_outer`` bytes per step from ``comm_log`` (mean and the largest
 single step), step time (median; steps without a sync apart), the per-rank bytes DiLoCo
 keeps besides HSDP's (anchor + outer momentum, and the pending tree with a delay), and the
-peak step memory per rank (after the timed runs, in the same processes, every variant over
+peak step memory per rank (each variant in 4 fresh processes of its own, every variant over
 the same first steps: torch's allocation events, and the RSS high-water mark with glibc
 mmapping allocations >= 64 KiB; see :func:`_memory`).
 """
@@ -355,19 +355,34 @@ def _task(cfg: dict) -> dict:
         name: _variant(cfg, every, fragments, delay, text)
         for name, every, fragments, delay in cfg["variants"]
     }
-    if not cfg.get("memory", True):
-        return out
-    C.set_malloc()  # after the timed runs: mmap allocations >= 64 KiB, trim what is freed
-    steps = max(every + delay + 1 for _, every, _, delay in cfg["variants"])
-    train = text[: int(0.9 * len(text))]
-    for name, every, fragments, delay in cfg["variants"]:
-        out[name]["memory"] = _memory(cfg, every, fragments, delay, train, steps)
     return out
+
+
+def _memory_task(cfg: dict, every: int, fragments: int, delay: int) -> dict:
+    """One variant's :func:`_memory` on this rank (in processes of its own, unless a pool)."""
+    steps = max(every + delay + 1 for _, every, _, delay in cfg["variants"])
+    train = _text(cfg["data_mb"])
+    train = train[: int(0.9 * len(train))]
+    # A warm-up first: the process's one-time costs (gloo's first collectives, the
+    # library's and torch's lazy set-ups) are not the variant's step memory.
+    warm, gen = _Run(cfg, every, fragments, delay), torch.Generator().manual_seed(0)
+    for _ in range(2):
+        warm.step(_batch(train, gen, cfg))
+    del warm
+    C.set_malloc()  # mmap allocations >= 64 KiB, trim what is freed
+    return _memory(cfg, every, fragments, delay, train, steps)
 
 
 def run(size: str = "full", pool=None, cfg: dict | None = None) -> dict:
     cfg = cfg or SIZES[size]
     per_rank = C.on_ranks(pool, _task, cfg)
+    # Memory: each variant in 4 fresh processes (unless a pool is given), so that none
+    # inherits the heap, caches or late frees of the timed runs or of the variants before
+    # it (the RSS in one process set depended on the order: HSDP's 8.8 MB measured first,
+    # 15.3 MB measured last).
+    for name, every, fragments, delay in cfg["variants"] if cfg.get("memory", True) else ():
+        for r, m in zip(per_rank, C.on_ranks(pool, _memory_task, cfg, every, fragments, delay)):
+            r[name]["memory"] = m
     res = {"cfg": {k: v for k, v in cfg.items() if k != "variants"}, "variants": {}}
     tokens = cfg["steps"] * cfg["batch"] * cfg["seq"] * 4
     for name, every, fragments, delay in cfg["variants"]:
@@ -524,8 +539,8 @@ def _memory_table(res: dict) -> str:
     shard = v["hsdp"]["shard_bytes"]
     return (
         f"Peak step memory per rank (the largest over the 4 ranks; every variant measured over "
-        f"its first {steps} steps, the same batches, after the timed runs, in the same "
-        "processes). Tensors: torch's allocation events (`torch.profiler`, `profile_memory`) "
+        f"its first {steps} steps, the same batches, each variant in 4 fresh processes of "
+        "its own). Tensors: torch's allocation events (`torch.profiler`, `profile_memory`) "
         "summed in order from before the variant was built, so params, inner AdamW moments, "
         "MainGrad's buffers and the DiLoCo state are in. The profiler misses some frees "
         "(collectives' flat input buffers, 65-150 kB, most likely freed on gloo's thread: "
