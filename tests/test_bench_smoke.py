@@ -162,3 +162,31 @@ def test_write_section_replaces_in_place_and_keeps_other_text(tmp_path):
     text = path.read_text()
     assert "keep me" in text and "one" not in text and "three" in text and "two" in text
     assert text.index("validation cost") < text.index("## A") < text.index("## B")
+
+
+def test_diloco_memory_pairs_the_frees_the_profiler_misses():
+    """B18's tensor peaks: an allocation whose address is allocated again with no free
+    reported, or that is still live at the end of the profile (a free the profiler missed),
+    counts as freed at the end of its step, not to the end of the profile; the step that
+    made it is flagged; a free of an allocation made before the profile is dropped."""
+    from bench import diloco
+
+    steps = [(10, 20), (30, 40)]
+    events = [
+        (5, 0xA, -50),  # a free of something allocated before the profile: dropped
+        (11, 0x1, 100),  # step 0: freed, reported
+        (12, 0x2, 70),  # step 0: its free is never reported
+        (15, 0x1, -100),
+        (31, 0x2, 70),  # step 1 reuses 0x2: the first one was freed unseen
+        (32, 0x3, 10),
+        (33, 0x4, 20),  # step 1: never freed nor reused by the end of the profile
+        (35, 0x2, -70),
+        (36, 0x3, -10),
+    ]
+    paired, lost, n, hit = diloco._paired(events, steps)
+    assert (lost, n, hit) == (90, 2, [True, True])
+    peaks, starts = diloco._peaks(paired, steps)
+    assert peaks == [170, 100] and starts == [0, 0]
+    assert sum(b for _, b in paired) == 0
+    # summed as reported, the missed frees keep 70 bytes live through step 1, 90 after it
+    assert diloco._peaks([(t, b) for t, _, b in events[1:]], steps)[0] == [170, 170]
