@@ -353,7 +353,7 @@ def diloco(
         tensor([[-5.3200, -5.3200, -5.3200, -5.3200],
                 [-5.3200, -5.3200, -5.3200, -5.3200]])
 
-        The same, with the pseudo-gradient sent as int8 (one fp32 scale per block)::
+        The same, with the pseudo-gradient sent as int8 (one fp32 scale per block):
 
         >>> dl = fh.diloco(fh.hsdp(mesh, "dp_outer", "dp_inner"), axis="dp_outer", every=1,
         ...                outer=fh.sgd(1.0), compress=fh.compress(torch.int8))
