@@ -6,6 +6,7 @@ import modules by name; ``conftest.py`` holds the fixtures, and is not imported)
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import optree
@@ -94,6 +95,22 @@ def max_error(tree, ref) -> float:
 
 
 MLP_IN, MLP_HIDDEN, MLP_BATCH = 6, 16, 4
+
+
+def dense_norm(tree) -> float:
+    """The global 2-norm of a dense tree, summed in fp64."""
+    return math.sqrt(sum(float(x.double().square().sum()) for x in optree.tree_leaves(tree)))
+
+
+def torch_clip(dense, max_norm: float):
+    """``torch.nn.utils.clip_grad_norm_`` on a dense gradient tree: the clipped tree (fp32)
+    and the norm torch measured."""
+    leaves, treedef = optree.tree_flatten(dense)
+    params = [torch.zeros_like(x, dtype=torch.float32, requires_grad=True) for x in leaves]
+    for p, g in zip(params, leaves):
+        p.grad = g.float().clone()
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return optree.tree_unflatten(treedef, [p.grad for p in params]), norm
 
 
 def mlp_problem(world: int, microbatches: int):

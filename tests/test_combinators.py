@@ -18,7 +18,17 @@ from typing import Any, NamedTuple
 import optree
 import pytest
 import torch
-from reference import AXES, STRATEGIES, accumulate, dense_reduce, max_error, preset, random_tree
+from reference import (
+    AXES,
+    STRATEGIES,
+    accumulate,
+    dense_norm,
+    dense_reduce,
+    max_error,
+    preset,
+    random_tree,
+    torch_clip,
+)
 
 import functional_hsdp as fh
 
@@ -85,15 +95,6 @@ def test_clip_global_norm_first_in_a_chain_is_torch_clip_grad_norm_then_adamw(st
     assert error < 1e-6 and state.inner[0] == fh.EmptyState()
 
 
-def _torch_clip(dense, max_norm: float):
-    leaves, treedef = optree.tree_flatten(dense)
-    params = [torch.zeros_like(x, dtype=torch.float32, requires_grad=True) for x in leaves]
-    for p, g in zip(params, leaves):
-        p.grad = g.float().clone()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return optree.tree_unflatten(treedef, [p.grad for p in params]), norm
-
-
 @pytest.mark.parametrize("clips", [True, False], ids=["clipped", "unclipped"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_clip_global_norm_in_a_chain_equals_torch_clip_grad_norm(strategy, clips):
@@ -101,12 +102,11 @@ def test_clip_global_norm_in_a_chain_equals_torch_clip_grad_norm(strategy, clips
     spec = preset(strategy, _mesh(shape))
     micro = [random_tree(shape, seed=11 + m) for m in range(2)]
     final, dense = accumulate(micro, spec), dense_reduce(micro, len(shape))
-    dense_norm = math.sqrt(sum(float(x.square().sum()) for x in optree.tree_leaves(dense)))
-    max_norm = dense_norm * (0.3 if clips else 2.0)
+    max_norm = dense_norm(dense) * (0.3 if clips else 2.0)
     opt = fh.chain(fh.clip_global_norm(spec, max_norm), fh.scale(2.0))
     with fh.comm_log() as log:
         updates, state = opt.update(final, opt.init(final), final)
-    ref, _ = _torch_clip(dense, max_norm)
+    ref, _ = torch_clip(dense, max_norm)
     assert max_error(fh.gather(updates, spec), optree.tree_map(lambda x: 2 * x, ref)) < 2e-6
     # the same as the function form, and the norm's few scalars are all it communicates
     clipped, _ = fh.clip_by_global_norm(final, spec, max_norm)
@@ -298,7 +298,7 @@ def test_a_users_own_transform_chains_with_the_librarys():
         updates, state = opt.update(accumulate(micro, spec), state, params)
         params = fh.apply_updates(params, updates)
         g = dense_reduce(micro, len(shape))
-        norm = math.sqrt(sum(float(x.square().sum()) for x in optree.tree_leaves(g)))
+        norm = dense_norm(g)
         factor = min(1.0, 1.0 / (norm + 1e-6))
         ema = optree.tree_map(lambda e, x, f=factor: 0.5 * e + 0.5 * f * x, ema, g)
         rate = lr(step)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-import math
-
 import optree
 import pytest
 import torch
-from reference import AXES, STRATEGIES, accumulate, dense_reduce, max_error, preset, random_tree
+from reference import (
+    AXES,
+    STRATEGIES,
+    accumulate,
+    dense_norm,
+    dense_reduce,
+    max_error,
+    preset,
+    random_tree,
+    torch_clip,
+)
 
 import functional_hsdp as fh
 
@@ -17,10 +25,6 @@ R, F, P = fh.Replicate(), fh.Flat(), fh.Partial("avg")
 
 def _mesh(shape, axes=AXES) -> fh.SimMesh:
     return fh.SimMesh(dict(zip(axes, shape)))
-
-
-def _dense_norm(tree) -> float:
-    return math.sqrt(sum(float(x.double().square().sum()) for x in optree.tree_leaves(tree)))
 
 
 def _final(spec, shape, seed=0, microbatches=2):
@@ -42,21 +46,21 @@ def _assert_all_equal(norm: torch.Tensor, expected: float, shape, rtol=1e-6) -> 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_global_norm_of_reduced_grads_equals_dense_norm(strategy, shape):
+def test_global_norm_of_reduced_grads_equalsdense_norm(strategy, shape):
     spec = preset(strategy, _mesh(shape))
     final, dense = _final(spec, shape)
-    _assert_all_equal(fh.global_norm(final, spec), _dense_norm(dense), shape)
+    _assert_all_equal(fh.global_norm(final, spec), dense_norm(dense), shape)
     # an elementwise function of a result (untagged leaves) is measured the same way
     doubled = optree.tree_map(lambda x: 2 * x, final)
-    _assert_all_equal(fh.global_norm(doubled, spec), 2 * _dense_norm(dense), shape)
+    _assert_all_equal(fh.global_norm(doubled, spec), 2 * dense_norm(dense), shape)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_global_norm_of_sharded_weights_equals_dense_norm(strategy):
+def test_global_norm_of_sharded_weights_equalsdense_norm(strategy):
     shape = (2, 3)
     spec = preset(strategy, _mesh(shape))
     full = random_tree((), seed=3)
-    _assert_all_equal(fh.global_norm(fh.shard(full, spec), spec), _dense_norm(full), shape)
+    _assert_all_equal(fh.global_norm(fh.shard(full, spec), spec), dense_norm(full), shape)
 
 
 def _three_axis_spec(mesh):
@@ -75,7 +79,7 @@ def test_global_norm_on_a_three_axis_mesh_with_a_hand_built_spec():
     assert max_error(fh.gather(final, spec), dense) < 1e-5  # the library takes this spec
     with fh.comm_log() as log:
         norm = fh.global_norm(final, spec)
-    _assert_all_equal(norm, _dense_norm(dense), shape)
+    _assert_all_equal(norm, dense_norm(dense), shape)
     # split over y and z: one scalar all-reduced over each, none over the replicated x
     assert [(e.op, e.axis, e.numel) for e in log.events] == [
         ("all_reduce", "y", 1),
@@ -93,15 +97,13 @@ def test_global_norm_counts_shard_dim_axes_as_sharded():
     final, dense = _final(spec, shape, seed=4)
     with fh.comm_log() as log:
         norm = fh.global_norm(final, spec)
-    _assert_all_equal(norm, _dense_norm(dense), shape)
+    _assert_all_equal(norm, dense_norm(dense), shape)
     assert [(e.op, e.axis, e.numel) for e in log.events] == [
         ("all_reduce", "dp_outer", 1),
         ("all_reduce", "dp_inner", 2),
     ]
-    clipped, _ = fh.clip_by_global_norm(final, spec, 0.5 * _dense_norm(dense))
-    assert (
-        max_error(fh.gather(clipped, spec), _torch_clip(dense, 0.5 * _dense_norm(dense))[0]) < 1e-6
-    )
+    clipped, _ = fh.clip_by_global_norm(final, spec, 0.5 * dense_norm(dense))
+    assert max_error(fh.gather(clipped, spec), torch_clip(dense, 0.5 * dense_norm(dense))[0]) < 1e-6
 
 
 def test_global_norm_ignores_a_non_data_parallel_axis():
@@ -117,7 +119,7 @@ def test_global_norm_ignores_a_non_data_parallel_axis():
     final = accumulate(micro, spec)
     with fh.comm_log() as log:
         norm = fh.global_norm(final, spec)
-    _assert_all_equal(norm, _dense_norm(dense), shape)
+    _assert_all_equal(norm, dense_norm(dense), shape)
     assert [(e.op, e.axis, e.numel) for e in log.events] == [("all_reduce", "dp_inner", 1)]
 
 
@@ -128,7 +130,7 @@ def test_global_norm_ignores_a_non_data_parallel_axis():
 def test_norm_does_not_depend_on_the_replica_count(strategy):
     # bug: reducing the norm over the replica group too makes it sqrt(n_replicas) too large
     full = random_tree((), seed=5)
-    expected = _dense_norm(full)
+    expected = dense_norm(full)
     for outer in (1, 2, 3):
         shape = (outer, 2)
         spec = preset(strategy, _mesh(shape))
@@ -138,7 +140,7 @@ def test_norm_does_not_depend_on_the_replica_count(strategy):
 def test_norm_does_not_depend_on_the_shard_count():
     # bug: a norm over the local shard only is sqrt(n_shards) too small
     full = random_tree((), seed=6)
-    expected = _dense_norm(full)
+    expected = dense_norm(full)
     for inner in (1, 2, 3, 4):
         for strategy in ("fsdp", "hfsdp"):
             shape = (2, inner)
@@ -155,9 +157,9 @@ def test_epsilon_is_added_once_not_per_rank(strategy):
     zeros = fh.shard(optree.tree_map(torch.zeros_like, random_tree((), seed=0)), spec)
     assert torch.equal(fh.global_norm(zeros, spec), torch.zeros(shape))
     full = random_tree((), seed=7)
-    tiny = optree.tree_map(lambda x: x * (2e-6 / _dense_norm(full)), full)
+    tiny = optree.tree_map(lambda x: x * (2e-6 / dense_norm(full)), full)
     clipped, _ = fh.clip_by_global_norm(fh.shard(tiny, spec), spec, max_norm=1e-6)
-    ref = _torch_clip(tiny, 1e-6)[0]
+    ref = torch_clip(tiny, 1e-6)[0]
     assert max_error(fh.gather(clipped, spec), ref) < 1e-12
     ratio = float(
         optree.tree_leaves(ref)[0].flatten()[0] / optree.tree_leaves(tiny)[0].flatten()[0]
@@ -181,7 +183,7 @@ def test_one_collective_per_sharded_axis_however_many_leaves():
         ("all_reduce", "dp_outer", 1),
         ("all_reduce", "dp_inner", 2),
     ]
-    _assert_all_equal(norm, _dense_norm(dense_reduce([tree], 2)), shape)
+    _assert_all_equal(norm, dense_norm(dense_reduce([tree], 2)), shape)
 
 
 def test_global_norm_of_mixed_dtypes_and_an_empty_tree():
@@ -191,7 +193,7 @@ def test_global_norm_of_mixed_dtypes_and_an_empty_tree():
     with fh.comm_log() as log:
         norm = fh.global_norm(fh.shard(full, spec), spec)
     assert len(log.events) == 2  # one float32 scalar per axis, whatever the leaves' dtypes
-    _assert_all_equal(norm, _dense_norm(full), shape)
+    _assert_all_equal(norm, dense_norm(full), shape)
     wide = fh.global_norm(fh.shard({"a": full["a"].double()}, spec), spec)
     assert wide.dtype == torch.float64
     assert torch.equal(fh.global_norm({}, spec), torch.zeros(shape))
@@ -200,24 +202,15 @@ def test_global_norm_of_mixed_dtypes_and_an_empty_tree():
 # -- clipping matches torch.nn.utils.clip_grad_norm_ ---------------------------------------
 
 
-def _torch_clip(dense, max_norm: float):
-    leaves, treedef = optree.tree_flatten(dense)
-    params = [torch.zeros_like(x, dtype=torch.float32, requires_grad=True) for x in leaves]
-    for p, g in zip(params, leaves):
-        p.grad = g.float().clone()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return optree.tree_unflatten(treedef, [p.grad for p in params]), norm
-
-
 @pytest.mark.parametrize("clips", [True, False], ids=["clipped", "unclipped"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_clip_by_global_norm_matches_torch_clip_grad_norm(strategy, clips):
     shape = (2, 3)
     spec = preset(strategy, _mesh(shape))
     final, dense = _final(spec, shape, seed=11)
-    max_norm = _dense_norm(dense) * (0.3 if clips else 2.0)
+    max_norm = dense_norm(dense) * (0.3 if clips else 2.0)
     clipped, norm = fh.clip_by_global_norm(final, spec, max_norm)
-    ref, ref_norm = _torch_clip(dense, max_norm)
+    ref, ref_norm = torch_clip(dense, max_norm)
     torch.testing.assert_close(norm, ref_norm.expand(shape), rtol=1e-6, atol=0)
     assert max_error(fh.gather(clipped, spec), ref) < 1e-6
     after = fh.global_norm(clipped, spec)
