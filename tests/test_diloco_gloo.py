@@ -146,6 +146,37 @@ def test_every_1_is_hsdp_and_no_collective_runs_between_syncs(pool):
         assert (sent > 0) == bool(due[t]), t
 
 
+def _save(loop: Loop, dl, path: str) -> None:
+    """DCP: the loop's params and inner optimizer state (per replica) and its DiLoCo state."""
+    saved = {
+        "params": fh.state_dict(loop.params, dl.inner),
+        "inner": fh.state_dict(loop.opt_state, dl.inner),
+        "diloco": fh.state_dict(loop.state, dl.inner),
+    }
+    dcp.save(saved, checkpoint_id=path)
+
+
+def _load(mesh, dl, opt, path: str, **load_kw) -> Loop:
+    """A fresh loop of ``dl`` and ``opt`` whose trees are all loaded from ``path``
+    (``load_kw``: ``dcp.load``'s, e.g. ``process_group``)."""
+    like = optree.tree_map(lambda v: torch.empty_like(v, device="meta"), full_params())
+    target = {
+        "params": fh.empty_state_dict(like, dl.inner),
+        "inner": fh.empty_state_dict(opt.init(like), dl.inner),
+        "diloco": fh.empty_state_dict(dl.init(like), dl.inner),
+    }
+    dcp.load(target, checkpoint_id=path, **load_kw)
+    return Loop(
+        mesh,
+        dl.inner,
+        dl,
+        opt,
+        fh.load_state_dict(target["params"], dl.inner, like),
+        fh.load_state_dict(target["inner"], dl.inner, opt.init(like)),
+        fh.load_state_dict(target["diloco"], dl.inner, dl.init(like)),
+    )
+
+
 def _resume(path: str, before: int, after: int, compress=None, drop_residual=False):
     """Train ``before`` steps, save everything (params and inner momentum per replica, the
     DiLoCo state), train ``after`` more; load into fresh trees and train the same steps
@@ -159,31 +190,11 @@ def _resume(path: str, before: int, after: int, compress=None, drop_residual=Fal
     loop = Loop(mesh, dl.inner, dl, opt, params, opt.init(params), dl.init(params))
     for t in range(before):
         loop.step(x[t, o, i], y[t, o, i])
-    saved = {
-        "params": fh.state_dict(loop.params, dl.inner),
-        "inner": fh.state_dict(loop.opt_state, dl.inner),
-        "diloco": fh.state_dict(loop.state, dl.inner),
-    }
     in_flight, at_save = any(loop.state.due), fh.gather(loop.params, dl.inner)
-    dcp.save(saved, checkpoint_id=path)
+    _save(loop, dl, path)
     for t in range(before, before + after):
         loop.step(x[t, o, i], y[t, o, i])
-    like = optree.tree_map(lambda v: torch.empty_like(v, device="meta"), full_params())
-    target = {
-        "params": fh.empty_state_dict(like, dl.inner),
-        "inner": fh.empty_state_dict(opt.init(like), dl.inner),
-        "diloco": fh.empty_state_dict(dl.init(like), dl.inner),
-    }
-    dcp.load(target, checkpoint_id=path)
-    resumed = Loop(
-        mesh,
-        dl.inner,
-        dl,
-        opt,
-        fh.load_state_dict(target["params"], dl.inner, like),
-        fh.load_state_dict(target["inner"], dl.inner, opt.init(like)),
-        fh.load_state_dict(target["diloco"], dl.inner, dl.init(like)),
-    )
+    resumed = _load(mesh, dl, opt, path)
     if drop_residual:
         zeros = optree.tree_map(torch.zeros_like, resumed.state.residual)
         resumed.state = resumed.state._replace(residual=zeros)
@@ -229,34 +240,14 @@ def _rejoin(path: str, case: dict, before: int, after: int):
         ref.step(x[t, o, i], y[t, o, i])
     for t in range(before):
         loop.step(x[t, o, i], y[t, o, i])
-    saved = {
-        "params": fh.state_dict(loop.params, dl.inner),
-        "inner": fh.state_dict(loop.opt_state, dl.inner),
-        "diloco": fh.state_dict(loop.state, dl.inner),
-    }
-    dcp.save(saved, checkpoint_id=path)
+    _save(loop, dl, path)
     in_flight = any(loop.state.due)
     if o == 1:  # this group restarts: nothing of its run is kept
-        del loop, saved
-        dl2, opt2 = make(fh.hsdp(mesh, *AXES), **case), inner()
-        like = optree.tree_map(lambda v: torch.empty_like(v, device="meta"), full_params())
-        target = {
-            "params": fh.empty_state_dict(like, dl2.inner),
-            "inner": fh.empty_state_dict(opt2.init(like), dl2.inner),
-            "diloco": fh.empty_state_dict(dl2.init(like), dl2.inner),
-        }
+        del loop
+        dl2 = make(fh.hsdp(mesh, *AXES), **case)
         group = device_mesh((O, I), AXES).get_group("dp_inner")
         with fh.validation("off"):  # an agreement would wait for group 0, which is training
-            dcp.load(target, checkpoint_id=path, process_group=group)
-            loop = Loop(
-                mesh,
-                dl2.inner,
-                dl2,
-                opt2,
-                fh.load_state_dict(target["params"], dl2.inner, like),
-                fh.load_state_dict(target["inner"], dl2.inner, opt2.init(like)),
-                fh.load_state_dict(target["diloco"], dl2.inner, dl2.init(like)),
-            )
+            loop = _load(mesh, dl2, inner(), path, process_group=group)
     for t in range(before, before + after):
         loop.step(x[t, o, i], y[t, o, i])
     got, want = fh.gather(loop.params, loop.spec), fh.gather(ref.params, ref.spec)
