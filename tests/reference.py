@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -111,6 +112,27 @@ def torch_clip(dense, max_norm: float):
         p.grad = g.float().clone()
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return optree.tree_unflatten(treedef, [p.grad for p in params]), norm
+
+
+class EmaState(NamedTuple):
+    """A user's transformation's state: a count and a tree like the params."""
+
+    count: int
+    ema: Any
+
+
+def scale_by_ema(decay: float) -> fh.GradientTransformation:
+    """A user's transformation: an exponential moving average of the updates (local shards,
+    elementwise, no communication), chained with the library's in the tests."""
+
+    def init(params):
+        return EmaState(0, optree.tree_map(torch.zeros_like, params))
+
+    def update(updates, state, params=None):
+        ema = optree.tree_map(lambda e, u: decay * e + (1 - decay) * u, state.ema, updates)
+        return ema, EmaState(state.count + 1, ema)
+
+    return fh.GradientTransformation(init, update)
 
 
 def mlp_problem(world: int, microbatches: int):

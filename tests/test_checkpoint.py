@@ -5,14 +5,13 @@ across world sizes, 4 ranks to 2 and 2 to 4 (a second, 2-rank pool)."""
 from __future__ import annotations
 
 import itertools
-from typing import Any, NamedTuple
 
 import optree
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from reference import AXES, STRATEGIES, mlp_loss, mlp_problem, preset
+from reference import AXES, STRATEGIES, mlp_loss, mlp_problem, preset, scale_by_ema
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Shard
@@ -175,29 +174,11 @@ def test_a_checkpoint_loads_on_another_world_size(pool, pool2, direction, tmp_pa
 # -- a chain with a schedule and a transformation of one's own ----------------------------------
 
 
-class EmaState(NamedTuple):
-    """A user's transformation's state: a count and a tree like the params."""
-
-    count: int
-    ema: Any
-
-
-def _ema(decay: float) -> fh.GradientTransformation:
-    def init(params):
-        return EmaState(0, optree.tree_map(torch.zeros_like, params))
-
-    def update(updates, state, params=None):
-        ema = optree.tree_map(lambda e, u: decay * e + (1 - decay) * u, state.ema, updates)
-        return ema, EmaState(state.count + 1, ema)
-
-    return fh.GradientTransformation(init, update)
-
-
 def _chain(spec):
     lr = fh.schedules.warmup_cosine_decay(0.0, 0.05, warmup_steps=2, decay_steps=5)
     return fh.chain(
         fh.clip_global_norm(spec, 1.0),
-        _ema(0.5),
+        scale_by_ema(0.5),
         fh.scale_by_adam(),
         fh.add_decayed_weights(0.01, mask=lambda path, leaf: path[0].endswith("weight")),
         fh.scale_by_learning_rate(lr),

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
 
 import optree
 import pytest
@@ -21,12 +20,14 @@ import torch
 from reference import (
     AXES,
     STRATEGIES,
+    EmaState,
     accumulate,
     dense_norm,
     dense_reduce,
     max_error,
     preset,
     random_tree,
+    scale_by_ema,
     torch_clip,
 )
 
@@ -262,25 +263,6 @@ def test_schedules_match_optax_docstring_examples():
 
 
 # -- a transformation of one's own --------------------------------------------------------------
-
-
-class EmaState(NamedTuple):
-    count: int
-    ema: Any
-
-
-def scale_by_ema(decay: float) -> fh.GradientTransformation:
-    """A user's transformation: an exponential moving average of the updates (local shards,
-    elementwise, no communication)."""
-
-    def init(params):
-        return EmaState(0, optree.tree_map(torch.zeros_like, params))
-
-    def update(updates, state, params=None):
-        ema = optree.tree_map(lambda e, u: decay * e + (1 - decay) * u, state.ema, updates)
-        return ema, EmaState(state.count + 1, ema)
-
-    return fh.GradientTransformation(init, update)
 
 
 def test_a_users_own_transform_chains_with_the_librarys():
