@@ -392,12 +392,15 @@ def _error_after_issue_on_rank(where: str):
         pass
     finally:
         plan_module.Plan.pack = original
-    # Every rank issued the same collectives, so they complete; a gloo barrier on a group
-    # first waits for the work in progress on it. The backend then drops a finished
-    # collective's buffer on its own thread: poll for that, up to a generous bound for a
-    # loaded machine (a buffer still held after it is a leak).
+    # Every rank issued the same collectives, so they complete. The backend drops a finished
+    # collective's buffer on its own thread, at the latest when the group's next collective
+    # runs: a gloo barrier alone left one buffer held in about 3 runs of 100 (torch 2.13 and
+    # 2.15), freed by the next all-reduce on its group. So the retry comes first (the process
+    # group still works, and it gives the right answer), then a poll up to a generous bound
+    # for a loaded machine: a buffer still held after it is a leak.
     for axis in spec.mesh.axis_names:
         dist.barrier(group=spec.mesh.group(axis))
+    out = fh.reduce_grads(g, spec, last=True)
     deadline = time.monotonic() + 20
     while True:
         gc.collect()
@@ -405,8 +408,6 @@ def _error_after_issue_on_rank(where: str):
         if not leaked or time.monotonic() > deadline:
             break
         time.sleep(0.02)
-    # the process group still works, and a retry gives the right answer
-    out = fh.reduce_grads(g, spec, last=True)
     return len(issued), len(leaked), out["a"][0].item()
 
 
