@@ -9,8 +9,9 @@ gloo ranks, 2x2 (2 replicas x 2 inner), inner optimizer ``fh.adamw`` (HSDP's too
 learning rate, or warmup and cosine decay). Variants: HSDP; DiLoCo with H in {5, 20, 50}
 (outer ``fh.sgd(lr, momentum, nesterov=momentum > 0)``, the same for every DiLoCo variant;
 the full size's: ``fh.sgd(1.0)``, the replicas' mean, see bench/RESULTS.md); Streaming
-DiLoCo (H = 20, F = 4, delay 1). Each rank draws its own batches; every variant sees the same
-batches. Reported: eval loss curves (the mean of the two replicas' losses; plot
+DiLoCo (H = 20, F = 4, delay 1), its fragments contiguous (``fragments=4``) or balanced
+by bytes (``fh.balanced_fragments``). Each rank draws its own batches; every variant sees the
+same batches. Reported: eval loss curves (the mean of the two replicas' losses; plot
 ``bench/diloco.png``), ``dp_outer`` bytes per step from ``comm_log`` (mean and the largest
 single step), step time (median; steps without a sync apart), the per-rank bytes DiLoCo
 keeps besides HSDP's (anchor + outer momentum, and the pending tree with a delay), and the
@@ -38,11 +39,13 @@ PNG = os.path.join(C.BENCH_DIR, "diloco.png")
 SIZES = {
     "tiny": dict(steps=6, seq=32, batch=2, hidden=32, layers=1, eval_every=3, eval_batches=2,
                  data_mb=0.2, inner_lr=3e-3, warmup=0, outer_lr=0.7, outer_momentum=0.9,
-                 variants=(("hsdp", 0, 1, 0), ("H=2", 2, 1, 0))),
+                 variants=(("hsdp", 0, 1, 0), ("H=2", 2, 1, 0),
+                           ("H=2 F=2 balanced", 2, ("balanced", 2), 1))),
     "full": dict(steps=800, seq=64, batch=4, hidden=64, layers=2, eval_every=40, eval_batches=8,
                  data_mb=4.0, inner_lr=3e-3, warmup=0, outer_lr=1.0, outer_momentum=0.0,
                  variants=(("hsdp", 0, 1, 0), ("DiLoCo H=5", 5, 1, 0), ("DiLoCo H=20", 20, 1, 0),
-                           ("DiLoCo H=50", 50, 1, 0), ("Streaming H=20 F=4 tau=1", 20, 4, 1))),
+                           ("DiLoCo H=50", 50, 1, 0), ("Streaming H=20 F=4 tau=1", 20, 4, 1),
+                           ("Streaming H=20 F=4 tau=1 balanced", 20, ("balanced", 4), 1))),
 }  # fmt: skip
 
 
@@ -103,15 +106,17 @@ class _Run:
 
         mesh = fh.DistMesh(C.device_mesh((2, 2), AXES))
         spec = fh.hsdp(mesh, *AXES)
+        self.model = model = _model(cfg)
+        inner = fh.replicas(spec, AXES[0]) if every else spec
+        self.shards, tree_spec = fh.shard_module(model, inner, units=list(model.model.layers))
         self.dl = None
         if every:
             m = cfg["outer_momentum"]
             outer = fh.sgd(cfg["outer_lr"], momentum=m, nesterov=m > 0)
+            if isinstance(fragments, tuple):  # ("balanced", F): labels by bytes
+                fragments = fh.balanced_fragments(self.shards, fragments[1])
             self.dl = fh.diloco(spec, axis="dp_outer", every=every, outer=outer,
                                 fragments=fragments, delay=delay)  # fmt: skip
-        self.model = model = _model(cfg)
-        self.shards, tree_spec = fh.shard_module(model, self.dl.inner if self.dl else spec,
-                                                 units=list(model.model.layers))  # fmt: skip
         self.mg = fh.MainGrad(tree_spec, like=self.shards)
         self.opt = fh.adamw(lr=_inner_lr(cfg), weight_decay=0.0)
         self.opt_state = self.opt.init(self.shards)
@@ -184,13 +189,18 @@ def _nbytes(tree) -> int:
     return sum(x.numel() * x.element_size() for x in optree.tree_leaves(tree))
 
 
-def _sync_steps(every: int, fragments: int, delay: int, steps: int) -> list[bool]:
+def _count(fragments) -> int:
+    """F of a variant's fragments: an int, or ("balanced", F)."""
+    return fragments[1] if isinstance(fragments, tuple) else fragments
+
+
+def _sync_steps(every: int, fragments, delay: int, steps: int) -> list[bool]:
     """Per step 1..steps: whether a fragment's sync is issued or lands after it."""
     if not every:
         return [True] * steps  # HSDP's outer all-reduce runs every step
     import functional_hsdp as fh
 
-    issued = fh.sync_steps(every, fragments, steps)
+    issued = fh.sync_steps(every, _count(fragments), steps)
     return [bool(issued[t]) or (t >= delay and bool(issued[t - delay])) for t in range(steps)]
 
 
@@ -393,7 +403,8 @@ def run(size: str = "full", pool=None, cfg: dict | None = None) -> dict:
         quiet = [t for t in range(cfg["steps"]) if t not in synced]
         times = r0["times"]
         res["variants"][name] = dict(
-            every=every, fragments=fragments, delay=delay, curve=curve, tokens=tokens,
+            every=every, fragments=_count(fragments), balanced=isinstance(fragments, tuple),
+            delay=delay, curve=curve, tokens=tokens,
             bytes_per_step=sum(ob) / len(ob), max_step_bytes=max(ob), quiet_nonzero=sum(
                 1 for t in quiet if ob[t]), syncs=len(synced),
             step_quiet=statistics.median(times[t] for t in quiet) if quiet else None,

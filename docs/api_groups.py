@@ -49,7 +49,8 @@ GROUPS: dict[str, tuple[str, str, list[str]]] = {
          "ScaleByLearningRateState", "schedules",
          "global_norm", "clip_by_global_norm", "per_matrix", "newton_schulz", "muon",
          "MuonState", "partition", "PartitionState", "Masked", "masked",
-         "diloco", "DiLoCo", "DiLoCoState", "sync_steps"],
+         "diloco", "DiLoCo", "DiLoCoState", "sync_steps",
+         "balanced_fragments"],
     ),
     "Checkpoints": (
         "checkpoints",

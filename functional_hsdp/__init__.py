@@ -11,7 +11,7 @@ from .cache import clear_caches
 from .checkpoint import empty_state_dict, load_state_dict, state_dict
 from .collectives import all_gather, pmean, psum, psum_scatter
 from .compressed import compressed_all_reduce
-from .diloco import DiLoCo, DiLoCoState, diloco, sync_steps
+from .diloco import DiLoCo, DiLoCoState, balanced_fragments, diloco, sync_steps
 from .dtensor import to_dtensor
 from .errors import CollectiveError
 from .first_order import grad, grad_and_value
@@ -98,6 +98,7 @@ __all__ = [
     "compress",
     "compressed_all_reduce",
     "ddp",
+    "balanced_fragments",
     "diloco",
     "empty_state_dict",
     "fsdp",

@@ -62,7 +62,7 @@ from .spec import Spec, replicas
 from .tags import result_state, tag
 from .tree import flatten, format_path, structure_error
 
-__all__ = ["DiLoCo", "DiLoCoState", "diloco", "sync_steps"]
+__all__ = ["DiLoCo", "DiLoCoState", "balanced_fragments", "diloco", "sync_steps"]
 
 
 class DiLoCoState(NamedTuple):
@@ -115,6 +115,93 @@ def sync_steps(every: int, fragments: int, steps: int) -> list[list[int]]:
         [p for p, s in enumerate(starts) if t >= s and (t - s) % every == 0]
         for t in range(1, steps + 1)
     ]
+
+
+def balanced_fragments(params: Any, fragments: int, *, spec: Any = None) -> Any:
+    """A ``fragments=`` tree for :func:`diloco` whose fragments hold nearly equal bytes.
+
+    ``fragments=F`` as an int cuts the leaves, in tree order, into F *contiguous* groups;
+    a model whose largest leaves sit side by side (an embedding and an untied head) then
+    has a fragment far above 1/F of the bytes, and Streaming DiLoCo's peak outer transfer
+    with it. This groups the leaves by size instead (largest first, each into the fragment
+    with the fewest bytes so far), so that no fragment holds more than 1/F of the bytes by
+    more than its smallest leaf. Labels are numbered in tree order of each fragment's
+    first leaf. The result depends on the full shapes only, so it is the same on every
+    rank.
+
+    Args:
+        params: the params' tree: local shards as :func:`~functional_hsdp.shard` or
+            :func:`~functional_hsdp.shard_module` return them (their full shapes are read
+            from the placement they carry), local shards at ``spec``'s optimizer placement
+            (pass ``spec``), or tensors of the full shapes (meta tensors are fine).
+        fragments: F, an int from 1 to the number of leaves.
+        spec: the spec ``params`` are sharded with (``dl.inner``, or
+            ``fh.replicas(spec, axis)``), for local shards that carry no placement.
+
+    Returns:
+        A tree of ints in [0, F), each used, with the params' structure.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> params = {"embed": torch.zeros(64, 8), "head": torch.zeros(8, 64),
+        ...           "l0": torch.zeros(16, 16), "l1": torch.zeros(16, 16)}
+        >>> fh.balanced_fragments(params, 2)     # 1024 bytes each way
+        {'embed': 0, 'head': 1, 'l0': 0, 'l1': 1}
+        >>> fh.diloco(fh.hsdp(fh.SimMesh({"dp_outer": 2, "dp_inner": 2}),
+        ...                   "dp_outer", "dp_inner"), axis="dp_outer", every=4,
+        ...           outer=fh.sgd(0.7, momentum=0.9, nesterov=True),
+        ...           fragments=fh.balanced_fragments(params, 2), delay=1).fragments
+        {'embed': 0, 'head': 1, 'l0': 0, 'l1': 1}
+    """
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+        raise ValueError(f"balanced_fragments: fragments must be an int >= 1; got {fragments!r}")
+    leaves, treedef, paths = flatten(params, "params")
+    if fragments > len(leaves):
+        raise ValueError(
+            f"balanced_fragments: fragments={fragments} is more than the params' "
+            f"{len(leaves)} leaves; each fragment needs at least one leaf"
+        )
+    sizes = _full_bytes(leaves, treedef, paths, spec=spec)
+    load, label = [0] * fragments, [0] * len(leaves)
+    for i in sorted(range(len(leaves)), key=lambda i: (-sizes[i], i)):
+        p = min(range(fragments), key=lambda q: (load[q], q))
+        load[p] += sizes[i]
+        label[i] = p
+    order = {p: k for k, p in enumerate(dict.fromkeys(label))}  # first leaf in tree order
+    return optree.tree_unflatten(treedef, [order[p] for p in label])
+
+
+def _full_bytes(leaves: list, treedef: Any, paths: Sequence[str], *, spec: Any) -> list[int]:
+    """Each leaf's full bytes: from the params' plan (:func:`_params_plan`), else from their
+    own shapes (full tensors)."""
+    found = _params_plan(leaves, treedef, paths, spec=spec)
+    if found is None:
+        return [_bytes(x.shape, x.dtype) for x in leaves]
+    plan = found[0]
+    return [_bytes(s, d) for s, d in zip(plan.shapes, plan.dtypes)]
+
+
+def _params_plan(
+    leaves: list, treedef: Any, paths: Sequence[str], *, spec: Any
+) -> tuple[Any, str] | None:
+    """The params' plan and role: the placement the leaves carry (a unit tree's, ...), else
+    ``spec``'s layout of them at its optimizer placement; None without either."""
+    made = result_state(leaves)
+    if made is not None and made.role in ("optimizer", "parameter"):
+        return made.plan, made.role
+    if spec is None:
+        return None
+    plan, _ = find_layout(
+        leaves,
+        treedef,
+        paths,
+        spec=spec,
+        like=None,
+        roles=("optimizer",),
+        kinds=("weights", "final"),
+        name="params",
+    )
+    return plan, "optimizer"
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
@@ -316,7 +403,10 @@ def diloco(
             ``fh.sgd(0.7, momentum=0.9, nesterov=True)``.
         fragments: an int F (leaves in tree-flatten order cut into F contiguous groups of
             about equal bytes), or a tree of ints in [0, F), each used, with the params'
-            structure (or a prefix of it: one label per unit of a spec tree).
+            structure (or a prefix of it: one label per unit of a spec tree);
+            :func:`balanced_fragments` makes one whose fragments hold nearly equal bytes
+            (Streaming DiLoCo's peak transfer 1/F of a whole sync where contiguous groups
+            cannot reach it).
         delay: tau in [0, every): a fragment's sync issued after step t merges after step
             t + tau, with that step's params.
         mix: merge factor in (0, 1]: a synced fragment becomes
@@ -471,21 +561,7 @@ class _Outer:
 
     def _plan(self, leaves: list, treedef: Any, paths: Sequence[str]) -> tuple[Any, str]:
         """The params' plan and role (their placement)."""
-        made = result_state(leaves)
-        role = "optimizer"
-        if made is not None and made.role in ("optimizer", "parameter"):
-            plan, role = made.plan, made.role  # the shards' own layout (a unit tree's, ...)
-        else:
-            plan, _ = find_layout(
-                leaves,
-                treedef,
-                paths,
-                spec=self.inner,
-                like=None,
-                roles=("optimizer",),
-                kinds=("weights", "final"),
-                name="params",
-            )
+        plan, role = _params_plan(leaves, treedef, paths, spec=self.inner)
         wrong = [s for s in plan.specs if self.axis not in s.replica_axes]
         if wrong:
             raise ValueError(

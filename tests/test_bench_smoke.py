@@ -108,6 +108,9 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
         h2 = res["variants"]["H=2"]
         assert h2["quiet_nonzero"] == 0 and h2["syncs"] == res["cfg"]["steps"] // 2
         assert h2["bytes_per_step"] == pytest.approx(res["variants"]["hsdp"]["bytes_per_step"] / 2)
+        balanced = res["variants"]["H=2 F=2 balanced"]  # fh.balanced_fragments' labels
+        assert balanced["balanced"] and balanced["fragments"] == 2
+        assert balanced["quiet_nonzero"] == 0
     if name == "deferred":  # declared or not, the same step; finish() timed in each
         assert res["loss_maxrel"] < 1e-6, res["losses"]
         assert all(len(t) == res["cfg"]["reps"] for t in res["finish"].values()), res["finish"]

@@ -172,6 +172,71 @@ def test_fragments_as_an_int_cut_contiguous_groups_of_about_equal_bytes():
     assert got == [[True, True, False, False], [False, False, True, True]]
 
 
+def _embed_head_layers() -> dict:
+    """An embedding and a head side by side in tree order (4 KiB each), then four 1 KiB
+    layers: contiguous halves cannot be equal; sized halves are (4 + 1 + 1 each)."""
+    gen = torch.Generator().manual_seed(0)
+    full = {k: torch.randn(32, 32, generator=gen) for k in ("embed", "head")}
+    return {**full, **{f"l{i}": torch.randn(16, 16, generator=gen) for i in range(4)}}
+
+
+def test_balanced_fragments_read_the_full_shapes_from_any_form_of_the_params():
+    spec = fh.replicas(fh.hsdp(_mesh(), "dp_outer", "dp_inner"), "dp_outer")
+    full = _embed_head_layers()
+    want = {"embed": 0, "head": 1, "l0": 0, "l1": 1, "l2": 0, "l3": 1}
+    shards = fh.shard(full, spec)
+    untagged = {k: v.clone() for k, v in shards.items()}  # local shapes, no placement
+    meta = {k: v.to("meta") for k, v in full.items()}
+    assert fh.balanced_fragments(full, 2) == want
+    assert fh.balanced_fragments(meta, 2) == want
+    assert fh.balanced_fragments(shards, 2) == want
+    assert fh.balanced_fragments(untagged, 2, spec=spec) == want
+    assert fh.balanced_fragments(full, 1) == dict.fromkeys(full, 0)
+    assert fh.balanced_fragments(full, 6) == {k: i for i, k in enumerate(full)}
+    with pytest.raises(ValueError, match="balanced_fragments: fragments must be an int >= 1"):
+        fh.balanced_fragments(full, 0)
+    with pytest.raises(ValueError, match="balanced_fragments: fragments must be an int >= 1"):
+        fh.balanced_fragments(full, True)
+    with pytest.raises(ValueError, match="fragments=7 is more than the params' 6 leaves"):
+        fh.balanced_fragments(full, 7)
+
+
+def test_balanced_fragments_keep_each_sync_at_1_over_f_where_contiguous_groups_cannot():
+    # a bucket per leaf: each rank holds half of every leaf (a SimMesh counts the largest
+    # rank's pieces, and a leaf that falls in one rank's chunk of a shared bucket is whole)
+    spec = fh.hsdp(_mesh(), "dp_outer", "dp_inner", bucket_cap_mb=1e-3)
+    full = _embed_head_layers()
+    largest = {}
+    for name, fragments in (("whole", 1), ("contiguous", 2), ("balanced", None)):
+        inner = fh.replicas(spec, "dp_outer")
+        params = fh.shard(full, inner)
+        labels = fragments or fh.balanced_fragments(params, 2)
+        dl = fh.diloco(spec, axis="dp_outer", every=2, outer=fh.sgd(1.0), fragments=labels)
+        state, sent = dl.init(params), []
+        for step in range(4):
+            params = {k: v - 0.01 * (step + 1) for k, v in params.items()}
+            with fh.comm_log() as log:
+                params, state = dl.update(params, state)
+            sent.append(sum(e.numel for e in log.events if e.axis == "dp_outer"))
+        largest[name] = max(sent)
+    # each rank's pieces: 512 elements of each 32x32, 128 of each 16x16
+    assert largest == {"whole": 1536, "contiguous": 1024, "balanced": 768}
+
+
+def test_balanced_fragments_train_as_the_naive_reference_with_those_labels():
+    steps = 7
+    x, y = data(steps, O, I)
+    full = full_params()
+    labels = fh.balanced_fragments(full, 2)  # 0.weight alone: not contiguous in tree order
+    assert labels == {"0.bias": 0, "0.weight": 1, "2.bias": 0, "2.weight": 0}
+    got, _, _ = train(_mesh(), full, x, y, steps=steps, every=3, fragments=labels, delay=1, mix=0.5)
+    want = reference(full, x, y, every=3, labels=[labels[k] for k in sorted(full)], delay=1,
+                     mix=0.5)  # fmt: skip
+    for o in range(O):
+        for i in range(I):
+            assert max_error({k: v[o, i] for k, v in got.items()}, want[o]) < 1e-5, (o, i)
+
+
 def test_bad_input_names_the_argument():
     mesh = _mesh()
     spec = fh.hsdp(mesh, "dp_outer", "dp_inner")

@@ -68,6 +68,34 @@ def test_whole_tree_loop_equals_the_naive_reference(pool):
         assert max(errors) < 1e-5, errors
 
 
+def _balanced() -> tuple[list, float]:
+    """fh.balanced_fragments from this rank's ragged shards (tagged, and untagged with the
+    spec) and from the full params; this rank's error against the reference trained on
+    those labels (not contiguous in tree order)."""
+    mesh = _mesh()
+    o, i = _coords(mesh)
+    inner = fh.replicas(fh.hsdp(mesh, *AXES), "dp_outer")
+    shards = fh.shard(full_params(), inner)
+    untagged = {k: v.clone() for k, v in shards.items()}
+    labels = [
+        fh.balanced_fragments(shards, 2),
+        fh.balanced_fragments(untagged, 2, spec=inner),
+        fh.balanced_fragments(full_params(), 2),
+    ]
+    x, y = data(STEPS, O, I)
+    case = dict(every=3, fragments=labels[0], delay=1, mix=0.5)
+    got, _, _ = train(mesh, full_params(), x[:, o, i], y[:, o, i], steps=STEPS, **case)
+    want = reference(full_params(), x, y, every=3, labels=[labels[0][k] for k in sorted(got)],
+                     delay=1, mix=0.5)[o]  # fmt: skip
+    return labels, _error(got, want)
+
+
+def test_balanced_fragments_agree_on_every_rank_and_train_as_the_reference(pool):
+    for labels, error in pool.run(_balanced):
+        assert labels == [{"0.bias": 0, "0.weight": 1, "2.bias": 0, "2.weight": 0}] * 3
+        assert error < 1e-5
+
+
 def _module(cases) -> list[float]:
     """The model's own forward through shard_module/functional_call(into=MainGrad), units
     per Linear, fragments as a label per unit (a prefix tree) or an int."""
