@@ -788,7 +788,7 @@ def _check_maingrad_spec(mg: MainGrad, spec: Any) -> None:
 
 
 def _maingrad_state(mg: MainGrad, spec: Any) -> dict[str, Any]:
-    with validate.agreement(mg.mesh, "state_dict") as agreed:
+    with validate.agreement(mg.plan.specs or mg.mesh, "state_dict") as agreed:
         _check_maingrad_spec(mg, spec)
         _device_mesh(mg.mesh)
         grads = mg.grads
@@ -873,7 +873,7 @@ def _load_maingrad(state: dict, spec: Any, mg: MainGrad) -> MainGrad:
         _load_residual(state, mg)
         return mg
     plan = mg.plan
-    with validate.agreement(mg.mesh, "load_state_dict") as agreed:
+    with validate.agreement(mg.plan.specs or mg.mesh, "load_state_dict") as agreed:
         _check_maingrad_spec(mg, spec)
         shapes = forms(plan)
         local = _loaded(state.get("grads", {}), plan, shapes, name="state['grads']")

@@ -68,6 +68,13 @@ call's row costs a list copy.
    sends every rank to the exchange); the others raise the failing rank's error type and
    text, naming it.
 
+**Replicas.** A call on a :func:`~functional_hsdp.replicas` spec (every Spec of it with
+replica axes) agrees within its replica only: the summary and every exchange above span the
+mesh's other axes (:class:`Within`, ``Diagnostics.within``), and no message of the
+agreement crosses a replica axis. Replicas train apart between syncs (DiLoCo): one replica's
+calls never wait for another's, which may be slower or at another step. A call that crosses
+the replica axis (DiLoCo's sync, a collective over it) agrees over the whole mesh as before.
+
 Neither the summary nor the exchange is a gradient collective: :func:`comm_log` does not
 record them, and they are plain ``torch.distributed`` point-to-point messages and all-gathers
 (not functional collectives), so profiles of the gradient communication stay exact. On a
@@ -98,7 +105,7 @@ import hashlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -307,6 +314,46 @@ def mesh_of(spec: Any) -> Any:
     return next((x.mesh for x in leaves if isinstance(x, Spec)), None)
 
 
+class Within(NamedTuple):
+    """A mesh as one call's agreement sees it: the axes it spans (every axis of the mesh but
+    the replica axes of a :func:`~functional_hsdp.replicas` spec), their sizes, the mesh's
+    batch shape and the exchanges over those axes (``Diagnostics.within``)."""
+
+    base: Any
+    axis_names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    batch_shape: tuple[int, ...]
+    diagnostics: Any
+
+
+def within(mesh: Any, spec: Any) -> Any:
+    """The mesh an agreement on ``spec`` spans: ``mesh`` itself, or, where every Spec of
+    ``spec`` has replica axes, a :class:`Within` of the other axes. Replicas train apart
+    between syncs (they may even be at different steps), so their calls agree within a
+    replica, and no message of it crosses a replica axis."""
+    from .spec import Spec
+
+    if mesh is None or not hasattr(mesh, "axis_names"):
+        return mesh
+    try:
+        specs = optree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, Spec))
+    except Exception:  # not a pytree: the caller's own check names the problem
+        return mesh
+    specs = [x for x in specs if isinstance(x, Spec)]
+    apart = set.intersection(*(set(x.replica_axes) for x in specs)) if specs else set()
+    if not apart:
+        return mesh
+    axes = tuple(a for a in mesh.axis_names if a not in apart)
+    sizes = tuple(mesh.size(a) for a in axes)
+    return Within(
+        base=mesh,
+        axis_names=axes,
+        sizes=sizes,
+        batch_shape=tuple(mesh.batch_shape),
+        diagnostics=mesh.diagnostics.within(axes),
+    )
+
+
 class Agreement:
     """One call's cross-rank agreement (see the module docstring): every rank takes part in
     one small summary per call, before any gradient collective, and all raise together.
@@ -401,7 +448,7 @@ def agreement_in_mode(spec: Any, call: str, mode: str) -> Iterator[Agreement]:
     """:func:`agreement` in the validation mode ``mode`` (the caller's :func:`current_mode`,
     read where the call was made: a call that may run in a backward is handed it)."""
     mesh = mesh_of(spec)
-    agreed = Agreement(mesh, call, mode)
+    agreed = Agreement(within(mesh, spec), call, mode)
     try:
         yield agreed
     except _LOCAL_ERRORS as exc:
@@ -596,7 +643,10 @@ class UnitLog:
 
 
 def unit_log(mesh: Any) -> UnitLog:
-    """The :class:`UnitLog` of ``mesh`` (made on first use; it goes with the mesh)."""
+    """The :class:`UnitLog` of ``mesh`` (made on first use; it goes with the mesh; a
+    :class:`Within`'s is its mesh's)."""
+    if isinstance(mesh, Within):
+        mesh = mesh.base
     log = _LOGS.get(mesh)
     if log is None:
         log = _LOGS[mesh] = UnitLog()

@@ -237,6 +237,23 @@ def test_balanced_fragments_train_as_the_naive_reference_with_those_labels():
             assert max_error({k: v[o, i] for k, v in got.items()}, want[o]) < 1e-5, (o, i)
 
 
+def test_a_replicas_specs_agreement_spans_its_replica_and_still_names_the_rank():
+    from functional_hsdp import validate
+
+    mesh = _mesh()
+    inner = fh.replicas(fh.hsdp(mesh, "dp_outer", "dp_inner"), "dp_outer")
+    scope = validate.within(mesh, inner)
+    assert (scope.axis_names, scope.sizes, scope.batch_shape) == (("dp_inner",), (2,), (2, 2))
+    assert validate.within(mesh, fh.hsdp(mesh, "dp_outer", "dp_inner")) is mesh
+    assert validate.within(mesh, mesh) is mesh
+    g = {"w": torch.ones(2, 2, 8, 4)}
+    g["w"][1, 0, 3, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"\['w'\]: holds NaN or Inf on rank \(1, 0\)"):
+        fh.reduce_grads(g, inner, last=True, check_finite=True)
+    out = fh.reduce_grads(torch.ones(2, 2, 8, 4), inner, last=True)  # and a healthy call passes
+    assert torch.equal(out, torch.ones_like(out))
+
+
 def test_bad_input_names_the_argument():
     mesh = _mesh()
     spec = fh.hsdp(mesh, "dp_outer", "dp_inner")

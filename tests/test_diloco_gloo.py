@@ -13,6 +13,7 @@ import itertools
 import optree
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from diloco_problem import INNER_LR, LABELS, Loop, data, full_params, make, model, reference, train
 
@@ -94,6 +95,48 @@ def test_balanced_fragments_agree_on_every_rank_and_train_as_the_reference(pool)
     for labels, error in pool.run(_balanced):
         assert labels == [{"0.bias": 0, "0.weight": 1, "2.bias": 0, "2.weight": 0}] * 3
         assert error < 1e-5
+
+
+def _apart(where: str):
+    """Replica 1 makes no call at all while replica 0 runs three steps on the replicas spec
+    (validation on, or strict; ``where``: reduce_grads or MainGrad), or one of its ranks
+    passes a tree of another shape (``bad``): then every rank meets in a barrier. A message
+    of the agreement to replica 1 would wait for an answer that never comes (the mesh's
+    timeout, 5 s, turns that wait into an error)."""
+    mesh = fh.DistMesh(device_mesh((O, I), AXES), timeout=5.0)
+    o, i = _coords(mesh)
+    inner = fh.replicas(fh.hsdp(mesh, *AXES), "dp_outer")
+    out = None
+    if o == 0:
+        g = {"w": torch.full((8, 4), float(i + 1)), "b": torch.ones(4)}
+        if where == "bad" and i == 1:
+            g["w"] = torch.ones(4, 8)
+        try:
+            with fh.validation("strict" if where == "strict" else "on"):
+                for _ in range(3):
+                    if where == "MainGrad":
+                        mg = fh.MainGrad(inner, like=g)
+                        mg.accumulate(g, last=True)
+                        out = mg.grads["w"].flatten()[0].item()
+                    else:
+                        out = fh.reduce_grads(g, inner, last=True)["w"].flatten()[0].item()
+        except (ValueError, fh.CollectiveError) as e:
+            out = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return o, out
+
+
+@pytest.mark.parametrize("where", ["reduce_grads", "MainGrad", "strict"])
+def test_a_replicas_spec_agrees_within_its_replica_never_waiting_for_another(pool, where):
+    for o, out in pool.run(_apart, where):
+        assert out == (1.5 if o == 0 else None), out  # the inner mean of 1 and 2
+
+
+def test_a_bad_tree_on_one_rank_of_a_replica_raises_on_that_replica_only(pool):
+    outs = pool.run(_apart, "bad")
+    assert [o for o, _ in outs] == [0, 0, 1, 1] and outs[2][1] is None and outs[3][1] is None
+    for _, out in outs[:2]:  # both ranks of replica 0, not a timeout
+        assert out.startswith("ValueError") and "(4, 8)" in out, out
 
 
 def _module(cases) -> list[float]:
@@ -246,9 +289,10 @@ def _rejoin(path: str, case: dict, before: int, after: int):
     """Every rank trains ``before`` steps and saves (DCP); then replica group 1 (dp_outer
     coordinate 1) restarts: its trees are dropped, and a fresh diloco and inner optimizer
     take params, inner state and DiLoCo state from the checkpoint, loaded by its own ranks
-    only (``dcp.load`` over its dp_inner group, validation off for the load: group 0 takes
-    no part), while group 0 goes on with its live trees. Both train ``after`` more steps
-    (group 1 replays its steps since the checkpoint), through the next sync; compared with
+    only (``dcp.load`` over its dp_inner group; the library's calls agree within the
+    replica: group 0 takes no part), while group 0 goes on with its live trees. Both train
+    ``after`` more steps (group 1 replays its steps since the checkpoint), through the next
+    sync; compared with
     an uninterrupted run of the same steps (inner SGD with momentum: its state is restored
     too), which the other tests hold to the naive reference."""
     mesh = _mesh()
@@ -274,8 +318,9 @@ def _rejoin(path: str, case: dict, before: int, after: int):
         del loop
         dl2 = make(fh.hsdp(mesh, *AXES), **case)
         group = device_mesh((O, I), AXES).get_group("dp_inner")
-        with fh.validation("off"):  # an agreement would wait for group 0, which is training
-            loop = _load(mesh, dl2, inner(), path, process_group=group)
+        # validation on: a replicas spec's calls agree within the replica (group 0 is busy
+        # training and takes no part)
+        loop = _load(mesh, dl2, inner(), path, process_group=group)
     for t in range(before, before + after):
         loop.step(x[t, o, i], y[t, o, i])
     got, want = fh.gather(loop.params, loop.spec), fh.gather(ref.params, ref.spec)

@@ -459,6 +459,15 @@ class DistDiagnostics:
         self._order = torch.tensor([place[r] for r in ranks])
         self._size = len(ranks)
         self._rounds = self._doubling(ranks.index(dist.get_rank()), ranks)
+        self._axes = mesh.axis_names
+        self._within: dict[tuple[str, ...], DistScope] = {}
+
+    def within(self, axes: tuple[str, ...]) -> DistScope:
+        """The exchange among this rank's group over ``axes`` only (made once per axes)."""
+        scope = self._within.get(tuple(axes))
+        if scope is None:
+            scope = self._within[tuple(axes)] = DistScope(self, tuple(axes))
+        return scope
 
     @staticmethod
     def _doubling(k: int, ranks: list[int]) -> list[tuple[int | None, int | None, int]]:
@@ -493,7 +502,7 @@ class DistDiagnostics:
         # size is not a power of two), where gloo's all-gather and all-reduce take as many
         # steps as the mesh has ranks (rings) and the all-gather moves a row per rank. The
         # first round is issued now; the others, which need its result, when waited for.
-        mesh, axes, rounds = self._mesh, self._mesh.axis_names, self._rounds
+        mesh, axes, rounds = self._mesh, self._axes, self._rounds
         acc = t.reshape(-1).to("cpu", copy=True)  # this rank's maximum so far
         with mesh.guard("exchange", axes):
             first = self._post(acc, *rounds[0]) if rounds else None
@@ -559,6 +568,44 @@ class DistDiagnostics:
         dims = {mesh.axis_names.index(a) for a in axes}
         index = tuple(slice(None) if d in dims else c for d, c in enumerate(mesh._coords))
         return [tuple(str(r) for r in mesh.device_mesh.mesh[index].flatten().tolist())]
+
+
+class DistScope(DistDiagnostics):
+    """The validation exchange among the ranks of this rank's group over ``axes`` only: a
+    replicas spec's agreement (:func:`~functional_hsdp.replicas`), which nothing may carry
+    across the replica axes. The same point-to-point messages as :meth:`start_max`, over the
+    mesh's host group (no group of its own is made), with tags of their own; the exchange of
+    rows is a maximum too, each rank's row in its own place of a table filled with the
+    smallest int64 (the rows are int64)."""
+
+    TAG = DistDiagnostics.TAG + 0x100
+
+    def __init__(self, diagnostics: DistDiagnostics, axes: tuple[str, ...]):
+        mesh = diagnostics._mesh
+        self._mesh, self.group, self._axes = mesh, diagnostics.group, axes
+        dims = [mesh.axis_names.index(a) for a in axes]
+        index = tuple(slice(None) if d in dims else c for d, c in enumerate(mesh._coords))
+        sub = mesh.device_mesh.mesh[index]
+        self._sizes = tuple(sub.shape)
+        self._ranks = sub.flatten().tolist()  # global ranks, in row-major order of axes
+        self._size = len(self._ranks)
+        self._rounds = self._doubling(self._ranks.index(dist.get_rank()), self._ranks)
+        self._within = {}
+
+    def start_exchange(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        row = t.reshape(-1).cpu()
+        if row.dtype != torch.int64:
+            raise TypeError(f"DistScope.start_exchange: int64 rows only; got {row.dtype}")
+        table = torch.full((self._size, row.numel()), torch.iinfo(torch.int64).min)
+        table[self._ranks.index(dist.get_rank())] = row
+        return self.start_max(table)
+
+    def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        mesh = self._mesh
+        table = self.start_exchange(t)().view(*self._sizes, -1)
+        mine = [c for a, c in zip(mesh.axis_names, mesh._coords) if a in self._axes]
+        index = tuple(slice(None) if a in axes else c for a, c in zip(self._axes, mine))
+        return table[index].reshape(-1, table.shape[-1])
 
 
 def _host_group(device_mesh: Any, ranks: list[int]) -> Any:

@@ -200,6 +200,12 @@ class Diagnostics(Protocol):
     def members(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
         """For each local group over ``axes``, its members' names, in exchange order."""
 
+    def within(self, axes: tuple[str, ...]) -> Diagnostics:
+        """The same exchanges over each rank's group over ``axes`` only, in place of the
+        whole mesh (``start_max``, ``start_exchange``, and ``exchange`` for ``axes`` among
+        them): the agreement of a replicas spec, which nothing crosses the replica axes for.
+        On a DistMesh no rank outside the group sends or receives anything."""
+
 
 class MeshAxes:
     """Axis lookup for a mesh with ``axis_names`` and ``sizes`` (both meshes build on it)."""

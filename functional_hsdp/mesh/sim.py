@@ -278,6 +278,10 @@ class SimDiagnostics:
         out = rows.reshape(*kept, group, t.shape[-1]).expand(*sizes, group, t.shape[-1])
         return out.contiguous()
 
+    def within(self, axes: tuple[str, ...]) -> SimScope:
+        """The exchange among each rank's group over ``axes`` only."""
+        return SimScope(self, tuple(axes))
+
     def members(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
         known = self._members.get(tuple(axes))
         if known is None:  # the same for every call on this mesh: built once per axes
@@ -312,3 +316,28 @@ def per_rank(fn: Callable, mesh: Any) -> Callable:
     for _ in mesh.batch_shape:
         fn = torch.func.vmap(fn)
     return fn
+
+
+class SimScope:
+    """:class:`SimDiagnostics` whose summary and exchange span each rank's group over
+    ``axes`` only (a replicas spec's agreement)."""
+
+    def __init__(self, diagnostics: SimDiagnostics, axes: tuple[str, ...]):
+        self._base, self._axes = diagnostics, axes
+
+    def describe(self, op: str, axis: str, reduce: str | None) -> str:
+        return self._base.describe(op, axis, reduce)
+
+    def start_max(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        out = self._base.exchange(t, self._axes).amax(-2)
+        return lambda: out
+
+    def start_exchange(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        out = self._base.exchange(t, self._axes)
+        return lambda: out
+
+    def exchange(self, t: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
+        return self._base.exchange(t, axes)
+
+    def members(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
+        return self._base.members(axes)
