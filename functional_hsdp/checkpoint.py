@@ -34,7 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import validate
-from .diloco import DiLoCoState
+from .diloco import DiLoCoState, pending_tree
 from .dtensor import contiguous_stride
 from .engine import remember_units
 from .layout import unpack_full
@@ -734,17 +734,20 @@ def _diloco(state: DiLoCoState, spec: Any, convert: Callable[[Any, str], Any]) -
     """A DiLoCoState as a dict: its trees (anchor, pending, residual) and outer state
     converted, the step count and each fragment's due step as host values. Nothing is in
     flight between calls (a sync issued with a delay is held averaged in ``pending``), so any
-    step saves. The residual of a compressed sync's error feedback is per rank: a tree at the
-    params' placement, saved like them (one row per replica, each replica's own)."""
+    step saves; ``pending`` is saved whole (:func:`~functional_hsdp.diloco.pending_tree`:
+    zeros where it is Masked), so every step's checkpoint has one structure. The residual of
+    a compressed sync's error feedback is per rank: a tree at the params' placement, saved
+    like them (one row per replica, each replica's own)."""
     out = {
         "anchor": convert(state.anchor, "anchor"),
         "outer": convert(state.outer, "outer"),
         "count": state.count,
         "due": list(state.due),
     }
-    for name in ("pending", "residual"):
-        if getattr(state, name) is not None:
-            out[name] = convert(getattr(state, name), name)
+    trees = {"pending": pending_tree(state), "residual": state.residual}
+    for name, tree in trees.items():
+        if tree is not None:
+            out[name] = convert(tree, name)
     return out
 
 
@@ -761,9 +764,10 @@ def _load_diloco(state: dict, spec: Any, like: DiLoCoState) -> DiLoCoState:
     # the residual (fp32) sits at the params' layout: their dtypes choose its buckets
     kinds = dict(residual=tuple(x.dtype for x in optree.tree_leaves(like.anchor)))
     loaded = dict.fromkeys(("pending", "residual"))
+    likes = {"pending": pending_tree(like), "residual": like.residual}
     for name in trees:
         loaded[name] = _load_tree(
-            state[name], spec, getattr(like, name), name=f"state[{name!r}]", kinds=kinds.get(name)
+            state[name], spec, likes[name], name=f"state[{name!r}]", kinds=kinds.get(name)
         )
     return DiLoCoState(
         anchor=_load_tree(state["anchor"], spec, like.anchor, name="state['anchor']"),

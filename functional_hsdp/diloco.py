@@ -53,7 +53,7 @@ import torch
 from .collectives import pmean
 from .compressed import compressed_all_reduce
 from .lookup import find_layout
-from .matrix import PartitionState, masked
+from .matrix import Masked, PartitionState, masked
 from .mesh import Mesh
 from .optim import GradientTransformation, apply_updates
 from .plan import get_plan
@@ -76,8 +76,12 @@ class DiLoCoState(NamedTuple):
         count: inner steps seen so far (a host int, the same on every rank).
         due: per fragment, the step after which its sync in flight lands (0: none).
         pending: tree like the params: for a fragment in flight, its averaged
-            pseudo-gradient (equal on every replica); zeros elsewhere. None when
-            ``delay == 0`` (nothing is ever in flight between calls).
+            pseudo-gradient (equal on every replica); :class:`Masked` elsewhere, so that
+            only the fragments in flight take memory. None when ``delay == 0`` (nothing is
+            ever in flight between calls). A checkpoint saves it whole (zeros for the
+            Masked leaves, ``functional_hsdp.diloco.pending_tree``); after a load, the next
+            ``update`` masks
+            the leaves of the fragments not in flight again.
         residual: with ``compress=`` and error feedback, tree like the params (fp32, local
             shards): what rounding lost of each rank's part of its fragment's last compressed
             sync, added into the next (per rank: it differs between replicas). None
@@ -497,7 +501,7 @@ class _Step:
     def __init__(self, params: list, state: DiLoCoState, treedef: Any):
         self.like, self.treedef = params, treedef
         self.new, self.anchor = list(params), list(optree.tree_leaves(state.anchor))
-        self.pending = None if state.pending is None else list(optree.tree_leaves(state.pending))
+        self.pending = None if state.pending is None else _pending_leaves(state.pending)
         self.residual = None if state.residual is None else list(optree.tree_leaves(state.residual))
         self.outer, self.due = dict(state.outer.inner), list(state.due)
         self.touched = False
@@ -505,7 +509,7 @@ class _Step:
     def result(self, params: Any, t: int) -> tuple[Any, DiLoCoState]:
         tree = lambda xs: optree.tree_unflatten(self.treedef, xs)  # noqa: E731
         if self.touched:  # the new trees are at the params' placement: tagged so
-            for xs in (self.new, self.anchor, self.pending):
+            for xs in (self.new, self.anchor):  # pending: Masked leaves, tagged when saved
                 if xs is not None:
                     _tag_like(xs, self.like)
             params = tree(self.new)
@@ -581,7 +585,7 @@ class _Outer:
         }
         pending = residual = None
         if self.delay:
-            pending = _zeros(treedef, leaves, dtype=None)
+            pending = optree.tree_unflatten(treedef, [masked(x) for x in leaves])
         if self.compress is not None and treedef in self._cache:  # not for a meta like
             for p in range(n):  # every layout the wire cannot take is refused here
                 self._packing_of(treedef, leaves, of=of, p=p)
@@ -607,8 +611,12 @@ class _Outer:
                 idx = [i for i, f in enumerate(of) if f == p]
                 self._merge(step, of=of, p=p, delta=[step.pending[i] for i in idx])
                 for i in idx:
-                    step.pending[i] = torch.zeros_like(step.pending[i])
+                    step.pending[i] = masked(step.pending[i])
                 step.due[p], step.touched = 0, True
+        if step.pending is not None:  # loaded whole from a checkpoint: mask what is not in flight
+            for i, f in enumerate(of):
+                if not step.due[f] and isinstance(step.pending[i], torch.Tensor):
+                    step.pending[i] = masked(step.pending[i])
         for p, s in enumerate((q + 1) * self.every // n for q in range(n)):
             if t >= s and (t - s) % self.every == 0:
                 self._issue(step, of=of, p=p, t=t)
@@ -695,6 +703,25 @@ def _masked(treedef: Any, leaves: list, *, of: list[int], p: int, like: list) ->
     )
 
 
+def _pending_leaves(pending: Any) -> list:
+    """``pending``'s leaves in tree order, a :class:`Masked` one included."""
+    return optree.tree_leaves(pending, is_leaf=lambda x: isinstance(x, Masked))
+
+
+def pending_tree(state: DiLoCoState) -> Any:
+    """``state.pending`` whole: zeros (like the anchor's leaves, and at their placement) in
+    place of its :class:`Masked` leaves; what a checkpoint saves. None without a delay."""
+    if state.pending is None:
+        return None
+    anchor, treedef = optree.tree_flatten(state.anchor)
+    full = [
+        x if isinstance(x, torch.Tensor) else torch.zeros_like(a)
+        for x, a in zip(_pending_leaves(state.pending), anchor)
+    ]
+    _tag_like(full, anchor)
+    return optree.tree_unflatten(treedef, full)
+
+
 def _tag_like(out: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
     made = result_state(leaves)
     if made is not None:  # the params' placement, kept (as apply_updates does)
@@ -768,6 +795,11 @@ def _check_state(
         raise ValueError(
             "state: was made by another diloco (compress differs: the residual of error "
             f"feedback is {'missing' if feedback else 'there'})"
+        )
+    if state.pending is not None and len(_pending_leaves(state.pending)) != len(leaves):
+        raise ValueError(
+            f"state.pending: {len(_pending_leaves(state.pending))} leaves, the params "
+            f"{len(leaves)}: this state was made for another tree"
         )
     paths = [format_path(x) for x in treedef.paths()]
     for name in ("anchor", "residual"):

@@ -254,6 +254,30 @@ def test_a_replicas_specs_agreement_spans_its_replica_and_still_names_the_rank()
     assert torch.equal(out, torch.ones_like(out))
 
 
+def test_pending_holds_only_the_fragments_in_flight_and_saves_whole():
+    from functional_hsdp.diloco import pending_tree
+
+    spec = fh.hsdp(_mesh(), "dp_outer", "dp_inner")
+    dl = fh.diloco(spec, axis="dp_outer", every=4, outer=fh.sgd(1.0), fragments=2, delay=1)
+    params = fh.shard(full_params(), dl.inner)
+    state = dl.init(params)
+    held = []
+    for _ in range(8):  # fragment 0 issued after steps 2 and 6, fragment 1 after 4 and 8
+        params = {k: v - 0.1 for k, v in params.items()}
+        params, state = dl.update(params, state)
+        held.append(sorted(k for k, v in state.pending.items() if isinstance(v, torch.Tensor)))
+    first, second = sorted(params)[:2], sorted(params)[2:]
+    assert held == [[], first, [], second, [], first, [], second]
+    whole = pending_tree(state)  # what a checkpoint saves: zeros where Masked
+    assert all(torch.equal(whole[k], state.pending[k]) for k in second)
+    assert all(not whole[k].any() and whole[k].shape == params[k].shape for k in first)
+    loaded = state._replace(pending=whole, due=(0, 0))  # a load with nothing in flight
+    _, after = dl.update(params, loaded)
+    assert all(isinstance(v, fh.Masked) for v in after.pending.values())
+    with pytest.raises(ValueError, match="state.pending: 3 leaves, the params 4"):
+        dl.update(params, state._replace(pending={k: whole[k] for k in list(whole)[:3]}))
+
+
 def test_bad_input_names_the_argument():
     mesh = _mesh()
     spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
