@@ -80,8 +80,7 @@ class DiLoCoState(NamedTuple):
             only the fragments in flight take memory. None when ``delay == 0`` (nothing is
             ever in flight between calls). A checkpoint saves it whole (zeros for the
             Masked leaves, ``functional_hsdp.diloco.pending_tree``); after a load, the next
-            ``update`` masks
-            the leaves of the fragments not in flight again.
+            ``update`` masks the leaves of the fragments not in flight again.
         residual: with ``compress=`` and error feedback, tree like the params (fp32, local
             shards): what rounding lost of each rank's part of its fragment's last compressed
             sync, added into the next (per rank: it differs between replicas). None
