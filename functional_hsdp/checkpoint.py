@@ -792,7 +792,7 @@ def _check_maingrad_spec(mg: MainGrad, spec: Any) -> None:
 
 
 def _maingrad_state(mg: MainGrad, spec: Any) -> dict[str, Any]:
-    with validate.agreement(mg.plan.specs or mg.mesh, "state_dict") as agreed:
+    with validate.agreement(mg.plan.specs, "state_dict") as agreed:
         _check_maingrad_spec(mg, spec)
         _device_mesh(mg.mesh)
         grads = mg.grads
@@ -877,7 +877,7 @@ def _load_maingrad(state: dict, spec: Any, mg: MainGrad) -> MainGrad:
         _load_residual(state, mg)
         return mg
     plan = mg.plan
-    with validate.agreement(mg.plan.specs or mg.mesh, "load_state_dict") as agreed:
+    with validate.agreement(mg.plan.specs, "load_state_dict") as agreed:
         _check_maingrad_spec(mg, spec)
         shapes = forms(plan)
         local = _loaded(state.get("grads", {}), plan, shapes, name="state['grads']")

@@ -180,7 +180,11 @@ def _full_bytes(leaves: list, treedef: Any, paths: Sequence[str], *, spec: Any) 
     found = _params_plan(leaves, treedef, paths, spec=spec)
     if found is None:
         return [_bytes(x.shape, x.dtype) for x in leaves]
-    plan = found[0]
+    return _plan_bytes(found[0])
+
+
+def _plan_bytes(plan: Any) -> list[int]:
+    """Each leaf's full bytes, from ``plan``'s shapes and dtypes."""
     return [_bytes(s, d) for s, d in zip(plan.shapes, plan.dtypes)]
 
 
@@ -538,7 +542,7 @@ class _Outer:
         leaves, treedef, paths = flatten(params, "params")
         if treedef not in self._cache and leaves and all(x.is_meta for x in leaves):
             # a like for loading a checkpoint: full shapes (fh.empty_state_dict's like)
-            sizes = [_bytes(x.shape, x.dtype) for x in leaves]
+            sizes = _full_bytes(leaves, treedef, paths, spec=None)
             return (
                 leaves,
                 treedef,
@@ -546,7 +550,7 @@ class _Outer:
             )
         if treedef not in self._cache:
             plan, role = self._plan(leaves, treedef, paths)
-            sizes = [_bytes(s, d) for s, d in zip(plan.shapes, plan.dtypes)]
+            sizes = _plan_bytes(plan)
             self._cache.clear()
             self._packings.clear()
             of_n = _fragments(self.fragments, params, treedef=treedef, paths=paths, sizes=sizes)
@@ -670,10 +674,7 @@ class _Outer:
 
 
 def _bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def _residual_plan(plan: Any, paths: Sequence[str]) -> Any:
@@ -795,12 +796,12 @@ def _check_state(
             "state: was made by another diloco (compress differs: the residual of error "
             f"feedback is {'missing' if feedback else 'there'})"
         )
-    if state.pending is not None and len(_pending_leaves(state.pending)) != len(leaves):
+    held = None if state.pending is None else len(_pending_leaves(state.pending))
+    if held is not None and held != len(leaves):
         raise ValueError(
-            f"state.pending: {len(_pending_leaves(state.pending))} leaves, the params "
-            f"{len(leaves)}: this state was made for another tree"
+            f"state.pending: {held} leaves, the params {len(leaves)}: this state was made "
+            "for another tree"
         )
-    paths = [format_path(x) for x in treedef.paths()]
     for name in ("anchor", "residual"):
         tree = getattr(state, name)
         if tree is None:
@@ -808,8 +809,9 @@ def _check_state(
         got, got_def = optree.tree_flatten(tree)
         if got_def != treedef:
             raise ValueError(structure_error(treedef, tree, f"state.{name}", what="params"))
-        for a, p, path in zip(got, leaves, paths):
-            if a.shape != p.shape:
+        for i, (a, p) in enumerate(zip(got, leaves)):
+            if a.shape != p.shape:  # the path only for the message: not on every call
+                path = format_path(treedef.paths()[i])
                 raise ValueError(
                     f"state.{name}{path}: local shape {tuple(a.shape)}, params{path} "
                     f"{tuple(p.shape)}: this state was made for another spec or tree"

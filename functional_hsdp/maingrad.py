@@ -249,7 +249,7 @@ class MainGrad:
         plan, mesh = self.plan, self.mesh
         leaves, treedef, paths = flatten(grads, "grads")
         refuse_vmap(leaves, "MainGrad.accumulate")
-        with validate.agreement(plan.specs or mesh, "MainGrad.accumulate") as agreed:
+        with validate.agreement(plan.specs, "MainGrad.accumulate") as agreed:
             refuse_tracked(leaves, paths, "MainGrad.accumulate")
             check_bool("last", last, " (True on the final microbatch)")
             check_bool("check_finite", check_finite)
@@ -357,7 +357,7 @@ class MainGrad:
         declare = functools.partial(self._declare, last)
         if validate.current_mode() == "strict":  # every declaration, at once
             validate.agree_on_unit_collective(
-                self.plan.specs or self.mesh,
+                self.plan.specs,
                 self.plan,
                 what="MainGrad.begin_microbatch",
                 paths=paths_of(self.plan.treedef, "grads"),
@@ -384,7 +384,7 @@ class MainGrad:
         add): for gradients that :func:`~functional_hsdp.gathered` units with ``into=self``
         added during backward. The reductions already issued in that backward (see
         :meth:`begin_microbatch`) are only waited for. Every rank must call it."""
-        with validate.agreement(self.plan.specs or self.mesh, "MainGrad.finish") as agreed:
+        with validate.agreement(self.plan.specs, "MainGrad.finish") as agreed:
             if self._state == "final":
                 raise ValueError("MainGrad.finish: the step is finished already; call zero_grad()")
             if self._empty:
@@ -792,7 +792,7 @@ class _Units:
         error starting with ``where``. ``local``: this rank's own checks, run first inside
         the agreement (a rank whose checks fail tells the others). Every rank must call it."""
         mg = self._mg
-        with validate.agreement(mg.plan.specs or mg.mesh, where) as agreed:
+        with validate.agreement(mg.plan.specs, where) as agreed:
             if local is not None:
                 local()
             agreed.check(mg.plan, paths_of(mg.plan.treedef, "grads"), units=True)

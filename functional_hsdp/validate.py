@@ -123,7 +123,6 @@ __all__ = [
     "agreement_in_mode",
     "current_mode",
     "fingerprint",
-    "mesh_of",
     "nonfinite_index",
     "unit_log",
     "validation",
@@ -298,20 +297,17 @@ def _dp_axes(plan: Any) -> tuple[str, ...]:
     return plan.dp_axes
 
 
-def mesh_of(spec: Any) -> Any:
-    """The mesh of a Spec or of the first Spec of a spec tree, or ``spec`` itself if it is a
-    mesh (None if there is none)."""
+def _specs(spec: Any) -> list:
+    """The Specs of a Spec or spec tree (none if ``spec`` is neither)."""
     from .spec import Spec
 
-    if hasattr(spec, "diagnostics"):
-        return spec
     if isinstance(spec, Spec):
-        return spec.mesh
+        return [spec]
     try:
         leaves = optree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, Spec))
     except Exception:  # not even a pytree: the caller's own check names the problem
-        return None
-    return next((x.mesh for x in leaves if isinstance(x, Spec)), None)
+        return []
+    return [x for x in leaves if isinstance(x, Spec)]
 
 
 class Within(NamedTuple):
@@ -326,21 +322,19 @@ class Within(NamedTuple):
     diagnostics: Any
 
 
-def within(mesh: Any, spec: Any) -> Any:
-    """The mesh an agreement on ``spec`` spans: ``mesh`` itself, or, where every Spec of
-    ``spec`` has replica axes, a :class:`Within` of the other axes. Replicas train apart
-    between syncs (they may even be at different steps), so their calls agree within a
-    replica, and no message of it crosses a replica axis."""
-    from .spec import Spec
-
-    if mesh is None or not hasattr(mesh, "axis_names"):
-        return mesh
-    try:
-        specs = optree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, Spec))
-    except Exception:  # not a pytree: the caller's own check names the problem
-        return mesh
-    specs = [x for x in specs if isinstance(x, Spec)]
-    apart = set.intersection(*(set(x.replica_axes) for x in specs)) if specs else set()
+def within(spec: Any) -> Any:
+    """The mesh an agreement on ``spec`` spans (None if it names none): ``spec`` itself if
+    it is a mesh; the mesh of its Specs; or, where every Spec of ``spec`` has replica axes,
+    a :class:`Within` of the mesh's other axes. Replicas train apart between syncs (they may
+    even be at different steps), so their calls agree within a replica, and no message of
+    it crosses a replica axis."""
+    if hasattr(spec, "diagnostics"):
+        return spec
+    specs = _specs(spec)
+    if not specs:
+        return None
+    mesh = specs[0].mesh
+    apart = set.intersection(*(set(x.replica_axes) for x in specs))
     if not apart:
         return mesh
     axes = tuple(a for a in mesh.axis_names if a not in apart)
@@ -447,8 +441,8 @@ def agreement(spec: Any, call: str) -> contextlib.AbstractContextManager[Agreeme
 def agreement_in_mode(spec: Any, call: str, mode: str) -> Iterator[Agreement]:
     """:func:`agreement` in the validation mode ``mode`` (the caller's :func:`current_mode`,
     read where the call was made: a call that may run in a backward is handed it)."""
-    mesh = mesh_of(spec)
-    agreed = Agreement(within(mesh, spec), call, mode)
+    mesh = within(spec)  # the mesh, or the part of it a replicas spec agrees over
+    agreed = Agreement(mesh, call, mode)
     try:
         yield agreed
     except _LOCAL_ERRORS as exc:

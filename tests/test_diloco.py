@@ -242,10 +242,11 @@ def test_a_replicas_specs_agreement_spans_its_replica_and_still_names_the_rank()
 
     mesh = _mesh()
     inner = fh.replicas(fh.hsdp(mesh, "dp_outer", "dp_inner"), "dp_outer")
-    scope = validate.within(mesh, inner)
+    scope = validate.within(inner)
     assert (scope.axis_names, scope.sizes, scope.batch_shape) == (("dp_inner",), (2,), (2, 2))
-    assert validate.within(mesh, fh.hsdp(mesh, "dp_outer", "dp_inner")) is mesh
-    assert validate.within(mesh, mesh) is mesh
+    assert validate.within(fh.hsdp(mesh, "dp_outer", "dp_inner")) is mesh
+    assert validate.within(mesh) is mesh
+    assert validate.within({"a": inner, "b": fh.hsdp(mesh, "dp_outer", "dp_inner")}) is mesh
     g = {"w": torch.ones(2, 2, 8, 4)}
     g["w"][1, 0, 3, 1] = float("nan")
     with pytest.raises(ValueError, match=r"\['w'\]: holds NaN or Inf on rank \(1, 0\)"):
@@ -315,6 +316,9 @@ def test_bad_input_names_the_argument():
         packed.update(params, plain.init(params))
     with pytest.raises(ValueError, match="compress differs: the residual .* is there"):
         plain.update(params, packed.init(params))
+    cut = plain.init(params)._replace(anchor={k: v[..., :1] for k, v in params.items()})
+    with pytest.raises(ValueError, match=r"state.anchor\['0.bias'\]: local shape \(2, 2, 1\)"):
+        plain.update(params, cut)
     bad = {"0.bias": 0, "0.weight": 1, "2.bias": 3, "2.weight": 0}
     with pytest.raises(ValueError, match=r"fragments\['2.bias'\]: label 3 is out of range"):
         fh.diloco(spec, axis="dp_outer", every=2, outer=outer, fragments=bad).init(params)

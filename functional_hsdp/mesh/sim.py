@@ -248,6 +248,7 @@ class SimDiagnostics:
     def __init__(self, mesh: SimMesh):
         self._mesh = mesh
         self._members: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
+        self._within: dict[tuple[str, ...], SimScope] = {}
 
     def describe(self, op: str, axis: str, reduce: str | None) -> str:
         return "einops"
@@ -279,8 +280,11 @@ class SimDiagnostics:
         return out.contiguous()
 
     def within(self, axes: tuple[str, ...]) -> SimScope:
-        """The exchange among each rank's group over ``axes`` only."""
-        return SimScope(self, tuple(axes))
+        """The exchange among each rank's group over ``axes`` only (made once per axes)."""
+        scope = self._within.get(tuple(axes))
+        if scope is None:
+            scope = self._within[tuple(axes)] = SimScope(self, tuple(axes))
+        return scope
 
     def members(self, axes: tuple[str, ...]) -> list[tuple[str, ...]]:
         known = self._members.get(tuple(axes))
