@@ -732,12 +732,13 @@ def _load_fields(state: dict, spec: Any, like: Any, *, name: str) -> Any:
 
 def _diloco(state: DiLoCoState, spec: Any, convert: Callable[[Any, str], Any]) -> dict[str, Any]:
     """A DiLoCoState as a dict: its trees (anchor, pending, residual) and outer state
-    converted, the step count and each fragment's due step as host values. Nothing is in
-    flight between calls (a sync issued with a delay is held averaged in ``pending``), so any
-    step saves; ``pending`` is saved whole (:func:`~functional_hsdp.diloco.pending_tree`:
-    zeros where it is Masked), so every step's checkpoint has one structure. The residual of
-    a compressed sync's error feedback is per rank: a tree at the params' placement, saved
-    like them (one row per replica, each replica's own)."""
+    converted, the step count and each fragment's due step as host values. A sync in flight
+    (``state.flight``) is waited for and saved averaged in ``pending`` (the update where it
+    lands gets the same tensors), so any step saves; ``pending`` is saved whole
+    (:func:`~functional_hsdp.diloco.pending_tree`: zeros where it is Masked), so every
+    step's checkpoint has one structure, and the state it loads into has nothing in
+    flight. The residual of a compressed sync's error feedback is per rank: a tree at the
+    params' placement, saved like them (one row per replica, each replica's own)."""
     out = {
         "anchor": convert(state.anchor, "anchor"),
         "outer": convert(state.outer, "outer"),

@@ -82,6 +82,23 @@ def pmean(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> A
     return _differentiable_reduce(tree, spec, "pmean")
 
 
+def start_pmean(
+    tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0, name: str = "tree"
+) -> Any:
+    """:func:`pmean` issued, not waited for: an :class:`~functional_hsdp.engine.InFlight`
+    whose ``result()`` is :func:`pmean`'s tree. The call agrees across ranks as
+    :func:`pmean` does, before its first collective (under ``validation("off")`` it waits
+    for nobody), then issues one all-reduce per bucket and returns with them in flight;
+    ``result()`` waits for them. Not differentiable: ``tree``'s leaves must not be tracked.
+    DiLoCo's delayed syncs overlap the inner steps with it. ``name``: the tree's name in
+    errors."""
+    spec = _axis_spec(mesh, axis, target="replicate", op="avg", bucket_cap_mb=bucket_cap_mb)
+    mode = validate.current_mode()
+    return engine.reduce(
+        tree, spec, last=True, acc=None, name=name, call="pmean", mode=mode, wait=False
+    )
+
+
 def psum_scatter(
     tree: Any, axis: str, mesh: Mesh, *, op: str = "sum", bucket_cap_mb: float = 25.0
 ) -> Any:

@@ -24,10 +24,23 @@ land (after t + tau)   ``updates, s = outer.update(delta, s, anchor)``;
 
 At one step, syncs landing there are merged before the syncs issued there read the params.
 The inner optimizer's state stays per replica, untouched by syncs. The pseudo-gradient's
-reduction goes through one function, :func:`_reduce_pseudo_gradient`. A sync issued with
-``delay > 0`` is reduced when issued and held, averaged, in the state until it lands: the
-state is a pytree of tensors and host ints at every step, which
-:func:`~functional_hsdp.state_dict` saves (resharded like AdamW's moments).
+reduction goes through one function, :func:`_reduce_pseudo_gradient`.
+
+A sync issued with ``delay > 0`` overlaps the next ``delay`` inner steps: its all-reduces
+are issued (:func:`~functional_hsdp.collectives.start_pmean`) and ``update`` returns at
+once; the state holds them in flight (``DiLoCoState.flight``: one :class:`SyncInFlight` per
+fragment in flight), and the ``update`` where the sync lands waits for them: the transfer
+runs while the next ``delay`` inner steps compute. Before its collectives the sync agrees
+across the whole mesh, as every call does (the replicas issue the same sync of the same
+tree, else every rank raises a ``ValueError`` naming the difference: mismatched
+collectives would abort gloo and hang NCCL), in a few small host messages; so a replica
+that reaches the issue first waits there for the others' summaries, not for the transfer.
+Under ``fh.validation("off")`` the issue waits for nobody, and a replica that is late by
+less than ``delay`` steps delays no other. :func:`~functional_hsdp.state_dict` waits for
+what is in flight and saves it averaged in ``pending`` (resharded like AdamW's moments), so
+a checkpoint at any step loads into a state with nothing in flight that lands alike. A
+compressed sync (``compress=``) is two dependent collectives with a sum between them: it
+is reduced when issued and held, averaged, in ``pending`` until it lands.
 
 With ``compress=fh.compress(...)`` the pseudo-gradient travels compressed
 (:func:`~functional_hsdp.compressed_all_reduce`: one all-to-all and one all-gather per
@@ -50,7 +63,7 @@ import numpy as np
 import optree
 import torch
 
-from .collectives import pmean
+from .collectives import pmean, start_pmean
 from .compressed import compressed_all_reduce
 from .lookup import find_layout
 from .matrix import Masked, PartitionState, masked
@@ -62,7 +75,7 @@ from .spec import Spec, replicas
 from .tags import result_state, tag
 from .tree import flatten, format_path, structure_error
 
-__all__ = ["DiLoCo", "DiLoCoState", "balanced_fragments", "diloco", "sync_steps"]
+__all__ = ["DiLoCo", "DiLoCoState", "SyncInFlight", "balanced_fragments", "diloco", "sync_steps"]
 
 
 class DiLoCoState(NamedTuple):
@@ -75,16 +88,22 @@ class DiLoCoState(NamedTuple):
             (labels ``"0"``, ``"1"``, ...; other fragments' leaves :class:`Masked`).
         count: inner steps seen so far (a host int, the same on every rank).
         due: per fragment, the step after which its sync in flight lands (0: none).
-        pending: tree like the params: for a fragment in flight, its averaged
-            pseudo-gradient (equal on every replica); :class:`Masked` elsewhere, so that
-            only the fragments in flight take memory. None when ``delay == 0`` (nothing is
-            ever in flight between calls). A checkpoint saves it whole (zeros for the
-            Masked leaves, ``functional_hsdp.diloco.pending_tree``); after a load, the next
-            ``update`` masks the leaves of the fragments not in flight again.
+        pending: tree like the params: for a fragment whose sync was reduced but has not
+            landed (a compressed sync, or any sync in a state loaded from a checkpoint),
+            its averaged pseudo-gradient (equal on every replica); :class:`Masked`
+            elsewhere (a sync in ``flight`` too), so that only what is held takes memory.
+            None when ``delay == 0`` (nothing is ever in flight between calls). A
+            checkpoint saves it whole (the syncs in flight waited for, zeros for the other
+            Masked leaves: ``functional_hsdp.diloco.pending_tree``); after a load, the next
+            ``update`` masks the leaves of the fragments not due again.
         residual: with ``compress=`` and error feedback, tree like the params (fp32, local
             shards): what rounding lost of each rank's part of its fragment's last compressed
             sync, added into the next (per rank: it differs between replicas). None
             otherwise.
+        flight: per fragment, its sync in flight (a :class:`SyncInFlight`: host objects,
+            not tensors; the ``update`` where it lands waits for it), or None; ``()``: none
+            anywhere. A sync is in flight from its issue to its landing when ``delay > 0``
+            and it is not compressed; checkpoints wait for it and save it in ``pending``.
     """
 
     anchor: Any
@@ -93,6 +112,33 @@ class DiLoCoState(NamedTuple):
     due: tuple[int, ...]
     pending: Any
     residual: Any = None
+    flight: tuple = ()
+
+
+class SyncInFlight:
+    """One fragment's delayed sync in flight (an entry of ``DiLoCoState.flight``): its
+    all-reduces issued (:func:`~functional_hsdp.collectives.start_pmean`), waited for by
+    :meth:`result` once (the update where it lands, or a checkpoint, whichever comes first:
+    both get the same tensors).
+
+    Attributes:
+        fragment: the fragment's index.
+        leaves: the fragment's leaves (indices in the params' tree order).
+    """
+
+    __slots__ = ("fragment", "leaves", "_keys", "_reduction")
+
+    def __init__(self, fragment: int, leaves: tuple[int, ...], *, keys: tuple, reduction: Any):
+        self.fragment, self.leaves, self._keys, self._reduction = fragment, leaves, keys, reduction
+
+    def result(self) -> list[torch.Tensor]:
+        """The fragment's averaged pseudo-gradient, one tensor per leaf of ``leaves``."""
+        out = self._reduction.result()
+        return [out[k] for k in self._keys]
+
+    def __repr__(self) -> str:
+        how = "waited" if self._reduction.done else "in flight"
+        return f"SyncInFlight(fragment={self.fragment}, {len(self.leaves)} leaves, {how})"
 
 
 def sync_steps(every: int, fragments: int, steps: int) -> list[list[int]]:
@@ -507,6 +553,7 @@ class _Step:
         self.pending = None if state.pending is None else _pending_leaves(state.pending)
         self.residual = None if state.residual is None else list(optree.tree_leaves(state.residual))
         self.outer, self.due = dict(state.outer.inner), list(state.due)
+        self.flight = list(state.flight) or [None] * len(self.due)
         self.touched = False
 
     def result(self, params: Any, t: int) -> tuple[Any, DiLoCoState]:
@@ -523,6 +570,7 @@ class _Step:
             due=tuple(self.due),
             pending=None if self.pending is None else tree(self.pending),
             residual=None if self.residual is None else tree(self.residual),
+            flight=tuple(self.flight) if any(self.flight) else (),
         )
         return params, state
 
@@ -554,14 +602,15 @@ class _Outer:
             self._cache.clear()
             self._packings.clear()
             of_n = _fragments(self.fragments, params, treedef=treedef, paths=paths, sizes=sizes)
-            self._cache[treedef] = (*of_n, plan, role, _residual_plan(plan, paths))
+            residual_plan = _residual_plan(plan, paths)
+            self._cache[treedef] = (*of_n, plan, role, residual_plan, tuple(paths))
         return leaves, treedef, *self._cache[treedef][:2]
 
     def _packing_of(self, treedef: Any, leaves: list, *, of: list[int], p: int) -> _Packing:
         """Fragment ``p``'s :class:`_Packing` (made by ``init``, or at the first sync)."""
         key = (treedef, p)
         if key not in self._packings:
-            plan, role, _ = self._cache[treedef][2:]
+            plan, role = self._cache[treedef][2:4]
             members = [i for i, f in enumerate(of) if f == p]
             self._packings[key] = _packing(plan, leaves, role=role, members=members)
         return self._packings[key]
@@ -611,11 +660,11 @@ class _Outer:
         t, step = state.count + 1, _Step(leaves, state, treedef)
         for p in range(n):  # syncs issued tau steps ago land first
             if step.due[p] == t:
-                idx = [i for i, f in enumerate(of) if f == p]
-                self._merge(step, of=of, p=p, delta=[step.pending[i] for i in idx])
-                for i in idx:
-                    step.pending[i] = masked(step.pending[i])
-                step.due[p], step.touched = 0, True
+                self._merge(step, of=of, p=p, delta=_landed(step, of=of, p=p, t=t))
+                for i, f in enumerate(of):
+                    if f == p and isinstance(step.pending[i], torch.Tensor):
+                        step.pending[i] = masked(step.pending[i])
+                step.due[p], step.flight[p], step.touched = 0, None, True
         if step.pending is not None:  # loaded whole from a checkpoint: mask what is not in flight
             for i, f in enumerate(of):
                 if not step.due[f] and isinstance(step.pending[i], torch.Tensor):
@@ -632,12 +681,22 @@ class _Outer:
         """Tag the residual at the params' layout in fp32 (:func:`_residual_plan`), where
         :func:`~functional_hsdp.state_dict` finds and saves it (not for a meta ``like``)."""
         if treedef in self._cache:
-            _, _, _, role, plan = self._cache[treedef]
+            role, plan = self._cache[treedef][3:5]
             tag(optree.tree_leaves(residual), plan, role, kind="weights")
 
     def _issue(self, step: _Step, *, of: list[int], p: int, t: int) -> None:
         idx = [i for i, f in enumerate(of) if f == p]
         local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
+        if self.delay and self.compress is None:  # in flight until it lands
+            paths = self._cache[step.treedef][5]  # named so, a difference names its leaf
+            named = {paths[i]: x for i, x in zip(idx, local)}
+            reduction = start_pmean(
+                named, self.axis, self.mesh, bucket_cap_mb=_CAP_MB, name="pseudo_gradient"
+            )
+            keys = tuple(paths[i] for i in idx)
+            step.flight[p] = SyncInFlight(p, tuple(idx), keys=keys, reduction=reduction)
+            step.due[p], step.touched = t + self.delay, True
+            return
         compressed = dict(packing=None, residual=None)
         if self.compress is not None:
             compressed["packing"] = self._packing_of(step.treedef, step.like, of=of, p=p)
@@ -703,21 +762,40 @@ def _masked(treedef: Any, leaves: list, *, of: list[int], p: int, like: list) ->
     )
 
 
+def _landed(step: _Step, *, of: list[int], p: int, t: int) -> list[torch.Tensor]:
+    """Fragment ``p``'s averaged pseudo-gradient, landing after step ``t``: its sync in
+    flight, waited for now, or (a compressed sync, a state loaded from a checkpoint) what
+    ``pending`` holds."""
+    if step.flight[p] is not None:
+        return step.flight[p].result()
+    held = [step.pending[i] for i, f in enumerate(of) if f == p]
+    if any(isinstance(x, Masked) for x in held):
+        raise ValueError(
+            f"state: fragment {p}'s sync lands after step {t}, but it is neither in flight "
+            "(state.flight) nor held (state.pending): this state lost it (a state from a "
+            "checkpoint holds it in pending; build states with init, update and load_state_dict)"
+        )
+    return held
+
+
 def _pending_leaves(pending: Any) -> list:
     """``pending``'s leaves in tree order, a :class:`Masked` one included."""
     return optree.tree_leaves(pending, is_leaf=lambda x: isinstance(x, Masked))
 
 
 def pending_tree(state: DiLoCoState) -> Any:
-    """``state.pending`` whole: zeros (like the anchor's leaves, and at their placement) in
-    place of its :class:`Masked` leaves; what a checkpoint saves. None without a delay."""
+    """``state.pending`` whole: the syncs in flight waited for and in their place, zeros
+    (like the anchor's leaves, and at their placement) in place of the other
+    :class:`Masked` leaves; what a checkpoint saves. None without a delay."""
     if state.pending is None:
         return None
     anchor, treedef = optree.tree_flatten(state.anchor)
-    full = [
-        x if isinstance(x, torch.Tensor) else torch.zeros_like(a)
-        for x, a in zip(_pending_leaves(state.pending), anchor)
-    ]
+    held = _pending_leaves(state.pending)
+    for sync in state.flight:  # waited for now (the update where it lands reuses it)
+        if sync is not None:  # copies: views of the reduction's buckets carry its placement
+            for i, x in zip(sync.leaves, sync.result()):
+                held[i] = x.clone()
+    full = [x if isinstance(x, torch.Tensor) else torch.zeros_like(a) for x, a in zip(held, anchor)]
     _tag_like(full, anchor)
     return optree.tree_unflatten(treedef, full)
 
@@ -795,6 +873,14 @@ def _check_state(
         raise ValueError(
             "state: was made by another diloco (compress differs: the residual of error "
             f"feedback is {'missing' if feedback else 'there'})"
+        )
+    if state.flight and (
+        len(state.flight) != n
+        or any(x is not None and not isinstance(x, SyncInFlight) for x in state.flight)
+    ):
+        raise ValueError(
+            f"state.flight: expected {n} entries (None or a SyncInFlight, per fragment); "
+            f"got {state.flight!r}"
         )
     held = None if state.pending is None else len(_pending_leaves(state.pending))
     if held is not None and held != len(leaves):

@@ -43,6 +43,7 @@ from .tree import (
 __all__ = [
     "AT",
     "DEFERRED",
+    "InFlight",
     "Residual",
     "finish",
     "move",
@@ -221,12 +222,19 @@ def reduce(
     mode: str,
     units: bool = False,
     residual: Any = None,
+    wait: bool = True,
 ) -> Any:
     """One microbatch: reduce ``grads`` (at role ``at``), add ``acc``, finish on ``last``.
     ``mode``: the validation mode, read by the public call (``validate.current_mode()``), or
     handed to a backward by its forward (psum, pmean). ``units``: see ``Agreement.check``.
     On the last microbatch of a spec with ``outer_compress``: ``(result, new residual)``,
-    ``residual`` the previous one (see :func:`~functional_hsdp.reduce_grads`)."""
+    ``residual`` the previous one (see :func:`~functional_hsdp.reduce_grads`).
+    ``wait=False`` (``last=True``, no ``acc``, no compression): the call agrees as any
+    (settled before its first collective: ranks that differ would issue mismatched
+    collectives, which gloo aborts on and NCCL hangs on), issues the collectives and returns
+    an :class:`InFlight` without waiting for them; its ``result()`` waits."""
+    if not wait and (last is not True or acc is not None or residual is not None):
+        raise TypeError(f"{call}: wait=False is for a last reduction without acc or residual")
     leaves, treedef, paths = flatten(grads, name)
     refuse_vmap(leaves, call)
     with validate.agreement_in_mode(spec, call, mode) as agreed:  # a local error: all raise
@@ -236,10 +244,7 @@ def reduce(
         if at not in AT:
             raise ValueError(f"{call}: at must be 'input' or 'gradient'; got {at!r}")
         if not leaves:
-            resolve_specs(spec, treedef, name)
-            if acc is not None and optree.tree_structure(acc) != treedef:
-                raise structure_error(treedef, acc, "acc", what=name)
-            return optree.tree_unflatten(treedef, [])
+            return _no_leaves(spec, treedef, acc=acc, name=name)
         plan = _input_plan(grads, leaves, treedef, paths=paths, spec=spec, at=at, name=name)
         compressing, store = _residual_in(plan, residual, treedef, last=last, name=name)
         legs: list = [("input", "gradient")] if at == "input" else []
@@ -252,12 +257,66 @@ def reduce(
         options = (f"check_finite={check_finite}", f"at={at}")
         check = dict(last=last, options=options, nonfinite=nonfinite, defer=True, units=units)
         agreed.check(plan, paths, **check)
-    out_role = "optimizer" if last else "gradient"
     pending = start(plan, source, legs, gate=agreed.settle, residual=store)
-    out, bufs = finish(plan, pending, out_role)
-    tag(out, plan, out_role, kind="final" if last else "accumulating", bufs=None if last else bufs)
-    result = optree.tree_unflatten(treedef, out)
+    flight = InFlight(plan, pending, treedef, last=last)
+    if not wait:
+        return flight
+    result = flight.result()
     return _residual_out(plan, result, store=store, treedef=treedef) if compressing else result
+
+
+def _no_leaves(spec: Any, treedef: Any, *, acc: Any, name: str) -> Any:
+    """A reduction of a tree without leaves: checked, and returned empty."""
+    resolve_specs(spec, treedef, name)
+    if acc is not None and optree.tree_structure(acc) != treedef:
+        raise structure_error(treedef, acc, "acc", what=name)
+    return optree.tree_unflatten(treedef, [])
+
+
+class InFlight:
+    """A reduction issued and not yet waited for (what :func:`reduce` with ``wait=False``
+    returns): its agreement settled, its collectives in flight (on a SimMesh, done).
+    :meth:`result` waits for them and unpacks, once: a second call returns the same tree
+    (or raises the same error). ``last``: the leaves are final, at the optimizer placement
+    (else accumulating, at the gradient placement).
+
+    Its owner keeps it where the result will be needed (DiLoCo's state holds the syncs in
+    flight); dropping it unwaited leaks nothing (a functional collective's result is
+    released by its finalizer, a c10d one by its backend when it completes)."""
+
+    __slots__ = ("plan", "_pending", "_treedef", "_last", "_out", "_error")
+
+    def __init__(self, plan: Plan, pending: list[Any], treedef: Any, *, last: bool):
+        self.plan, self._pending, self._treedef, self._last = plan, pending, treedef, last
+        self._out: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`result` has run (the collectives were waited for)."""
+        return self._pending is None
+
+    def result(self) -> Any:
+        """The reduced tree, its leaves tagged with their placement."""
+        if self._error is not None:
+            raise self._error
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            role = "optimizer" if self._last else "gradient"
+            try:
+                out, bufs = finish(self.plan, pending, role)
+            except BaseException as exc:
+                release(self.plan, pending)
+                self._error = exc
+                raise
+            kept = None if self._last else bufs
+            tag(out, self.plan, role, kind="final" if self._last else "accumulating", bufs=kept)
+            self._out = optree.tree_unflatten(self._treedef, out)
+        return self._out
+
+    def __repr__(self) -> str:
+        n, how = len(self.plan.buckets), "waited" if self.done else "in flight"
+        return f"InFlight({n} bucket{'s' if n != 1 else ''}, {how})"
 
 
 def _residual_out(plan: Plan, result: Any, *, store: Residual | None, treedef: Any) -> tuple:

@@ -573,9 +573,11 @@ def _decide(
     if bool((units != units[:, :1]).any()):  # every rank must have run the same units
         raise ValueError(_units_message(mesh, fp.header[0], log or UnitLog()))
     if not _agree_within(mesh, dp, tables[..., _WHOLE]):  # the layout, per data-parallel group
-        dp_tables = _gather(mesh, dp, local)
+        # the longest tree of any rank: every exchange spans the whole mesh, so its rows
+        # must be equally long on every rank, not only within a group
+        n = int(tables[..., _COUNT].max())
         members = mesh.diagnostics.members(dp)
-        raise ValueError(_explain(mesh, dp, fp, tables=dp_tables, names=members))
+        raise ValueError(_explain(mesh, dp, fp, n=n, names=members))
     bad = tables[..., _NONFINITE]
     if bool((bad >= 0).any()):
         i = int(bad[bad >= 0].min())
@@ -740,11 +742,11 @@ def _table(mesh: Any, out: torch.Tensor) -> torch.Tensor:
     return out.reshape(-1, *out.shape[-2:])
 
 
-def _explain(mesh, axes, fp: Fingerprint, *, tables: torch.Tensor, names) -> str:
-    """The error message for differing fingerprints (more exchanges, all ranks alike)."""
+def _explain(mesh, axes, fp: Fingerprint, *, n: int, names) -> str:
+    """The error message for differing fingerprints (more exchanges, all ranks alike):
+    ``n``, the most leaves any rank of the mesh has."""
     tail = _TAIL
     # the first leaf whose digests differ, over the longest tree of any rank
-    n = int(tables[..., _COUNT].max())
     mine = torch.tensor(fp.leaf_digests(n), dtype=torch.int64)
     digests = _gather(mesh, axes, mine.expand(*mesh.batch_shape, 2 * n))
     differs = (digests != digests[:, :1]).any(1).any(0)
@@ -781,16 +783,16 @@ def _leaf_message(i: int, texts: list[list[str]], names) -> str:
 
 
 def _gather_text(mesh, axes, text: str) -> list[list[str]]:
-    """Every group member's ``text`` (one list per local table)."""
+    """Every group member's ``text`` (one list per local table). The rows are as long as
+    the longest text of the whole mesh, which every exchange spans (a group's longest would
+    differ between groups, and gloo aborts on rows of other lengths)."""
     data = list(text.encode())
-    lengths = _gather(mesh, axes, torch.tensor([len(data)]).expand(*mesh.batch_shape, 1))
+    every = tuple(mesh.axis_names)
+    lengths = _gather(mesh, every, torch.tensor([len(data)]).expand(*mesh.batch_shape, 1))
     width = max(int(lengths.max()), 1)
     padded = torch.tensor(data + [0] * (width - len(data)), dtype=torch.int64)
     rows = _gather(mesh, axes, padded.expand(*mesh.batch_shape, width))
-    return [
-        [bytes(r[: int(n)].tolist()).decode() for r, n in zip(table, table_lengths[:, 0])]
-        for table, table_lengths in zip(rows, lengths)
-    ]
+    return [[bytes(r.tolist()).rstrip(b"\0").decode() for r in table] for table in rows]
 
 
 def _unique(items) -> list:

@@ -255,26 +255,43 @@ def test_a_replicas_specs_agreement_spans_its_replica_and_still_names_the_rank()
     assert torch.equal(out, torch.ones_like(out))
 
 
-def test_pending_holds_only_the_fragments_in_flight_and_saves_whole():
-    from functional_hsdp.diloco import pending_tree
+def test_a_delayed_sync_is_in_flight_until_it_lands_and_saves_whole():
+    from functional_hsdp.diloco import SyncInFlight, pending_tree
 
     spec = fh.hsdp(_mesh(), "dp_outer", "dp_inner")
     dl = fh.diloco(spec, axis="dp_outer", every=4, outer=fh.sgd(1.0), fragments=2, delay=1)
     params = fh.shard(full_params(), dl.inner)
     state = dl.init(params)
-    held = []
+    flying, held, states = [], [], []
     for _ in range(8):  # fragment 0 issued after steps 2 and 6, fragment 1 after 4 and 8
-        params = {k: v - 0.1 for k, v in params.items()}
+        params = {k: v - 0.1 * torch.arange(1.0, 3.0).view(2, 1, 1) for k, v in params.items()}
         params, state = dl.update(params, state)
-        held.append(sorted(k for k, v in state.pending.items() if isinstance(v, torch.Tensor)))
+        flying.append([s.fragment for s in state.flight if s is not None])
+        held.append([k for k, v in state.pending.items() if isinstance(v, torch.Tensor)])
+        states.append((params, state))
+    assert flying == [[], [0], [], [1], [], [0], [], [1]]
+    assert held == [[]] * 8  # a sync in flight holds its buckets only, not pending leaves
     first, second = sorted(params)[:2], sorted(params)[2:]
-    assert held == [[], first, [], second, [], first, [], second]
-    whole = pending_tree(state)  # what a checkpoint saves: zeros where Masked
-    assert all(torch.equal(whole[k], state.pending[k]) for k in second)
+    sync = state.flight[1]
+    assert isinstance(sync, SyncInFlight) and "in flight" in repr(sync)
+    whole = pending_tree(state)  # what a checkpoint saves: the sync waited for, zeros elsewhere
+    assert "waited" in repr(sync) and sync.leaves == (2, 3)
+    assert all(torch.equal(whole[k], x) for k, x in zip(second, sync.result()))
+    assert all(whole[k].abs().sum() > 0 for k in second)
     assert all(not whole[k].any() and whole[k].shape == params[k].shape for k in first)
-    loaded = state._replace(pending=whole, due=(0, 0))  # a load with nothing in flight
-    _, after = dl.update(params, loaded)
+    # a state loaded from it (nothing in flight, the sync held in pending) lands alike
+    params6, state6 = states[5]  # fragment 0 issued after step 6, lands after step 7
+    loaded = state6._replace(pending=pending_tree(state6), flight=())
+    step7 = {k: v - 0.1 * torch.arange(1.0, 3.0).view(2, 1, 1) for k, v in params6.items()}
+    live, _ = dl.update(step7, state6)
+    again, after = dl.update(step7, loaded)
+    assert all(torch.equal(live[k], again[k]) for k in params)
+    assert not all(torch.equal(live[k], step7[k]) for k in first)  # it did land
     assert all(isinstance(v, fh.Masked) for v in after.pending.values())
+    with pytest.raises(ValueError, match="fragment 0's sync lands after step 7, but it is neither"):
+        dl.update(step7, state6._replace(flight=()))  # in flight, then dropped
+    with pytest.raises(ValueError, match="state.flight: expected 2 entries"):
+        dl.update(step7, state6._replace(flight=(None,)))
     with pytest.raises(ValueError, match="state.pending: 3 leaves, the params 4"):
         dl.update(params, state._replace(pending={k: whole[k] for k in list(whole)[:3]}))
 

@@ -473,3 +473,94 @@ def test_the_residual_of_mixed_dtype_params_checkpoints_in_fp32(pool, tmp_path):
     results = pool.run(_mixed_dtypes, str(tmp_path))
     assert all(same for same, _ in results)
     assert all(sum(x[k] for _, x in results) > 0 for k in range(5))  # something was kept
+
+
+# -- a delayed sync overlaps the inner steps ---------------------------------------------------
+
+LATE = 1.0  # seconds replica 1 reaches the sync after replica 0
+
+
+def _raw_grads(t: int, o: int, i: int) -> dict:
+    """Step ``t``'s gradient on rank ``(o, i)``, full shapes: the replicas diverge."""
+    return {k: (o + 1) * (1 + 0.5 * i) * t * torch.linspace(-1, 1, v.numel()).view(v.shape)
+            for k, v in full_params().items()}  # fmt: skip
+
+
+def _late_loop(mesh, *, delay: int, late: float, coords, steps: int = 3) -> tuple[list, dict]:
+    """every=2: the sync issued after step 2 (landing after step 2 + delay); each inner step
+    reduces its gradient within the replica. Replica 1 reaches the sync ``late`` s after
+    replica 0. Returns each update's seconds and the params, gathered."""
+    import time
+
+    o, i = coords
+    outer = fh.sgd(0.7, momentum=0.9, nesterov=True)
+    dl = fh.diloco(fh.hsdp(mesh, *AXES), axis="dp_outer", every=2, outer=outer, delay=delay)
+    params = fh.shard(full_params(), dl.inner)
+    state, times = dl.init(params), []
+    for t in range(1, steps + 1):
+        if isinstance(mesh, fh.SimMesh):
+            raw = {k: torch.stack([torch.stack([_raw_grads(t, a, b)[k] for b in range(I)])
+                                   for a in range(O)]) for k in params}  # fmt: skip
+        else:
+            raw = _raw_grads(t, o, i)
+        g = fh.reduce_grads(raw, dl.inner, last=True)
+        params = {k: params[k] - INNER_LR * g[k] for k in params}
+        if t == 2 and o == 1:
+            time.sleep(late)
+        start = time.perf_counter()
+        params, state = dl.update(params, state)
+        times.append(time.perf_counter() - start)
+    return times, fh.gather(params, dl.inner)
+
+
+def _overlap(runs) -> list:
+    mesh = _mesh()
+    coords = _coords(mesh)
+    out = []
+    for delay, mode in runs:
+        with fh.validation(mode):
+            out.append(_late_loop(mesh, delay=delay, late=LATE, coords=coords))
+    return coords, out
+
+
+def test_a_delayed_sync_is_issued_without_waiting_and_waited_for_where_it_lands(pool):
+    runs = [(1, "off"), (1, "on"), (0, "off")]
+    sim = fh.SimMesh(dict(zip(AXES, (O, I))))
+    want = [_late_loop(sim, delay=d, late=0, coords=(None, None))[1] for d, _ in runs]
+    for (o, i), out in pool.run(_overlap, runs):
+        for (delay, mode), (times, got), full in zip(runs, out, want):
+            assert _error(got, {k: v[o, i] for k, v in full.items()}) < 1e-6, (delay, mode)
+            if o == 1:  # the late replica finds the other waiting (or the result there)
+                assert max(times) < LATE / 2, (delay, mode, times)
+                continue
+            issue, land = times[1], times[2]
+            if delay and mode == "off":  # issued at once: the wait moved to the landing
+                assert issue < LATE / 4 and land > LATE / 2, (times, mode)
+            else:  # no delay, or the agreement before the collectives: it waits at the issue
+                assert issue > LATE / 2 and land < LATE / 4, (times, delay, mode)
+
+
+def _crossed(mode: str):
+    """The replicas issue different syncs: their fragment 0 labels differ."""
+    mesh = _mesh()
+    o, _ = _coords(mesh)
+    labels = {"0.bias": o, "0.weight": o, "2.bias": 1 - o, "2.weight": 1 - o}
+    dl = fh.diloco(fh.hsdp(mesh, *AXES), axis="dp_outer", every=2, outer=fh.sgd(1.0),
+                   fragments=labels, delay=1)  # fmt: skip
+    params = fh.shard(full_params(), dl.inner)
+    state = dl.init(params)
+    with fh.validation(mode):
+        for t in (1, 2):
+            params = {k: v - 0.1 for k, v in params.items()}
+            try:
+                params, state = dl.update(params, state)
+            except ValueError as e:
+                return t, str(e)
+    return None
+
+
+@pytest.mark.parametrize("mode", ["on", "strict"])
+def test_replicas_that_issue_different_syncs_raise_before_the_collectives(pool, mode):
+    for t, message in pool.run(_crossed, mode):
+        assert t == 1, message  # at the issue, every rank alike: no collective was issued
+        assert "pseudo_gradient[\"params['0.bias']\"] on rank" in message, message
