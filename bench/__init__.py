@@ -12,6 +12,7 @@ from . import (
     compress,
     deferred,
     diloco,
+    diloco_overlap,
     dpsgd,
     fsdp,
     gpu,
@@ -52,5 +53,6 @@ BENCHMARKS = {
     "muon": muon,
     "hostile": hostile,
     "diloco": diloco,
+    "diloco_overlap": diloco_overlap,
     "compress": compress,
 }

@@ -15,10 +15,10 @@ by bytes (``fh.balanced_fragments``). Each rank draws its own batches; every var
 same batches. Reported: eval loss curves (the mean of the two replicas' losses; plot
 ``bench/diloco.png``), ``dp_outer`` bytes per step from ``comm_log`` (mean and the largest
 single step), step time (median; steps without a sync apart), the per-rank bytes DiLoCo
-keeps besides HSDP's (anchor + outer momentum, and the pending tree with a delay), and the
-peak step memory per rank (each variant in 4 fresh processes of its own, every variant over
-the same first steps: torch's allocation events, and the RSS high-water mark with glibc
-mmapping allocations >= 64 KiB; see :func:`_memory`).
+keeps besides HSDP's (anchor + outer momentum, and with a delay the syncs held or in
+flight), and the peak step memory per rank (each variant in 4 fresh processes of its own,
+every variant over the same first steps: torch's allocation events, and the RSS high-water
+mark with glibc mmapping allocations >= 64 KiB; see :func:`_memory`).
 """
 
 from __future__ import annotations
@@ -185,7 +185,9 @@ def _variant(cfg: dict, every: int, fragments: int, delay: int, text: torch.Tens
         kept = _nbytes(run.state.anchor)
         for s in run.state.outer.inner.values():
             kept += _nbytes(s.momentum)
-        pending = _nbytes(run.state.pending) if run.state.pending is not None else 0
+        if run.state.pending is not None:  # held (Masked leaves have none) and in flight
+            pending = _nbytes(run.state.pending)
+            pending += sum(_nbytes(s.result()) for s in run.state.flight if s is not None)
     return dict(curve=curve, outer_bytes=outer_bytes, times=times, kept=kept, pending=pending,
                 shard_bytes=_nbytes(run.shards))  # fmt: skip
 
@@ -670,7 +672,7 @@ def _goals(v: dict) -> str:
             f"{m['torch_over_hsdp_median']:+.2f}x step by step "
             f"(median; {m['torch_over_hsdp']:+.2f}x the largest, RSS "
             f"{m['rss_over_hsdp']:+.2f}x); of that, tensors held +{m['held_over_hsdp']:.2f}x "
-            f"(the DiLoCo state {state:.2f}x{' with the pending tree' if x['pending'] else ''}"
+            f"(the DiLoCo state {state:.2f}x{' with the syncs in flight' if x['pending'] else ''}"
             f"), and `dl.update`'s own peak {m['update_peak'] / 1e3:.0f} kB is "
             f"{'below' if below else 'above'} the median step peak "
             f"{m['torch_median'] / 1e3:.0f} kB"

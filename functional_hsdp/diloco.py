@@ -368,14 +368,13 @@ def _longest(plan: Any, role: str, members: set[int]) -> int:
         placed, slots = placed[role], [s for s in bucket.slots if s.index in members]
         if not slots:
             continue
-        if getattr(placed.geometry, "kept", False):
-            raise NotImplementedError(
-                "diloco: compress= with the optimizer placement Owner on some data-parallel "
-                "axes only (fh.owned(spec, axes=...): each rank keeps the pieces its "
-                "coordinate owns) is not supported; owner-major fh.owned(spec) and Flat, "
-                "Shard(d) or Replicate placements are"
-            )
-        if not placed.axes:  # whole leaves on every rank
+        if getattr(placed.geometry, "kept", False):  # Owner on some axes: each rank's pieces
+            at = placed.geometry.at  # for every rank of the mesh, in coordinate order
+            for k, rank in enumerate(np.ndindex(*mesh.sizes)):
+                total[k] += sum(
+                    hi - lo for j, lo, hi, _ in at[rank] if bucket.slots[j].index in members
+                )
+        elif not placed.axes:  # whole leaves on every rank
             total += sum(s.numel for s in slots)
         elif bucket.shard is not None:  # torch.chunk along the shard dim
             axis, dim = bucket.shard

@@ -33,6 +33,7 @@ ORDER = [
     "unit_checks",
     "hostile",
     "diloco",
+    "diloco_overlap",
     "compress",
     "module",
     "muon",
@@ -111,6 +112,9 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
         balanced = res["variants"]["H=2 F=2 balanced"]  # fh.balanced_fragments' labels
         assert balanced["balanced"] and balanced["fragments"] == 2
         assert balanced["quiet_nonzero"] == 0
+    if name == "diloco_overlap":  # every variant timed; each run ended with nothing in flight
+        assert set(res["hidden"]) == {"sleep", "cpu"} and len(res["period"]) == 6
+        assert all(x > 0 for x in res["period"].values()), res["period"]
     if name == "deferred":  # declared or not, the same step; finish() timed in each
         assert res["loss_maxrel"] < 1e-6, res["losses"]
         assert all(len(t) == res["cfg"]["reps"] for t in res["finish"].values()), res["finish"]

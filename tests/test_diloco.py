@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import optree
 import pytest
 import torch
 from diloco_problem import (
@@ -318,14 +319,6 @@ def test_bad_input_names_the_argument():
         fh.diloco(spec, axis="dp_outer", every=2, outer=outer, compress=torch.int8)
     with pytest.raises(TypeError, match="outer must be a GradientTransformation"):
         fh.diloco(spec, axis="dp_outer", every=2, outer=torch.optim.SGD)
-    # the Owner placement on some axes only: each rank keeps pieces, not a chunk
-    pod = fh.SimMesh({"pod": 2, "dp_outer": 2, "dp_inner": 2})
-    rows = dict(parameter=["R", "R", "F"], gradient=["P", "P", "F"], optimizer=["R", "R", "F"])
-    kept = fh.owned(fh.Spec(pod, **{k: [_PLACE[x] for x in v] for k, v in rows.items()}),
-                    axes="dp_outer")  # fmt: skip
-    dl = fh.diloco(kept, axis="pod", every=2, outer=outer, compress=fh.compress(torch.int8))
-    with pytest.raises(NotImplementedError, match="Owner on some data-parallel axes only"):
-        dl.init(fh.shard(full_params(), dl.inner))
     params = fh.shard(full_params(), fh.replicas(spec, "dp_outer"))
     plain = fh.diloco(spec, axis="dp_outer", every=2, outer=outer)
     packed = fh.diloco(spec, axis="dp_outer", every=2, outer=outer, compress=fh.compress("int4"))
@@ -363,6 +356,44 @@ def test_a_label_tree_as_a_prefix_gives_one_fragment_per_subtree():
 
 
 # -- compress= -----------------------------------------------------------------------------------
+
+
+def _signs(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randint(0, 2, v.shape, generator=gen).float() * 2 - 1
+            for k, v in full_params().items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("placement", ["kept", "owner-major", "flat"])
+def test_a_compressed_sync_on_any_optimizer_placement_packs_each_ranks_own_elements(placement):
+    """Every element of every delta 127 * 2**-10 * (replica + 1) * its sign: int8 carries the
+    deltas and their mean exactly (one scale per block, |q| = 127), so a compressed sync
+    equals the uncompressed one bit for bit, and any element packed or unpacked at another
+    place (another sign) would show. ``kept``: the optimizer placement Owner on some axes
+    (each rank keeps the pieces its coordinate owns, not a chunk)."""
+    pod = fh.SimMesh({"pod": 2, "dp_outer": 2, "dp_inner": 2})
+    rows = dict(parameter=["R", "R", "F"], gradient=["P", "P", "F"], optimizer=["R", "R", "F"])
+    spec = fh.Spec(pod, **{k: [_PLACE[x] for x in v] for k, v in rows.items()})
+    spec = {"kept": lambda: fh.owned(spec, axes="dp_outer"), "owner-major": lambda: fh.owned(spec),
+            "flat": lambda: spec}[placement]()  # fmt: skip
+    signs, got = _signs(5), {}
+    start = {k: torch.round(v * 1024) / 1024 for k, v in full_params().items()}  # exact sums
+    for policy in (None, fh.compress(torch.int8, block=32)):
+        dl = fh.diloco(spec, axis="pod", every=1, outer=fh.sgd(1.0), compress=policy)
+        params = fh.shard(start, dl.inner)
+        state = dl.init(params)
+        step = {k: (torch.arange(2.0) + 1).view(2, 1, 1, *(1,) * v.dim()) * 127 * 2**-10 * v
+                for k, v in signs.items()}  # fmt: skip
+        full = fh.gather(params, dl.inner)
+        moved = {k: full[k] - step[k] for k in full}
+        params, state = dl.update(fh.shard(moved, dl.inner, stacked=True), state)
+        got[policy] = fh.gather(params, dl.inner)
+        if policy is not None:
+            assert all(not r.any() for r in optree.tree_leaves(state.residual))
+    plain, packed = got.values()
+    assert all(torch.equal(plain[k], packed[k]) for k in plain)
+    want = {k: v - 1.5 * 127 * 2**-10 * signs[k] for k, v in start.items()}
+    assert all(torch.equal(plain[k], want[k].expand_as(plain[k])) for k in want)
 
 
 @pytest.mark.parametrize("feedback", [True, False], ids=["feedback", "no-feedback"])

@@ -1,0 +1,159 @@
+"""(B20) What a delayed DiLoCo sync's overlap gains: in flight while the next step computes.
+
+4 gloo processes, 2x2 mesh (2 replicas x 2 inner ranks): ``fh.diloco(fh.hsdp(...),
+axis="dp_outer", every=2, outer=fh.sgd(1.0))`` on a tree of N fp32 parameters (each rank holds
+its half, the inner shard). A sync is one all-reduce per bucket over ``dp_outer`` of that shard.
+The inner step stands for a step whose compute leaves the host free, as a GPU's does: the
+host sleeps ``compute`` seconds (``sleep``); or it computes on this host's cores (``cpu``:
+matmuls, which the loopback transfer's copies then compete with). ``compute`` is the time of
+the sync's blocking all-reduce measured first (the slowest rank's median), so an overlap
+could hide all of the transfer. Then each rank's params drop by a constant and
+``dl.update`` runs.
+
+Variants, each timed over runs of ``steps`` consecutive steps (``steps / 2`` syncs, every run
+starting and ending with nothing in flight), runs of the variants interleaved, each after a
+barrier:
+
+- ``delay=0``: the update after every second step issues the sync and waits for it;
+- ``delay=1``: it issues the sync and returns; the update after the next step waits for it
+  (:class:`~functional_hsdp.diloco.SyncInFlight`) and merges;
+- ``no sync``: the same steps without ``dl.update`` (the floor: compute alone).
+
+Reported: the median run time per sync period (two steps) on the slowest rank, and the part
+of the sync's cost that ``delay=1`` hides: ``(delay0 - delay1) / (delay0 - floor)``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import common as C
+
+SIZES = {
+    "tiny": {"n": 40_000, "steps": 4, "reps": 1, "warmup": 1, "probes": 2},
+    "full": {"n": 8_000_000, "steps": 20, "reps": 7, "warmup": 1, "probes": 7},
+}
+KINDS = ("sleep", "cpu")
+VARIANTS = ("delay=0", "delay=1", "no sync")
+
+
+def _agreed_max(x: float) -> float:
+    """The largest ``x`` over the ranks (so that every rank computes alike)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _cpu_work(seconds: float):
+    """A compute of about ``seconds`` on this host's cores: repeated 256x256 matmuls."""
+    a = torch.randn(256, 256)
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.2:
+        a @ a
+        n += 1
+    reps = max(1, round(seconds / ((time.perf_counter() - t0) / n)))
+    reps = int(_agreed_max(reps))
+
+    def work() -> None:
+        for _ in range(reps):
+            a @ a
+
+    return work
+
+
+def task(cfg: dict) -> dict:
+    import functional_hsdp as fh
+
+    mesh = fh.DistMesh(C.device_mesh((2, 2)))
+    spec = fh.hsdp(mesh, *C.AXES)
+    full = C.make(C.param_tree(cfg["n"], leaf=min(1 << 20, max(64, cfg["n"] // 8))), fill=1.0)
+    runs: dict = {}
+    for delay in (0, 1):
+        dl = fh.diloco(spec, axis="dp_outer", every=2, outer=fh.sgd(1.0), delay=delay)
+        params = fh.shard(full, dl.inner)
+        runs[delay] = [dl, params, dl.init(params)]
+    shard = runs[0][1]
+    probes = [C.timed(lambda: fh.pmean(shard, "dp_outer", mesh))[0] for _ in range(cfg["probes"])]
+    transfer = _agreed_max(C.median(probes))
+    works = {"sleep": lambda: time.sleep(transfer), "cpu": _cpu_work(transfer)}
+
+    floor = {k: v.clone() for k, v in shard.items()}
+
+    def steps(delay, work) -> None:
+        entry = runs.get(delay)
+        for _ in range(cfg["steps"]):
+            work()
+            params = {k: v.sub_(1e-6) for k, v in (entry[1] if entry else floor).items()}
+            if entry is not None:
+                entry[1], entry[2] = entry[0].update(params, entry[2])
+
+    for delay in (0, 1):  # one step first: every run then starts after an odd step count,
+        dl, params, state = runs[delay]  # issues after its odd steps, lands after its even
+        runs[delay][1:] = dl.update({k: v.sub_(1e-6) for k, v in params.items()}, state)
+    out = {"transfer": transfer, "bytes": sum(x.numel() * 4 for x in shard.values()), "times": {}}
+    for kind in KINDS:
+        work = works[kind]
+        ops = {
+            "delay=0": lambda w=work: steps(0, w),
+            "delay=1": lambda w=work: steps(1, w),
+            "no sync": lambda w=work: steps(None, w),
+        }
+        times = C.interleaved(ops, cfg["warmup"], cfg["reps"])
+        for name in VARIANTS:
+            out["times"][f"{kind}/{name}"] = times[name]
+        assert not any(runs[1][2].flight), "a run ended with a sync in flight"
+    return out
+
+
+def run(size: str = "full", pool=None) -> dict:
+    per_rank, res = C.run_task(task, SIZES, size, pool)
+    _, median = C.slowest_rank_medians([r["times"] for r in per_rank])
+    periods = res["cfg"]["steps"] / 2
+    res.update(
+        transfer=max(r["transfer"] for r in per_rank),
+        shard_bytes=per_rank[0]["bytes"],
+        period={k: v / periods for k, v in median.items()},
+    )
+    res["hidden"] = {}
+    for kind in KINDS:
+        p = res["period"]
+        cost = p[f"{kind}/delay=0"] - p[f"{kind}/no sync"]
+        res["hidden"][kind] = (p[f"{kind}/delay=0"] - p[f"{kind}/delay=1"]) / cost
+    return res
+
+
+def report(res: dict, command: str, when: str) -> str:
+    cfg = res["cfg"]
+    head = C.section_header(
+        "(B20) What a delayed DiLoCo sync's overlap gains (2x2 gloo)", command, when
+    )
+    desc = (
+        f"`fh.diloco(fh.hsdp(...), axis='dp_outer', every=2, outer=fh.sgd(1.0))` on "
+        f"{cfg['n'] / 1e6:.1f}M fp32 parameters: a sync all-reduces each rank's "
+        f"{res['shard_bytes'] / 1e6:.1f} MB shard over dp_outer, {res['transfer'] * 1e3:.1f} ms "
+        "blocking (the slowest rank's median). An inner step is a compute of that length: "
+        "`sleep` (the host free, as under a GPU's step) or `cpu` (matmuls on this host's 2 "
+        "cores, which the 4 processes' loopback copies compete with), then the params drop "
+        "by a constant and `dl.update` runs. "
+        f"{C.timing_note(cfg, 'runs of ' + str(cfg['steps']) + ' steps of the three variants')} "
+        "Shown per sync period (2 steps). Hidden: (delay=0 - delay=1) / (delay=0 - no "
+        "sync), the part of the sync's cost that issuing it and waiting a step later saves.\n"
+    )
+    rows = []
+    for kind in KINDS:
+        p = res["period"]
+        rows.append(
+            [
+                kind,
+                f"{p[f'{kind}/no sync'] * 1e3:.1f}",
+                f"{p[f'{kind}/delay=0'] * 1e3:.1f}",
+                f"{p[f'{kind}/delay=1'] * 1e3:.1f}",
+                f"{res['hidden'][kind]:.2f}",
+            ]
+        )
+    t = C.table(["inner compute", "no sync (ms)", "delay=0 (ms)", "delay=1 (ms)", "hidden"], rows)
+    return f"{head}\n{desc}\n{t}\n"
