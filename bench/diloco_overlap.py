@@ -83,24 +83,32 @@ def task(cfg: dict) -> dict:
 
     floor = {k: v.clone() for k, v in shard.items()}
 
-    def steps(delay, work) -> None:
+    updates: dict = {}  # (kind, delay, issues a sync) -> dl.update's seconds
+
+    def steps(delay, work, kind) -> None:
         entry = runs.get(delay)
         for _ in range(cfg["steps"]):
             work()
             params = {k: v.sub_(1e-6) for k, v in (entry[1] if entry else floor).items()}
             if entry is not None:
+                issues = entry[2].count % 2 == 1  # after an even step (counted from 1)
+                t0 = time.perf_counter()
                 entry[1], entry[2] = entry[0].update(params, entry[2])
+                seconds = time.perf_counter() - t0
+                updates.setdefault(f"{kind}/delay={delay}/{'issue' if issues else 'land'}", [])
+                updates[f"{kind}/delay={delay}/{'issue' if issues else 'land'}"].append(seconds)
 
     for delay in (0, 1):  # one step first: every run then starts after an odd step count,
         dl, params, state = runs[delay]  # issues after its odd steps, lands after its even
         runs[delay][1:] = dl.update({k: v.sub_(1e-6) for k, v in params.items()}, state)
     out = {"transfer": transfer, "bytes": sum(x.numel() * 4 for x in shard.values()), "times": {}}
+    out["updates"] = updates
     for kind in KINDS:
         work = works[kind]
         ops = {
-            "delay=0": lambda w=work: steps(0, w),
-            "delay=1": lambda w=work: steps(1, w),
-            "no sync": lambda w=work: steps(None, w),
+            "delay=0": lambda w=work, k=kind: steps(0, w, k),
+            "delay=1": lambda w=work, k=kind: steps(1, w, k),
+            "no sync": lambda w=work, k=kind: steps(None, w, k),
         }
         times = C.interleaved(ops, cfg["warmup"], cfg["reps"])
         for name in VARIANTS:
@@ -118,11 +126,16 @@ def run(size: str = "full", pool=None) -> dict:
         shard_bytes=per_rank[0]["bytes"],
         period={k: v / periods for k, v in median.items()},
     )
-    res["hidden"] = {}
+    res["hidden"], res["saved"] = {}, {}
     for kind in KINDS:
         p = res["period"]
         cost = p[f"{kind}/delay=0"] - p[f"{kind}/no sync"]
-        res["hidden"][kind] = (p[f"{kind}/delay=0"] - p[f"{kind}/delay=1"]) / cost
+        res["saved"][kind] = p[f"{kind}/delay=0"] - p[f"{kind}/delay=1"]
+        res["hidden"][kind] = res["saved"][kind] / cost
+    # dl.update's own time (warm-up included), the slowest rank's median
+    res["updates"] = {
+        k: max(C.median(r["updates"][k]) for r in per_rank) for k in per_rank[0]["updates"]
+    }
     return res
 
 
@@ -140,8 +153,12 @@ def report(res: dict, command: str, when: str) -> str:
         "cores, which the 4 processes' loopback copies compete with), then the params drop "
         "by a constant and `dl.update` runs. "
         f"{C.timing_note(cfg, 'runs of ' + str(cfg['steps']) + ' steps of the three variants')} "
-        "Shown per sync period (2 steps). Hidden: (delay=0 - delay=1) / (delay=0 - no "
-        "sync), the part of the sync's cost that issuing it and waiting a step later saves.\n"
+        "Shown per sync period (2 steps). The sync's cost, delay=0 - no sync, is its "
+        "transfer and its local work (the pseudo-gradient, its packing, the outer step, the "
+        "merge: passes over the shard that no overlap hides). Saved: delay=0 - delay=1, also "
+        "as a part of that cost and of the blocking all-reduce's time. Last columns: "
+        "`dl.update`'s median time (the slowest rank's) where it issues and where it lands "
+        "a sync (with delay=0 both in one call).\n"
     )
     rows = []
     for kind in KINDS:
@@ -152,8 +169,16 @@ def report(res: dict, command: str, when: str) -> str:
                 f"{p[f'{kind}/no sync'] * 1e3:.1f}",
                 f"{p[f'{kind}/delay=0'] * 1e3:.1f}",
                 f"{p[f'{kind}/delay=1'] * 1e3:.1f}",
+                f"{res['saved'][kind] * 1e3:.1f}",
                 f"{res['hidden'][kind]:.2f}",
+                f"{res['saved'][kind] / res['transfer']:.2f}",
+                f"{res['updates'][f'{kind}/delay=0/issue'] * 1e3:.1f}",
+                f"{res['updates'][f'{kind}/delay=1/issue'] * 1e3:.1f}",
+                f"{res['updates'][f'{kind}/delay=1/land'] * 1e3:.1f}",
             ]
         )
-    t = C.table(["inner compute", "no sync (ms)", "delay=0 (ms)", "delay=1 (ms)", "hidden"], rows)
+    columns = ["inner compute", "no sync (ms)", "delay=0 (ms)", "delay=1 (ms)", "saved (ms)"]
+    columns += ["of the sync's cost", "of the blocking all-reduce", "update, delay=0 (ms)"]
+    columns += ["update issuing, delay=1 (ms)", "update landing, delay=1 (ms)"]
+    t = C.table(columns, rows)
     return f"{head}\n{desc}\n{t}\n"
