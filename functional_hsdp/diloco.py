@@ -28,7 +28,7 @@ reduction goes through one function, :func:`_reduce_pseudo_gradient`.
 
 A sync issued with ``delay > 0`` overlaps the next ``delay`` inner steps: its all-reduces
 are issued (:func:`~functional_hsdp.collectives.start_pmean`) and ``update`` returns at
-once; the state holds them in flight (``DiLoCoState.flight``: one :class:`SyncInFlight` per
+once; the state holds them in flight (``DiLoCoState.flight``: one ``SyncInFlight`` per
 fragment in flight), and the ``update`` where the sync lands waits for them: the transfer
 runs while the next ``delay`` inner steps compute. Before its collectives the sync agrees
 across the whole mesh, as every call does (the replicas issue the same sync of the same
@@ -100,10 +100,11 @@ class DiLoCoState(NamedTuple):
             shards): what rounding lost of each rank's part of its fragment's last compressed
             sync, added into the next (per rank: it differs between replicas). None
             otherwise.
-        flight: per fragment, its sync in flight (a :class:`SyncInFlight`: host objects,
-            not tensors; the ``update`` where it lands waits for it), or None; ``()``: none
-            anywhere. A sync is in flight from its issue to its landing when ``delay > 0``
-            and it is not compressed; checkpoints wait for it and save it in ``pending``.
+        flight: per fragment, its sync in flight (a ``functional_hsdp.diloco.SyncInFlight``:
+            a host object, not a tensor; the ``update`` where it lands waits for it), or
+            None; ``()``: none anywhere. A sync is in flight from its issue to its landing
+            when ``delay > 0`` and it is not compressed; checkpoints wait for it and save it
+            in ``pending``.
     """
 
     anchor: Any
