@@ -248,3 +248,40 @@ def test_matrix_optimizers_stay_on_the_device(on_device, kind):
     moments = [x for x in optree.tree_leaves(state) if isinstance(x, torch.Tensor)]  # and counts
     assert moments and _on(moments, device)
     assert _on(params, device) and _on(doubled, device)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(fragments=2, delay=0),
+        dict(fragments=2, delay=1, mix=0.5),
+        dict(fragments=1, delay=1, compress="int8"),
+    ],  # fmt: skip
+    ids=["streaming", "delayed", "compressed"],
+)
+def test_diloco_stays_on_the_device(on_device, options):
+    """fh.diloco: the pseudo-gradient, its sync (in flight with a delay; compressed), the
+    outer step, the merge and the whole state on the inputs' device, no host read of device
+    data, and a checkpoint's tree of a sync in flight (pending_tree) too."""
+    from functional_hsdp.diloco import pending_tree
+
+    device, mesh = on_device, _sim()
+    options = dict(options)
+    if options.pop("compress", None):
+        options["compress"] = fh.compress(torch.int8, block=8)
+    outer = fh.sgd(0.7, momentum=0.9, nesterov=True)
+    dl = fh.diloco(fh.hsdp(mesh, "dp_outer", "dp_inner"), axis="dp_outer", every=2,
+                   outer=outer, **options)  # fmt: skip
+    params = fh.shard(_tree((), device), dl.inner)
+    state, opt = dl.init(params), fh.sgd(0.1)
+    opt_state, saved = opt.init(params), None
+    for _ in range(4):
+        grads = fh.reduce_grads(_tree(mesh.batch_shape, device), dl.inner, last=True)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params, state = dl.update(fh.apply_updates(params, updates), state)
+        if any(state.flight):
+            saved = pending_tree(state)
+    tensors = [x for x in optree.tree_leaves(state) if isinstance(x, torch.Tensor)]
+    assert tensors and _on(tensors, device) and _on(params, device)
+    assert (saved is not None) == (options["delay"] > 0 and "compress" not in options)
+    assert saved is None or _on(saved, device)
