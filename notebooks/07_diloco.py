@@ -133,3 +133,27 @@ plt.ylabel("fragment")
 plt.title(f"syncs, H={H}, F={F}")
 plt.show()
 print(schedule)
+
+# %% [markdown]
+# ## A sync in flight
+#
+# With `delay=tau` a fragment's all-reduce is issued after its step and merged `tau` steps
+# later: the `update` that issues it returns at once and the state holds it
+# (`state.flight`, one `SyncInFlight` per fragment in flight; on a `DistMesh` its
+# collectives run while the next inner steps compute), and the `update` where it lands waits
+# for it. A checkpoint taken meanwhile waits for it and saves it averaged in
+# `state.pending`.
+
+# %%
+dl = fh.diloco(spec, axis="dp_outer", every=H, outer=fh.sgd(0.7, momentum=0.9, nesterov=True),
+               fragments=F, delay=2)  # fmt: skip
+params = fh.shard({f"w{p}": torch.zeros(8, 4) for p in range(F)}, dl.inner)
+state, in_flight = dl.init(params), []
+for t in range(1, 25):
+    params = {k: v - 0.01 * t for k, v in params.items()}
+    params, state = dl.update(params, state)
+    in_flight.append([s.fragment for s in state.flight if s is not None])
+print(in_flight[:10])
+# issued after step t (the schedule above), in flight until t + 2, merged there
+assert all(p in in_flight[t + d] for t, due in enumerate(schedule) for p in due for d in (0, 1)
+           if t + d < len(in_flight))  # fmt: skip
