@@ -92,7 +92,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(torch|collections\.abc|typing|optree)(\..*)?"),
     (r"py:.*", r"functional_hsdp\.[a-z_]+(\.[a-z_]+)*(\.[A-Za-z_]+)?"),  # private modules' names
     (r"py:.*", r"(Geometry|Diagnostics|Kept|MeshAxes|T|BACKENDS)"),
-    (r"py:.*", r"_\w+"),  # a private function a module docstring names (_reduce_pseudo_gradient)
+    (r"py:.*", r"_\w+"),  # a private function a docstring names (_compressed_pseudo_gradient)
 ]
 
 # napoleon reads the first line of a property's docstring as "type: description"; the

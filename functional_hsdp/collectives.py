@@ -90,12 +90,22 @@ def start_pmean(
     :func:`pmean` does, before its first collective (under ``validation("off")`` it waits
     for nobody), then issues one all-reduce per bucket and returns with them in flight;
     ``result()`` waits for them. Not differentiable: ``tree``'s leaves must not be tracked.
-    DiLoCo's delayed syncs overlap the inner steps with it. ``name``: the tree's name in
-    errors."""
+    DiLoCo's syncs use it (a delayed one overlaps the inner steps). ``name``: the tree's
+    name in errors. Unlike :func:`pmean`'s, the result's leaves carry no placement tag: they
+    are views of the reduction's buckets, which the caller gives a meaning of its own (the
+    pseudo-gradient sits at the params' placement, not at the collective's)."""
     spec = _axis_spec(mesh, axis, target="replicate", op="avg", bucket_cap_mb=bucket_cap_mb)
     mode = validate.current_mode()
     return engine.reduce(
-        tree, spec, last=True, acc=None, name=name, call="pmean", mode=mode, wait=False
+        tree,
+        spec,
+        last=True,
+        acc=None,
+        name=name,
+        call="pmean",
+        mode=mode,
+        wait=False,
+        tagged=False,
     )
 
 

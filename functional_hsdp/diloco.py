@@ -24,7 +24,8 @@ land (after t + tau)   ``updates, s = outer.update(delta, s, anchor)``;
 
 At one step, syncs landing there are merged before the syncs issued there read the params.
 The inner optimizer's state stays per replica, untouched by syncs. The pseudo-gradient's
-reduction goes through one function, :func:`_reduce_pseudo_gradient`.
+reduction is :func:`~functional_hsdp.collectives.start_pmean` of the fragment's leaves
+(one all-reduce per bucket), or with ``compress=`` :func:`_compressed_pseudo_gradient`.
 
 A sync issued with ``delay > 0`` overlaps the next ``delay`` inner steps: its all-reduces
 are issued (:func:`~functional_hsdp.collectives.start_pmean`) and ``update`` returns at
@@ -63,8 +64,9 @@ import numpy as np
 import optree
 import torch
 
-from .collectives import pmean, start_pmean
+from .collectives import start_pmean
 from .compressed import compressed_all_reduce
+from .engine import InFlight
 from .lookup import find_layout
 from .matrix import Masked, PartitionState, masked
 from .mesh import Mesh
@@ -104,7 +106,8 @@ class DiLoCoState(NamedTuple):
             a host object, not a tensor; the ``update`` where it lands waits for it), or
             None; ``()``: none anywhere. A sync is in flight from its issue to its landing
             when ``delay > 0`` and it is not compressed; checkpoints wait for it and save it
-            in ``pending``.
+            in ``pending``, and pickling (``torch.save``, ``copy.deepcopy``) waits for it and
+            keeps its result.
     """
 
     anchor: Any
@@ -137,9 +140,21 @@ class SyncInFlight:
         out = self._reduction.result()
         return [out[k] for k in self._keys]
 
+    def __reduce__(self) -> tuple:
+        """Pickled (``torch.save``, ``copy.deepcopy``) waited for: its result travels, its
+        collectives do not (a copy lands alike)."""
+        out = [x.clone() for x in self.result()]
+        return (_waited_sync, (self.fragment, self.leaves, self._keys, out))
+
     def __repr__(self) -> str:
         how = "waited" if self._reduction.done else "in flight"
         return f"SyncInFlight(fragment={self.fragment}, {len(self.leaves)} leaves, {how})"
+
+
+def _waited_sync(fragment: int, leaves: tuple, keys: tuple, out: list) -> SyncInFlight:
+    """A :class:`SyncInFlight` whose result, ``out``, is already there (unpickled)."""
+    done = InFlight.of(dict(zip(keys, out)))
+    return SyncInFlight(fragment, leaves, keys=keys, reduction=done)
 
 
 def sync_steps(every: int, fragments: int, steps: int) -> list[list[int]]:
@@ -267,25 +282,21 @@ def _check_int(name: str, value: Any, low: int) -> None:
 _CAP_MB = 25.0
 
 
-def _reduce_pseudo_gradient(
+def _compressed_pseudo_gradient(
     local: list[torch.Tensor],
     *,
     mesh: Mesh,
     axis: str,
-    compress: Compress | None,
-    packing: _Packing | None = None,
+    compress: Compress,
+    packing: _Packing,
     residual: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """The average over ``axis`` of each rank's pseudo-gradient pieces, and the new residual.
-
-    Uncompressed: one all-reduce (AVG) per bucket over ``axis`` (buckets per dtype,
-    size-capped), on the local shards. With ``compress``: the fragment's ``packing`` rows cut
-    into buckets of the same cap, one :func:`~functional_hsdp.compressed_all_reduce` per
-    bucket (one all-to-all and one all-gather), summed in fp32; ``residual`` (the pieces'
-    fp32 residual, or None: zeros) is added first. Returns the averages (the pieces' dtypes)
-    and, with error feedback, the new residual pieces (fp32; else None)."""
-    if compress is None:
-        return pmean(list(local), axis, mesh, bucket_cap_mb=_CAP_MB), None
+    """The average over ``axis`` of each rank's pseudo-gradient pieces, compressed, and the
+    new residual: the fragment's ``packing`` rows cut into buckets of the pmean's cap, one
+    :func:`~functional_hsdp.compressed_all_reduce` per bucket (one all-to-all and one
+    all-gather), summed in fp32; ``residual`` (the pieces' fp32 residual, or None: zeros) is
+    added first. Returns the averages (the pieces' dtypes) and, with error feedback, the new
+    residual pieces (fp32; else None)."""
     cap = max(1, int(_CAP_MB * 2**20) // 4)
     flat = packing.gather(local)
     res = None if residual is None else packing.gather(residual)
@@ -687,28 +698,32 @@ class _Outer:
     def _issue(self, step: _Step, *, of: list[int], p: int, t: int) -> None:
         idx = [i for i, f in enumerate(of) if f == p]
         local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
-        if self.delay and self.compress is None:  # in flight until it lands
-            paths = self._cache[step.treedef][5]  # named so, a difference names its leaf
-            named = {paths[i]: x for i, x in zip(idx, local)}
+        step.touched = True
+        if self.compress is None:  # one all-reduce (AVG) per bucket; a delay: in flight
+            keys = tuple(self._cache[step.treedef][5][i] for i in idx)  # a difference names them
+            named = dict(zip(keys, local))
             reduction = start_pmean(
                 named, self.axis, self.mesh, bucket_cap_mb=_CAP_MB, name="pseudo_gradient"
             )
-            keys = tuple(paths[i] for i in idx)
-            step.flight[p] = SyncInFlight(p, tuple(idx), keys=keys, reduction=reduction)
-            step.due[p], step.touched = t + self.delay, True
+            sync = SyncInFlight(p, tuple(idx), keys=keys, reduction=reduction)
+            if not self.delay:
+                self._merge(step, of=of, p=p, delta=sync.result())
+            else:
+                step.flight[p], step.due[p] = sync, t + self.delay
             return
-        compressed = dict(packing=None, residual=None)
-        if self.compress is not None:
-            compressed["packing"] = self._packing_of(step.treedef, step.like, of=of, p=p)
-            if step.residual is not None:
-                compressed["residual"] = [step.residual[i] for i in idx]
-        delta, residual = _reduce_pseudo_gradient(
-            local, mesh=self.mesh, axis=self.axis, compress=self.compress, **compressed
+        packing = self._packing_of(step.treedef, step.like, of=of, p=p)
+        held = None if step.residual is None else [step.residual[i] for i in idx]
+        delta, residual = _compressed_pseudo_gradient(
+            local,
+            mesh=self.mesh,
+            axis=self.axis,
+            compress=self.compress,
+            packing=packing,
+            residual=held,
         )
         if residual is not None:
             for i, r in zip(idx, residual):
                 step.residual[i] = r
-        step.touched = True
         if not self.delay:
             self._merge(step, of=of, p=p, delta=delta)
             return
@@ -860,6 +875,25 @@ def _contiguous(sizes: list[int], n: int) -> list[int]:
     return [sum(1 for b in starts[1:] if b <= i) for i in range(count)]
 
 
+def _check_flight(state: DiLoCoState, n: int) -> None:
+    """``state.flight``: ``()``, or per fragment None or its own :class:`SyncInFlight`, due."""
+    if state.flight and (
+        len(state.flight) != n
+        or any(x is not None and not isinstance(x, SyncInFlight) for x in state.flight)
+    ):
+        raise ValueError(
+            f"state.flight: expected {n} entries (None or a SyncInFlight, per fragment); "
+            f"got {state.flight!r}"
+        )
+    for p, sync in enumerate(state.flight):
+        if sync is not None and (sync.fragment != p or state.due[p] <= state.count):
+            raise ValueError(
+                f"state.flight[{p}]: {sync!r} does not match fragment {p}'s schedule (due "
+                f"after step {state.due[p]}, the state at step {state.count}): this state was "
+                "not made by init and update"
+            )
+
+
 def _check_state(
     state: Any, treedef: Any, *, leaves: list, n: int, delay: int, feedback: bool
 ) -> None:
@@ -874,14 +908,7 @@ def _check_state(
             "state: was made by another diloco (compress differs: the residual of error "
             f"feedback is {'missing' if feedback else 'there'})"
         )
-    if state.flight and (
-        len(state.flight) != n
-        or any(x is not None and not isinstance(x, SyncInFlight) for x in state.flight)
-    ):
-        raise ValueError(
-            f"state.flight: expected {n} entries (None or a SyncInFlight, per fragment); "
-            f"got {state.flight!r}"
-        )
+    _check_flight(state, n)
     held = None if state.pending is None else len(_pending_leaves(state.pending))
     if held is not None and held != len(leaves):
         raise ValueError(

@@ -223,6 +223,7 @@ def reduce(
     units: bool = False,
     residual: Any = None,
     wait: bool = True,
+    tagged: bool = True,
 ) -> Any:
     """One microbatch: reduce ``grads`` (at role ``at``), add ``acc``, finish on ``last``.
     ``mode``: the validation mode, read by the public call (``validate.current_mode()``), or
@@ -232,9 +233,9 @@ def reduce(
     ``wait=False`` (``last=True``, no ``acc``, no compression): the call agrees as any
     (settled before its first collective: ranks that differ would issue mismatched
     collectives, which gloo aborts on and NCCL hangs on), issues the collectives and returns
-    an :class:`InFlight` without waiting for them; its ``result()`` waits."""
-    if not wait and (last is not True or acc is not None or residual is not None):
-        raise TypeError(f"{call}: wait=False is for a last reduction without acc or residual")
+    an :class:`InFlight` without waiting for them; its ``result()`` waits. ``tagged=False``:
+    the result's leaves carry no placement (the caller gives them its own meaning)."""
+    _check_wait(wait, call, plain=last is True and acc is None and residual is None)
     leaves, treedef, paths = flatten(grads, name)
     refuse_vmap(leaves, call)
     with validate.agreement_in_mode(spec, call, mode) as agreed:  # a local error: all raise
@@ -244,7 +245,7 @@ def reduce(
         if at not in AT:
             raise ValueError(f"{call}: at must be 'input' or 'gradient'; got {at!r}")
         if not leaves:
-            return _no_leaves(spec, treedef, acc=acc, name=name)
+            return _no_leaves(spec, treedef, acc=acc, name=name, wait=wait)
         plan = _input_plan(grads, leaves, treedef, paths=paths, spec=spec, at=at, name=name)
         compressing, store = _residual_in(plan, residual, treedef, last=last, name=name)
         legs: list = [("input", "gradient")] if at == "input" else []
@@ -258,38 +259,58 @@ def reduce(
         check = dict(last=last, options=options, nonfinite=nonfinite, defer=True, units=units)
         agreed.check(plan, paths, **check)
     pending = start(plan, source, legs, gate=agreed.settle, residual=store)
-    flight = InFlight(plan, pending, treedef, last=last)
+    flight = InFlight(plan, pending, treedef, last=last, tagged=tagged)
     if not wait:
         return flight
     result = flight.result()
     return _residual_out(plan, result, store=store, treedef=treedef) if compressing else result
 
 
-def _no_leaves(spec: Any, treedef: Any, *, acc: Any, name: str) -> Any:
-    """A reduction of a tree without leaves: checked, and returned empty."""
+def _check_wait(wait: bool, call: str, *, plain: bool) -> None:
+    if not wait and not plain:
+        raise TypeError(f"{call}: wait=False: a last reduction only, without acc or residual")
+
+
+def _no_leaves(spec: Any, treedef: Any, *, acc: Any, name: str, wait: bool) -> Any:
+    """A reduction of a tree without leaves: checked, and returned empty (in an
+    :class:`InFlight` already done, for ``wait=False``)."""
     resolve_specs(spec, treedef, name)
     if acc is not None and optree.tree_structure(acc) != treedef:
         raise structure_error(treedef, acc, "acc", what=name)
-    return optree.tree_unflatten(treedef, [])
+    empty = optree.tree_unflatten(treedef, [])
+    return empty if wait else InFlight.of(empty)
 
 
 class InFlight:
     """A reduction issued and not yet waited for (what :func:`reduce` with ``wait=False``
     returns): its agreement settled, its collectives in flight (on a SimMesh, done).
     :meth:`result` waits for them and unpacks, once: a second call returns the same tree
-    (or raises the same error). ``last``: the leaves are final, at the optimizer placement
-    (else accumulating, at the gradient placement).
+    (or raises the same error; an interrupt, a ``BaseException`` that is not an
+    ``Exception``, leaves the collectives to be waited for again). ``last``: the leaves are
+    final, at the optimizer placement (else accumulating, at the gradient placement);
+    ``tagged=False``: the leaves carry no placement.
 
     Its owner keeps it where the result will be needed (DiLoCo's state holds the syncs in
     flight); dropping it unwaited leaks nothing (a functional collective's result is
     released by its finalizer, a c10d one by its backend when it completes)."""
 
-    __slots__ = ("plan", "_pending", "_treedef", "_last", "_out", "_error")
+    __slots__ = ("plan", "_pending", "_treedef", "_last", "_tagged", "_out", "_error")
 
-    def __init__(self, plan: Plan, pending: list[Any], treedef: Any, *, last: bool):
+    def __init__(
+        self, plan: Plan | None, pending: list[Any], treedef: Any, *, last: bool, tagged: bool
+    ):
         self.plan, self._pending, self._treedef, self._last = plan, pending, treedef, last
+        self._tagged = tagged
         self._out: Any = None
-        self._error: BaseException | None = None
+        self._error: Exception | None = None
+
+    @classmethod
+    def of(cls, tree: Any) -> InFlight:
+        """An :class:`InFlight` already done, whose result is ``tree`` (a reduction of a tree
+        without leaves, or a result kept from a checkpoint)."""
+        done = cls(None, [], optree.tree_structure(tree), last=True, tagged=False)
+        done._pending, done._out = None, tree
+        return done
 
     @property
     def done(self) -> bool:
@@ -298,24 +319,26 @@ class InFlight:
 
     def result(self) -> Any:
         """The reduced tree, its leaves tagged with their placement."""
-        if self._error is not None:
-            raise self._error
+        if self._error is not None:  # raised from here, not growing its first traceback
+            raise self._error.with_traceback(None)
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            role = "optimizer" if self._last else "gradient"
+            pending, role = self._pending, "optimizer" if self._last else "gradient"
             try:
                 out, bufs = finish(self.plan, pending, role)
-            except BaseException as exc:
+            except Exception as exc:
                 release(self.plan, pending)
-                self._error = exc
+                self._pending, self._error = None, exc
                 raise
-            kept = None if self._last else bufs
-            tag(out, self.plan, role, kind="final" if self._last else "accumulating", bufs=kept)
+            self._pending = None
+            if self._tagged:
+                kind, kept = ("final", None) if self._last else ("accumulating", bufs)
+                tag(out, self.plan, role, kind=kind, bufs=kept)
             self._out = optree.tree_unflatten(self._treedef, out)
         return self._out
 
     def __repr__(self) -> str:
-        n, how = len(self.plan.buckets), "waited" if self.done else "in flight"
+        n = len(self.plan.buckets) if self.plan is not None else 0
+        how = "waited" if self.done else "in flight"
         return f"InFlight({n} bucket{'s' if n != 1 else ''}, {how})"
 
 

@@ -297,6 +297,103 @@ def test_a_delayed_sync_is_in_flight_until_it_lands_and_saves_whole():
         dl.update(params, state._replace(pending={k: whole[k] for k in list(whole)[:3]}))
 
 
+def _replica_steps(dl, steps: int, *, state=None, params=None):
+    """``steps`` updates of a loop whose replica o moves every param by -(o + 1) * 0.1 * t."""
+    params = fh.shard(full_params(), dl.inner) if params is None else params
+    state = dl.init(params) if state is None else state
+    for _ in range(steps):
+        t = state.count + 1
+        step = (torch.arange(2.0) + 1).view(2, 1, 1) * 0.1 * t
+        params, state = dl.update({k: v - step.view(2, 1, *(1,) * (v.dim() - 2)) for k, v in
+                                   params.items()}, state)  # fmt: skip
+    return params, state
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_an_outer_optimizer_that_checks_placements_takes_the_pseudo_gradient(delay):
+    """The averaged pseudo-gradient reaches ``outer`` at the params' placement (not at the
+    all-reduce's): a global-norm clip on ``dl.inner`` takes it; with a bound it never
+    reaches, it is plain SGD; with a small one, the anchor moves by exactly lr * the bound."""
+    spec = fh.hsdp(_mesh(), "dp_outer", "dp_inner")
+    got = {}
+    for name, outer in {
+        "sgd": fh.sgd(0.7),
+        "loose": fh.chain(fh.clip_global_norm(fh.replicas(spec, "dp_outer"), 1e9), fh.sgd(0.7)),
+        "tight": fh.chain(fh.clip_global_norm(fh.replicas(spec, "dp_outer"), 0.05), fh.sgd(0.7)),
+    }.items():
+        dl = fh.diloco(spec, axis="dp_outer", every=2, outer=outer, delay=delay)
+        got[name] = _replica_steps(dl, 2 + delay)[1].anchor
+    start = fh.shard(full_params(), fh.replicas(spec, "dp_outer"))
+    assert all(torch.equal(got["sgd"][k], got["loose"][k]) for k in start)
+    moved = fh.global_norm({k: got["tight"][k] - start[k] for k in start},
+                           fh.replicas(spec, "dp_outer"))  # fmt: skip
+    assert torch.allclose(moved, torch.full_like(moved, 0.7 * 0.05), rtol=1e-5), moved
+
+
+def test_a_state_with_a_sync_in_flight_pickles_and_copies_waited_for():
+    import copy
+    import pickle
+
+    spec = fh.hsdp(_mesh(), "dp_outer", "dp_inner")
+    dl = fh.diloco(spec, axis="dp_outer", every=4, outer=fh.sgd(0.7, momentum=0.9, nesterov=True),
+                   fragments=2, delay=2)  # fmt: skip
+    params, state = _replica_steps(dl, 2)  # fragment 0 issued after step 2, lands after 4
+    assert state.flight[0] is not None and "in flight" in repr(state.flight[0])
+    copied = copy.deepcopy(state)
+    unpickled = pickle.loads(pickle.dumps(state))
+    assert "waited" in repr(copied.flight[0]) and "waited" in repr(unpickled.flight[0])
+    live = _replica_steps(dl, 4, state=state, params=params)[0]
+    for other in (copied, unpickled):
+        again = _replica_steps(dl, 4, state=other, params=params)[0]
+        assert all(torch.equal(live[k], again[k]) for k in live)
+
+
+def test_a_state_whose_flights_do_not_match_the_schedule_is_refused():
+    spec = fh.hsdp(_mesh(), "dp_outer", "dp_inner")
+    dl = fh.diloco(spec, axis="dp_outer", every=4, outer=fh.sgd(1.0), fragments=2, delay=3)
+    params, state = _replica_steps(dl, 4)  # fragment 0 in flight (due 5), fragment 1 (due 7)
+    assert all(s is not None for s in state.flight)
+    swapped = state._replace(flight=state.flight[::-1])
+    with pytest.raises(ValueError, match=r"state.flight\[0\]: SyncInFlight\(fragment=1"):
+        dl.update(params, swapped)
+    stale = state._replace(due=(0, state.due[1]))
+    with pytest.raises(ValueError, match="does not match fragment 0's schedule"):
+        dl.update(params, stale)
+
+
+def test_a_reduction_in_flight_waits_once_and_an_interrupt_lets_it_wait_again(monkeypatch):
+    from functional_hsdp import collectives, engine
+
+    mesh = _mesh()
+    x = {"a": torch.arange(4.0).view(2, 1, 2).expand(2, 2, 2).contiguous()}
+    real, calls = engine.finish, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    flight = collectives.start_pmean(x, "dp_outer", mesh)
+    monkeypatch.setattr(engine, "finish", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        flight.result()
+    assert not flight.done and "in flight" in repr(flight)
+    out = flight.result()  # waited again
+    assert flight.result() is out and len(calls) == 2  # and once only
+    assert torch.equal(out["a"], fh.pmean(x, "dp_outer", mesh)["a"])
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the collective failed")
+
+    flight = collectives.start_pmean(x, "dp_outer", mesh)
+    monkeypatch.setattr(engine, "finish", failing)
+    for _ in range(2):  # an error is kept and raised again, from the new call
+        with pytest.raises(RuntimeError, match="the collective failed"):
+            flight.result()
+    assert collectives.start_pmean({}, "dp_outer", mesh).result() == {}
+
+
 def test_bad_input_names_the_argument():
     mesh = _mesh()
     spec = fh.hsdp(mesh, "dp_outer", "dp_inner")

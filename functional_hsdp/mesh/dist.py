@@ -321,7 +321,7 @@ class DistMesh(MeshAxes):
                 buf = funcol.wait_tensor(x.buffer)
         x.source = None
         if x.divide:  # AVG emulated: the sum arrived; the buffer is the collective's own
-            buf = buf.div_(x.divide)
+            buf, x.divide = buf.div_(x.divide), None  # once: a second wait returns it as is
         if x.length is not None and buf.shape[-1] < x.length:  # an all-to-all's blocks only
             buf = torch.nn.functional.pad(buf, (0, x.length - buf.shape[-1]))
         if x.chunk:
