@@ -94,9 +94,8 @@ def task(cfg: dict) -> dict:
                 issues = entry[2].count % 2 == 1  # after an even step (counted from 1)
                 t0 = time.perf_counter()
                 entry[1], entry[2] = entry[0].update(params, entry[2])
-                seconds = time.perf_counter() - t0
-                updates.setdefault(f"{kind}/delay={delay}/{'issue' if issues else 'land'}", [])
-                updates[f"{kind}/delay={delay}/{'issue' if issues else 'land'}"].append(seconds)
+                key = f"{kind}/delay={delay}/{'issue' if issues else 'land'}"
+                updates.setdefault(key, []).append(time.perf_counter() - t0)
 
     for delay in (0, 1):  # one step first: every run then starts after an odd step count,
         dl, params, state = runs[delay]  # issues after its odd steps, lands after its even

@@ -555,6 +555,18 @@ def _check_options(mesh: Mesh, *, axis: Any, every: Any, outer: Any, delay: Any,
         raise TypeError(f"diloco: outer must be a GradientTransformation; got {outer!r}")
 
 
+class _Layout(NamedTuple):
+    """What ``_Outer.layout`` keeps per params treedef: each leaf's fragment, F, the
+    params' plan and role, the residual's plan (fp32) and the leaves' paths."""
+
+    of: list[int]
+    n: int
+    plan: Any
+    role: str
+    residual_plan: Any
+    paths: tuple[str, ...]
+
+
 class _Step:
     """One call of ``update``: the trees' leaves, changed in place of the lists."""
 
@@ -593,7 +605,7 @@ class _Outer:
         self.inner, self.mesh, self.axis, self.every = inner, mesh, axis, every
         self.outer, self.fragments, self.delay, self.mix = outer, fragments, delay, mix
         self.compress = compress
-        self._cache: dict = {}
+        self._cache: dict[Any, _Layout] = {}
         self._packings: dict = {}  # (treedef, fragment) -> its _Packing, for compress=
 
     def layout(self, params: Any) -> tuple[list, Any, list[int], int]:
@@ -612,16 +624,23 @@ class _Outer:
             sizes = _plan_bytes(plan)
             self._cache.clear()
             self._packings.clear()
-            of_n = _fragments(self.fragments, params, treedef=treedef, paths=paths, sizes=sizes)
-            residual_plan = _residual_plan(plan, paths)
-            self._cache[treedef] = (*of_n, plan, role, residual_plan, tuple(paths))
-        return leaves, treedef, *self._cache[treedef][:2]
+            of, n = _fragments(self.fragments, params, treedef=treedef, paths=paths, sizes=sizes)
+            self._cache[treedef] = _Layout(
+                of=of,
+                n=n,
+                plan=plan,
+                role=role,
+                residual_plan=_residual_plan(plan, paths),
+                paths=tuple(paths),
+            )
+        layout = self._cache[treedef]
+        return leaves, treedef, layout.of, layout.n
 
     def _packing_of(self, treedef: Any, leaves: list, *, of: list[int], p: int) -> _Packing:
         """Fragment ``p``'s :class:`_Packing` (made by ``init``, or at the first sync)."""
         key = (treedef, p)
         if key not in self._packings:
-            plan, role = self._cache[treedef][2:4]
+            plan, role = self._cache[treedef].plan, self._cache[treedef].role
             members = [i for i, f in enumerate(of) if f == p]
             self._packings[key] = _packing(plan, leaves, role=role, members=members)
         return self._packings[key]
@@ -692,7 +711,8 @@ class _Outer:
         """Tag the residual at the params' layout in fp32 (:func:`_residual_plan`), where
         :func:`~functional_hsdp.state_dict` finds and saves it (not for a meta ``like``)."""
         if treedef in self._cache:
-            role, plan = self._cache[treedef][3:5]
+            layout = self._cache[treedef]
+            role, plan = layout.role, layout.residual_plan
             tag(optree.tree_leaves(residual), plan, role, kind="weights")
 
     def _issue(self, step: _Step, *, of: list[int], p: int, t: int) -> None:
@@ -700,7 +720,7 @@ class _Outer:
         local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
         step.touched = True
         if self.compress is None:  # one all-reduce (AVG) per bucket; a delay: in flight
-            keys = tuple(self._cache[step.treedef][5][i] for i in idx)  # a difference names them
+            keys = tuple(self._cache[step.treedef].paths[i] for i in idx)  # named in errors
             named = dict(zip(keys, local))
             reduction = start_pmean(
                 named, self.axis, self.mesh, bucket_cap_mb=_CAP_MB, name="pseudo_gradient"
@@ -807,7 +827,7 @@ def pending_tree(state: DiLoCoState) -> Any:
     anchor, treedef = optree.tree_flatten(state.anchor)
     held = _pending_leaves(state.pending)
     for sync in state.flight:  # waited for now (the update where it lands reuses it)
-        if sync is not None:  # copies: views of the reduction's buckets carry its placement
+        if sync is not None:  # copies: views of the reduction's buckets would be tagged there
             for i, x in zip(sync.leaves, sync.result()):
                 held[i] = x.clone()
     full = [x if isinstance(x, torch.Tensor) else torch.zeros_like(a) for x, a in zip(held, anchor)]

@@ -297,7 +297,7 @@ class InFlight:
     __slots__ = ("plan", "_pending", "_treedef", "_last", "_tagged", "_out", "_error")
 
     def __init__(
-        self, plan: Plan | None, pending: list[Any], treedef: Any, *, last: bool, tagged: bool
+        self, plan: Plan | None, pending: list | None, treedef: Any, *, last: bool, tagged: bool
     ):
         self.plan, self._pending, self._treedef, self._last = plan, pending, treedef, last
         self._tagged = tagged
@@ -308,8 +308,8 @@ class InFlight:
     def of(cls, tree: Any) -> InFlight:
         """An :class:`InFlight` already done, whose result is ``tree`` (a reduction of a tree
         without leaves, or a result kept from a checkpoint)."""
-        done = cls(None, [], optree.tree_structure(tree), last=True, tagged=False)
-        done._pending, done._out = None, tree
+        done = cls(None, None, optree.tree_structure(tree), last=True, tagged=False)
+        done._out = tree
         return done
 
     @property
@@ -318,7 +318,7 @@ class InFlight:
         return self._pending is None
 
     def result(self) -> Any:
-        """The reduced tree, its leaves tagged with their placement."""
+        """The reduced tree (its leaves tagged with their placement unless ``tagged=False``)."""
         if self._error is not None:  # raised from here, not growing its first traceback
             raise self._error.with_traceback(None)
         if self._pending is not None:
