@@ -154,6 +154,15 @@ class _Run:
                     del new
         return sum(e.numel * e.dtype.itemsize for e in log.events if e.axis == "dp_outer")
 
+    def drain(self) -> None:
+        """Waits for every sync still in flight (its all-reduces done, its buffers owned by
+        this thread), so that no gloo thread frees a tensor once the caller moves on: one
+        doing so while a memory profiler stops crashed the process (a segfault in
+        ``profile.__exit__`` on CI)."""
+        for sync in self.state.flight if self.state is not None else ():
+            if sync is not None:
+                sync.result()
+
     def evaluate(self, evals: list) -> float:
         import functional_hsdp as fh
 
@@ -345,6 +354,7 @@ def _memory(
             run.step(ids)
             rss.append(C.status("VmHWM") - idle)
         out["rss"], out["rss_held"] = rss, C.settle() - idle
+        run.drain()
         del run
         C.settle()
         C.barrier()
@@ -353,8 +363,10 @@ def _memory(
             for k, ids in enumerate(batches):
                 with torch.profiler.record_function(f"{_MARK}{k}"):
                     run.step(ids)
+            run.drain()  # nothing in flight while the profiler stops
             del run
             gc.collect()
+            C.barrier()
     events, windows, updates = _allocations(prof)
     steps_ns = [windows[k] for k in range(steps)]
     events, out["missed_bytes"], out["missed_frees"], out["torch_missed"] = _paired(
@@ -410,6 +422,7 @@ def _memory_task(cfg: dict, every: int, fragments: int, delay: int) -> dict:
     warm, gen = _Run(cfg, every, fragments, delay), torch.Generator().manual_seed(0)
     for _ in range(2):
         warm.step(_batch(train, gen, cfg))
+    warm.drain()
     del warm
     C.set_malloc()  # mmap allocations >= 64 KiB, trim what is freed
     return _memory(cfg, every, fragments, delay, train, steps)
