@@ -17,6 +17,9 @@ barrier:
 - ``delay=0``: the update after every second step issues the sync and waits for it;
 - ``delay=1``: it issues the sync and returns; the update after the next step waits for it
   (:class:`~functional_hsdp.diloco.SyncInFlight`) and merges;
+- ``int8 delay=0`` and ``int8 delay=1``: the same with ``compress=fh.compress(torch.int8)``
+  (a sync is a quantized all-to-all, an fp32 sum and a quantized all-gather per bucket;
+  with delay=1 the all-to-all flies and the update where it lands sums and all-gathers);
 - ``no sync``: the same steps without ``dl.update`` (the floor: compute alone).
 
 Reported: the median run time per sync period (two steps) on the slowest rank, and the part
@@ -36,7 +39,15 @@ SIZES = {
     "full": {"n": 8_000_000, "steps": 20, "reps": 7, "warmup": 1, "probes": 7},
 }
 KINDS = ("sleep", "cpu")
-VARIANTS = ("delay=0", "delay=1", "no sync")
+#: variant -> (delay, compressed); "no sync" steps without dl.update
+SYNCS = {
+    "delay=0": (0, False),
+    "delay=1": (1, False),
+    "int8 delay=0": (0, True),
+    "int8 delay=1": (1, True),
+}
+VARIANTS = (*SYNCS, "no sync")
+WIRES = {"fp32": "", "int8": "int8 "}  # a sync's wire -> its variants' name prefix
 
 
 def _agreed_max(x: float) -> float:
@@ -72,11 +83,13 @@ def task(cfg: dict) -> dict:
     spec = fh.hsdp(mesh, *C.AXES)
     full = C.make(C.param_tree(cfg["n"], leaf=min(1 << 20, max(64, cfg["n"] // 8))), fill=1.0)
     runs: dict = {}
-    for delay in (0, 1):
-        dl = fh.diloco(spec, axis="dp_outer", every=2, outer=fh.sgd(1.0), delay=delay)
+    for name, (delay, compressed) in SYNCS.items():
+        policy = fh.compress(torch.int8) if compressed else None
+        dl = fh.diloco(spec, axis="dp_outer", every=2, outer=fh.sgd(1.0), delay=delay,
+                       compress=policy)  # fmt: skip
         params = fh.shard(full, dl.inner)
-        runs[delay] = [dl, params, dl.init(params)]
-    shard = runs[0][1]
+        runs[name] = [dl, params, dl.init(params)]
+    shard = runs["delay=0"][1]
     probes = [C.timed(lambda: fh.pmean(shard, "dp_outer", mesh))[0] for _ in range(cfg["probes"])]
     transfer = _agreed_max(C.median(probes))
     works = {"sleep": lambda: time.sleep(transfer), "cpu": _cpu_work(transfer)}
@@ -85,8 +98,8 @@ def task(cfg: dict) -> dict:
 
     updates: dict = {}  # (kind, delay, issues a sync) -> dl.update's seconds
 
-    def steps(delay, work, kind) -> None:
-        entry = runs.get(delay)
+    def steps(name, work, kind) -> None:
+        entry = runs.get(name)
         for _ in range(cfg["steps"]):
             work()
             params = {k: v.sub_(1e-6) for k, v in (entry[1] if entry else floor).items()}
@@ -94,25 +107,22 @@ def task(cfg: dict) -> dict:
                 issues = entry[2].count % 2 == 1  # after an even step (counted from 1)
                 t0 = time.perf_counter()
                 entry[1], entry[2] = entry[0].update(params, entry[2])
-                key = f"{kind}/delay={delay}/{'issue' if issues else 'land'}"
+                key = f"{kind}/{name}/{'issue' if issues else 'land'}"
                 updates.setdefault(key, []).append(time.perf_counter() - t0)
 
-    for delay in (0, 1):  # one step first: every run then starts after an odd step count,
-        dl, params, state = runs[delay]  # issues after its odd steps, lands after its even
-        runs[delay][1:] = dl.update({k: v.sub_(1e-6) for k, v in params.items()}, state)
+    for name in SYNCS:  # one step first: every run then starts after an odd step count,
+        dl, params, state = runs[name]  # issues after its odd steps, lands after its even
+        runs[name][1:] = dl.update({k: v.sub_(1e-6) for k, v in params.items()}, state)
     out = {"transfer": transfer, "bytes": sum(x.numel() * 4 for x in shard.values()), "times": {}}
     out["updates"] = updates
     for kind in KINDS:
         work = works[kind]
-        ops = {
-            "delay=0": lambda w=work, k=kind: steps(0, w, k),
-            "delay=1": lambda w=work, k=kind: steps(1, w, k),
-            "no sync": lambda w=work, k=kind: steps(None, w, k),
-        }
+        ops = {name: lambda n=name, w=work, k=kind: steps(n, w, k) for name in VARIANTS}
         times = C.interleaved(ops, cfg["warmup"], cfg["reps"])
         for name in VARIANTS:
             out["times"][f"{kind}/{name}"] = times[name]
-        assert not any(runs[1][2].flight), "a run ended with a sync in flight"
+        for name in SYNCS:
+            assert not any(runs[name][2].flight), "a run ended with a sync in flight"
     return out
 
 
@@ -128,9 +138,10 @@ def run(size: str = "full", pool=None) -> dict:
     res["hidden"], res["saved"] = {}, {}
     for kind in KINDS:
         p = res["period"]
-        cost = p[f"{kind}/delay=0"] - p[f"{kind}/no sync"]
-        res["saved"][kind] = p[f"{kind}/delay=0"] - p[f"{kind}/delay=1"]
-        res["hidden"][kind] = res["saved"][kind] / cost
+        for wire, prefix in WIRES.items():  # the sync's cost and what delay=1 saves of it
+            cost = p[f"{kind}/{prefix}delay=0"] - p[f"{kind}/no sync"]
+            saved = p[f"{kind}/{prefix}delay=0"] - p[f"{kind}/{prefix}delay=1"]
+            res["saved"][f"{kind}/{wire}"], res["hidden"][f"{kind}/{wire}"] = saved, saved / cost
     # dl.update's own time (warm-up included), the slowest rank's median
     res["updates"] = {
         k: max(C.median(r["updates"][k]) for r in per_rank) for k in per_rank[0]["updates"]
@@ -157,27 +168,33 @@ def report(res: dict, command: str, when: str) -> str:
         "merge: passes over the shard that no overlap hides). Saved: delay=0 - delay=1, also "
         "as a part of that cost and of the blocking all-reduce's time. Last columns: "
         "`dl.update`'s median time (the slowest rank's) where it issues and where it lands "
-        "a sync (with delay=0 both in one call).\n"
+        "a sync (with delay=0 both in one call). `int8`: the same with "
+        "`compress=fh.compress(torch.int8)`: its all-to-all flies, its sum and all-gather "
+        "run where it lands.\n"
     )
     rows = []
     for kind in KINDS:
-        p = res["period"]
-        rows.append(
-            [
-                kind,
-                f"{p[f'{kind}/no sync'] * 1e3:.1f}",
-                f"{p[f'{kind}/delay=0'] * 1e3:.1f}",
-                f"{p[f'{kind}/delay=1'] * 1e3:.1f}",
-                f"{res['saved'][kind] * 1e3:.1f}",
-                f"{res['hidden'][kind]:.2f}",
-                f"{res['saved'][kind] / res['transfer']:.2f}",
-                f"{res['updates'][f'{kind}/delay=0/issue'] * 1e3:.1f}",
-                f"{res['updates'][f'{kind}/delay=1/issue'] * 1e3:.1f}",
-                f"{res['updates'][f'{kind}/delay=1/land'] * 1e3:.1f}",
-            ]
-        )
-    columns = ["inner compute", "no sync (ms)", "delay=0 (ms)", "delay=1 (ms)", "saved (ms)"]
-    columns += ["of the sync's cost", "of the blocking all-reduce", "update, delay=0 (ms)"]
-    columns += ["update issuing, delay=1 (ms)", "update landing, delay=1 (ms)"]
+        p, u = res["period"], res["updates"]
+        for wire, prefix in WIRES.items():
+            key, v = f"{kind}/{wire}", f"{kind}/{prefix}delay="
+            rows.append(
+                [
+                    kind,
+                    wire,
+                    f"{p[f'{kind}/no sync'] * 1e3:.1f}",
+                    f"{p[v + '0'] * 1e3:.1f}",
+                    f"{p[v + '1'] * 1e3:.1f}",
+                    f"{res['saved'][key] * 1e3:.1f}",
+                    f"{res['hidden'][key]:.2f}",
+                    f"{res['saved'][key] / res['transfer']:.2f}",
+                    f"{u[v + '0/issue'] * 1e3:.1f}",
+                    f"{u[v + '1/issue'] * 1e3:.1f}",
+                    f"{u[v + '1/land'] * 1e3:.1f}",
+                ]
+            )
+    columns = ["inner compute", "sync", "no sync (ms)", "delay=0 (ms)", "delay=1 (ms)"]
+    columns += ["saved (ms)", "of the sync's cost", "of the blocking all-reduce"]
+    columns += ["update, delay=0 (ms)", "update issuing, delay=1 (ms)"]
+    columns += ["update landing, delay=1 (ms)"]
     t = C.table(columns, rows)
     return f"{head}\n{desc}\n{t}\n"

@@ -34,7 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import validate
-from .diloco import DiLoCoState, pending_tree
+from .diloco import DiLoCoState, pending_tree, residual_tree
 from .dtensor import contiguous_stride
 from .engine import remember_units
 from .layout import unpack_full
@@ -738,14 +738,16 @@ def _diloco(state: DiLoCoState, spec: Any, convert: Callable[[Any, str], Any]) -
     (:func:`~functional_hsdp.diloco.pending_tree`: zeros where it is Masked), so every
     step's checkpoint has one structure, and the state it loads into has nothing in
     flight. The residual of a compressed sync's error feedback is per rank: a tree at the
-    params' placement, saved like them (one row per replica, each replica's own)."""
+    params' placement, saved like them (one row per replica, each replica's own), with the
+    new residual of a compressed sync in flight in its fragment's place
+    (:func:`~functional_hsdp.diloco.residual_tree`)."""
     out = {
         "anchor": convert(state.anchor, "anchor"),
         "outer": convert(state.outer, "outer"),
         "count": state.count,
         "due": list(state.due),
     }
-    trees = {"pending": pending_tree(state), "residual": state.residual}
+    trees = {"pending": pending_tree(state), "residual": residual_tree(state)}
     for name, tree in trees.items():
         if tree is not None:
             out[name] = convert(tree, name)

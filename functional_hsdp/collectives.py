@@ -109,6 +109,25 @@ def start_pmean(
     )
 
 
+def agree_pmean(
+    tree: Any,
+    axis: str,
+    mesh: Mesh,
+    *,
+    bucket_cap_mb: float = 25.0,
+    name: str = "tree",
+    options: tuple[str, ...] = (),
+) -> None:
+    """:func:`start_pmean`'s cross-rank agreement alone, settled, and no all-reduce: for a
+    caller that averages ``tree`` over ``axis`` by collectives of its own (DiLoCo's
+    compressed sync), so that ranks about to average different trees (or with other
+    ``options``: say the compression policy) all raise a ``ValueError`` naming the leaf
+    before those collectives are issued. Nothing is exchanged under ``validation("off")``."""
+    spec = _axis_spec(mesh, axis, target="replicate", op="avg", bucket_cap_mb=bucket_cap_mb)
+    mode = validate.current_mode()
+    engine.agree(tree, spec, name=name, call="pmean", mode=mode, options=options)
+
+
 def psum_scatter(
     tree: Any, axis: str, mesh: Mesh, *, op: str = "sum", bucket_cap_mb: float = 25.0
 ) -> Any:

@@ -44,7 +44,7 @@ from .plan import Step
 from .quantize import Compress
 from .schedule import run
 
-__all__ = ["Wire", "compressed_all_reduce", "program"]
+__all__ = ["CompressedInFlight", "Wire", "compressed_all_reduce", "program", "start"]
 
 #: per bucket: its residual in (None: zeros), and where its new residual goes
 ResidualIn = Callable[[int], "torch.Tensor | None"]
@@ -260,24 +260,111 @@ def compressed_all_reduce(
         [('all_to_all', 'torch.int8', 12), ('all_gather', 'torch.int8', 6)]
     """
     _check(bucket, axis, mesh, compress=compress, op=op, residual=residual)
-    feedback = compress.error_feedback
-    if not mesh.moves(axis):  # nothing travels, nothing is rounded
-        out = bucket + residual.to(bucket.dtype) if feedback and residual is not None else bucket
-        kept = torch.zeros_like(bucket, dtype=torch.float32) if feedback else None
-        return out.clone(), kept
-    new: list[torch.Tensor] = []
-    items = program(
-        compress,
-        axis,
-        mesh,
-        op=op,
-        scatter=scatter,
-        length=bucket.shape[-1],
-        residual_in=lambda b: residual,
-        residual_out=lambda b, r: new.append(r),
+    started = start(
+        mesh, [bucket], axis=axis, compress=compress, op=op, scatter=scatter, residuals=[residual]
     )
-    (result,) = run(mesh, [items], lambda b: bucket)
-    return mesh.wait(result), (new[0] if feedback else None)
+    (out,), new = started.result()
+    return out, (None if new is None else new[0])
+
+
+def start(
+    mesh: Mesh,
+    buckets: list[torch.Tensor],
+    *,
+    axis: str,
+    compress: Compress,
+    op: str = "avg",
+    scatter: bool = False,
+    residuals: list[torch.Tensor | None] | None = None,
+) -> CompressedInFlight:
+    """:func:`compressed_all_reduce` of each of ``buckets`` (checked by the caller), its
+    first leg issued: every bucket encoded and its all-to-all in flight, not waited for.
+    :meth:`CompressedInFlight.result` finishes (the fp32 sum, the all-gather, the decode),
+    so the first leg's transfer overlaps whatever the caller does in between (DiLoCo's
+    delayed compressed syncs). ``residuals``: per bucket, as ``residual``; ``op`` and
+    ``scatter`` as there."""
+    feedback = compress.error_feedback
+    residuals = residuals or [None] * len(buckets)
+    if not mesh.moves(axis):  # nothing travels, nothing is rounded
+        outs = [
+            (x + r.to(x.dtype) if feedback and r is not None else x).clone()
+            for x, r in zip(buckets, residuals)
+        ]
+        kept = [torch.zeros_like(x, dtype=torch.float32) for x in buckets] if feedback else None
+        return CompressedInFlight(mesh, done=(outs, kept))
+    how = dict(axis=axis, compress=compress, op=op, scatter=scatter)
+    return CompressedInFlight(mesh, **how).issue(buckets, residuals)
+
+
+class CompressedInFlight:
+    """A compressed all-reduce of some buckets with its first leg in flight (:func:`start`).
+    :meth:`result` waits for the all-to-alls (an interrupt there leaves them to be waited
+    for again), then runs the rest: the fp32 sums, the all-gathers and the decodes (not
+    with ``scatter``). Once: a second call returns the same, or raises the same error."""
+
+    def __init__(self, mesh: Mesh, *, done: tuple | None = None, **how: Any):
+        self.mesh, self.how, self._out = mesh, how, done
+        self._rest: list[list[Any]] = []
+        self._first: list[Any] = []
+        self._new: dict[int, torch.Tensor] = {}
+        self._error: Exception | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the result is there (waited for, or nothing travelled)."""
+        return self._out is not None
+
+    def issue(self, buckets: list, residuals: list) -> CompressedInFlight:
+        """Encode every bucket and issue its all-to-all (step-major, one scheduler run)."""
+        for b, x in enumerate(buckets):
+            items = program(
+                self.how["compress"],
+                self.how["axis"],
+                self.mesh,
+                op=self.how["op"],
+                scatter=self.how["scatter"],
+                length=x.shape[-1],
+                residual_in=lambda _b, r=residuals[b]: r,
+                residual_out=self._new.__setitem__,
+            )
+            self._first.append(items[:2])  # encode, the all-to-all
+            self._rest.append(items[2:])  # the sum (and its encode), all-gather, decode
+        self._first = run(self.mesh, self._first, lambda b: buckets[b])
+        return self
+
+    def result(self) -> tuple[list, list | None]:
+        """``(results, new residuals)``: per bucket, as :func:`compressed_all_reduce`'s
+        (the residuals None without error feedback)."""
+        if self._error is not None:
+            raise self._error.with_traceback(None)
+        if self._out is None:
+            try:
+                self._first = [self.mesh.wait(x) for x in self._first]  # an interrupt: again
+            except Exception as exc:
+                self._error = exc
+                raise
+            self._out = self._finish()
+        return self._out
+
+    def _finish(self) -> tuple[list, list | None]:
+        """The second leg, from the first's waited results."""
+        try:
+            outs = run(self.mesh, self._rest, self._first.__getitem__)
+            outs = [self.mesh.wait(x) for x in outs]
+        except BaseException as exc:  # the legs' state is spent: this reduction cannot resume
+            self._error = (
+                exc
+                if isinstance(exc, Exception)
+                else RuntimeError(
+                    f"a compressed reduction over {self.how['axis']!r} was interrupted in its "
+                    "second leg (its collectives abandoned): it cannot be resumed"
+                )
+            )
+            raise
+        feedback = self.how["compress"].error_feedback
+        new = [self._new[b] for b in range(len(outs))] if feedback else None
+        self._first, self._rest = [], []
+        return outs, new
 
 
 def _check(bucket: Any, axis: str, mesh: Any, *, compress: Any, op: str, residual: Any) -> None:

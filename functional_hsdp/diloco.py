@@ -25,7 +25,8 @@ land (after t + tau)   ``updates, s = outer.update(delta, s, anchor)``;
 At one step, syncs landing there are merged before the syncs issued there read the params.
 The inner optimizer's state stays per replica, untouched by syncs. The pseudo-gradient's
 reduction is :func:`~functional_hsdp.collectives.start_pmean` of the fragment's leaves
-(one all-reduce per bucket), or with ``compress=`` :func:`_compressed_pseudo_gradient`.
+(one all-reduce per bucket), or with ``compress=`` :func:`_start_compressed` (one
+all-to-all, an fp32 sum and one all-gather per bucket).
 
 A sync issued with ``delay > 0`` overlaps the next ``delay`` inner steps: its all-reduces
 are issued (:func:`~functional_hsdp.collectives.start_pmean`) and ``update`` returns at
@@ -40,8 +41,14 @@ Under ``fh.validation("off")`` the issue waits for nobody, and a replica that is
 less than ``delay`` steps delays no other. :func:`~functional_hsdp.state_dict` waits for
 what is in flight and saves it averaged in ``pending`` (resharded like AdamW's moments), so
 a checkpoint at any step loads into a state with nothing in flight that lands alike. A
-compressed sync (``compress=``) is two dependent collectives with a sum between them: it
-is reduced when issued and held, averaged, in ``pending`` until it lands.
+compressed sync (``compress=``) is two dependent collectives with an fp32 sum between
+them: its first leg (the quantized all-to-all of every bucket) is what flies, issued after
+an agreement of its own (:func:`~functional_hsdp.collectives.agree_pmean`: the same
+message as an uncompressed sync's); the ``update`` where it lands waits for it, sums and
+runs the all-gather (the second leg, half the bytes, not overlapped), and takes the new
+residual of error feedback. A checkpoint or a copy finishes it (both legs, so every rank
+of the replica group takes part, as in ``fh.state_dict``) and saves its new residual in
+its fragment's place (:func:`~functional_hsdp.diloco.residual_tree`).
 
 With ``compress=fh.compress(...)`` the pseudo-gradient travels compressed
 (:func:`~functional_hsdp.compressed_all_reduce`: one all-to-all and one all-gather per
@@ -64,8 +71,8 @@ import numpy as np
 import optree
 import torch
 
-from .collectives import start_pmean
-from .compressed import compressed_all_reduce
+from .collectives import agree_pmean, start_pmean
+from .compressed import start as start_compressed
 from .engine import InFlight
 from .lookup import find_layout
 from .matrix import Masked, PartitionState, masked
@@ -91,8 +98,8 @@ class DiLoCoState(NamedTuple):
         count: inner steps seen so far (a host int, the same on every rank).
         due: per fragment, the step after which its sync in flight lands (0: none).
         pending: tree like the params: for a fragment whose sync was reduced but has not
-            landed (a compressed sync, or any sync in a state loaded from a checkpoint),
-            its averaged pseudo-gradient (equal on every replica); :class:`Masked`
+            landed (a sync in a state loaded from a checkpoint), its averaged
+            pseudo-gradient (equal on every replica); :class:`Masked`
             elsewhere (a sync in ``flight`` too), so that only what is held takes memory.
             None when ``delay == 0`` (nothing is ever in flight between calls). A
             checkpoint saves it whole (the syncs in flight waited for, zeros for the other
@@ -100,14 +107,15 @@ class DiLoCoState(NamedTuple):
             ``update`` masks the leaves of the fragments not due again.
         residual: with ``compress=`` and error feedback, tree like the params (fp32, local
             shards): what rounding lost of each rank's part of its fragment's last compressed
-            sync, added into the next (per rank: it differs between replicas). None
-            otherwise.
+            sync that landed, added into the next (per rank: it differs between replicas);
+            a sync in flight holds its fragment's new one (``residual_tree`` gives the tree
+            with it in place, what a checkpoint saves). None otherwise.
         flight: per fragment, its sync in flight (a ``functional_hsdp.diloco.SyncInFlight``:
             a host object, not a tensor; the ``update`` where it lands waits for it), or
             None; ``()``: none anywhere. A sync is in flight from its issue to its landing
-            when ``delay > 0`` and it is not compressed; checkpoints wait for it and save it
-            in ``pending``, and pickling (``torch.save``, ``copy.deepcopy``) waits for it and
-            keeps its result.
+            when ``delay > 0`` (compressed: its first leg); checkpoints wait for it and save
+            it in ``pending``, and pickling (``torch.save``, ``copy.deepcopy``) waits for it
+            and keeps its result.
     """
 
     anchor: Any
@@ -121,9 +129,10 @@ class DiLoCoState(NamedTuple):
 
 class SyncInFlight:
     """One fragment's delayed sync in flight (an entry of ``DiLoCoState.flight``): its
-    all-reduces issued (:func:`~functional_hsdp.collectives.start_pmean`), waited for by
-    :meth:`result` once (the update where it lands, or a checkpoint, whichever comes first:
-    both get the same tensors).
+    all-reduces issued (:func:`~functional_hsdp.collectives.start_pmean`), or compressed,
+    its all-to-alls (the rest run by :meth:`result`), waited for by :meth:`result` once
+    (the update where it lands, or a checkpoint, whichever comes first: both get the same
+    tensors).
 
     Attributes:
         fragment: the fragment's index.
@@ -140,21 +149,69 @@ class SyncInFlight:
         out = self._reduction.result()
         return [out[k] for k in self._keys]
 
+    def residual(self) -> list[torch.Tensor] | None:
+        """A compressed sync with error feedback: the fragment's new residual (fp32, one
+        tensor per leaf of ``leaves``), waited for; else None."""
+        get = getattr(self._reduction, "residual", None)
+        return None if get is None else get()
+
     def __reduce__(self) -> tuple:
         """Pickled (``torch.save``, ``copy.deepcopy``) waited for: its result travels, its
         collectives do not (a copy lands alike)."""
         out = [x.clone() for x in self.result()]
-        return (_waited_sync, (self.fragment, self.leaves, self._keys, out))
+        new = self.residual()
+        new = None if new is None else [x.clone() for x in new]
+        return (_waited_sync, (self.fragment, self.leaves, self._keys, out, new))
 
     def __repr__(self) -> str:
         how = "waited" if self._reduction.done else "in flight"
         return f"SyncInFlight(fragment={self.fragment}, {len(self.leaves)} leaves, {how})"
 
 
-def _waited_sync(fragment: int, leaves: tuple, keys: tuple, out: list) -> SyncInFlight:
-    """A :class:`SyncInFlight` whose result, ``out``, is already there (unpickled)."""
-    done = InFlight.of(dict(zip(keys, out)))
+def _waited_sync(
+    fragment: int, leaves: tuple, keys: tuple, out: list, residual: list | None = None
+) -> SyncInFlight:
+    """A :class:`SyncInFlight` whose result, ``out`` (and ``residual``), is already there
+    (unpickled)."""
+    named = dict(zip(keys, out))
+    done = InFlight.of(named) if residual is None else _CompressedSync.of(named, residual)
     return SyncInFlight(fragment, leaves, keys=keys, reduction=done)
+
+
+class _CompressedSync:
+    """A fragment's compressed sync (the ``reduction`` of its :class:`SyncInFlight`): its
+    buckets' first leg in flight (:func:`~functional_hsdp.compressed.start`); ``result()``
+    finishes it once: ``{key: averaged pseudo-gradient}``, and ``residual()`` the new
+    residual pieces (None without error feedback)."""
+
+    __slots__ = ("_flight", "_packing", "_keys", "_dtypes", "_out")
+
+    def __init__(self, flight: Any, *, packing: _Packing | None, keys: tuple, dtypes: list):
+        self._flight, self._packing, self._keys, self._dtypes = flight, packing, keys, dtypes
+        self._out: tuple | None = None
+
+    @classmethod
+    def of(cls, named: dict, residual: list) -> _CompressedSync:
+        """One already done (unpickled)."""
+        done = cls(None, packing=None, keys=tuple(named), dtypes=[])
+        done._out = (named, residual)
+        return done
+
+    @property
+    def done(self) -> bool:
+        return self._out is not None
+
+    def result(self) -> dict:
+        if self._out is None:
+            outs, kept = self._flight.result()
+            avg = [x.to(d) for x, d in zip(self._packing.scatter(outs), self._dtypes)]
+            new = None if kept is None else self._packing.scatter(kept)
+            self._out, self._flight = (dict(zip(self._keys, avg)), new), None
+        return self._out[0]
+
+    def residual(self) -> list | None:
+        self.result()
+        return self._out[1]
 
 
 def sync_steps(every: int, fragments: int, steps: int) -> list[list[int]]:
@@ -282,38 +339,34 @@ def _check_int(name: str, value: Any, low: int) -> None:
 _CAP_MB = 25.0
 
 
-def _compressed_pseudo_gradient(
+def _start_compressed(
     local: list[torch.Tensor],
     *,
     mesh: Mesh,
     axis: str,
     compress: Compress,
     packing: _Packing,
+    keys: tuple,
     residual: list[torch.Tensor] | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """The average over ``axis`` of each rank's pseudo-gradient pieces, compressed, and the
-    new residual: the fragment's ``packing`` rows cut into buckets of the pmean's cap, one
-    :func:`~functional_hsdp.compressed_all_reduce` per bucket (one all-to-all and one
-    all-gather), summed in fp32; ``residual`` (the pieces' fp32 residual, or None: zeros) is
-    added first. Returns the averages (the pieces' dtypes) and, with error feedback, the new
-    residual pieces (fp32; else None)."""
+) -> _CompressedSync:
+    """The average over ``axis`` of each rank's pseudo-gradient pieces ``local``, compressed,
+    started: the fragment's ``packing`` rows cut into buckets of the pmean's cap, every
+    bucket's first leg issued (quantize, all-to-all; :func:`~functional_hsdp.compressed.start`),
+    ``residual`` (the pieces' fp32 residual, or None: zeros) added first. Its ``result()``
+    sums in fp32 and runs the all-gathers: the averages (the pieces' dtypes) by ``keys``,
+    and ``residual()`` the new residual pieces (fp32; None without error feedback)."""
     cap = max(1, int(_CAP_MB * 2**20) // 4)
     flat = packing.gather(local)
     res = None if residual is None else packing.gather(residual)
-    outs, kept = [], []
-    for lo in range(0, packing.length, cap):
-        hi = min(lo + cap, packing.length)
-        out, new = compressed_all_reduce(
-            flat[..., lo:hi],
-            axis,
-            mesh,
-            compress=compress,
-            residual=None if res is None else res[..., lo:hi],
-        )
-        outs.append(out)
-        kept.append(new)
-    avg = [x.to(y.dtype) for x, y in zip(packing.scatter(outs), local)]
-    return avg, (packing.scatter(kept) if compress.error_feedback else None)
+    cuts = [(lo, min(lo + cap, packing.length)) for lo in range(0, packing.length, cap)]
+    flight = start_compressed(
+        mesh,
+        [flat[..., lo:hi] for lo, hi in cuts],
+        axis=axis,
+        compress=compress,
+        residuals=None if res is None else [res[..., lo:hi] for lo, hi in cuts],
+    )
+    return _CompressedSync(flight, packing=packing, keys=keys, dtypes=[x.dtype for x in local])
 
 
 class _Packing:
@@ -689,8 +742,11 @@ class _Outer:
         _check_state(state, treedef, leaves=leaves, n=n, delay=self.delay, feedback=feedback)
         t, step = state.count + 1, _Step(leaves, state, treedef)
         for p in range(n):  # syncs issued tau steps ago land first
+            if step.due[p] == t and step.flight[p] is not None:
+                self._land(step, of=of, sync=step.flight[p])
+            elif step.due[p] == t:  # held in pending (a state loaded from a checkpoint)
+                self._merge(step, of=of, p=p, delta=_held(step, of=of, p=p, t=t))
             if step.due[p] == t:
-                self._merge(step, of=of, p=p, delta=_landed(step, of=of, p=p, t=t))
                 for i, f in enumerate(of):
                     if f == p and isinstance(step.pending[i], torch.Tensor):
                         step.pending[i] = masked(step.pending[i])
@@ -716,40 +772,51 @@ class _Outer:
             tag(optree.tree_leaves(residual), plan, role, kind="weights")
 
     def _issue(self, step: _Step, *, of: list[int], p: int, t: int) -> None:
-        idx = [i for i, f in enumerate(of) if f == p]
+        idx = tuple(i for i, f in enumerate(of) if f == p)
         local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
+        keys = tuple(self._cache[step.treedef].paths[i] for i in idx)  # named in errors
         step.touched = True
-        if self.compress is None:  # one all-reduce (AVG) per bucket; a delay: in flight
-            keys = tuple(self._cache[step.treedef].paths[i] for i in idx)  # named in errors
-            named = dict(zip(keys, local))
-            reduction = start_pmean(
+        started = self._start(step, of=of, p=p, local=local, keys=keys)
+        sync = SyncInFlight(p, idx, keys=keys, reduction=started)
+        if not self.delay:
+            self._land(step, of=of, sync=sync)
+        else:  # in flight until it lands
+            step.flight[p], step.due[p] = sync, t + self.delay
+
+    def _start(self, step: _Step, *, of: list[int], p: int, local: list, keys: tuple) -> Any:
+        """Fragment ``p``'s sync started: uncompressed, one all-reduce (AVG) per bucket in flight;
+        compressed, every bucket's first leg (after an agreement of its own)."""
+        named = dict(zip(keys, local))
+        if self.compress is None:
+            return start_pmean(
                 named, self.axis, self.mesh, bucket_cap_mb=_CAP_MB, name="pseudo_gradient"
             )
-            sync = SyncInFlight(p, tuple(idx), keys=keys, reduction=reduction)
-            if not self.delay:
-                self._merge(step, of=of, p=p, delta=sync.result())
-            else:
-                step.flight[p], step.due[p] = sync, t + self.delay
-            return
-        packing = self._packing_of(step.treedef, step.like, of=of, p=p)
-        held = None if step.residual is None else [step.residual[i] for i in idx]
-        delta, residual = _compressed_pseudo_gradient(
+        agree_pmean(  # before the compressed legs: ranks that differ raise, all alike
+            named,
+            self.axis,
+            self.mesh,
+            bucket_cap_mb=_CAP_MB,
+            name="pseudo_gradient",
+            options=(f"compress={self.compress!r}",),
+        )
+        return _start_compressed(
             local,
             mesh=self.mesh,
             axis=self.axis,
             compress=self.compress,
-            packing=packing,
-            residual=held,
+            packing=self._packing_of(step.treedef, step.like, of=of, p=p),
+            keys=keys,
+            residual=None
+            if step.residual is None
+            else [step.residual[i] for i in range(len(of)) if of[i] == p],
         )
-        if residual is not None:
-            for i, r in zip(idx, residual):
-                step.residual[i] = r
-        if not self.delay:
-            self._merge(step, of=of, p=p, delta=delta)
-            return
-        for i, d in zip(idx, delta):
-            step.pending[i] = d.clone()  # its own memory, not a view of a bucket buffer
-        step.due[p] = t + self.delay
+
+    def _land(self, step: _Step, *, of: list[int], sync: SyncInFlight) -> None:
+        """A sync lands: the outer step and merge with its result, and its new residual."""
+        self._merge(step, of=of, p=sync.fragment, delta=sync.result())
+        new = sync.residual()
+        for i, r in zip(sync.leaves, new or ()):
+            step.residual[i] = r
 
     def _merge(self, step: _Step, *, of: list[int], p: int, delta: list[torch.Tensor]) -> None:
         """The outer step on fragment ``p`` with its averaged pseudo-gradient, and the merge."""
@@ -797,12 +864,9 @@ def _masked(treedef: Any, leaves: list, *, of: list[int], p: int, like: list) ->
     )
 
 
-def _landed(step: _Step, *, of: list[int], p: int, t: int) -> list[torch.Tensor]:
-    """Fragment ``p``'s averaged pseudo-gradient, landing after step ``t``: its sync in
-    flight, waited for now, or (a compressed sync, a state loaded from a checkpoint) what
-    ``pending`` holds."""
-    if step.flight[p] is not None:
-        return step.flight[p].result()
+def _held(step: _Step, *, of: list[int], p: int, t: int) -> list[torch.Tensor]:
+    """Fragment ``p``'s averaged pseudo-gradient, landing after step ``t`` with nothing in
+    flight: what ``pending`` holds (a state loaded from a checkpoint)."""
     held = [step.pending[i] for i, f in enumerate(of) if f == p]
     if any(isinstance(x, Masked) for x in held):
         raise ValueError(
@@ -833,6 +897,24 @@ def pending_tree(state: DiLoCoState) -> Any:
     full = [x if isinstance(x, torch.Tensor) else torch.zeros_like(a) for x, a in zip(held, anchor)]
     _tag_like(full, anchor)
     return optree.tree_unflatten(treedef, full)
+
+
+def residual_tree(state: DiLoCoState) -> Any:
+    """``state.residual`` with the new residual of each compressed sync in flight in its
+    fragment's place (the sync finished now: the update where it lands reuses it); what a
+    checkpoint saves. None without error feedback."""
+    if state.residual is None:
+        return None
+    leaves, treedef = optree.tree_flatten(state.residual)
+    new = {}  # leaf index -> its new residual
+    for sync in state.flight:
+        kept = None if sync is None else sync.residual()
+        new.update(zip(sync.leaves, kept) if kept is not None else ())
+    if not new:
+        return state.residual
+    out = [new[i].clone() if i in new else x for i, x in enumerate(leaves)]  # own memory
+    _tag_like(out, leaves)
+    return optree.tree_unflatten(treedef, out)
 
 
 def _tag_like(out: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "AT",
     "DEFERRED",
     "InFlight",
+    "agree",
     "Residual",
     "finish",
     "move",
@@ -264,6 +265,24 @@ def reduce(
         return flight
     result = flight.result()
     return _residual_out(plan, result, store=store, treedef=treedef) if compressing else result
+
+
+def agree(
+    tree: Any, spec: Any, *, name: str, call: str, mode: str, options: tuple[str, ...] = ()
+) -> None:
+    """The agreement of a last reduction of ``tree`` by ``spec``, settled, with no collective
+    of its own: for a caller that moves the tree by collectives of its own (DiLoCo's
+    compressed sync). Ranks that would reduce different trees (structure, paths, shapes,
+    dtypes, or ``options``) all raise a ``ValueError`` naming the leaf before any of those
+    collectives is issued (mismatched ones abort gloo and hang NCCL). ``mode``: as in
+    :func:`reduce`; under ``validation("off")`` nothing is exchanged."""
+    leaves, treedef, paths = flatten(tree, name)
+    with validate.agreement_in_mode(spec, call, mode) as agreed:  # a local error: all raise
+        refuse_tracked(leaves, paths, call)
+        if not leaves:
+            return
+        plan = _input_plan(tree, leaves, treedef, paths=paths, spec=spec, at="input", name=name)
+        agreed.check(plan, paths, last=True, options=options)
 
 
 def _check_wait(wait: bool, call: str, *, plain: bool) -> None:

@@ -262,8 +262,8 @@ def test_matrix_optimizers_stay_on_the_device(on_device, kind):
 def test_diloco_stays_on_the_device(on_device, options):
     """fh.diloco: the pseudo-gradient, its sync (in flight with a delay; compressed), the
     outer step, the merge and the whole state on the inputs' device, no host read of device
-    data, and a checkpoint's tree of a sync in flight (pending_tree) too."""
-    from functional_hsdp.diloco import pending_tree
+    data, and a checkpoint's trees of a sync in flight (pending_tree, residual_tree) too."""
+    from functional_hsdp.diloco import pending_tree, residual_tree
 
     device, mesh = on_device, _sim()
     options = dict(options)
@@ -279,9 +279,10 @@ def test_diloco_stays_on_the_device(on_device, options):
         grads = fh.reduce_grads(_tree(mesh.batch_shape, device), dl.inner, last=True)
         updates, opt_state = opt.update(grads, opt_state, params)
         params, state = dl.update(fh.apply_updates(params, updates), state)
-        if any(state.flight):
-            saved = pending_tree(state)
+        if any(state.flight):  # what a checkpoint saves of a sync in flight
+            saved = [pending_tree(state), residual_tree(state)]
     tensors = [x for x in optree.tree_leaves(state) if isinstance(x, torch.Tensor)]
     assert tensors and _on(tensors, device) and _on(params, device)
-    assert (saved is not None) == (options["delay"] > 0 and "compress" not in options)
-    assert saved is None or _on(saved, device)
+    assert (saved is not None) == (options["delay"] > 0)
+    assert saved is None or _on(optree.tree_leaves(saved), device)
+    assert saved is None or (saved[1] is not None) == ("compress" in options)

@@ -256,11 +256,16 @@ def test_a_replicas_specs_agreement_spans_its_replica_and_still_names_the_rank()
     assert torch.equal(out, torch.ones_like(out))
 
 
-def test_a_delayed_sync_is_in_flight_until_it_lands_and_saves_whole():
-    from functional_hsdp.diloco import SyncInFlight, pending_tree
+@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "int8"])
+def test_a_delayed_sync_is_in_flight_until_it_lands_and_saves_whole(compressed):
+    # compressed: the first leg (the all-to-all) in flight, the rest where it lands; a
+    # checkpoint finishes it and saves its new residual (residual_tree) beside pending
+    from functional_hsdp.diloco import SyncInFlight, pending_tree, residual_tree
 
     spec = fh.hsdp(_mesh(), "dp_outer", "dp_inner")
-    dl = fh.diloco(spec, axis="dp_outer", every=4, outer=fh.sgd(1.0), fragments=2, delay=1)
+    policy = fh.compress(torch.int8, block=32) if compressed else None
+    dl = fh.diloco(spec, axis="dp_outer", every=4, outer=fh.sgd(1.0), fragments=2, delay=1,
+                   compress=policy)  # fmt: skip
     params = fh.shard(full_params(), dl.inner)
     state = dl.init(params)
     flying, held, states = [], [], []
@@ -280,13 +285,23 @@ def test_a_delayed_sync_is_in_flight_until_it_lands_and_saves_whole():
     assert all(torch.equal(whole[k], x) for k, x in zip(second, sync.result()))
     assert all(whole[k].abs().sum() > 0 for k in second)
     assert all(not whole[k].any() and whole[k].shape == params[k].shape for k in first)
+    kept = residual_tree(state)
+    assert (kept is None) != compressed
+    if compressed:  # fragment 1's new residual in its place, the rest as the state holds it
+        assert all(torch.equal(kept[k], x) for k, x in zip(second, sync.residual()))
+        assert all(kept[k] is state.residual[k] for k in first)
+        assert any(not torch.equal(kept[k], state.residual[k]) for k in second)
     # a state loaded from it (nothing in flight, the sync held in pending) lands alike
     params6, state6 = states[5]  # fragment 0 issued after step 6, lands after step 7
-    loaded = state6._replace(pending=pending_tree(state6), flight=())
+    loaded = state6._replace(
+        pending=pending_tree(state6), residual=residual_tree(state6), flight=()
+    )
     step7 = {k: v - 0.1 * torch.arange(1.0, 3.0).view(2, 1, 1) for k, v in params6.items()}
-    live, _ = dl.update(step7, state6)
+    live, live_state = dl.update(step7, state6)
     again, after = dl.update(step7, loaded)
     assert all(torch.equal(live[k], again[k]) for k in params)
+    if compressed:
+        assert all(torch.equal(live_state.residual[k], after.residual[k]) for k in params)
     assert not all(torch.equal(live[k], step7[k]) for k in first)  # it did land
     assert all(isinstance(v, fh.Masked) for v in after.pending.values())
     with pytest.raises(ValueError, match="fragment 0's sync lands after step 7, but it is neither"):
@@ -330,22 +345,27 @@ def test_an_outer_optimizer_that_checks_placements_takes_the_pseudo_gradient(del
     assert torch.allclose(moved, torch.full_like(moved, 0.7 * 0.05), rtol=1e-5), moved
 
 
-def test_a_state_with_a_sync_in_flight_pickles_and_copies_waited_for():
+@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "int8"])
+def test_a_state_with_a_sync_in_flight_pickles_and_copies_waited_for(compressed):
     import copy
     import pickle
 
     spec = fh.hsdp(_mesh(), "dp_outer", "dp_inner")
+    policy = fh.compress(torch.int8, block=32) if compressed else None
     dl = fh.diloco(spec, axis="dp_outer", every=4, outer=fh.sgd(0.7, momentum=0.9, nesterov=True),
-                   fragments=2, delay=2)  # fmt: skip
+                   fragments=2, delay=2, compress=policy)  # fmt: skip
     params, state = _replica_steps(dl, 2)  # fragment 0 issued after step 2, lands after 4
     assert state.flight[0] is not None and "in flight" in repr(state.flight[0])
     copied = copy.deepcopy(state)
     unpickled = pickle.loads(pickle.dumps(state))
     assert "waited" in repr(copied.flight[0]) and "waited" in repr(unpickled.flight[0])
-    live = _replica_steps(dl, 4, state=state, params=params)[0]
+    live, live_state = _replica_steps(dl, 4, state=state, params=params)
     for other in (copied, unpickled):
-        again = _replica_steps(dl, 4, state=other, params=params)[0]
+        again, again_state = _replica_steps(dl, 4, state=other, params=params)
         assert all(torch.equal(live[k], again[k]) for k in live)
+        if compressed:  # the copied sync's new residual came along
+            res = live_state.residual
+            assert all(torch.equal(res[k], again_state.residual[k]) for k in res)
 
 
 def test_a_state_whose_flights_do_not_match_the_schedule_is_refused():
@@ -604,6 +624,8 @@ def test_error_feedback_sent_plus_the_last_residual_is_the_sum_of_the_contributi
 
 
 def test_a_compressed_sync_issues_one_all_to_all_and_one_all_gather_per_bucket_and_nothing_else():
+    # delay=1: the all-to-all at the issue, in flight over the next inner step; the sum and
+    # the all-gather where the sync lands
     steps, every = 8, 4
     x, y = data(steps, O, I)
     mesh, policy = _mesh(), fh.compress(torch.int8, block=32)
@@ -624,16 +646,13 @@ def test_a_compressed_sync_issues_one_all_to_all_and_one_all_gather_per_bucket_a
     length = [max(sum(1 for k, _ in ids if k.startswith(p)) for ids in held) for p in "02"]
     assert length == [112, 68]
     due = fh.sync_steps(every, 2, steps)
+    piece = [policy.nbytes(-(-n // O)) for n in length]
     for t, ev in enumerate(events, 1):
-        if not due[t - 1]:
-            assert ev == [], t
-            continue
-        (p,) = due[t - 1]
-        piece = policy.nbytes(-(-length[p] // O))
-        assert ev == [
-            ("all_to_all", "dp_outer", torch.int8, O * piece),
-            ("all_gather", "dp_outer", torch.int8, piece),
-        ], t
-        # the two legs' bytes, scales included, against fp32's (a reduce-scatter and an
-        # all-gather of the same row): about a quarter
-        assert (O * piece + piece) / (2 * length[p] * 4) < 0.3
+        landed = due[t - 2] if t > 1 else []
+        want = [("all_gather", "dp_outer", torch.int8, piece[p]) for p in landed]
+        want += [("all_to_all", "dp_outer", torch.int8, O * piece[p]) for p in due[t - 1]]
+        assert ev == want, t
+    assert [len(e) for e in events] == [0, 1, 1, 1, 1, 1, 1, 1]  # step 8's lands after 9
+    for p in (0, 1):  # the two legs' bytes, scales included, against fp32's (a
+        # reduce-scatter and an all-gather of the same row): about a quarter
+        assert (O * piece[p] + piece[p]) / (2 * length[p] * 4) < 0.3

@@ -431,7 +431,10 @@ def test_compressed_syncs_on_gloo_equal_the_simmesh_bit_for_bit(pool):
                 assert _equal(params, row(p)) and _equal(res, row(r)), (fmt, t, rank)
     due = fh.sync_steps(2, 2, 7)  # a fragment syncs after every step here
     ops = [[op for op, *_ in e] for _, _, e in sims[0]]
-    assert ops == [["all_to_all", "all_gather"] if d else [] for d in due]
+    # delay=1: a sync's all-to-all at its issue, its all-gather where it lands, a step later
+    landed = [[]] + due[:-1]
+    assert ops == [["all_gather"] * len(g) + ["all_to_all"] * len(d) for g, d in zip(landed, due)]
+    assert ops[0] == ["all_to_all"] and ops[1] == ["all_gather", "all_to_all"]
 
 
 def test_a_compressed_checkpoint_mid_period_resumes_exactly_with_its_residual(pool, tmp_path):
@@ -486,15 +489,20 @@ def _raw_grads(t: int, o: int, i: int) -> dict:
             for k, v in full_params().items()}  # fmt: skip
 
 
-def _late_loop(mesh, *, delay: int, late: float, coords, steps: int = 3) -> tuple[list, dict]:
+def _late_loop(
+    mesh, *, delay: int, late: float, coords, compress: bool = False, steps: int = 3
+) -> tuple[list, dict]:
     """every=2: the sync issued after step 2 (landing after step 2 + delay); each inner step
     reduces its gradient within the replica. Replica 1 reaches the sync ``late`` s after
-    replica 0. Returns each update's seconds and the params, gathered."""
+    replica 0. ``compress``: int8 (the all-to-all in flight, the all-gather where it lands).
+    Returns each update's seconds and the params, gathered."""
     import time
 
     o, i = coords
     outer = fh.sgd(0.7, momentum=0.9, nesterov=True)
-    dl = fh.diloco(fh.hsdp(mesh, *AXES), axis="dp_outer", every=2, outer=outer, delay=delay)
+    policy = fh.compress(torch.int8, block=32) if compress else None
+    dl = fh.diloco(fh.hsdp(mesh, *AXES), axis="dp_outer", every=2, outer=outer, delay=delay,
+                   compress=policy)  # fmt: skip
     params = fh.shard(full_params(), dl.inner)
     state, times = dl.init(params), []
     for t in range(1, steps + 1):
@@ -517,18 +525,21 @@ def _overlap(runs) -> list:
     mesh = _mesh()
     coords = _coords(mesh)
     out = []
-    for delay, mode in runs:
+    for delay, mode, compress in runs:
         with fh.validation(mode):
-            out.append(_late_loop(mesh, delay=delay, late=LATE, coords=coords))
+            out.append(_late_loop(mesh, delay=delay, late=LATE, coords=coords, compress=compress))
     return coords, out
 
 
 def test_a_delayed_sync_is_issued_without_waiting_and_waited_for_where_it_lands(pool):
-    runs = [(1, "off"), (1, "on"), (0, "off")]
+    # (delay, validation, compressed): compressed, the first leg (the all-to-all) is what
+    # flies; the sum and the all-gather wait where the sync lands
+    runs = [(1, "off", False), (1, "on", False), (0, "off", False), (1, "off", True)]
     sim = fh.SimMesh(dict(zip(AXES, (O, I))))
-    want = [_late_loop(sim, delay=d, late=0, coords=(None, None))[1] for d, _ in runs]
+    want = [_late_loop(sim, delay=d, late=0, coords=(None, None), compress=c)[1]
+            for d, _, c in runs]  # fmt: skip
     for (o, i), out in pool.run(_overlap, runs):
-        for (delay, mode), (times, got), full in zip(runs, out, want):
+        for (delay, mode, _), (times, got), full in zip(runs, out, want):
             assert _error(got, {k: v[o, i] for k, v in full.items()}) < 1e-6, (delay, mode)
             if o == 1:  # the late replica finds the other waiting (or the result there)
                 assert max(times) < LATE / 2, (delay, mode, times)
@@ -540,13 +551,14 @@ def test_a_delayed_sync_is_issued_without_waiting_and_waited_for_where_it_lands(
                 assert issue > LATE / 2 and land < LATE / 4, (times, delay, mode)
 
 
-def _crossed(mode: str):
+def _crossed(mode: str, compress: bool):
     """The replicas issue different syncs: their fragment 0 labels differ."""
     mesh = _mesh()
     o, _ = _coords(mesh)
     labels = {"0.bias": o, "0.weight": o, "2.bias": 1 - o, "2.weight": 1 - o}
+    policy = fh.compress(torch.int8) if compress else None
     dl = fh.diloco(fh.hsdp(mesh, *AXES), axis="dp_outer", every=2, outer=fh.sgd(1.0),
-                   fragments=labels, delay=1)  # fmt: skip
+                   fragments=labels, delay=1, compress=policy)  # fmt: skip
     params = fh.shard(full_params(), dl.inner)
     state = dl.init(params)
     with fh.validation(mode):
@@ -559,8 +571,12 @@ def _crossed(mode: str):
     return None
 
 
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "int8"])
 @pytest.mark.parametrize("mode", ["on", "strict"])
-def test_replicas_that_issue_different_syncs_raise_before_the_collectives(pool, mode):
-    for t, message in pool.run(_crossed, mode):
+def test_replicas_that_issue_different_syncs_raise_before_the_collectives(pool, mode, compress):
+    # compressed: without an agreement of its own a worker died (gloo aborts on the
+    # all-to-all's sizes: each replica packs other leaves); with equal sizes it would have
+    # averaged one replica's layer 0 with the other's layer 2, silently
+    for t, message in pool.run(_crossed, mode, compress):
         assert t == 1, message  # at the issue, every rank alike: no collective was issued
         assert "pseudo_gradient[\"params['0.bias']\"] on rank" in message, message
