@@ -162,7 +162,7 @@ def report(res: dict, command: str, when: str) -> str:
         "`sleep` (the host free, as under a GPU's step) or `cpu` (matmuls on this host's 2 "
         "cores, which the 4 processes' loopback copies compete with), then the params drop "
         "by a constant and `dl.update` runs. "
-        f"{C.timing_note(cfg, 'runs of ' + str(cfg['steps']) + ' steps of the three variants')} "
+        f"{C.timing_note(cfg, 'runs of ' + str(cfg['steps']) + ' steps of the five variants')} "
         "Shown per sync period (2 steps). The sync's cost, delay=0 - no sync, is its "
         "transfer and its local work (the pseudo-gradient, its packing, the outer step, the "
         "merge: passes over the shard that no overlap hides). Saved: delay=0 - delay=1, also "
