@@ -380,26 +380,38 @@ class _Packing:
             the total width for padding (a zero appended there).
         shapes: the pieces' local shapes (batch dims in front).
         length: elements of every rank's row.
+        whole: every element of the pieces is this rank's (a DistMesh: no fill), so the
+            row is the pieces laid end to end, then zeros: copies and views, no index.
     """
 
-    def __init__(self, index: torch.Tensor, shapes: list[tuple[int, ...]], length: int):
-        self.index, self.shapes, self.length = index, shapes, length
+    def __init__(self, index: torch.Tensor, shapes: list, length: int, *, whole: bool):
+        self.index, self.shapes, self.length, self.whole = index, shapes, length, whole
         self.widths = [math.prod(s[index.dim() - 1 :]) for s in shapes]
 
     def gather(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The rows, fp32, from pieces of ``shapes``."""
-        lead = self.index.shape[:-1]
+        lead, width = self.index.shape[:-1], sum(self.widths)
         flat = [x.reshape(*lead, w).float() for x, w in zip(pieces, self.widths)]
+        if self.whole:  # one buffer, written once (gather and its index cost 3 passes)
+            row = torch.empty(*lead, self.length, device=self.index.device)
+            torch.cat(flat, -1, out=row.narrow(-1, 0, width))
+            row.narrow(-1, width, self.length - width).zero_()
+            return row
         row = torch.cat([*flat, torch.zeros(*lead, 1, device=self.index.device)], -1)
-        return torch.take_along_dim(row, self.index, -1)
+        return torch.gather(row, -1, self.index)  # (take_along_dim: a remainder pass more)
 
     def scatter(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Pieces of ``shapes`` (fp32, zero fill) from the rows (cut in buckets, in order)."""
-        lead = self.index.shape[:-1]
-        out = torch.zeros(*lead, sum(self.widths) + 1, device=self.index.device)
+        """Pieces of ``shapes`` (fp32, zero fill) from the rows (cut in buckets, in order);
+        ``whole``: views of the rows' buffer."""
+        lead, width = self.index.shape[:-1], sum(self.widths)
+        if self.whole and rows:
+            row = (torch.cat(rows, -1) if len(rows) > 1 else rows[0]).float()
+            parts = row.narrow(-1, 0, width).split(self.widths, -1)
+            return [x.reshape(s) for x, s in zip(parts, self.shapes)]
+        out = torch.zeros(*lead, width + 1, device=self.index.device)
         if rows:
             out.scatter_(-1, self.index, torch.cat(rows, -1).float())
-        parts = out.narrow(-1, 0, sum(self.widths)).split(self.widths, -1)
+        parts = out.narrow(-1, 0, width).split(self.widths, -1)
         return [x.reshape(s) for x, s in zip(parts, self.shapes)]
 
 
@@ -419,7 +431,8 @@ def _packing(plan: Any, leaves: list[torch.Tensor], *, role: str, members: list[
     first = torch.argsort((~real).to(torch.uint8), dim=-1, stable=True)[..., :length]
     mine = torch.arange(length, device=real.device) < real.sum(-1, keepdim=True)
     index = torch.where(mine, first, width)
-    return _Packing(index, [tuple(masks[i].shape) for i in members], length)
+    shapes = [tuple(masks[i].shape) for i in members]
+    return _Packing(index, shapes, length, whole=not lead)  # a DistMesh's pieces hold no fill
 
 
 def _longest(plan: Any, role: str, members: set[int]) -> int:

@@ -580,3 +580,40 @@ def test_replicas_that_issue_different_syncs_raise_before_the_collectives(pool, 
     for t, message in pool.run(_crossed, mode, compress):
         assert t == 1, message  # at the issue, every rank alike: no collective was issued
         assert "pseudo_gradient[\"params['0.bias']\"] on rank" in message, message
+
+
+# -- a DistMesh's compressed packing: the pieces end to end --------------------------------
+
+
+def _packings(placements) -> list:
+    """Per placement: whether every fragment's packing on this rank is the whole-pieces
+    layout (``whole``), and its index is the pieces' positions in order, then the padding
+    slot: what ``_Packing.whole`` copies instead of gathering (a DistMesh's pieces hold no
+    fill). Also that both ways give the same row and pieces, on random values."""
+    mesh = _mesh()
+    spec = fh.hsdp(mesh, *AXES)  # (Owner on some axes needs a third axis: SimMesh tests it)
+    specs = {"flat": spec, "owner-major": fh.owned(spec), "hfsdp": fh.hfsdp(mesh, *AXES)}
+    out = []
+    for name in placements:
+        dl = fh.diloco(specs[name], axis="dp_outer", every=2, outer=fh.sgd(1.0), fragments=2,
+                       compress=fh.compress(torch.int8, block=32))  # fmt: skip
+        params = fh.shard(full_params(), dl.inner)
+        dl.init(params)
+        packings = list(dl.update.__self__._packings.values())
+        ok = len(packings) == 2
+        for pk in packings:
+            width = sum(pk.widths)
+            at = torch.arange(pk.length)
+            ok &= pk.whole and torch.equal(pk.index, torch.where(at < width, at, width))
+            pieces = [torch.randn(s) for s in pk.shapes]
+            flat = [x.reshape(-1) for x in pieces] + [torch.zeros(1)]
+            row = pk.gather(pieces)
+            ok &= torch.equal(row, torch.cat(flat)[pk.index])
+            ok &= all(torch.equal(a, b) for a, b in zip(pk.scatter([row]), pieces))
+        out.append(ok)
+    return out
+
+
+def test_a_distmesh_packs_a_compressed_sync_without_an_index(pool):
+    placements = ["flat", "owner-major", "hfsdp"]
+    assert all(all(r) for r in pool.run(_packings, placements))
