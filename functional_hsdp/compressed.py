@@ -259,7 +259,6 @@ def compressed_all_reduce(
         >>> [(e.op, str(e.dtype), e.numel) for e in log.events]
         [('all_to_all', 'torch.int8', 12), ('all_gather', 'torch.int8', 6)]
     """
-    _check(bucket, axis, mesh, compress=compress, op=op, residual=residual)
     started = start(
         mesh, [bucket], axis=axis, compress=compress, op=op, scatter=scatter, residuals=[residual]
     )
@@ -277,14 +276,16 @@ def start(
     scatter: bool = False,
     residuals: list[torch.Tensor | None] | None = None,
 ) -> CompressedInFlight:
-    """:func:`compressed_all_reduce` of each of ``buckets`` (checked by the caller), its
+    """:func:`compressed_all_reduce` of each of ``buckets`` (each checked as there), its
     first leg issued: every bucket encoded and its all-to-all in flight, not waited for.
     :meth:`CompressedInFlight.result` finishes (the fp32 sum, the all-gather, the decode),
     so the first leg's transfer overlaps whatever the caller does in between (DiLoCo's
     delayed compressed syncs). ``residuals``: per bucket, as ``residual``; ``op`` and
     ``scatter`` as there."""
-    feedback = compress.error_feedback
     residuals = residuals or [None] * len(buckets)
+    for x, r in zip(buckets, residuals, strict=True):
+        _check(x, axis, mesh, compress=compress, op=op, residual=r)
+    feedback = compress.error_feedback
     if not mesh.moves(axis):  # nothing travels, nothing is rounded
         outs = [
             (x + r.to(x.dtype) if feedback and r is not None else x).clone()
@@ -307,6 +308,7 @@ class CompressedInFlight:
         self._rest: list[list[Any]] = []
         self._first: list[Any] = []
         self._new: dict[int, torch.Tensor] = {}
+        self._held: list[Any] = []  # the residuals in, until every bucket is encoded
         self._error: Exception | None = None
 
     @property
@@ -316,6 +318,7 @@ class CompressedInFlight:
 
     def issue(self, buckets: list, residuals: list) -> CompressedInFlight:
         """Encode every bucket and issue its all-to-all (step-major, one scheduler run)."""
+        self._held = list(residuals)
         for b, x in enumerate(buckets):
             items = program(
                 self.how["compress"],
@@ -324,12 +327,13 @@ class CompressedInFlight:
                 op=self.how["op"],
                 scatter=self.how["scatter"],
                 length=x.shape[-1],
-                residual_in=lambda _b, r=residuals[b]: r,
+                residual_in=lambda b: self._held[b],
                 residual_out=self._new.__setitem__,
             )
             self._first.append(items[:2])  # encode, the all-to-all
             self._rest.append(items[2:])  # the sum (and its encode), all-gather, decode
         self._first = run(self.mesh, self._first, lambda b: buckets[b])
+        self._held = []  # read by the encodes only: not held while in flight
         return self
 
     def result(self) -> tuple[list, list | None]:
@@ -341,10 +345,18 @@ class CompressedInFlight:
             try:
                 self._first = [self.mesh.wait(x) for x in self._first]  # an interrupt: again
             except Exception as exc:
-                self._error = exc
+                self._fail(exc)
                 raise
             self._out = self._finish()
         return self._out
+
+    def _fail(self, exc: Exception) -> None:
+        """Keep ``exc`` for later calls and let go of whatever is still in flight (an
+        error leaks no buffers)."""
+        self._error = exc
+        for x in self._first:
+            self.mesh.abandon(x)
+        self._first, self._rest = [], []
 
     def _finish(self) -> tuple[list, list | None]:
         """The second leg, from the first's waited results."""
@@ -352,7 +364,7 @@ class CompressedInFlight:
             outs = run(self.mesh, self._rest, self._first.__getitem__)
             outs = [self.mesh.wait(x) for x in outs]
         except BaseException as exc:  # the legs' state is spent: this reduction cannot resume
-            self._error = (
+            self._fail(
                 exc
                 if isinstance(exc, Exception)
                 else RuntimeError(

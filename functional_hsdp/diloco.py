@@ -45,7 +45,8 @@ compressed sync (``compress=``) is two dependent collectives with an fp32 sum be
 them: its first leg (the quantized all-to-all of every bucket) is what flies, issued after
 an agreement of its own (:func:`~functional_hsdp.collectives.agree_pmean`: the same
 message as an uncompressed sync's); the ``update`` where it lands waits for it, sums and
-runs the all-gather (the second leg, half the bytes, not overlapped), and takes the new
+runs the all-gather (the second leg: as many bytes reach each rank as in the first; not
+overlapped), and takes the new
 residual of error feedback. A checkpoint or a copy finishes it (both legs, so every rank
 of the replica group takes part, as in ``fh.state_dict``) and saves its new residual in
 its fragment's place (:func:`~functional_hsdp.diloco.residual_tree`).
@@ -432,7 +433,9 @@ def _packing(plan: Any, leaves: list[torch.Tensor], *, role: str, members: list[
     mine = torch.arange(length, device=real.device) < real.sum(-1, keepdim=True)
     index = torch.where(mine, first, width)
     shapes = [tuple(masks[i].shape) for i in members]
-    return _Packing(index, shapes, length, whole=not lead)  # a DistMesh's pieces hold no fill
+    # a DistMesh's pieces hold no fill (checked: one host read, once per tree and fragment)
+    whole = not lead and bool(real[..., :width].all())
+    return _Packing(index, shapes, length, whole=whole)
 
 
 def _longest(plan: Any, role: str, members: set[int]) -> int:

@@ -44,8 +44,8 @@ __all__ = [
     "AT",
     "DEFERRED",
     "InFlight",
-    "agree",
     "Residual",
+    "agree",
     "finish",
     "move",
     "reduce",
@@ -279,7 +279,7 @@ def agree(
     leaves, treedef, paths = flatten(tree, name)
     with validate.agreement_in_mode(spec, call, mode) as agreed:  # a local error: all raise
         refuse_tracked(leaves, paths, call)
-        if not leaves:
+        if not leaves or mode == "off":  # nothing to agree on, or nothing exchanged
             return
         plan = _input_plan(tree, leaves, treedef, paths=paths, spec=spec, at="input", name=name)
         agreed.check(plan, paths, last=True, options=options)

@@ -546,3 +546,51 @@ def test_units_with_and_without_into_agree_bitwise_and_match_dense(kind):
         if kind == "hsdp":
             assert log.count("all_gather", "dp_outer") == log.count("all_to_all", "dp_outer")
     assert _max_abs(first[-1][1]) > 0  # the residual did carry something into step 2
+
+
+def test_a_compressed_reduction_in_flight_finishes_once_and_an_interrupt_in_its_transfer_retries(
+    monkeypatch,
+):
+    """compressed.start: result() finishes once (the same tensors again); an interrupt while
+    it waits for the all-to-alls lets it wait again; an error is kept and raised again; an
+    interrupt in the second leg (whose state is spent) leaves a RuntimeError saying so."""
+    from functional_hsdp import compressed
+
+    mesh, policy = fh.SimMesh({"dp": 2}), fh.compress(torch.int8)
+    xs = [torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]]), torch.randn(2, 70)]
+    want = [fh.compressed_all_reduce(x, "dp", mesh, compress=policy) for x in xs]
+    real = mesh.wait
+
+    def failing_at(call: int, exc: BaseException):
+        calls = []
+
+        def wait(x):
+            calls.append(1)
+            if len(calls) == call:
+                raise exc
+            return real(x)
+
+        return wait
+
+    flight = compressed.start(mesh, xs, axis="dp", compress=policy)
+    monkeypatch.setattr(mesh, "wait", failing_at(1, KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):  # waiting for the first all-to-all
+        flight.result()
+    assert not flight.done
+    outs, res = flight.result()  # waited again
+    assert flight.done and flight.result()[0][0] is outs[0]
+    for (o, r), (wo, wr) in zip(zip(outs, res), want):
+        assert torch.equal(o, wo) and torch.equal(r, wr)
+
+    flight = compressed.start(mesh, xs, axis="dp", compress=policy)
+    monkeypatch.setattr(mesh, "wait", failing_at(1, RuntimeError("the all-to-all failed")))
+    for _ in range(2):  # kept, and raised again
+        with pytest.raises(RuntimeError, match="the all-to-all failed"):
+            flight.result()
+
+    flight = compressed.start(mesh, xs, axis="dp", compress=policy)
+    monkeypatch.setattr(mesh, "wait", failing_at(len(xs) + 1, KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):  # in the second leg
+        flight.result()
+    with pytest.raises(RuntimeError, match="interrupted in its second leg"):
+        flight.result()

@@ -256,14 +256,22 @@ def test_a_replicas_specs_agreement_spans_its_replica_and_still_names_the_rank()
     assert torch.equal(out, torch.ones_like(out))
 
 
-@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "int8"])
-def test_a_delayed_sync_is_in_flight_until_it_lands_and_saves_whole(compressed):
+_POLICIES = {  # a sync's wire: uncompressed, int8 with and without error feedback
+    "plain": None,
+    "int8": fh.compress(torch.int8, block=32),
+    "int8-nofeedback": fh.compress(torch.int8, block=32, error_feedback=False),
+}
+
+
+@pytest.mark.parametrize("wire", list(_POLICIES))
+def test_a_delayed_sync_is_in_flight_until_it_lands_and_saves_whole(wire):
     # compressed: the first leg (the all-to-all) in flight, the rest where it lands; a
     # checkpoint finishes it and saves its new residual (residual_tree) beside pending
     from functional_hsdp.diloco import SyncInFlight, pending_tree, residual_tree
 
     spec = fh.hsdp(_mesh(), "dp_outer", "dp_inner")
-    policy = fh.compress(torch.int8, block=32) if compressed else None
+    policy = _POLICIES[wire]
+    feedback = policy is not None and policy.error_feedback
     dl = fh.diloco(spec, axis="dp_outer", every=4, outer=fh.sgd(1.0), fragments=2, delay=1,
                    compress=policy)  # fmt: skip
     params = fh.shard(full_params(), dl.inner)
@@ -286,8 +294,8 @@ def test_a_delayed_sync_is_in_flight_until_it_lands_and_saves_whole(compressed):
     assert all(whole[k].abs().sum() > 0 for k in second)
     assert all(not whole[k].any() and whole[k].shape == params[k].shape for k in first)
     kept = residual_tree(state)
-    assert (kept is None) != compressed
-    if compressed:  # fragment 1's new residual in its place, the rest as the state holds it
+    assert (kept is None) != feedback
+    if feedback:  # fragment 1's new residual in its place, the rest as the state holds it
         assert all(torch.equal(kept[k], x) for k, x in zip(second, sync.residual()))
         assert all(kept[k] is state.residual[k] for k in first)
         assert any(not torch.equal(kept[k], state.residual[k]) for k in second)
@@ -300,7 +308,7 @@ def test_a_delayed_sync_is_in_flight_until_it_lands_and_saves_whole(compressed):
     live, live_state = dl.update(step7, state6)
     again, after = dl.update(step7, loaded)
     assert all(torch.equal(live[k], again[k]) for k in params)
-    if compressed:
+    if feedback:
         assert all(torch.equal(live_state.residual[k], after.residual[k]) for k in params)
     assert not all(torch.equal(live[k], step7[k]) for k in first)  # it did land
     assert all(isinstance(v, fh.Masked) for v in after.pending.values())
@@ -345,13 +353,13 @@ def test_an_outer_optimizer_that_checks_placements_takes_the_pseudo_gradient(del
     assert torch.allclose(moved, torch.full_like(moved, 0.7 * 0.05), rtol=1e-5), moved
 
 
-@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "int8"])
-def test_a_state_with_a_sync_in_flight_pickles_and_copies_waited_for(compressed):
+@pytest.mark.parametrize("wire", list(_POLICIES))
+def test_a_state_with_a_sync_in_flight_pickles_and_copies_waited_for(wire):
     import copy
     import pickle
 
     spec = fh.hsdp(_mesh(), "dp_outer", "dp_inner")
-    policy = fh.compress(torch.int8, block=32) if compressed else None
+    policy = _POLICIES[wire]
     dl = fh.diloco(spec, axis="dp_outer", every=4, outer=fh.sgd(0.7, momentum=0.9, nesterov=True),
                    fragments=2, delay=2, compress=policy)  # fmt: skip
     params, state = _replica_steps(dl, 2)  # fragment 0 issued after step 2, lands after 4
@@ -363,7 +371,7 @@ def test_a_state_with_a_sync_in_flight_pickles_and_copies_waited_for(compressed)
     for other in (copied, unpickled):
         again, again_state = _replica_steps(dl, 4, state=other, params=params)
         assert all(torch.equal(live[k], again[k]) for k in live)
-        if compressed:  # the copied sync's new residual came along
+        if wire == "int8":  # the copied sync's new residual came along
             res = live_state.residual
             assert all(torch.equal(res[k], again_state.residual[k]) for k in res)
 

@@ -8,7 +8,9 @@ module."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import sys
 
 import optree
 import pytest
@@ -387,10 +389,23 @@ def _outer_steps(mesh, fmt, rows) -> list:
     return out
 
 
-def _outer_steps_task(fmts) -> list:
+def _outer_steps_task(fmts, cap_mb: float | None = None) -> list:
     mesh = _mesh()
     o = mesh.coordinate("dp_outer")
-    return [_outer_steps(mesh, fmt, lambda trees, o=o: trees[o]) for fmt in fmts]
+    with _cap(cap_mb):
+        return [_outer_steps(mesh, fmt, lambda trees, o=o: trees[o]) for fmt in fmts]
+
+
+@contextlib.contextmanager
+def _cap(cap_mb: float | None):
+    """The pseudo-gradient's bucket cap set to ``cap_mb`` (None: as it is) inside."""
+    module = sys.modules["functional_hsdp.diloco"]
+    old = module._CAP_MB
+    module._CAP_MB = old if cap_mb is None else cap_mb
+    try:
+        yield
+    finally:
+        module._CAP_MB = old
 
 
 def _rows_sim(trees: list[dict]) -> dict:
@@ -429,6 +444,16 @@ def test_compressed_syncs_on_gloo_equal_the_simmesh_bit_for_bit(pool):
                 assert events == e, (fmt, t)
                 row = lambda tree, o=o, i=i: optree.tree_map(lambda x: x[o, i], tree)  # noqa: E731
                 assert _equal(params, row(p)) and _equal(res, row(r)), (fmt, t, rank)
+    # several buckets per sync: 26 elements a bucket (the fragments hold 112 and 68 a rank)
+    with _cap(1e-4):
+        capped = _outer_steps(sim_mesh, FORMATS[0], _rows_sim)
+    assert all(len(e) >= 3 for _, _, e in capped[1:])  # a collective per bucket and leg
+    for rank, (got,) in enumerate(pool.run(_outer_steps_task, FORMATS[:1], 1e-4)):
+        o, i = divmod(rank, I)
+        for (params, res, events), (p, r, e) in zip(got, capped):
+            assert events == e
+            row = lambda tree, o=o, i=i: optree.tree_map(lambda x: x[o, i], tree)  # noqa: E731
+            assert _equal(params, row(p)) and _equal(res, row(r)), rank
     due = fh.sync_steps(2, 2, 7)  # a fragment syncs after every step here
     ops = [[op for op, *_ in e] for _, _, e in sims[0]]
     # delay=1: a sync's all-to-all at its issue, its all-gather where it lands, a step later
