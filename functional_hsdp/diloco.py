@@ -388,10 +388,11 @@ class _Packing:
     def __init__(self, index: torch.Tensor, shapes: list, length: int, *, whole: bool):
         self.index, self.shapes, self.length, self.whole = index, shapes, length, whole
         self.widths = [math.prod(s[index.dim() - 1 :]) for s in shapes]
+        self.width = sum(self.widths)  # the pieces' elements laid end to end
 
     def gather(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The rows, fp32, from pieces of ``shapes``."""
-        lead, width = self.index.shape[:-1], sum(self.widths)
+        lead, width = self.index.shape[:-1], self.width
         flat = [x.reshape(*lead, w).float() for x, w in zip(pieces, self.widths)]
         if self.whole:  # one buffer, written once (gather and its index cost 3 passes)
             row = torch.empty(*lead, self.length, device=self.index.device)
@@ -404,7 +405,7 @@ class _Packing:
     def scatter(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """Pieces of ``shapes`` (fp32, zero fill) from the rows (cut in buckets, in order);
         ``whole``: views of the rows' buffer."""
-        lead, width = self.index.shape[:-1], sum(self.widths)
+        lead, width = self.index.shape[:-1], self.width
         if self.whole and rows:
             row = (torch.cat(rows, -1) if len(rows) > 1 else rows[0]).float()
             parts = row.narrow(-1, 0, width).split(self.widths, -1)
@@ -757,16 +758,15 @@ class _Outer:
         feedback = self.compress is not None and self.compress.error_feedback
         _check_state(state, treedef, leaves=leaves, n=n, delay=self.delay, feedback=feedback)
         t, step = state.count + 1, _Step(leaves, state, treedef)
-        for p in range(n):  # syncs issued tau steps ago land first
-            if step.due[p] == t and step.flight[p] is not None:
+        for p in (q for q in range(n) if step.due[q] == t):  # syncs issued tau steps ago land
+            if step.flight[p] is not None:
                 self._land(step, of=of, sync=step.flight[p])
-            elif step.due[p] == t:  # held in pending (a state loaded from a checkpoint)
+            else:  # held in pending (a state loaded from a checkpoint)
                 self._merge(step, of=of, p=p, delta=_held(step, of=of, p=p, t=t))
-            if step.due[p] == t:
-                for i, f in enumerate(of):
-                    if f == p and isinstance(step.pending[i], torch.Tensor):
-                        step.pending[i] = masked(step.pending[i])
-                step.due[p], step.flight[p], step.touched = 0, None, True
+            for i, f in enumerate(of):
+                if f == p and isinstance(step.pending[i], torch.Tensor):
+                    step.pending[i] = masked(step.pending[i])
+            step.due[p], step.flight[p], step.touched = 0, None, True
         if step.pending is not None:  # loaded whole from a checkpoint: mask what is not in flight
             for i, f in enumerate(of):
                 if not step.due[f] and isinstance(step.pending[i], torch.Tensor):
@@ -788,25 +788,25 @@ class _Outer:
             tag(optree.tree_leaves(residual), plan, role, kind="weights")
 
     def _issue(self, step: _Step, *, of: list[int], p: int, t: int) -> None:
-        idx = tuple(i for i, f in enumerate(of) if f == p)
-        local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
-        keys = tuple(self._cache[step.treedef].paths[i] for i in idx)  # named in errors
         step.touched = True
-        started = self._start(step, of=of, p=p, local=local, keys=keys)
-        sync = SyncInFlight(p, idx, keys=keys, reduction=started)
+        sync = self._start(step, of=of, p=p)
         if not self.delay:
             self._land(step, of=of, sync=sync)
         else:  # in flight until it lands
             step.flight[p], step.due[p] = sync, t + self.delay
 
-    def _start(self, step: _Step, *, of: list[int], p: int, local: list, keys: tuple) -> Any:
+    def _start(self, step: _Step, *, of: list[int], p: int) -> SyncInFlight:
         """Fragment ``p``'s sync started: uncompressed, one all-reduce (AVG) per bucket in flight;
         compressed, every bucket's first leg (after an agreement of its own)."""
+        idx = tuple(i for i, f in enumerate(of) if f == p)
+        local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
+        keys = tuple(self._cache[step.treedef].paths[i] for i in idx)  # named in errors
         named = dict(zip(keys, local))
         if self.compress is None:
-            return start_pmean(
+            reduction = start_pmean(
                 named, self.axis, self.mesh, bucket_cap_mb=_CAP_MB, name="pseudo_gradient"
             )
+            return SyncInFlight(p, idx, keys=keys, reduction=reduction)
         agree_pmean(  # before the compressed legs: ranks that differ raise, all alike
             named,
             self.axis,
@@ -815,17 +815,16 @@ class _Outer:
             name="pseudo_gradient",
             options=(f"compress={self.compress!r}",),
         )
-        return _start_compressed(
+        reduction = _start_compressed(
             local,
             mesh=self.mesh,
             axis=self.axis,
             compress=self.compress,
             packing=self._packing_of(step.treedef, step.like, of=of, p=p),
             keys=keys,
-            residual=None
-            if step.residual is None
-            else [step.residual[i] for i in range(len(of)) if of[i] == p],
+            residual=None if step.residual is None else [step.residual[i] for i in idx],
         )
+        return SyncInFlight(p, idx, keys=keys, reduction=reduction)
 
     def _land(self, step: _Step, *, of: list[int], sync: SyncInFlight) -> None:
         """A sync lands: the outer step and merge with its result, and its new residual."""
@@ -906,10 +905,8 @@ def pending_tree(state: DiLoCoState) -> Any:
         return None
     anchor, treedef = optree.tree_flatten(state.anchor)
     held = _pending_leaves(state.pending)
-    for sync in state.flight:  # waited for now (the update where it lands reuses it)
-        if sync is not None:  # copies: views of the reduction's buckets would be tagged there
-            for i, x in zip(sync.leaves, sync.result()):
-                held[i] = x.clone()
+    for i, x in _flown(state, SyncInFlight.result).items():
+        held[i] = x
     full = [x if isinstance(x, torch.Tensor) else torch.zeros_like(a) for x, a in zip(held, anchor)]
     _tag_like(full, anchor)
     return optree.tree_unflatten(treedef, full)
@@ -922,15 +919,25 @@ def residual_tree(state: DiLoCoState) -> Any:
     if state.residual is None:
         return None
     leaves, treedef = optree.tree_flatten(state.residual)
-    new = {}  # leaf index -> its new residual
-    for sync in state.flight:
-        kept = None if sync is None else sync.residual()
-        new.update(zip(sync.leaves, kept) if kept is not None else ())
+    new = _flown(state, SyncInFlight.residual)
     if not new:
         return state.residual
-    out = [new[i].clone() if i in new else x for i, x in enumerate(leaves)]  # own memory
+    out = [new.get(i, x) for i, x in enumerate(leaves)]
     _tag_like(out, leaves)
     return optree.tree_unflatten(treedef, out)
+
+
+def _flown(state: DiLoCoState, which: Any) -> dict[int, torch.Tensor]:
+    """Leaf index -> a copy of what the sync in flight on it brings (``which(sync)``: its
+    result or its new residual, one tensor per leaf, or None), waited for now (the update
+    where it lands reuses it). Copies: the originals are views of the reduction's buckets,
+    and a checkpoint tags what it saves."""
+    out = {}
+    for sync in state.flight:
+        got = None if sync is None else which(sync)
+        if got is not None:
+            out.update((i, x.clone()) for i, x in zip(sync.leaves, got))
+    return out
 
 
 def _tag_like(out: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
