@@ -65,9 +65,9 @@ def task(cfg: dict) -> dict:
     from torch.func import functional_call, grad
 
     import functional_hsdp as fh
-    from functional_hsdp import validate
-    from functional_hsdp.lookup import grads_plan
-    from functional_hsdp.tree import flatten
+    from functional_hsdp.base.tree import flatten
+    from functional_hsdp.plan.lookup import grads_plan
+    from functional_hsdp.runtime import validate
 
     dm = C.device_mesh((2, 2))
     spec = fh.hsdp(fh.DistMesh(dm), *C.AXES)

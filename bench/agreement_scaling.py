@@ -6,7 +6,7 @@ imports nothing of the ``bench`` package, whose ``__init__`` imports every bench
 of them needing the newest library: ``bench/agreement.py`` links this file into an empty
 directory as the top-level module ``fh_agreement_scaling``, beside a link to the checkout's
 ``functional_hsdp``, and runs :func:`main` there. ``bench/common.py`` (which imports only
-``functional_hsdp.launch`` of the library) is loaded from its file.
+``functional_hsdp.mesh.launch`` of the library) is loaded from its file.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from functional_hsdp import launch
+from functional_hsdp.mesh import launch
 
 #: the tree: small, so that the call is mostly the agreement and its collectives
 TREE = {"leaves": 4, "numel": 256}
@@ -57,9 +57,9 @@ def task(cfg: dict) -> dict:
     import torch.distributed as dist
 
     import functional_hsdp as fh
-    from functional_hsdp import validate
-    from functional_hsdp.lookup import grads_plan
-    from functional_hsdp.tree import flatten
+    from functional_hsdp.base.tree import flatten
+    from functional_hsdp.plan.lookup import grads_plan
+    from functional_hsdp.runtime import validate
 
     n = dist.get_world_size()
     spec = fh.hsdp(fh.DistMesh(C.device_mesh((2, n // 2))), *C.AXES)

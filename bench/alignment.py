@@ -22,7 +22,7 @@ import math
 import torch
 
 import functional_hsdp as fh
-from functional_hsdp.layout import ALIGN, build_buckets
+from functional_hsdp.plan.buckets import ALIGN, build_buckets
 
 from . import common as C
 

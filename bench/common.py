@@ -1,9 +1,9 @@
 """Shared machinery of the benchmarks: running a task on 4 gloo ranks, memory and timing
 probes, trees, and writing sections of ``bench/RESULTS.md``.
 
-Gloo runs use :mod:`functional_hsdp.launch`: a benchmark run on its own starts 4 fresh ranks
-with the one-shot :func:`~functional_hsdp.launch.run` (torch's ``elastic_launch``); the smoke
-test passes one :class:`functional_hsdp.testing.GlooPool` to all benchmarks instead, since
+Gloo runs use :mod:`functional_hsdp.mesh.launch`: a benchmark run on its own starts 4 fresh ranks
+with the one-shot :func:`~functional_hsdp.mesh.launch.run` (torch's ``elastic_launch``); the smoke
+test passes one :class:`functional_hsdp.tools.testing.GlooPool` to all benchmarks instead, since
 starting ranks once per benchmark would dominate its run time there. Tasks are module-level
 functions of ``bench.*`` modules, run on every rank.
 
@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from functional_hsdp import launch
+from functional_hsdp.mesh import launch
 
 if TYPE_CHECKING:
-    from functional_hsdp.testing import GlooPool
+    from functional_hsdp.tools.testing import GlooPool
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(BENCH_DIR)
@@ -83,8 +83,8 @@ def new_pool(world_size: int = WORLD, timeout: float = 900.0) -> GlooPool:
     get); a memory measurement calls :func:`set_malloc` in the worker, after any timing in
     that process."""
     # Imported here: agreement_scaling loads this file beside a baseline checkout of the
-    # library, which may predate functional_hsdp.testing, and never makes a pool.
-    from functional_hsdp.testing import GlooPool
+    # library, which may predate functional_hsdp.tools.testing, and never makes a pool.
+    from functional_hsdp.tools.testing import GlooPool
 
     pool = GlooPool(world_size, timeout=timeout, start_timeout=180.0, preload=PRELOAD)
     _note_worker_library()

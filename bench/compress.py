@@ -140,7 +140,7 @@ _CODEC = {"seconds": 0.0}
 def _codec_timed():
     """Every local item of a compressed reduction (encode: residual + quantize; reduce:
     dequantize, fp32 sum, quantize; decode: dequantize) adds its time to ``_CODEC``."""
-    from functional_hsdp import compressed
+    from functional_hsdp.runtime import compressed
 
     own = {n: getattr(compressed._Legs, n) for n in ("encode", "reduce", "decode")}
 

@@ -21,14 +21,14 @@ import time
 
 import torch
 
-from functional_hsdp import launch
+from functional_hsdp.mesh import launch
 
 
 def _rounds(impl: str, rounds: int, inflight: int) -> int:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from functional_hsdp.torch_releases import c10d_all_gather_single, funcol_all_gather_single
+    from functional_hsdp.base.torch_releases import c10d_all_gather_single, funcol_all_gather_single
 
     group, world = dist.group.WORLD, dist.get_world_size()
     for r in range(rounds):

@@ -205,7 +205,7 @@ class _Fh:
 
 def build(name: str, pb: Problem, dm, ns_dtype: torch.dtype = torch.bfloat16):
     """A variant; ``ns_dtype``: the library's Newton-Schulz dtype (torch's: under
-    ``functional_hsdp.testing.torch_muon_in``)."""
+    ``functional_hsdp.tools.testing.torch_muon_in``)."""
     if name in ("muon_torch", "adamw_torch"):
         return _Torch(pb, muon=name == "muon_torch")
     if name in FH:
@@ -224,12 +224,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def correctness(cfg: dict, device, dm) -> dict:
     """Per microbatch count (1 and M): every variant CORRECT_STEPS steps from the same weights
     on the same data, Newton-Schulz in float32 (the library's ``ns_dtype``; torch's through
-    ``functional_hsdp.testing.torch_muon_in``: in bf16, a gradient's last-bit difference,
+    ``functional_hsdp.tools.testing.torch_muon_in``: in bf16, a gradient's last-bit difference,
     from another summation order, flips a bf16 rounding that the iteration amplifies, so the
     comparison would measure bf16, not the route); each fh variant against its torch
     reference: per-step losses (max relative difference), the weights after the steps and the
     update they made (``after - before``), worst leaf, relative L2 error."""
-    from functional_hsdp.testing import torch_muon_in
+    from functional_hsdp.tools.testing import torch_muon_in
 
     out: dict = {}
     for M in sorted({1, cfg["M"]}):
@@ -266,7 +266,7 @@ def _ns_timer(device: torch.device, spans: list):
     ``(start, end)`` to ``spans``: CUDA events, or ``perf_counter`` seconds on the CPU."""
     import torch.optim._muon as torch_muon
 
-    from functional_hsdp import matrix
+    from functional_hsdp.optim import matrix
 
     seams = [(matrix, "newton_schulz"), (torch_muon, "_zeropower_via_newtonschulz")]
     owns = [getattr(mod, name) for mod, name in seams]

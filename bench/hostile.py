@@ -11,7 +11,7 @@ README's contract says must happen; the harness records what did:
   gradient of the mean over ranks of each rank's loss, on the full weights, sharded as the
   library's result is); the ``*/into/*`` cases (issue 36: calls with other ``into=``,
   ``recompute=``, ``reshard_after_forward=`` on one model, run by
-  ``functional_hsdp/testing/into_problem.py``, which the tests share) compare every step and
+  ``functional_hsdp/tools/testing/into_problem.py``, which the tests share) compare every step and
   probe of the sequence with the same one made clean instead (fresh shards, a fresh
   ``MainGrad``, nothing run before), to 1e-6, and each step's collectives and layer runs with
   the clean step's;
@@ -38,7 +38,7 @@ rank, by a clean step, which must equal the reference (else: ``silent wrong``).
 Fresh ranks for every case and mode: 4 processes forked from the forkserver, which join one
 gloo group (the rendezvous store is this process's) and answer through a pipe. A rank that has
 answered stays alive until the case ends (so that a peer still in a collective is not let off
-by a closed connection), and the outer limit ends it. ``functional_hsdp.launch.run`` is not
+by a closed connection), and the outer limit ends it. ``functional_hsdp.mesh.launch.run`` is not
 used: its agent stops every rank as soon as one raises or dies, which would hide what the
 others do. (The smoke test's tiny size runs its one gloo case, which every rank answers, on
 the test's pool of ranks instead.)
@@ -953,7 +953,7 @@ def _(ctx):
 # ---- calls with other options on one model (issue 36): each sequence equals the same ---------
 # ---- steps and probes made clean (fresh shards, a fresh MainGrad, nothing run before) ---------
 
-# the sequences of functional_hsdp/testing/into_problem.py (shared with tests/test_into*.py)
+# the sequences of functional_hsdp/tools/testing/into_problem.py (shared with tests/test_into*.py)
 INTO_SEQUENCES = {
     "probe_before_first_step": "a gradient without into= (a probe), then a step into mg",
     "probe_between_steps": "a step, zero_grad, a probe without into=, a step",
@@ -980,7 +980,7 @@ INTO_MODELS = {  # path -> model -> what
 
 def _into_make(ctx: Ctx, path: str, model: str) -> Callable:
     """A maker of fresh models (into_problem's ``Model``) of ``path`` and ``model``."""
-    from functional_hsdp.testing import into_problem as ip
+    from functional_hsdp.tools.testing import into_problem as ip
 
     if path == "module":
         tied, root = model == "tied", model != "units"
@@ -992,7 +992,7 @@ def _into_case(path: str, model: str, sequence: str, grad: str) -> Callable:
     """``sequence`` with recompute off, then on: every check against its clean reference."""
 
     def fn(ctx: Ctx) -> Check:
-        from functional_hsdp.testing import into_problem as ip
+        from functional_hsdp.tools.testing import into_problem as ip
 
         make, errors = _into_make(ctx, path, model), {}
         for recompute in (False, True):
@@ -1028,7 +1028,7 @@ def _into_finished(path: str) -> Callable:
     ``zero_grad()`` and a step, which must equal the same step made clean."""
 
     def fn(ctx: Ctx) -> Check:
-        from functional_hsdp.testing import into_problem as ip
+        from functional_hsdp.tools.testing import into_problem as ip
 
         make = _into_make(ctx, path, "untied")
         clean = make()  # first: nothing run before it
@@ -1307,7 +1307,7 @@ def _live() -> tuple[int, int, int]:
     unused prefetches, cached plans; see the README's "Nothing is held for you") and a
     collection."""
     import functional_hsdp as fh
-    from functional_hsdp import module
+    from functional_hsdp.units import module
 
     fh.clear_caches()
     gc.collect()
@@ -1341,6 +1341,7 @@ def _relative_error(got: Any, want: Any) -> float:
 def _once(c: Case, ctx: Ctx) -> dict:
     """Run the case once: what this rank saw."""
     import functional_hsdp as fh
+    from functional_hsdp.base.errors import UnitsDiffer
 
     start = time.monotonic()
     try:
@@ -1357,8 +1358,7 @@ def _once(c: Case, ctx: Ctx) -> dict:
             "type": type(exc).__name__,
             # strict mode's refusal of differing unit collectives (a CollectiveError that is
             # also the cross-rank check's ValueError, naming the unit): a clear error
-            "collective": isinstance(exc, fh.CollectiveError)
-            and not isinstance(exc, fh.errors.UnitsDiffer),
+            "collective": isinstance(exc, fh.CollectiveError) and not isinstance(exc, UnitsDiffer),
             "expected": isinstance(exc, Expected),
             "msg": str(exc),
             "elapsed": time.monotonic() - start,
@@ -1402,7 +1402,7 @@ def _rank_main(rank: int, port: int, conn, name: str, mode: str, log: str) -> No
     from torch.distributed.device_mesh import init_device_mesh
 
     import functional_hsdp as fh
-    from functional_hsdp import launch
+    from functional_hsdp.mesh import launch
 
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 2)
@@ -1451,7 +1451,7 @@ def _gloo(c: Case, mode: str) -> dict:
     """The case on 4 fresh gloo ranks."""
     import torch.distributed as dist
 
-    from functional_hsdp import launch
+    from functional_hsdp.mesh import launch
 
     store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
     mp = multiprocessing.get_context("forkserver")
@@ -1636,7 +1636,7 @@ def _pool_task(name: str, mode: str) -> dict:
     """A pool rank of one case (the smoke test's tiny cases, which every rank answers): run
     it, and again for the leak check where this rank's outcome leaves the ranks in step."""
     import functional_hsdp as fh
-    from functional_hsdp import launch
+    from functional_hsdp.mesh import launch
 
     ctx = Ctx(fh.DistMesh(launch.device_mesh(SHAPE, AXES), timeout=MESH_TIMEOUT), None, mode)
     ctx.rank = launch.rank()

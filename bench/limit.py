@@ -47,7 +47,7 @@ def _bare(dm, bufs):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from functional_hsdp.torch_releases import funcol_reduce_scatter_single
+    from functional_hsdp.base.torch_releases import funcol_reduce_scatter_single
 
     inner, outer = (dm, 1), (dm, 0)
     g_in, g_out = dm.get_group(1), dm.get_group(0)

@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from functional_hsdp.maingrad import DEPTH
+from functional_hsdp.sync.maingrad import DEPTH
 
 from . import common as C
 

@@ -105,7 +105,7 @@ _NS = {"seconds": 0.0}
 def _ns_timed():
     """Every fh.newton_schulz call inside adds its time to ``_NS`` (a seam on the library's
     module attribute, which fh.muon's per-matrix function calls)."""
-    from functional_hsdp import matrix
+    from functional_hsdp.optim import matrix
 
     own = matrix.newton_schulz
 
@@ -124,7 +124,7 @@ def _ns_timed():
 
 def _orthogonalized(x: torch.Tensor) -> torch.Tensor:
     """fh.muon's direction of one whole matrix (torch.optim.Muon's defaults)."""
-    from functional_hsdp import matrix
+    from functional_hsdp.optim import matrix
 
     ratio = max(1, x.shape[-2] / x.shape[-1]) ** 0.5
     return matrix.newton_schulz(x).to(x.dtype) * ratio
@@ -133,7 +133,7 @@ def _orthogonalized(x: torch.Tensor) -> torch.Tensor:
 def _naive_muon(tree_spec: dict, units: list[str]):
     """Muon's math with every matrix all-gathered and orthogonalized on every rank."""
     import functional_hsdp as fh
-    from functional_hsdp.matrix import unmask
+    from functional_hsdp.optim.matrix import unmask
 
     def init(params):
         return fh.MuonState(0, optree.tree_map(torch.zeros_like, params))
@@ -159,7 +159,7 @@ def _naive_muon(tree_spec: dict, units: list[str]):
 
 def _masked_as(tree, like):
     """``tree``'s leaves where ``like`` has leaves, ``like``'s Masked elsewhere."""
-    from functional_hsdp.matrix import Masked
+    from functional_hsdp.optim.matrix import Masked
 
     is_masked = lambda x: isinstance(x, Masked)  # noqa: E731
     values, treedef = optree.tree_flatten(tree)

@@ -39,7 +39,7 @@ def _impls(group, pg_ref, n: int):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from functional_hsdp.torch_releases import funcol_reduce_scatter_single
+    from functional_hsdp.base.torch_releases import funcol_reduce_scatter_single
 
     AVG = dist.ReduceOp.AVG
     r = dist.get_rank(group)

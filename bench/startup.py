@@ -3,14 +3,14 @@
     python -m bench.startup
 
 times each way, each part in a fresh process (so that the first start also starts the
-forkserver): the one-shot :func:`functional_hsdp.launch.run` (torch's ``elastic_launch``,
+forkserver): the one-shot :func:`functional_hsdp.mesh.launch.run` (torch's ``elastic_launch``,
 workers forked from a forkserver), ``elastic_launch`` as torch configures it (workers
-spawned), and the test pool, :class:`functional_hsdp.testing.GlooPool`. The "mesh task" builds
+spawned), and the test pool, :class:`functional_hsdp.tools.testing.GlooPool`. The "mesh task" builds
 a 2x2 ``DeviceMesh`` (cached in a pool's workers) and runs one functional all-reduce, like a
 typical test.
 
 Measured 2026-12-03 on a 2-core CPU, torch 2.13 (CPU), load average about 6 (other jobs were
-running), by this code when it was ``python -m functional_hsdp.launch``:
+running), by this code when it was ``python -m functional_hsdp.mesh.launch``:
 
 =================================================  ==========
 what (4 ranks)                                      seconds
@@ -27,7 +27,7 @@ what (4 ranks)                                      seconds
 =================================================  ==========
 
 Rerun 2026-12-05, same machine and torch, load average 5-6, in one job: before the move
-(``python -m functional_hsdp.launch`` at ed35a9b) and after (this module). The two agree
+(``python -m functional_hsdp.mesh.launch`` at ed35a9b) and after (this module). The two agree
 within the load's noise, except the pool's first mesh task: its workers now import this module
 (and with it the ``bench`` package) for it, about 0.07 s each, where the task used to live in
 the module they had imported already:
@@ -51,7 +51,7 @@ So a one-shot task costs about 0.9 s of start-up and teardown even with the fork
 after a 0.6 s start. The test suite ran 96 tests on gloo ranks then, at least one task each:
 about 90 s one-shot against about 4 s with a pool per test module. That is why the test
 modules that run on gloo ranks keep a pool, and the demo and the benchmarks run on their own
-(one to a few tasks of seconds to minutes per run) use :func:`~functional_hsdp.launch.run`.
+(one to a few tasks of seconds to minutes per run) use :func:`~functional_hsdp.mesh.launch.run`.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ from typing import Any
 
 import torch
 
-from functional_hsdp import launch
-from functional_hsdp.testing import GlooPool
+from functional_hsdp.mesh import launch
+from functional_hsdp.tools.testing import GlooPool
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,7 +158,7 @@ def _mesh_task() -> float:
 
 
 def _spawned() -> int:
-    """A spawned worker's task: join the group as :func:`~functional_hsdp.launch.run`'s
+    """A spawned worker's task: join the group as :func:`~functional_hsdp.mesh.launch.run`'s
     workers do (the launcher's own set-up, so that only the start method differs)."""
     import torch.distributed as dist
 

@@ -42,7 +42,7 @@ class _Mode:
 def _alone(runner, data, calls: int) -> dict:
     """Per step, the default mode's own work, timed alone: the extra summary and the unit
     calls' recording (each call's texts are cached: a list append and a hash update)."""
-    from functional_hsdp import validate
+    from functional_hsdp.runtime import validate
 
     mg, fh = runner.mg, runner.fh
     with fh.validation("on"):  # one step to know its unit calls

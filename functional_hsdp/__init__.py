@@ -5,18 +5,14 @@ HSDP with deferred DP-outer reduction (Megatron-LM PR 5743) for ``torch.func`` t
 reduces the outer axis only on the last one.
 """
 
-from . import schedules
-from .autodiff import per_example_grad_norms
-from .cache import clear_caches
-from .checkpoint import empty_state_dict, load_state_dict, state_dict
-from .collectives import all_gather, pmean, psum, psum_scatter
-from .compressed import compressed_all_reduce
-from .diloco import DiLoCo, DiLoCoState, balanced_fragments, diloco, sync_steps
-from .dtensor import to_dtensor
-from .errors import CollectiveError
-from .first_order import grad, grad_and_value
-from .maingrad import MainGrad, microbatches
-from .matrix import (
+from .base.cache import clear_caches
+from .base.errors import CollectiveError
+from .base.trace import CommLog, Event, comm_log
+from .diloco.outer import DiLoCo, DiLoCoState, balanced_fragments, diloco, sync_steps
+from .io.checkpoint import empty_state_dict, load_state_dict, state_dict
+from .mesh import DistMesh, Mesh, SimMesh, per_rank
+from .optim import schedules
+from .optim.matrix import (
     Masked,
     MuonState,
     PartitionState,
@@ -26,9 +22,7 @@ from .matrix import (
     partition,
     per_matrix,
 )
-from .mesh import DistMesh, Mesh, SimMesh, per_rank
-from .module import functional_call, shard_module
-from .optim import (
+from .optim.transforms import (
     AdamWState,
     ChainState,
     EmptyState,
@@ -48,14 +42,20 @@ from .optim import (
     scale_by_learning_rate,
     sgd,
 )
-from .owner import owned
-from .placement import Flat, Owner, Partial, Placement, Replicate, Shard
-from .quantize import Compress, compress
-from .reduce import gather, reduce_grads, shard, sync_params
-from .spec import Spec, ddp, fsdp, hfsdp, hsdp, replicas
-from .trace import CommLog, Event, comm_log
+from .plan.owner import owned
+from .runtime.compressed import compressed_all_reduce
+from .runtime.validate import validation
+from .spec.placement import Flat, Owner, Partial, Placement, Replicate, Shard
+from .spec.quantize import Compress, compress
+from .spec.specs import Spec, ddp, fsdp, hfsdp, hsdp, replicas
+from .sync.autodiff import per_example_grad_norms
+from .sync.collectives import all_gather, pmean, psum, psum_scatter
+from .sync.dtensor import to_dtensor
+from .sync.first_order import grad, grad_and_value
+from .sync.maingrad import MainGrad, microbatches
+from .sync.reduce import gather, reduce_grads, shard, sync_params
 from .units import Gathered, gathered, sequence
-from .validate import validation
+from .units.module import functional_call, shard_module
 
 __all__ = [
     "AdamWState",

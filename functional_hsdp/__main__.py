@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import demo
+from .tools import demo
 
 
 def build_parser() -> argparse.ArgumentParser:

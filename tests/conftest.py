@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 
 import functional_hsdp as fh
-from functional_hsdp.launch import DEFAULT_PRELOAD
-from functional_hsdp.testing import GlooPool
+from functional_hsdp.mesh.launch import DEFAULT_PRELOAD
+from functional_hsdp.tools.testing import GlooPool
 
 
 @pytest.fixture(scope="module")
 def pool():
-    """4 gloo ranks (``functional_hsdp.testing.GlooPool``) shared by one module's tests."""
+    """4 gloo ranks (``functional_hsdp.tools.testing.GlooPool``) shared by one module's tests."""
     with GlooPool(4, preload=(*DEFAULT_PRELOAD, "pytest")) as p:  # workers import test modules
         yield p
 

@@ -15,8 +15,8 @@ import torch
 from torch.func import functional_call
 
 import functional_hsdp as fh
-from functional_hsdp import plan as plan_module
-from functional_hsdp.testing import torch_muon_in  # noqa: F401 - torch's Muon, fp32 Newton-Schulz
+from functional_hsdp.plan import recipe as plan_module
+from functional_hsdp.tools.testing import torch_muon_in  # noqa: F401 - torch's Muon, fp32 Newton-Schulz
 
 
 class Tap(torch.autograd.Function):
@@ -205,7 +205,7 @@ def every_call(spec: fh.Spec, seed: int = 0) -> None:
 
 def dist_mesh(**kw) -> fh.DistMesh:
     """A DistMesh over the worker's cached 2x2 (dp_outer, dp_inner) DeviceMesh."""
-    from functional_hsdp.launch import device_mesh
+    from functional_hsdp.mesh.launch import device_mesh
 
     return fh.DistMesh(device_mesh(GLOO_SHAPE, AXES), **kw)
 

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 import functional_hsdp as fh
-from functional_hsdp import launch, validate
+from functional_hsdp.mesh import launch
 from functional_hsdp.mesh.dist import DistDiagnostics
+from functional_hsdp.runtime import validate
 
 
 class Counting:

@@ -27,7 +27,7 @@ from reference import (
 )
 
 import functional_hsdp as fh
-from functional_hsdp.layout import build_buckets
+from functional_hsdp.plan.buckets import build_buckets
 
 R, P = fh.Replicate(), fh.Partial("avg")
 ALIGN = 16  # bytes

@@ -18,9 +18,9 @@ from torch.distributed.tensor.placement_types import Shard
 from torch.func import grad
 
 import functional_hsdp as fh
-from functional_hsdp.checkpoint import even_chunks
-from functional_hsdp.launch import DEFAULT_PRELOAD, device_mesh
-from functional_hsdp.testing import GlooPool
+from functional_hsdp.io.checkpoint import even_chunks
+from functional_hsdp.mesh.launch import DEFAULT_PRELOAD, device_mesh
+from functional_hsdp.tools.testing import GlooPool
 
 MESHES = ((2, 2), (1, 4), (4, 1))
 CAP = 40 * 4 / 2**20  # 40-element buckets: leaves straddle buckets and ranks' chunks

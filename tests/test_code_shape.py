@@ -442,7 +442,7 @@ def test_the_import_checks_reach_the_package():
     graph = import_graph(_package())
     assert len(graph) == len(FILES)
     assert sum(map(len, graph.values())) > 150
-    assert "functional_hsdp.owner" in graph["functional_hsdp.plan"]
+    assert "functional_hsdp.plan.owner" in graph["functional_hsdp.plan.recipe"]
 
 
 def test_the_call_check_reaches_the_package():

@@ -23,7 +23,7 @@ def per_microbatch_logs(spec, micro):
 
 
 def n_buckets(spec, tree) -> int:
-    from functional_hsdp.layout import build_buckets
+    from functional_hsdp.plan.buckets import build_buckets
 
     paths, leaves, _ = optree.tree_flatten_with_path(tree)
     nb = len(spec.mesh.batch_shape)

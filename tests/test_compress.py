@@ -554,7 +554,7 @@ def test_a_compressed_reduction_in_flight_finishes_once_and_an_interrupt_in_its_
     """compressed.start: result() finishes once (the same tensors again); an interrupt while
     it waits for the all-to-alls lets it wait again; an error is kept and raised again; an
     interrupt in the second leg (whose state is spent) leaves a RuntimeError saying so."""
-    from functional_hsdp import compressed
+    from functional_hsdp.runtime import compressed
 
     mesh, policy = fh.SimMesh({"dp": 2}), fh.compress(torch.int8)
     xs = [torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]]), torch.randn(2, 70)]

@@ -11,8 +11,8 @@ import torch
 from reference import AXES, GLOO_SHAPE, dist_mesh, this_rank
 
 import functional_hsdp as fh
-from functional_hsdp.launch import DEFAULT_PRELOAD
-from functional_hsdp.testing import GlooPool
+from functional_hsdp.mesh.launch import DEFAULT_PRELOAD
+from functional_hsdp.tools.testing import GlooPool
 
 FORMATS = (torch.bfloat16, torch.float8_e4m3fn, torch.int8, "int4")
 

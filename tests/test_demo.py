@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import functional_hsdp as fh
-from functional_hsdp import demo
 from functional_hsdp.__main__ import build_parser, main
+from functional_hsdp.tools import demo
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW = re.compile(r"^\s+(\w+)\s+(dp_\w+)\s+(\w+)\s+(\d+)\s+(\d+)\s+\w", re.M)

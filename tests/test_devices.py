@@ -31,6 +31,7 @@ from reference import STRATEGIES, preset
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import functional_hsdp as fh
+from functional_hsdp.mesh import launch
 
 SHAPES = {"w": (8, 5), "b": (7,), "n": {"v": (3, 2)}}
 
@@ -172,7 +173,7 @@ def test_device_tensors_mixed_with_cpu_ones_are_caught_here():
 
 
 def _one_rank(task, *args):
-    return fh.launch.run(task, *args, world_size=1, timeout=60.0)
+    return launch.run(task, *args, world_size=1, timeout=60.0)
 
 
 def _one_rank_device_task():

@@ -239,7 +239,7 @@ def test_balanced_fragments_train_as_the_naive_reference_with_those_labels():
 
 
 def test_a_replicas_specs_agreement_spans_its_replica_and_still_names_the_rank():
-    from functional_hsdp import validate
+    from functional_hsdp.runtime import validate
 
     mesh = _mesh()
     inner = fh.replicas(fh.hsdp(mesh, "dp_outer", "dp_inner"), "dp_outer")
@@ -390,7 +390,8 @@ def test_a_state_whose_flights_do_not_match_the_schedule_is_refused():
 
 
 def test_a_reduction_in_flight_waits_once_and_an_interrupt_lets_it_wait_again(monkeypatch):
-    from functional_hsdp import collectives, engine
+    from functional_hsdp.runtime import engine
+    from functional_hsdp.sync import collectives
 
     mesh = _mesh()
     x = {"a": torch.arange(4.0).view(2, 1, 2).expand(2, 2, 2).contiguous()}

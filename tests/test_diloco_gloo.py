@@ -20,8 +20,8 @@ import torch.distributed.checkpoint as dcp
 from diloco_problem import INNER_LR, LABELS, Loop, data, full_params, make, model, reference, train
 
 import functional_hsdp as fh
-from functional_hsdp.launch import DEFAULT_PRELOAD, device_mesh
-from functional_hsdp.testing import GlooPool
+from functional_hsdp.mesh.launch import DEFAULT_PRELOAD, device_mesh
+from functional_hsdp.tools.testing import GlooPool
 
 AXES, O, I = ("dp_outer", "dp_inner"), 2, 2  # noqa: E741
 STEPS = 7
@@ -399,7 +399,7 @@ def _outer_steps_task(fmts, cap_mb: float | None = None) -> list:
 @contextlib.contextmanager
 def _cap(cap_mb: float | None):
     """The pseudo-gradient's bucket cap set to ``cap_mb`` (None: as it is) inside."""
-    module = sys.modules["functional_hsdp.diloco"]
+    module = sys.modules["functional_hsdp.diloco.outer"]
     old = module._CAP_MB
     module._CAP_MB = old if cap_mb is None else cap_mb
     try:

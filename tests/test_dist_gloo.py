@@ -37,7 +37,7 @@ from reference import (
 from torch.func import grad_and_value
 
 import functional_hsdp as fh
-from functional_hsdp.launch import device_mesh
+from functional_hsdp.mesh.launch import device_mesh
 
 # -- the reference parity test -------------------------------------------------------------
 
@@ -359,7 +359,7 @@ def _error_after_issue_on_rank(where: str):
     import gc
     import weakref
 
-    from functional_hsdp import plan as plan_module
+    from functional_hsdp.plan import recipe as plan_module
 
     spec = fh.ddp(dist_mesh(), bucket_cap_mb=1e-3)
     g = {k: torch.ones(256) * (dist.get_rank() + 1) for k in "abcd"}  # a bucket per leaf

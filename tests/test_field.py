@@ -14,7 +14,7 @@ import torch
 from reference import preset
 
 import functional_hsdp as fh
-from functional_hsdp.plan import Plan
+from functional_hsdp.plan.recipe import Plan
 
 D, UNITS = 6, 3
 

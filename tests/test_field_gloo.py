@@ -49,7 +49,7 @@ def _in_flight() -> int:
 
 
 def _sub_mesh_task():
-    from functional_hsdp.launch import device_mesh
+    from functional_hsdp.mesh.launch import device_mesh
 
     root = device_mesh((2, 2), ("tp", "dp"))  # a tp x dp mesh; data parallel over "dp" only
     mesh = fh.DistMesh(root["dp"])
@@ -116,7 +116,7 @@ def sum_tree(trees: list):
 def _released_task(where: str):
     """The functional path on gloo: after an error between issue and wait, a prefetch never
     used and prepared units evicted, nothing is in flight and no buffer is held."""
-    from functional_hsdp import plan as plan_module
+    from functional_hsdp.plan import recipe as plan_module
 
     with carried_as(NCCL_STYLE):
         mesh = fh.DistMesh(dist_mesh().device_mesh)

@@ -1,7 +1,7 @@
 """Each call's ``into=`` (and ``recompute=``, ``reshard_after_forward=``) on a SimMesh: blocks
 made with different ``into=`` alternate freely on one model, and every sequence of issue 36
 gives what the same step, or the same probe without ``into=``, gives made clean
-(functional_hsdp/testing/into_problem.py, which bench/hostile.py runs too): a probe before the
+(functional_hsdp/tools/testing/into_problem.py, which bench/hostile.py runs too): a probe before the
 first step or between two steps, a new MainGrad, two MainGrads in one step, an eval forward
 between steps, options that change every call.
 The module path (``fh.functional_call``) is tested on gloo ranks (tests/test_into_gloo.py)."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import functional_hsdp as fh
-from functional_hsdp.testing.into_problem import SEQUENCES, blocks_model, run
+from functional_hsdp.tools.testing.into_problem import SEQUENCES, blocks_model, run
 
 MODELS = {  # (tied, whole model one unit)
     "untied": (False, False),
@@ -55,7 +55,7 @@ def test_under_torch_func_grad_too(sequence):
 
 
 def test_a_backward_into_a_finished_step_names_the_maingrad_and_the_call():
-    from functional_hsdp.testing.into_problem import mesh_batches, step
+    from functional_hsdp.tools.testing.into_problem import mesh_batches, step
 
     spec = _spec()
     model = blocks_model(spec, tied=False)

@@ -2,14 +2,14 @@
 hsdp): through ``fh.functional_call`` on an ``nn.Module`` (an ``nn.Embedding`` root, a head
 tied to it or not, or every parameter in a unit) and through ``fh.gathered`` blocks made
 with different ``into=``, every sequence of issue 36 gives what the same step, or the same
-probe without ``into=``, gives made clean (functional_hsdp/testing/into_problem.py, which
+probe without ``into=``, gives made clean (functional_hsdp/tools/testing/into_problem.py, which
 bench/hostile.py runs too), on every rank."""
 
 from __future__ import annotations
 
 import pytest
 
-from functional_hsdp.testing.into_problem import SEQUENCES
+from functional_hsdp.tools.testing.into_problem import SEQUENCES
 
 KINDS = ("module-untied", "module-tied", "module-units", "blocks-untied", "blocks-tied")
 
@@ -20,7 +20,7 @@ def _sequences_task(kind: str, recompute: bool, grad: str) -> dict:
     from reference import AXES, dist_mesh
 
     import functional_hsdp as fh
-    from functional_hsdp.testing.into_problem import blocks_model, module_model, run
+    from functional_hsdp.tools.testing.into_problem import blocks_model, module_model, run
 
     spec = fh.hsdp(dist_mesh(), *AXES)
     how, tied = kind.split("-")
@@ -63,7 +63,7 @@ def _finished_task() -> dict:
     from reference import AXES, dist_mesh
 
     import functional_hsdp as fh
-    from functional_hsdp.testing.into_problem import mesh_batches, module_model, step
+    from functional_hsdp.tools.testing.into_problem import mesh_batches, module_model, step
 
     spec = fh.hsdp(dist_mesh(), *AXES)
     model = module_model(spec, tied=False)

@@ -1,5 +1,5 @@
-"""Tests of the one-shot ``functional_hsdp.launch.run`` and the reusable
-``functional_hsdp.testing.GlooPool``.
+"""Tests of the one-shot ``functional_hsdp.mesh.launch.run`` and the reusable
+``functional_hsdp.tools.testing.GlooPool``.
 
 Task functions are module-level (``_task_*``) so the workers can import them from this module
 (pytest imports it as ``test_launch``; tests/ is on sys.path and is not a package).
@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from functional_hsdp import launch
-from functional_hsdp.launch import WorkerError, device_mesh
-from functional_hsdp.testing import GlooPool, WorkerTimeout
-from functional_hsdp.torch_releases import funcol_all_gather_single
+from functional_hsdp.base.torch_releases import funcol_all_gather_single
+from functional_hsdp.mesh import launch
+from functional_hsdp.mesh.launch import WorkerError, device_mesh
+from functional_hsdp.tools.testing import GlooPool, WorkerTimeout
 
 # A pool that gives up on a task (its timeout of 1 s, or error_grace of 3 s after a rank
 # raised) returns well before the 60 s it would otherwise wait. Measured (2-core machine,

@@ -25,7 +25,7 @@ from reference import (
 )
 
 import functional_hsdp as fh
-from functional_hsdp.owner import balance, owner_of_slot
+from functional_hsdp.plan.owner import balance, owner_of_slot
 
 MESHES = [(2, 2), (1, 4), (2, 3)]
 # matrices of several shapes: some span several Flat chunks, three share a shape, one is a
@@ -211,8 +211,8 @@ def _shard_spec(mesh, dim, where, **kw):
 
 def _first_exchange_elements(spec, full) -> int:
     """Elements the first all-to-all of the route to the owners moves, over the whole mesh."""
-    from functional_hsdp.lookup import plan_for
-    from functional_hsdp.owner import Exchange, route
+    from functional_hsdp.plan.lookup import plan_for
+    from functional_hsdp.plan.owner import Exchange, route
 
     leaves, treedef = optree.tree_flatten(full)
     paths = tuple(f"t{p}" for p in treedef.paths())
@@ -354,8 +354,8 @@ def _least_heaviest(widths: list[int], n: int) -> int:
 
 
 def _unit_bucket(shapes: dict, spec):
-    from functional_hsdp.layout import build_buckets
-    from functional_hsdp.owner import owner_bucket
+    from functional_hsdp.plan.buckets import build_buckets
+    from functional_hsdp.plan.owner import owner_bucket
 
     n = len(shapes)
     (bucket,), _ = build_buckets(
@@ -377,7 +377,7 @@ def test_owner_layout_of_llama_units_is_as_short_as_any_assignment(shape, layers
     than :func:`_least_heaviest`: the owner layout of Llama decoder layers reaches that
     bound. One layer on 4 owners pads to 4 MLP matrices (its MLP is three of them, the rest
     less than a fourth); four layers balance exactly."""
-    from functional_hsdp.layout import ALIGN
+    from functional_hsdp.plan.buckets import ALIGN
 
     spec = fh.owned(fh.hsdp(_mesh(shape), *AXES))
     n = math.prod(shape)
@@ -444,7 +444,7 @@ def test_an_owned_spec_holds_each_leaf_whole_on_one_rank(strategy):
 def test_owner_buckets_are_balanced_and_start_at_their_chunks():
     mesh = _mesh((2, 2))
     spec = fh.owned(fh.hsdp(mesh, *AXES))
-    from functional_hsdp.lookup import plan_for
+    from functional_hsdp.plan.lookup import plan_for
 
     full = {f"w{k}": torch.zeros(8 * (k + 1), 16) for k in range(6)}
     leaves, treedef = optree.tree_flatten(full)
@@ -565,8 +565,8 @@ def test_owned_outer_evens_what_each_rank_keeps_and_orthogonalizes(layers):
     """A Llama decoder layer's unit under owned(hsdp, "dp_outer") on 2x2: each rank keeps
     about half its inner chunk (the outer coordinates split every chunk evenly, not just the
     whole), and the owners' matrices are as even as whole matrices allow."""
-    from functional_hsdp.lookup import plan_for
-    from functional_hsdp.owner import keep_owners
+    from functional_hsdp.plan.lookup import plan_for
+    from functional_hsdp.plan.owner import keep_owners
 
     d, mesh = 64, _mesh((2, 2))
     spec = fh.owned(fh.hsdp(mesh, *AXES), "dp_outer")

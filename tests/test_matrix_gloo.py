@@ -32,7 +32,7 @@ from test_field_gloo import NCCL_STYLE, carried_as
 from test_matrix import _llama_layer
 
 import functional_hsdp as fh
-from functional_hsdp.launch import device_mesh
+from functional_hsdp.mesh.launch import device_mesh
 
 MUON_KW, ADAMW_KW, STEPS = {"lr": 0.02}, {"lr": 1e-3, "weight_decay": 0.01}, 3
 STRATEGIES = ("hsdp", "hfsdp", "owned", "owned_outer")

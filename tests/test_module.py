@@ -94,7 +94,7 @@ def test_functional_call_errors_name_the_unit_and_the_parameter():
     """Missing, unknown, non-tensor and wrongly shaped parameters of a unit: the error names
     the unit and the parameter (a missing one used to read "match no known layout ... pass
     like=", which functional_call does not take)."""
-    from functional_hsdp import launch
+    from functional_hsdp.mesh import launch
 
     (res,) = launch.run(_bad_shards_task, world_size=1, timeout=60.0, join=False)
     unit = r"shards\['blocks.0'\]"

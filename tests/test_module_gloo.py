@@ -9,8 +9,8 @@ import pytest
 import torch
 from hf_problem import fh_train, fsdp2_train
 
-from functional_hsdp.launch import DEFAULT_PRELOAD
-from functional_hsdp.testing import GlooPool
+from functional_hsdp.mesh.launch import DEFAULT_PRELOAD
+from functional_hsdp.tools.testing import GlooPool
 
 pytest.importorskip("transformers")
 

@@ -428,7 +428,7 @@ def test_update_refuses_grads_at_another_placement_or_still_partial():
 
 
 def test_apply_updates_keeps_the_tag_of_params_the_library_returned():
-    from functional_hsdp.tags import state_of
+    from functional_hsdp.base.tags import state_of
 
     mesh = fh.SimMesh(dict(zip(AXES, (2, 2))))
     spec = fh.owned(preset("hsdp", mesh), "dp_outer")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import functional_hsdp as fh
-from functional_hsdp.layout import (
+from functional_hsdp.plan.buckets import (
     Carve,
     Gaps,
     build_buckets,

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.func import grad
 
 import functional_hsdp as fh
-from functional_hsdp import launch
+from functional_hsdp.mesh import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -20,6 +20,7 @@ from reference import AXES, preset
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import functional_hsdp as fh
+from functional_hsdp.mesh import launch
 
 UNITS = 3
 
@@ -186,7 +187,7 @@ def _module_grads(net, shards, ids, api, region, recompute, dtypes):
 
 
 def test_a_module_recomputed_through_functional_call_keeps_its_forwards_dtypes():
-    (results,) = fh.launch.run(_module_task, world_size=1, timeout=60.0)
+    (results,) = launch.run(_module_task, world_size=1, timeout=60.0)
     for (api, region), (same, dtypes) in results.items():
         want = torch.float32 if region == "backward" else torch.bfloat16
         assert dtypes == [want, want], (api, region)

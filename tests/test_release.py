@@ -20,6 +20,7 @@ import torch
 from reference import AXES, preset
 
 import functional_hsdp as fh
+from functional_hsdp.mesh import launch
 
 VOCAB, WIDTH = 11, 8
 
@@ -124,7 +125,7 @@ def _release_task():
 
 
 def test_a_sharded_model_its_shards_and_maingrad_are_freed_once_dropped():
-    (result,) = fh.launch.run(_release_task, world_size=1, timeout=60.0)
+    (result,) = launch.run(_release_task, world_size=1, timeout=60.0)
     alive, held, cleared, sharding = result
     for case, names in alive.items():
         assert names == [], case

@@ -61,10 +61,10 @@ from reference import (
 )
 
 import functional_hsdp as fh
-from functional_hsdp import validate
-from functional_hsdp.errors import collective_error
-from functional_hsdp.plan import TreeMeta, get_plan
-from functional_hsdp.validate import CollectiveError, validation
+from functional_hsdp.base.errors import collective_error
+from functional_hsdp.plan.recipe import TreeMeta, get_plan
+from functional_hsdp.runtime import validate
+from functional_hsdp.runtime.validate import CollectiveError, validation
 
 # ``mesh`` (a 2x2 SimMesh) and ``spec`` (hsdp on it) are conftest.py's fixtures.
 

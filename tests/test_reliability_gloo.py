@@ -29,7 +29,7 @@ import torch.distributed as dist
 from reference import AXES, GLOO_SHAPE, dist_mesh
 
 import functional_hsdp as fh
-from functional_hsdp.launch import DEFAULT_PRELOAD, WorkerError, device_mesh
+from functional_hsdp.mesh.launch import DEFAULT_PRELOAD, WorkerError, device_mesh
 
 
 def _hsdp(mesh=None, **kw) -> fh.Spec:

@@ -1,4 +1,4 @@
-"""What the runtime package imports: never the test pool (``functional_hsdp.testing``), and
+"""What the runtime package imports: never the test pool (``functional_hsdp.tools.testing``), and
 nothing the library does not declare (the demo runs without tqdm, an extra)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "functional_hsdp"
-TESTING = "functional_hsdp.testing"
+TESTING = "functional_hsdp.tools.testing"
 
 
 def _module_name(path: Path) -> str:
@@ -21,7 +21,8 @@ def _module_name(path: Path) -> str:
 
 def _runtime_files() -> list[Path]:
     """Every module of the package but the testing subpackage's."""
-    return sorted(p for p in PACKAGE.rglob("*.py") if (PACKAGE / "testing") not in p.parents)
+    testing = PACKAGE / "tools" / "testing"
+    return sorted(p for p in PACKAGE.rglob("*.py") if testing not in p.parents)
 
 
 def _dynamic_import(node: ast.AST) -> str | None:
@@ -64,7 +65,7 @@ def _names_testing(names: set[str]) -> set[str]:
 
 def test_no_runtime_module_imports_the_test_pool():
     files = _runtime_files()
-    assert PACKAGE / "launch.py" in files and PACKAGE / "demo.py" in files
+    assert PACKAGE / "mesh" / "launch.py" in files and PACKAGE / "tools" / "demo.py" in files
     offenders = {
         str(p.relative_to(ROOT)): sorted(_names_testing(_imports_of(p)))
         for p in files
@@ -78,17 +79,17 @@ def test_the_import_check_sees_every_form_of_import():
     forms = [
         "from .testing import GlooPool",
         "from . import testing",
-        "from functional_hsdp.testing.gloo_pool import GlooPool",
-        "import functional_hsdp.testing",
-        "def f():\n    from ..testing import gloo_pool",
-        "importlib.import_module('functional_hsdp.testing')",
+        "from functional_hsdp.tools.testing.gloo_pool import GlooPool",
+        "import functional_hsdp.tools.testing",
+        "def f():\n    from ..tools.testing import gloo_pool",
+        "importlib.import_module('functional_hsdp.tools.testing')",
     ]
     for source in forms:
-        module = "functional_hsdp.mesh.dist" if ".." in source else "functional_hsdp.demo"
+        module = "functional_hsdp.mesh.dist" if ".." in source else "functional_hsdp.tools.demo"
         assert _names_testing(_imported(source, module, is_package=False)), source
     # ...and the pool's own modules do import the runtime's launcher, by a relative import.
-    pool = PACKAGE / "testing" / "gloo_pool.py"
-    assert "functional_hsdp.launch" in _imports_of(pool)
+    pool = PACKAGE / "tools" / "testing" / "gloo_pool.py"
+    assert "functional_hsdp.mesh.launch" in _imports_of(pool)
 
 
 def test_tqdm_is_not_a_dependency():

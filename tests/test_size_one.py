@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import functional_hsdp as fh
-from functional_hsdp import launch
+from functional_hsdp.mesh import launch
 
 AXES = ("dp_outer", "dp_inner")
 

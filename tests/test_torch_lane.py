@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import functional_hsdp as fh
-from functional_hsdp import torch_releases
+from functional_hsdp.base import torch_releases
 
 ROOT = Path(__file__).resolve().parent.parent
 LANE = ROOT / ".ci" / "torch-lane"

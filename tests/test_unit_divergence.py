@@ -12,8 +12,8 @@ import torch
 from reference import on_device_threads
 
 import functional_hsdp as fh
-from functional_hsdp import validate
-from functional_hsdp.units import collectives as units
+from functional_hsdp.runtime import validate
+from functional_hsdp.units import transfers as units
 
 
 def _layer(p, x):
@@ -174,7 +174,7 @@ def test_the_composable_path_records_its_unit_calls(transform):
 def test_strict_agrees_before_every_composable_collective_and_changes_nothing(
     monkeypatch, transform
 ):
-    from functional_hsdp import autodiff
+    from functional_hsdp.sync import autodiff
 
     seen = []
     original = autodiff.Move._agree

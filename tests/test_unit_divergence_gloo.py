@@ -22,8 +22,8 @@ import torch.distributed as dist
 from reference import dist_mesh
 
 import functional_hsdp as fh
-from functional_hsdp.launch import DEFAULT_PRELOAD
-from functional_hsdp.testing import GlooPool
+from functional_hsdp.mesh.launch import DEFAULT_PRELOAD
+from functional_hsdp.tools.testing import GlooPool
 
 UNITS = 3
 
@@ -182,8 +182,8 @@ def test_another_param_dtype_of_the_same_size_on_one_rank_raises_before_the_step
 def test_strict_raises_at_the_units_first_collective(pool, variant, texts):
     """validation('strict'): the ranks agree before each unit collective, so a skipped unit
     or another dtype (before: gloo aborted one rank, the others waited) is a
-    CollectiveError (fh.errors.UnitsDiffer, a ValueError too) on every rank, at the all-gather
-    of unit 1, at once."""
+    CollectiveError (functional_hsdp.base.errors.UnitsDiffer, a ValueError too) on every rank, at
+    the all-gather of unit 1, at once."""
     messages = _expect(
         pool,
         variant,
@@ -382,7 +382,8 @@ def test_another_order_under_vmap_raises(pool, mode):
 
 def test_a_unit_skipped_under_vmap_raises_at_once_under_strict(pool):
     """Under strict, a unit skipped on one rank under vmap is refused on every rank at its
-    all-gather (fh.errors.UnitsDiffer: a CollectiveError and a ValueError), at once (before:
+    all-gather (functional_hsdp.base.errors.UnitsDiffer: a CollectiveError and a ValueError), at
+    once (before:
     gloo's CollectiveError after the timeout, or an abort)."""
     task = functools.partial(_per_sample, "skip")
     texts = ("before its all-gather", "[CollectiveError]")

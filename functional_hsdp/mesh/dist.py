@@ -4,7 +4,7 @@ Collectives are ``torch.distributed._functional_collectives`` over ``(device_mes
 asynchronous and traceable by ``torch.compile``. On gloo, eager collectives are asynchronous
 c10d calls with a ``Work`` handle instead: reductions are in-place all-reduces of the
 library's own buffers, all-gathers c10d's single-tensor all-gather (see ``BACKENDS``).
-Names that differ between torch releases come from :mod:`functional_hsdp.torch_releases`.
+Names that differ between torch releases come from :mod:`functional_hsdp.base.torch_releases`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ..errors import collective_error
-from ..torch_releases import (
+from ..base.errors import collective_error
+from ..base.torch_releases import (
     c10d_all_gather_single,
     funcol_all_gather_single,
     funcol_reduce_scatter_single,

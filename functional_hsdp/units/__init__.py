@@ -20,7 +20,7 @@ The rooms, one concern each:
 - ``call.py``: the call record and its phases (an explicit state machine).
 - ``functions.py``: the first-order path, the ``_Unit`` and ``_Wait`` autograd Functions.
 - ``composable.py``: the composable path (differentiable moves of
-  :mod:`functional_hsdp.autodiff`).
+  :mod:`functional_hsdp.sync.autodiff`).
 - ``collectives.py``: the unit's all-gather and reduce-scatter, each in flight a typed record.
 - ``storage.py``: the gathered weights' storage between forward and backward (release,
   refill, hold).

@@ -16,12 +16,12 @@ from typing import Any
 import optree
 import torch
 
-from .. import validate
-from ..maingrad import MainGrad
-from ..precision import Precision, check_mp_policy
-from ..spec import Spec
+from ..runtime import validate
+from ..spec.precision import Precision, check_mp_policy
+from ..spec.specs import Spec
+from ..sync.maingrad import MainGrad
 from . import chain as chains
-from . import collectives, functions, registry
+from . import functions, registry, transfers
 from .call import Arguments, Call
 from .checks import adopts, check_spec, describe, differentiable, unit_plan
 from .composable import composable, composed
@@ -53,7 +53,7 @@ class Gathered:
         self.into = into
         self.recompute = recompute
         self.mp_policy = mp_policy
-        precision = Precision.of(mp_policy)  # see functional_hsdp.precision
+        precision = Precision.of(mp_policy)  # see functional_hsdp.spec.precision
         self.param_dtype, self.reduce_dtype = precision.param_dtype, precision.reduce_dtype
         self.output_dtype, self.cast_inputs = precision.output_dtype, precision.cast_inputs
         self.name = name or getattr(fn, "__name__", repr(fn))
@@ -94,7 +94,7 @@ class Gathered:
         if composed():
             nxt, self._next = self._next, None
             if nxt is not None:  # the composable path gathers each unit when it is called
-                collectives.abandon_ahead(nxt[0])
+                transfers.abandon_ahead(nxt[0])
             return composable(self, shards, args=args, kwargs=kwargs)
         call, wrapped = self._prepared(shards)
         # read here, in the caller's context, and carried on the record into backward
@@ -119,7 +119,7 @@ class Gathered:
             found.call.block = self  # prefetched by another block, gathered as this one would
             return found.call, found.wrapped
         if found is not None:  # made ahead for a block that gathers otherwise
-            collectives.abandon_ahead(found.call)
+            transfers.abandon_ahead(found.call)
         call, wrapped = prepare(self, shards, self.shards_path)
         registry.forget(leaves)
         return call, wrapped

@@ -27,14 +27,14 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..plan import Plan
+from ..plan.recipe import Plan
 
 if TYPE_CHECKING:
     from .block import Gathered
     from .chain import Chain
-    from .collectives import AllGather, Reduced, ReduceScatter
     from .replay import Replay
     from .storage import Released
+    from .transfers import AllGather, Reduced, ReduceScatter
 
 __all__ = ["Arguments", "Call", "Held", "Phase"]
 

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import collectives, storage
+from . import storage, transfers
 from .call import Call
 
 __all__ = [
@@ -122,7 +122,7 @@ def settle(chain: Chain) -> None:
     for ref in chain.reducing:
         call = ref()
         if call is not None:
-            collectives.wait_early(call)
+            transfers.wait_early(call)
 
 
 def abandon(chain: Chain) -> None:
@@ -141,12 +141,12 @@ def _abandon_in_flight(chain: Chain) -> None:
     for ref in calls:
         call = ref()
         if call is not None:
-            collectives.abandon_ahead(call)
+            transfers.abandon_ahead(call)
     reducing, chain.reducing = chain.reducing, []
     for ref in reducing:
         call = ref()
         if call is not None:
-            collectives.abandon_reduce_scatter(call)
+            transfers.abandon_reduce_scatter(call)
 
 
 def close_at_end_of_backward(chain: Chain) -> None:

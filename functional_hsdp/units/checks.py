@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..lookup import find_layout
-from ..plan import Plan
-from ..spec import Spec
-from ..tags import state_of
-from ..tree import flatten
+from ..base.tags import state_of
+from ..base.tree import flatten
+from ..plan.lookup import find_layout
+from ..plan.recipe import Plan
+from ..spec.specs import Spec
 from .call import Call
 
 if TYPE_CHECKING:

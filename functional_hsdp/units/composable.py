@@ -2,7 +2,7 @@
 ``torch.autograd.forward_ad`` dual level) or a second derivative, where the first-order
 Functions (:mod:`~functional_hsdp.units.functions`) cannot go.
 
-The unit is all-gathered by a differentiable move (:func:`functional_hsdp.autodiff.move`: its
+The unit is all-gathered by a differentiable move (:func:`functional_hsdp.sync.autodiff.move`: its
 backward a differentiable reduce-scatter, its jvp the all-gather of the tangent, its vmap
 one collective for the batch) and ``fn`` runs on the result. No recompute, no prefetch, and
 nothing is added into a ``MainGrad``: the gathered weights stay in the graph, but under vmap
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import optree
 import torch
 
-from .. import autodiff
+from ..sync import autodiff
 from . import registry
 from .checks import unit_plan
 from .storage import Released, refill_storage, release_storage

@@ -3,7 +3,7 @@
 that is ``once_differentiable``, so that its collectives see plain tensors).
 
 - :class:`_Unit` is ``fn(gather(shards), *args)``. Its **forward** all-gathers the unit
-  (:func:`~functional_hsdp.units.collectives.gather`), issues the next unit's all-gather
+  (:func:`~functional_hsdp.units.transfers.gather`), issues the next unit's all-gather
   ahead when one is declared, and runs ``fn``:
 
   - ``recompute=False`` (the default, FSDP2 without activation checkpointing): ``fn`` runs
@@ -17,7 +17,7 @@ that is ``once_differentiable``, so that its collectives see plain tensors).
 
   Its **backward** issues the backward prefetch of the unit called before it, runs the vjp,
   and issues the reduce-scatter of the weight gradient asynchronously
-  (:func:`~functional_hsdp.units.collectives.start_reduce_scatter`).
+  (:func:`~functional_hsdp.units.transfers.start_reduce_scatter`).
 - :class:`_Wait`, an identity on the unit's shards applied just before the unit, is the one
   consumer of that pending gradient: its backward waits for the reduce-scatter and hands on
   a finished tensor (or adds it into the ``MainGrad``). So nothing (a tied weight's sum, a
@@ -48,7 +48,7 @@ from torch.autograd.function import once_differentiable
 
 from . import call as lifecycle
 from . import chain as chains
-from . import collectives, replay, storage
+from . import replay, storage, transfers
 from .call import Call, Phase
 from .chain import Kept
 from .checks import sink_buckets, where
@@ -142,7 +142,7 @@ def _gather_next(call: Call, nxt: Sequence[torch.Tensor]) -> None:
     following = call.nxt
     following.pieces = tuple(p.detach() for p in nxt)
     chains.join(following, call.chain, call.mode)
-    collectives.issue_ahead(following, "forward", nxt)
+    transfers.issue_ahead(following, "forward", nxt)
     chains.track_ahead(following)
 
 
@@ -177,7 +177,7 @@ def _backward_vjp(call: Call, ctx: Any, *, kept: Kept | None, wanted: bool) -> t
     elif kept is not None and kept.call() is call:  # the forward's last unit: gathered
         full = kept.full
     else:
-        full = collectives.gather(call, "backward", call.pieces)
+        full = transfers.gather(call, "backward", call.pieces)
     rng, autocast = call.replay if call.replay is not None else (None, ())
     with replay.replaying(rng, autocast):
         _, vjp = _vjp(call, full, ctx.saved_tensors, weights=wanted)
@@ -217,14 +217,14 @@ class _Unit(torch.autograd.Function):
         chain = call.chain
         chains.drop_kept(chain)  # the unit before keeps its weights no longer
         try:  # from the first collective (a strict agreement before it may raise too)
-            full = collectives.gather(call, "forward", pieces)
+            full = transfers.gather(call, "forward", pieces)
             if call.nxt is not None:  # the next unit's all-gather overlaps this unit's compute
                 _gather_next(call, nxt)
             chains.link(call)
             outs = _forward_fn(call, full, args)
         except BaseException:
             if call.nxt is not None:  # its call will not come (not from this forward)
-                collectives.abandon_ahead(call.nxt)
+                transfers.abandon_ahead(call.nxt)
             chains.abandon(chain)
             raise
         outs, kept = _outputs(outs, full, args)
@@ -250,7 +250,7 @@ class _Unit(torch.autograd.Function):
         chains.close_at_end_of_backward(chain)
         prev = chains.take_prev(call)
         if prev is not None and storage.regathers(prev) and prev.ahead is None:
-            collectives.issue_ahead(prev, "backward", prev.pieces)  # backward prefetch
+            transfers.issue_ahead(prev, "backward", prev.pieces)  # backward prefetch
             chains.track_ahead(prev)
         del prev
         kept = chains.take_kept(chain)
@@ -264,7 +264,7 @@ class _Unit(torch.autograd.Function):
         # the unit before's reduce-scatter ran during this unit's backward: waited now, before
         # this one packs, so that one gradient-sized buffer is in flight at a time (as FSDP2)
         chains.settle(chain)
-        collectives.start_reduce_scatter(call, weight_grads)
+        transfers.start_reduce_scatter(call, weight_grads)
         chains.add_reducing(chain, call)  # abandoned at the end if never waited
         # the shards' gradient is handed on by the wait node, once the reduce-scatter is done
         dummies = [
@@ -291,7 +291,7 @@ class _Wait(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         call = ctx.call
-        buffers = collectives.take_gradient(call)
+        buffers = transfers.take_gradient(call)
         if buffers is None:  # the unit's backward did not run: no gradient
             return (None, *(torch.zeros_like(g) for g in grads))
         if call.sink is not None:  # added into the MainGrad; the shards' gradient is zero

@@ -22,9 +22,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..cache import register
+from ..base.cache import register
 from . import chain as chains
-from . import collectives
+from . import transfers
 from .call import Call
 from .chain import Chain
 
@@ -59,7 +59,7 @@ class _Forward(threading.local):
             chains.drop_kept(chain)
         prepared, self.prepared = self.prepared, {}
         for entry in prepared.values():
-            collectives.abandon_ahead(entry.call)
+            transfers.abandon_ahead(entry.call)
 
 
 _FORWARD = _Forward()
@@ -92,7 +92,7 @@ def start_forward() -> None:
     # that call, its options and grad mode: none is taken by this one
     prepared, _FORWARD.prepared = _FORWARD.prepared, {}
     for entry in prepared.values():
-        collectives.abandon_ahead(entry.call)
+        transfers.abandon_ahead(entry.call)
 
 
 def remember(call: Call, leaves: list, wrapped: list) -> None:
@@ -102,9 +102,9 @@ def remember(call: Call, leaves: list, wrapped: list) -> None:
     prepared = _FORWARD.prepared
     key = tuple(map(id, leaves))
     if key in prepared:  # made ahead again before being called: the older one is unused
-        collectives.abandon_ahead(prepared.pop(key).call)
+        transfers.abandon_ahead(prepared.pop(key).call)
     while len(prepared) >= _PREPARED:  # prepared but never called: forget the oldest
-        collectives.abandon_ahead(prepared.pop(next(iter(prepared))).call)
+        transfers.abandon_ahead(prepared.pop(next(iter(prepared))).call)
     prepared[key] = Prepared(call, leaves, wrapped, grad=torch.is_grad_enabled())
 
 
@@ -114,7 +114,7 @@ def take(leaves: list) -> Prepared | None:
     node would be missing from, or needlessly in, this call's graph."""
     found = _FORWARD.prepared.pop(tuple(map(id, leaves)), None)
     if found is not None and found.grad != torch.is_grad_enabled():
-        collectives.abandon_ahead(found.call)
+        transfers.abandon_ahead(found.call)
         return None
     return found
 

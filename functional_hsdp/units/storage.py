@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import call as lifecycle
-from . import collectives
+from . import transfers
 from .call import Call, Phase
 
 __all__ = [
@@ -111,7 +111,7 @@ def release_weights(call: Call) -> None:
 def refill_weights(call: Call) -> None:
     """Gather the weights :func:`release_weights` released into their own storage again, so
     that the graph forward kept reads them."""
-    new = collectives.gather(call, "backward", call.pieces)
+    new = transfers.gather(call, "backward", call.pieces)
     released, call.held.released = call.held.released, None
     refill_storage(released, call.held.graph, new)
     lifecycle.weights_refilled(call)

@@ -1,0 +1,3 @@
+"""The tools layer: the demo (``python -m functional_hsdp demo``) and ``testing/``, what the
+tests and benchmarks run on. The library never imports it.
+"""
