@@ -200,3 +200,107 @@ def test_diloco_memory_pairs_the_frees_the_profiler_misses():
     assert sum(b for _, b in paired) == 0
     # summed as reported, the missed frees keep 70 bytes live through step 1, 90 after it
     assert diloco._peaks([(t, b) for t, _, b in events[1:]], steps)[0] == [170, 170]
+
+
+def _same_work_sides():
+    """Two sides of ``bench.same_work`` as its ``side`` writes them: one variant, 2 ranks,
+    two steps each, the same on both sides."""
+    ev = [["all_gather", "dp_inner", "torch.float32", 8, None]]
+    outer = [["all_reduce", "dp_outer", "torch.float32", 4, "sum"]]
+    entry = {"steps": [ev, ev + outer], "losses": [1.5, 0.25], "eval": 2.0, "weights": ["ab"]}
+
+    def one():
+        import copy
+
+        trace = [{"H=2": copy.deepcopy(entry)} for _ in range(2)]
+        return {"trace": {"diloco": trace}, "bench": {}, "variants": {"diloco": ["H=2"]}}
+
+    return one(), one()
+
+
+def test_same_work_reports_a_trace_that_differs():
+    """bench.same_work's comparison fails where one side's collectives (an element count,
+    their order, one too many), losses (one ulp), eval loss or weights differ on one rank,
+    and passes where nothing does."""
+    import math
+
+    from bench import same_work
+
+    before, after = _same_work_sides()
+    assert same_work.trace_diff(before["trace"]["diloco"], after["trace"]["diloco"], "H=2") == []
+    report, same = same_work.compare(before, after, ["diloco"])
+    assert same and "**no**" not in report
+
+    def mutated(change):
+        b, a = _same_work_sides()
+        change(a["trace"]["diloco"][1]["H=2"])
+        return same_work.trace_diff(b["trace"]["diloco"], a["trace"]["diloco"], "H=2"), b, a
+
+    changes = {
+        "numel": lambda e: e["steps"][1][1].__setitem__(3, 5),
+        "order": lambda e: e["steps"][1].reverse(),
+        "extra": lambda e: e["steps"][0].append(e["steps"][0][0]),
+        "steps": lambda e: e["steps"].append([]),
+        "loss": lambda e: e["losses"].__setitem__(1, math.nextafter(0.25, 1)),
+        "eval": lambda e: e.__setitem__("eval", math.nextafter(2.0, 3.0)),
+        "weights": lambda e: e["weights"].__setitem__(0, "ac"),
+    }
+    for what, change in changes.items():
+        diff, b, a = mutated(change)
+        assert diff and all(d.startswith("rank 1: ") for d in diff), (what, diff)
+        report, same = same_work.compare(b, a, ["diloco"])
+        assert not same and "**no**" in report and "rank 1" in report, what
+    diff, _, _ = mutated(lambda e: e["steps"][1].reverse())
+    assert diff == [
+        "rank 1: step 2: collective 1 is ['all_gather', 'dp_inner', 'torch.float32', 8, None] "
+        "before, ['all_reduce', 'dp_outer', 'torch.float32', 4, 'sum'] after (2 vs 2 in the step)"
+    ]
+    b, a = _same_work_sides()
+    del a["trace"]["diloco"][0]["H=2"]
+    assert same_work.trace_diff(b["trace"]["diloco"], a["trace"]["diloco"], "H=2") == [
+        "rank 0: traced only before"
+    ]
+
+
+def test_same_work_reports_exact_figures_that_differ():
+    """A benchmark's own figures that the same work leaves identical (here B18's dp_outer
+    bytes) fail the comparison where they differ; step times and memory do not."""
+    from bench import same_work
+
+    def bench(nbytes, step):
+        x = dict(bytes_per_step=nbytes, max_step_bytes=2 * nbytes, quiet_nonzero=0, syncs=2,
+                 curve=[[3, 5.0]], kept=8, pending=0, shard_bytes=4, step_quiet=step,
+                 step_sync=2 * step, memory={"torch": 1e6, "torch_low": 9e5})  # fmt: skip
+        return {"variants": {"H=2": x}}
+
+    before, after = _same_work_sides()
+    before["bench"]["diloco"], after["bench"]["diloco"] = bench(100, 0.01), bench(100, 0.02)
+    assert same_work.compare(before, after, ["diloco"])[1]
+    after["bench"]["diloco"] = bench(101, 0.01)
+    report, same = same_work.compare(before, after, ["diloco"])
+    assert not same and "bytes_per_step/H=2" in report
+
+
+@pytest.mark.parametrize("name", ["diloco", "compress"])
+def test_same_work_traces_every_library_variant_over_a_sync(name, pool):
+    """bench.same_work's traces of B18 and B19 at the tiny size: every library variant, the
+    same collectives on replica peers; DiLoCo's over steps with and without a sync (the inner
+    loop alone: none), HSDP's with one every step."""
+    from bench import BENCHMARKS, same_work
+
+    cfg = BENCHMARKS[name].SIZES["tiny"]
+    per_rank = pool.run(same_work._trace_task, name, cfg)
+    variants = same_work.library(name, cfg)
+    assert all(sorted(r) == sorted(variants) for r in per_rank)
+    for v in variants:
+        # a rank's collectives are its replica peer's (rank + 2; a Streaming fragment's size
+        # is the inner rank's own)
+        assert all(per_rank[r][v]["steps"] == per_rank[r + 2][v]["steps"] for r in (0, 1)), v
+        outer = [any(e[1] == "dp_outer" for e in step) for step in per_rank[0][v]["steps"]]
+        if v in ("hsdp", "none") or name == "compress" and "/" not in v:
+            assert all(outer), v  # HSDP: an outer all-reduce every step
+        elif v.startswith("inner"):
+            assert not any(outer), v  # never a sync
+        else:  # DiLoCo: a sync; with one fragment, steps without one too
+            assert any(outer) and ("F=" in v or not all(outer)), (v, outer)
+        assert per_rank[0][v]["eval"] is not None
