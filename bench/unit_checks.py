@@ -8,7 +8,7 @@ B13's ``fh`` variant (``bench/module.py``: ``fh.functional_call(into=MainGrad)``
 ``fh.grad_and_value``, ``fh.microbatches(..., into=mg)``, ``mg.finish()``, SGD in place) for
 both of its models, built once per mode in one group of 4 gloo ranks (2x2 mesh), the steps of
 the three modes interleaved. Also timed alone, per step, with less noise: the default mode's
-one extra summary (``mg._units.agree(...)``, which ``begin_microbatch(last=True)`` runs) and the
+one extra summary (``units_of(mg).agree(...)``, which ``begin_microbatch(last=True)`` runs) and the
 recording of the step's unit calls.
 """
 
@@ -43,6 +43,7 @@ def _alone(runner, data, calls: int) -> dict:
     """Per step, the default mode's own work, timed alone: the extra summary and the unit
     calls' recording (each call's texts are cached: a list append and a hash update)."""
     from functional_hsdp.runtime import validate
+    from functional_hsdp.sync.maingrad import units_of
 
     mg, fh = runner.mg, runner.fh
     with fh.validation("on"):  # one step to know its unit calls
@@ -53,7 +54,7 @@ def _alone(runner, data, calls: int) -> dict:
     C.barrier()
     t0 = time.perf_counter()
     for _ in range(calls):
-        mg._units.agree("MainGrad.begin_microbatch")
+        units_of(mg).agree("MainGrad.begin_microbatch")
     summary = (time.perf_counter() - t0) / calls
     log, units = validate.UnitLog(), 2 * len(runner.shards)  # each unit once per microbatch
     t0 = time.perf_counter()

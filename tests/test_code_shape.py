@@ -7,8 +7,17 @@
   written at the call (the definitions make such arguments keyword-only);
 - no module imports a private name (a leading underscore) of another module of the package,
   or reads one as ``module._name``: what a room offers another has a public name;
-- the package's modules import each other without a cycle, imports inside functions
-  counted (importing ``a.b.c`` runs the packages ``a.b`` too, so an import reaches them).
+- the package's modules import each other without a cycle, imports inside functions and
+  under ``if TYPE_CHECKING:`` counted (importing ``a.b.c`` runs the packages ``a.b`` too, so
+  an import reaches them);
+- each module sits in a layer of ``functional_hsdp/layers.py`` (a package named there) or is
+  one of the :data:`TOP` modules directly in the package, and a layer's module imports only
+  from its own layer or one below it;
+- no module reads a private attribute of an object of another module's class (``obj._x``,
+  ``_x`` defined by a class of another module): :func:`reach_ins` says how that is told
+  from torch's or Python's own private attributes;
+- the checkpoint room (``functional_hsdp.io``) names no stateful type of another room
+  (:func:`is_state_type`): each says how it is saved where it is defined.
 
 Calls into torch, optree, einops or the standard library are not checked, only those that
 resolve to a definition in the package (:class:`_Index` says how).
@@ -325,22 +334,15 @@ def private_imports(index: _Index) -> dict[str, list[str]]:
 
 def import_graph(index: _Index) -> dict[str, dict[str, int]]:
     """module -> {module it imports: the line of the first such import}, imports inside
-    functions included. An import of ``a.b.c`` also reaches the packages ``a.b`` (not the
-    package root, nor a package the importer is inside: those run first). Imports under
-    ``if TYPE_CHECKING:`` never run (annotations only) and are not counted."""
+    functions and under ``if TYPE_CHECKING:`` included (one for annotations only still ties
+    the two modules: a reader needs both). An import of ``a.b.c`` also reaches the packages
+    ``a.b`` (not the package root, nor a package the importer is inside: those run first)."""
     graph: dict[str, dict[str, int]] = {}
     for mod, (_, tree, _) in index.modules.items():
         edges = graph.setdefault(mod, {})
         inside = {mod.rsplit(".", k)[0] for k in range(mod.count(".") + 1)}
-        typing_only = {
-            id(node)
-            for block in ast.walk(tree)
-            if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
-            for stmt in block.body
-            for node in ast.walk(stmt)
-        }
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in typing_only:
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for source, _ in _import_sources(index, mod, node):
                 parts = source.split(".")
@@ -407,34 +409,302 @@ def _cycle_text(index: _Index, graph: dict, group: list[str]) -> str:
     return " <-> ".join(group)
 
 
+TOP = ("__init__", "__main__", "layers")  # the modules directly in the package: the top
+
+
+def _literal(tree: ast.Module, name: str):
+    """The literal a top-level assignment of ``tree`` gives ``name`` (None if none does)."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets = [node.target]
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return ast.literal_eval(node.value)
+    return None
+
+
+def layer_table(index: _Index) -> tuple[str, ...]:
+    """The package's layers, bottom up: ``LAYERS`` as ``<root>/layers.py`` writes it, read
+    from its source (nothing imported); empty without that module."""
+    found = index.modules.get(f"{index.root}.layers")
+    return tuple(_literal(found[1], "LAYERS") or ()) if found else ()
+
+
+def layer_of(mod: str, table: tuple[str, ...]) -> str | None:
+    """``mod``'s layer: ``<layer>`` for ``<root>.<layer>`` and the modules under it (a layer
+    of ``table``), ``"top"`` for the root and the :data:`TOP` modules directly in it, None
+    for any other module (it sits in no layer)."""
+    parts = mod.split(".")
+    if len(parts) > 1 and parts[1] in table:
+        return parts[1]
+    if len(parts) == 1 or (len(parts) == 2 and parts[1] in TOP):
+        return "top"
+    return None
+
+
+def layer_problems(index: _Index) -> dict[str, list[str]]:
+    """path -> ``path:1: <module> sits in no layer of <root>/layers.py`` for a module outside
+    the layers and the top, and ``path:line: <layer> imports <module> (layer <other>)`` for
+    each import of a layer's module that goes up: to a higher layer or the top (imports
+    inside functions and under ``if TYPE_CHECKING:`` included). The top imports anything; an
+    import of a module in no layer is left to that module's own finding."""
+    table = layer_table(index)
+    rank = {name: k for k, name in enumerate(table)} | {"top": len(table)}
+    found: dict[str, list[str]] = {}
+    for mod, (path, tree, _) in index.modules.items():
+        layer = layer_of(mod, table)
+        if layer is None:
+            found[path] = [f"{path}:1: {mod} sits in no layer of {index.root}/layers.py"]
+        if layer in (None, "top"):
+            continue
+        ups = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for source, _ in _import_sources(index, mod, node):
+                    other = layer_of(source, table)
+                    if other is not None and rank[other] > rank[layer]:
+                        ups.add((node.lineno, source, other))
+        if ups:
+            found[path] = [
+                f"{path}:{line}: {layer} imports {source} (layer {other})"
+                for line, source, other in sorted(ups)
+            ]
+    return found
+
+
+def _is_self(expr: ast.expr) -> bool:
+    return isinstance(expr, ast.Name) and expr.id in ("self", "cls")
+
+
+_SETATTR = ("setattr", "object.__setattr__")
+
+
+def _class_attributes(cls: ast.ClassDef) -> set[str]:
+    """The attributes a class defines: its methods and nested classes, its class attributes
+    (fields included) and ``__slots__``, and what its methods set on ``self``
+    (``self._x = ...``, ``object.__setattr__(self, "_x", ...)``)."""
+    names: set[str] = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        targets += [node.target] if isinstance(node, ast.AnnAssign) else []
+        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        if any(isinstance(t, ast.Name) and t.id == "__slots__" for t in targets):
+            names |= {
+                c.value
+                for c in ast.walk(node.value)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            }
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load):
+            names |= {node.attr} if _is_self(node.value) else set()
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in _SETATTR:
+            args = node.args
+            if len(args) > 1 and _is_self(args[0]) and isinstance(args[1], ast.Constant):
+                names.add(args[1].value)
+    return names
+
+
+def _inherited_attributes(index: _Index, mod: str, cls: ast.ClassDef, depth: int = 0) -> set:
+    """What ``cls`` (of ``mod``) has from its package bases, as :func:`_class_attributes`."""
+    names = set()
+    for base in cls.bases if depth < 20 else ():
+        owner = index.value(mod, base)
+        if isinstance(owner, tuple) and isinstance(owner[1], ast.ClassDef):
+            names |= _class_attributes(owner[1])
+            names |= _inherited_attributes(index, *owner, depth + 1)
+    return names
+
+
+def private_attributes(index: _Index, *, inherited: bool) -> dict[str, set[str]]:
+    """module -> the private attributes (one leading underscore) its classes define, and with
+    ``inherited`` those they have from their package bases too."""
+    found = {}
+    for mod, (_, tree, _) in index.modules.items():
+        names = set()
+        for cls in ast.walk(tree):
+            if isinstance(cls, ast.ClassDef):
+                names |= _class_attributes(cls)
+                names |= _inherited_attributes(index, mod, cls) if inherited else set()
+        found[mod] = {n for n in names if isinstance(n, str) and _private(n)}
+    return found
+
+
+def _receiver_is_ours(index: _Index, mod: str, receiver: ast.expr) -> bool:
+    """Whether ``receiver._x`` may be a package object's attribute read from outside: not
+    ``self``, ``cls`` or ``super()`` (the class's own), not a package module (its private
+    names are :func:`private_imports`' concern), nothing imported from outside."""
+    if _is_self(receiver) or isinstance(index.value(mod, receiver), str):
+        return False
+    if isinstance(receiver, ast.Call) and ast.unparse(receiver.func) == "super":
+        return False
+    base = receiver
+    while isinstance(base, (ast.Attribute, ast.Subscript, ast.Call)):
+        base = base.func if isinstance(base, ast.Call) else base.value
+    return not (isinstance(base, ast.Name) and (mod, base.id) in index.foreign)
+
+
+def reach_ins(index: _Index) -> dict[str, list[str]]:
+    """path -> ``path:line: reads <expr>._x (defined in <modules>)`` for each private
+    attribute ``_x`` that a module reads (or writes) on an object of another module's class:
+    ``_x`` is defined by a class of another package module (:func:`_class_attributes`) and
+    by no class of this one, nor by their package bases (a subclass's module shares its
+    base's private interface). One that no package class defines (``t._local_tensor``) is
+    torch's, optree's or Python's, not the package's, and so is one that tensors and the
+    builtin containers have (``t._base``): the receiver's type is not known."""
+    own = private_attributes(index, inherited=True)
+    owners: dict[str, set[str]] = {}
+    for mod, names in private_attributes(index, inherited=False).items():
+        for name in names:
+            owners.setdefault(name, set()).add(mod)
+    found: dict[str, list[str]] = {}
+    for mod, (path, tree, _) in index.modules.items():
+        hits = set()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr in own[mod] | _FOREIGN:
+                continue
+            if node.attr in owners and _receiver_is_ours(index, mod, node.value):
+                verb = "reads" if isinstance(node.ctx, ast.Load) else "writes"
+                where = ", ".join(sorted(owners[node.attr]))
+                hits.add((node.lineno, f"{verb} {ast.unparse(node)} (defined in {where})"))
+        if hits:
+            found[path] = [f"{path}:{line}: {text}" for line, text in sorted(hits)]
+    return found
+
+
+#: Methods of the state protocol: a class that has one says how it is saved and loaded.
+STATE_PROTOCOL = ("__fh_state_dict__", "__fh_load_state_dict__")
+
+
+def is_state_type(index: _Index, mod: str, cls: ast.ClassDef) -> bool:
+    """Whether ``cls`` (of ``mod``) is a stateful type: it has a method of the state protocol
+    (its own or a package base's), or it is a NamedTuple named ``...State``, or ``MainGrad``."""
+    if cls.name == "MainGrad":
+        return True
+    named_tuple = any(ast.unparse(b).split(".")[-1] == "NamedTuple" for b in cls.bases)
+    if named_tuple and cls.name.endswith("State"):
+        return True
+    return any(index.method(mod, cls, name) for name in STATE_PROTOCOL)
+
+
+def _named(index: _Index, mod: str, node: ast.AST) -> list:
+    """What a name, a ``module.name`` or a ``from ... import`` of ``mod`` stands for, as
+    :meth:`_Index.symbol` says."""
+    if isinstance(node, ast.Name):
+        return [index.symbol(mod, node.id)]
+    if isinstance(node, ast.Attribute):
+        return [index.value(mod, node)]
+    if isinstance(node, ast.ImportFrom):
+        source = _from_source(index, mod, node)
+        return [index.symbol(source, a.name) for a in node.names if source in index.modules]
+    return []
+
+
+def state_type_names(index: _Index, room: str) -> dict[str, list[str]]:
+    """path -> ``path:line: names state type <Class>`` for each name (an import included)
+    in a module of the checkpoint room (the module ``room`` and those under it) that stands
+    for a stateful type (:func:`is_state_type`) of a module outside the room: each such type
+    says how it is saved where it is defined, and the room keeps no list of them."""
+
+    def inside(m: str) -> bool:
+        return m == room or m.startswith(room + ".")
+
+    found: dict[str, list[str]] = {}
+    for mod, (path, tree, _) in index.modules.items():
+        hits = set()
+        for node in ast.walk(tree) if inside(mod) else ():
+            for target in _named(index, mod, node):
+                if (
+                    isinstance(target, tuple)
+                    and isinstance(target[1], ast.ClassDef)
+                    and not inside(target[0])
+                    and is_state_type(index, *target)
+                ):
+                    hits.add((node.lineno, target[1].name))
+        if hits:
+            found[path] = [f"{path}:{line}: names state type {name}" for line, name in sorted(hits)]
+    return found
+
+
 @functools.cache
 def _package() -> _Index:
     return _Index({path: (ROOT / path).read_text() for path in FILES})
 
 
+@functools.cache
+def _found(check) -> dict[str, list[str]]:
+    """What ``check`` finds in the package, path by path (once for all the files' tests)."""
+    return check(_package())
+
+
 @pytest.mark.parametrize("path", FILES)
 def test_no_function_is_long(path: str):
-    found = long_functions(_package()).get(path, [])
+    found = _found(long_functions).get(path, [])
     assert not found, "\n".join(found)
 
 
 @pytest.mark.parametrize("path", FILES)
 def test_calls_into_the_package_pass_few_positionals_and_no_positional_bool(path: str):
-    found = positional_calls(_package()).get(path, [])
+    found = _found(positional_calls).get(path, [])
     assert not found, "\n".join(found)
 
 
 @pytest.mark.parametrize("path", FILES)
 def test_no_module_imports_a_private_name_of_another(path: str):
-    found = private_imports(_package()).get(path, [])
+    found = _found(private_imports).get(path, [])
     assert not found, "\n".join(found)
 
 
 def test_the_modules_import_each_other_without_a_cycle():
     """Dependencies go one way, imports inside functions counted (one hidden there is a
-    cycle all the same: it only runs later)."""
+    cycle all the same: it only runs later), and those for annotations only too."""
     cycles = import_cycles(_package())
     assert not cycles, "\n".join(cycles)
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_each_module_sits_in_a_layer_and_imports_only_its_layer_or_below(path: str):
+    """The layers of ``functional_hsdp/layers.py``, bottom up: a module of a layer imports
+    from its own layer or one below (type-checking imports included), never from the top."""
+    found = _found(layer_problems).get(path, [])
+    assert not found, "\n".join(found)
+
+
+def test_the_layer_check_reads_the_layer_table():
+    """The table is read from ``functional_hsdp/layers.py``'s source, bottom up."""
+    table = layer_table(_package())
+    assert len(table) > 5 and table[0] == "base", table
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_no_module_reads_a_private_attribute_of_another_modules_object(path: str):
+    found = _found(reach_ins).get(path, [])
+    assert not found, "\n".join(found)
+
+
+def test_the_reach_in_check_reaches_the_package():
+    """The package's classes define private attributes for the check to look for."""
+    own = private_attributes(_package(), inherited=False)
+    assert sum(map(len, own.values())) > 100
+    assert any("_deferred" in names for names in own.values())
+
+
+#: The checkpoint room: the layer ``io`` of the package (its module or package).
+ROOM = "functional_hsdp.io"
+ROOM_FILES = [p for p in FILES if f"{_module_name(p)[0]}.".startswith(f"{ROOM}.")]
+
+
+@pytest.mark.parametrize("path", ROOM_FILES or ["functional_hsdp/io/"])
+def test_the_checkpoint_room_names_no_state_type(path: str):
+    """Each stateful type (a MainGrad, a NamedTuple state, a class of the state protocol)
+    says how it is saved where it is defined; the checkpoint room keeps no list of them."""
+    assert path in FILES, f"the checkpoint room {ROOM} holds no module (the checkpoints' code)"
+    found = state_type_names(_package(), ROOM).get(path, [])
+    assert not found, "\n".join(found)
 
 
 def test_the_import_checks_reach_the_package():
@@ -542,13 +812,14 @@ _IMPORTS = {
     "pkg/sub/_n.py": "y = 1\n",
     "pkg/e.py": "from .sub import x\n",  # e -> sub -> d -> e: through the package
     "pkg/f.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .g import G\n",
-    "pkg/g.py": "from .f import F\n",  # f -> g for annotations only: not a cycle
+    "pkg/g.py": "from .f import F\n",  # f -> g for annotations only: a cycle all the same
 }
 
 
 def test_the_import_checks_can_fail():
     """Private names read across modules, and cycles (one hidden inside a function, one
-    through a package's ``__init__``), are reported with their lines; nothing else."""
+    through a package's ``__init__``, one for annotations only), are reported with their
+    lines; nothing else."""
     index = _Index(_IMPORTS)
     assert private_imports(index) == {
         "pkg/b.py": [
@@ -560,13 +831,14 @@ def test_the_import_checks_can_fail():
     assert import_cycles(index) == [
         "pkg/a.py:1 -> pkg/b.py:4 -> pkg.a",
         "pkg/e.py:1 -> pkg/sub/__init__.py:1 -> pkg/sub/d.py:1 -> pkg.e",
+        "pkg/f.py:3 -> pkg/g.py:1 -> pkg.f",
     ]
 
 
 def test_maingrads_public_surface_is_what_the_api_table_documents():
     """``MainGrad``'s public methods and properties are those its row of the API table
-    (``docs/api_overview.md``) names, no more (what the units need goes through the private
-    ``mg._units``) and no fewer."""
+    (``docs/api_overview.md``) names, no more (what the units need goes through their private
+    interface, ``maingrad.units_of(mg)``) and no fewer."""
     import re
 
     import functional_hsdp as fh
@@ -576,3 +848,152 @@ def test_maingrads_public_surface_is_what_the_api_table_documents():
     documented = set(re.findall(r"`(\w+)(?:\(\))?`", row.split("|")[2]))
     public = {n for n in vars(fh.MainGrad) if not n.startswith("_")}
     assert public == documented, (sorted(public - documented), sorted(documented - public))
+
+
+_LAYERS = {
+    "pkg/__init__.py": "from .high.h import H\nfrom .low import f\n",
+    "pkg/__main__.py": "from . import flat, high\n",  # the top imports anything
+    "pkg/layers.py": 'LAYERS: tuple[str, ...] = ("low", "high")\n',
+    "pkg/low/__init__.py": "from .f import f\n",
+    "pkg/low/f.py": (
+        "from typing import TYPE_CHECKING\n"
+        "from .. import flat\n"  # a module in no layer: reported there, not here
+        "def f():\n"
+        "    from ..high.h import H\n"  # line 4: up, hidden in a function
+        "    return H\n"
+        "if TYPE_CHECKING:\n"
+        "    from pkg.high import h\n"  # line 7: up, for annotations only
+    ),
+    "pkg/high/__init__.py": "",
+    "pkg/high/h.py": (
+        "import pkg\n"  # the top: no layer imports it
+        "from ..low import f\n"  # below: fine
+        "from . import g\n"  # its own layer: fine
+        "class H:\n"
+        "    pass\n"
+    ),
+    "pkg/high/g.py": "",
+    "pkg/flat.py": "x = 1\n",  # directly in the package, not a top module: in no layer
+    "pkg/other/__init__.py": "",  # a package not named in the table: in no layer
+}
+
+
+def test_the_layer_check_can_fail():
+    """Imports up a layer (inside a function, under TYPE_CHECKING, to the top) and modules
+    in no layer are reported; imports down, within a layer and from the top are not."""
+    index = _Index(_LAYERS)
+    assert layer_table(index) == ("low", "high")
+    assert layer_problems(index) == {
+        "pkg/flat.py": ["pkg/flat.py:1: pkg.flat sits in no layer of pkg/layers.py"],
+        "pkg/high/h.py": ["pkg/high/h.py:1: high imports pkg (layer top)"],
+        "pkg/low/f.py": [
+            "pkg/low/f.py:4: low imports pkg.high.h (layer high)",
+            "pkg/low/f.py:7: low imports pkg.high.h (layer high)",
+        ],
+        "pkg/other/__init__.py": [
+            "pkg/other/__init__.py:1: pkg.other sits in no layer of pkg/layers.py"
+        ],
+    }
+
+
+_ATTRIBUTES = {
+    "pkg/__init__.py": "",
+    "pkg/a.py": (
+        "class A:\n"
+        "    _kind = 'a'\n"
+        "    __slots__ = ('_slot',)\n"
+        "    def __init__(self):\n"
+        "        self._x = self._base = 1\n"
+        "        object.__setattr__(self, '_y', 2)\n"
+        "    def _m(self):\n"
+        "        return self._x\n"
+        "def peek(a):\n"
+        "    return a._x + a._y\n"  # its own module's class: fine
+    ),
+    "pkg/b.py": (
+        "import torch\n"
+        "from . import a as amod\n"
+        "from .a import A\n"
+        "def g(a, c):\n"
+        "    a._kind = a._x + c._z\n"  # line 5
+        "    return A._m, a._slot, a._y\n"  # line 6
+        "def h(t):\n"
+        # no package class defines _local_tensor; _base is a tensor's too; torch is not
+        # ours; a module's private name is private_imports' concern
+        "    return t._local_tensor, t._base, torch._x, amod._x\n"
+    ),
+    "pkg/c.py": (
+        "from .a import A\n"
+        "class C(A):\n"
+        "    def __init__(self, other):\n"
+        "        super().__init__()\n"
+        "        self._z = other._x\n"  # C has A's _x: a subclass shares its base's
+        "    def f(self):\n"
+        "        return self._m(), super()._m()\n"
+        "def k(c):\n"
+        "    return c._z, c._kind\n"
+    ),
+}
+
+
+def test_the_reach_in_check_can_fail():
+    """Private attributes of another module's classes, read or written, are reported with
+    the module that defines them; a class's own (``self``, ``super()``, its module's, its
+    package bases'), torch's, Python's and a module's private names are not."""
+    assert reach_ins(_Index(_ATTRIBUTES)) == {
+        "pkg/b.py": [
+            "pkg/b.py:5: reads a._x (defined in pkg.a)",
+            "pkg/b.py:5: reads c._z (defined in pkg.c)",
+            "pkg/b.py:5: writes a._kind (defined in pkg.a)",
+            "pkg/b.py:6: reads A._m (defined in pkg.a)",
+            "pkg/b.py:6: reads a._slot (defined in pkg.a)",
+            "pkg/b.py:6: reads a._y (defined in pkg.a)",
+        ]
+    }
+
+
+_ROOM = {
+    "pkg/__init__.py": "",
+    "pkg/grads.py": (
+        "from typing import NamedTuple\n"
+        "class MainGrad:\n"
+        "    pass\n"
+        "class Saved:\n"
+        "    def __fh_state_dict__(self):\n"
+        "        return {}\n"
+        "class Later(Saved):\n"  # the protocol, inherited
+        "    pass\n"
+        "class AdamState(NamedTuple):\n"
+        "    count: int\n"
+        "class Options(NamedTuple):\n"  # a NamedTuple, not a state
+        "    lr: float\n"
+        "class FooState:\n"  # named a state, not a NamedTuple
+        "    pass\n"
+    ),
+    "pkg/io/__init__.py": "from .save import save\n",
+    "pkg/io/save.py": (
+        "import typing\n"
+        "from .. import grads\n"
+        "from ..grads import AdamState, Options\n"  # line 3
+        "class RoomState(typing.NamedTuple):\n"  # the room's own
+        "    n: int\n"
+        "def save(x):\n"
+        "    if isinstance(x, grads.MainGrad):\n"  # line 7
+        "        return RoomState(1)\n"
+        "    if isinstance(x, (grads.Later, grads.FooState, Options)):\n"  # line 9
+        "        return x\n"
+        "    return x.__fh_state_dict__()\n"
+    ),
+}
+
+
+def test_the_state_type_check_can_fail():
+    """A stateful type of another room named in the checkpoint room (imported, or read as
+    ``module.Class``) is reported at each line; other classes and the room's own are not."""
+    assert state_type_names(_Index(_ROOM), "pkg.io") == {
+        "pkg/io/save.py": [
+            "pkg/io/save.py:3: names state type AdamState",
+            "pkg/io/save.py:7: names state type MainGrad",
+            "pkg/io/save.py:9: names state type Later",
+        ]
+    }

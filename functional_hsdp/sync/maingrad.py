@@ -13,7 +13,7 @@ Mixed precision: gradients may arrive in bf16/fp16 and accumulate in the buffers
 Gathered units with ``into=mg`` (:mod:`functional_hsdp.units`) add each unit's reduced
 gradient into the buffers during backward, and on the declared last microbatch start the
 unit's deferred reduction (the ``dp_outer`` all-reduce of HSDP) as soon as its gradient is
-complete. They do so through a private interface, ``mg._units`` (:class:`_Units`), not the
+complete. They do so through a private interface, ``units_of(mg)`` (:class:`_Units`), not the
 public methods; the deferred reduction has one owner, :class:`_Deferred`.
 
 State, all of it on the MainGrad object (it goes with the object, by garbage collection;
@@ -367,7 +367,7 @@ class MainGrad:
                 local=declare,
             )
         elif last is True:  # the unit calls so far and this declaration (a rank without it:
-            self._units.agree("MainGrad.begin_microbatch", local=declare)  # a wait)
+            units_of(self).agree("MainGrad.begin_microbatch", local=declare)  # a wait)
         else:
             declare()
         self._deferred.begin(last)
@@ -576,12 +576,6 @@ class MainGrad:
         self._state = "final"
         self._deferred.reset()
 
-    @property
-    def _units(self) -> _Units:
-        """What gathered units with ``into=self`` may do to this MainGrad (made per use: it
-        holds the MainGrad, which does not hold it)."""
-        return _Units(self)
-
     def layout(self) -> dict[str, Any]:
         """What this MainGrad's buffers depend on (mesh, tree, shapes, dtypes, specs, buffer
         shapes), as plain data: a state dict made elsewhere loads only if it agrees."""
@@ -744,7 +738,7 @@ class _Deferred:
 class _Units:
     """The private interface of gathered units (``gathered(..., into=mg)``, in
     :mod:`functional_hsdp.units`) to a MainGrad: what they do to it and nothing else. Made
-    per use by ``mg._units``."""
+    per use by :func:`units_of`."""
 
     __slots__ = ("_mg",)
 
@@ -796,6 +790,13 @@ class _Units:
             if local is not None:
                 local()
             agreed.check(mg.plan, paths_of(mg.plan.treedef, "grads"), units=True)
+
+
+def units_of(mg: MainGrad) -> _Units:
+    """What gathered units with ``into=mg`` may do to ``mg``: its private interface for
+    :mod:`functional_hsdp.units` (not the public API), made per use (it holds the MainGrad,
+    which does not hold it)."""
+    return _Units(mg)
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package root

@@ -5,7 +5,7 @@ or a second derivative, on the composable path (:mod:`~functional_hsdp.units.com
 :func:`sequence` runs a stack of units with each next one prefetched.
 
 State: a block keeps the call declared by its ``prefetch`` until its next call (``_next``),
-and its descriptions for the cross-rank checks (``_described``); both go with the block.
+and its descriptions for the cross-rank checks (``descriptions``); both go with the block.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import torch
 from ..runtime import validate
 from ..spec.precision import Precision, check_mp_policy
 from ..spec.specs import Spec
-from ..sync.maingrad import MainGrad
+from ..sync.maingrad import MainGrad, units_of
 from . import chain as chains
 from . import functions, registry, transfers
 from .call import Arguments, Call
 from .checks import adopts, check_spec, describe, differentiable, unit_plan
 from .composable import composable, composed
 
-__all__ = ["Gathered", "gathered", "prepare", "sequence"]
+__all__ = ["Gathered", "gathered", "prefetch_named", "prepare", "sequence"]
 
 
 class Gathered:
@@ -60,7 +60,7 @@ class Gathered:
         #: how errors name the shards (``functional_call``'s units: ``shards['layers.0']``)
         self.shards_path = "shards"
         self._next: tuple | None = None
-        self._described: dict = {}  # (plan, where) -> checks.describe's texts
+        self.descriptions: dict = {}  # (plan, where) -> checks.describe's texts (its cache)
 
     def __repr__(self) -> str:
         return f"gathered({self.name}, {self.spec!r})"
@@ -69,13 +69,7 @@ class Gathered:
         """Declare ``shards`` the unit that runs after the next call: that call issues its
         all-gather before computing (forward) and makes its wait node first, so that its
         reduce-scatter overlaps the backward of the unit before it."""
-        self._prefetch(shards, "shards")
-
-    def _prefetch(self, shards: Any, name: str) -> None:
-        """:meth:`prefetch`, errors naming the shards ``name`` (``functional_call``: the
-        next unit's own path)."""
-        if not composed():  # the composable path gathers each unit when it is called
-            self._next = prepare(self, shards, name)
+        prefetch_named(self, shards, "shards")
 
     @torch.compiler.disable  # each unit runs eagerly under torch.compile (a graph break)
     def __call__(self, shards: Any, *args: Any, **kwargs: Any) -> Any:
@@ -102,7 +96,7 @@ class Gathered:
         if call.mode != "off":  # the step's running fingerprint, agreed where it exchanges
             validate.unit_log(self.spec.mesh).record(*describe(self, call))
         if call.sink is not None:  # its backward's gradient is one more for the MainGrad
-            self.into._units.called(call.sink)
+            units_of(self.into).called(call.sink)
         nxt, self._next = self._next, None
         call.arguments, tensors = _arguments(self, wrapped, (args, kwargs))
         extra = []
@@ -143,6 +137,13 @@ def _arguments(block: Gathered, wrapped: list, given: tuple) -> tuple[Arguments,
         replay=needed and block.recompute,
     )
     return arguments, [arg_leaves[i] for i in tensors]
+
+
+def prefetch_named(block: Gathered, shards: Any, name: str) -> None:
+    """:meth:`Gathered.prefetch`, errors naming the shards ``name`` (``functional_call``: the
+    next unit's own path)."""
+    if not composed():  # the composable path gathers each unit when it is called
+        block._next = prepare(block, shards, name)
 
 
 def prepare(block: Gathered, shards: Any, name: str) -> tuple[Call, list]:

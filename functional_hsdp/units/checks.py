@@ -2,7 +2,7 @@
 the sharded tree, its description for the cross-rank checks, and the ``MainGrad`` buckets a
 unit with ``into=`` adds into.
 
-State: a block's descriptions are cached on it (``Gathered._described``, one entry per plan
+State: a block's descriptions are cached on it (``Gathered.descriptions``, one entry per plan
 and place), and go with the block.
 """
 
@@ -18,6 +18,7 @@ from ..base.tree import flatten
 from ..plan.lookup import find_layout
 from ..plan.recipe import Plan
 from ..spec.specs import Spec
+from ..sync.maingrad import units_of
 from .call import Call
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ def sink_buckets(call: Call, pieces: Sequence[torch.Tensor]) -> list[int]:
             "(updated in place by the optimizer), or leave into=None"
         )
     _check_one_unit(call, pieces, found)
-    buckets = mg._units.buckets_of(made.units[found[1]])
+    buckets = units_of(mg).buckets_of(made.units[found[1]])
     ours = [(b.padded, b.numel) for b in call.plan.buckets]
     if [(mg.plan.buckets[b].padded, mg.plan.buckets[b].numel) for b in buckets] != ours:
         raise ValueError(
@@ -125,7 +126,7 @@ def describe(block: Gathered, call: Call) -> tuple[str, str]:
     """The unit a call runs and the options its collectives and gradient depend on, as texts
     for the cross-rank checks (made once per block, layout and place)."""
     key = (call.plan, call.where)
-    found = block._described.get(key)
+    found = block.descriptions.get(key)
     if found is None:
         plan = call.plan
         options = (
@@ -138,7 +139,7 @@ def describe(block: Gathered, call: Call) -> tuple[str, str]:
             f"into={'a MainGrad' if block.into is not None else None}",
             f"buckets={[b.padded for b in plan.buckets]}",
         )
-        found = block._described[key] = (f"{block.name} on {call.where}", "; ".join(options))
+        found = block.descriptions[key] = (f"{block.name} on {call.where}", "; ".join(options))
     return found
 
 

@@ -46,6 +46,7 @@ import optree
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..sync.maingrad import units_of
 from . import call as lifecycle
 from . import chain as chains
 from . import replay, storage, transfers
@@ -295,7 +296,7 @@ class _Wait(torch.autograd.Function):
         if buffers is None:  # the unit's backward did not run: no gradient
             return (None, *(torch.zeros_like(g) for g in grads))
         if call.sink is not None:  # added into the MainGrad; the shards' gradient is zero
-            units = call.block.into._units
+            units = units_of(call.block.into)
             units.add(call.sink, buffers, by=f"the unit {call.block.name} on {call.where}")
             units.done(call.sink)  # its deferred reduction may start now
             zeros = lambda g: torch.zeros((), dtype=g.dtype, device=g.device).expand(g.shape)  # noqa: E731

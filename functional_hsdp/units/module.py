@@ -39,6 +39,7 @@ from ..spec.specs import Spec
 from ..sync.maingrad import MainGrad
 from ..sync.reduce import shard
 from . import Gathered
+from .block import prefetch_named
 from .registry import start_forward
 
 __all__ = ["functional_call", "shard_module"]
@@ -406,7 +407,7 @@ def _root_weights(sharded: _Sharded, shards: dict, blocks: dict) -> dict:
     # the first unit's all-gather is issued before the root's is waited (where they gather
     # alike: a block prefetches with its own spec)
     if key is not None and blocks[key].spec == root_block.spec:
-        root_block._prefetch(shards[key], f"shards[{key!r}]")
+        prefetch_named(root_block, shards[key], f"shards[{key!r}]")
     return root_block(shards[ROOT])
 
 
@@ -519,7 +520,7 @@ def _unit_forward(
         if i + 1 < len(order) and order[i] == k:
             key = sharded.parts[order[i + 1]].key
             if blocks[key].spec == block.spec:  # gathered alike (a unit of another spec: not)
-                block._prefetch(shards[key], f"shards[{key!r}]")
+                prefetch_named(block, shards[key], f"shards[{key!r}]")
         borrowed = {name: params[root_name] for name, root_name in part.borrowed}
         # the module's own forward rides along as a constant argument (a pytree leaf)
         return block(shards[part.key], borrowed, original, *args, **kwargs)
