@@ -4,7 +4,7 @@ Each layer is a subpackage, ``functional_hsdp/<layer>/``; ``tests/test_code_shap
 this table (by parsing it, not importing it) and checks every import against it, imports
 inside functions and under ``if TYPE_CHECKING:`` included. The modules directly in the
 package (``__init__.py``: the public surface ``fh.X``; ``__main__.py``; this file) are the
-top: they may import any layer, and no layer imports them.
+top: they may import any layer below ``USERS``, and only the ``USERS`` layers import them.
 """
 
 LAYERS: tuple[str, ...] = (
@@ -20,3 +20,7 @@ LAYERS: tuple[str, ...] = (
     "diloco",  # the semi-synchronous outer loop over a replica axis
     "tools",  # the demo and what tests and benchmarks run on (testing/)
 )
+
+# Layers that use the package as its users do (``import functional_hsdp as fh``): they sit above
+# the top, and the top never imports them (the library runs without them).
+USERS: tuple[str, ...] = ("tools",)

@@ -409,7 +409,8 @@ def _cycle_text(index: _Index, graph: dict, group: list[str]) -> str:
     return " <-> ".join(group)
 
 
-TOP = ("__init__", "__main__", "layers")  # the modules directly in the package: the top
+TOP = ("__init__", "layers")  # the modules directly in the package that are the top
+# ``python -m <root>`` runs ``__main__``, which nothing imports: it is in the highest layer
 
 
 def _literal(tree: ast.Module, name: str):
@@ -433,6 +434,17 @@ def layer_table(index: _Index) -> tuple[str, ...]:
     return tuple(_literal(found[1], "LAYERS") or ()) if found else ()
 
 
+def layer_ranks(index: _Index) -> dict[str, float]:
+    """Each layer's height, bottom up, and the top's: above every layer but ``USERS`` (the
+    layers that use the package as its users do; ``<root>/layers.py`` names them)."""
+    table = layer_table(index)
+    found = index.modules.get(f"{index.root}.layers")
+    users = tuple(_literal(found[1], "USERS") or ()) if found else ()
+    rank: dict[str, float] = {name: k for k, name in enumerate(table)}
+    rank["top"] = min((rank[u] for u in users), default=len(table)) - 0.5
+    return rank
+
+
 def layer_of(mod: str, table: tuple[str, ...]) -> str | None:
     """``mod``'s layer: ``<layer>`` for ``<root>.<layer>`` and the modules under it (a layer
     of ``table``), ``"top"`` for the root and the :data:`TOP` modules directly in it, None
@@ -440,6 +452,8 @@ def layer_of(mod: str, table: tuple[str, ...]) -> str | None:
     parts = mod.split(".")
     if len(parts) > 1 and parts[1] in table:
         return parts[1]
+    if len(parts) == 2 and parts[1] == "__main__" and table:
+        return table[-1]
     if len(parts) == 1 or (len(parts) == 2 and parts[1] in TOP):
         return "top"
     return None
@@ -451,14 +465,12 @@ def layer_problems(index: _Index) -> dict[str, list[str]]:
     each import of a layer's module that goes up: to a higher layer or the top (imports
     inside functions and under ``if TYPE_CHECKING:`` included). The top imports anything; an
     import of a module in no layer is left to that module's own finding."""
-    table = layer_table(index)
-    rank = {name: k for k, name in enumerate(table)} | {"top": len(table)}
+    table, rank = layer_table(index), layer_ranks(index)
     found: dict[str, list[str]] = {}
     for mod, (path, tree, _) in index.modules.items():
         layer = layer_of(mod, table)
         if layer is None:
             found[path] = [f"{path}:1: {mod} sits in no layer of {index.root}/layers.py"]
-        if layer in (None, "top"):
             continue
         ups = set()
         for node in ast.walk(tree):
@@ -851,9 +863,10 @@ def test_maingrads_public_surface_is_what_the_api_table_documents():
 
 
 _LAYERS = {
-    "pkg/__init__.py": "from .high.h import H\nfrom .low import f\n",
-    "pkg/__main__.py": "from . import flat, high\n",  # the top imports anything
-    "pkg/layers.py": 'LAYERS: tuple[str, ...] = ("low", "high")\n',
+    "pkg/__init__.py": "from .high.h import H\nfrom .low import f\nfrom .app import y\n",
+    "pkg/__main__.py": "from . import flat, high\nfrom .app import x\n",  # the highest layer
+    "pkg/layers.py": 'LAYERS: tuple[str, ...] = ("low", "high", "app")\nUSERS = ("app",)\n',
+    "pkg/app/__init__.py": "import pkg\nfrom ..high import h\n",  # a users layer: above the top
     "pkg/low/__init__.py": "from .f import f\n",
     "pkg/low/f.py": (
         "from typing import TYPE_CHECKING\n"
@@ -880,10 +893,12 @@ _LAYERS = {
 
 def test_the_layer_check_can_fail():
     """Imports up a layer (inside a function, under TYPE_CHECKING, to the top) and modules
-    in no layer are reported; imports down, within a layer and from the top are not."""
+    in no layer are reported, and so is the top's import of a users layer; imports down,
+    within a layer, from the top and from a users layer to the top are not."""
     index = _Index(_LAYERS)
-    assert layer_table(index) == ("low", "high")
+    assert layer_table(index) == ("low", "high", "app")
     assert layer_problems(index) == {
+        "pkg/__init__.py": ["pkg/__init__.py:3: top imports pkg.app (layer app)"],
         "pkg/flat.py": ["pkg/flat.py:1: pkg.flat sits in no layer of pkg/layers.py"],
         "pkg/high/h.py": ["pkg/high/h.py:1: high imports pkg (layer top)"],
         "pkg/low/f.py": [
