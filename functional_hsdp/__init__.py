@@ -16,16 +16,7 @@ from .dtensor import to_dtensor
 from .errors import CollectiveError
 from .first_order import grad, grad_and_value
 from .maingrad import MainGrad, microbatches
-from .matrix import (
-    Masked,
-    MuonState,
-    PartitionState,
-    masked,
-    muon,
-    newton_schulz,
-    partition,
-    per_matrix,
-)
+from .matrix import MuonState, PartitionState, muon, newton_schulz, partition, per_matrix
 from .mesh import DistMesh, Mesh, SimMesh, per_rank
 from .module import functional_call, shard_module
 from .optim import (
@@ -54,6 +45,7 @@ from .quantize import Compress, compress
 from .reduce import gather, reduce_grads, shard, sync_params
 from .spec import Spec, ddp, fsdp, hfsdp, hsdp, replicas
 from .trace import CommLog, Event, comm_log
+from .tree import Masked, masked
 from .units import Gathered, gathered, sequence
 from .validate import validation
 

@@ -21,21 +21,13 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .checkpoint import contiguous_stride
 from .lookup import find_layout
 from .placement import Flat, Owner, Partial
 from .plan import Plan
 from .tree import flatten
 
-__all__ = ["contiguous_stride", "to_dtensor"]
-
-
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (size-0 dims count as 1)."""
-    stride, out = 1, []
-    for n in reversed(shape):
-        out.append(stride)
-        stride *= max(n, 1)
-    return tuple(reversed(out))
+__all__ = ["to_dtensor"]
 
 
 def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = None) -> Any:
