@@ -133,7 +133,7 @@ def _orthogonalized(x: torch.Tensor) -> torch.Tensor:
 def _naive_muon(tree_spec: dict, units: list[str]):
     """Muon's math with every matrix all-gathered and orthogonalized on every rank."""
     import functional_hsdp as fh
-    from functional_hsdp.optim.matrix import unmask
+    from functional_hsdp.base.tree import unmask
 
     def init(params):
         return fh.MuonState(0, optree.tree_map(torch.zeros_like, params))
@@ -159,7 +159,7 @@ def _naive_muon(tree_spec: dict, units: list[str]):
 
 def _masked_as(tree, like):
     """``tree``'s leaves where ``like`` has leaves, ``like``'s Masked elsewhere."""
-    from functional_hsdp.optim.matrix import Masked
+    from functional_hsdp.base.tree import Masked
 
     is_masked = lambda x: isinstance(x, Masked)  # noqa: E731
     values, treedef = optree.tree_flatten(tree)

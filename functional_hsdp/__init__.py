@@ -8,20 +8,12 @@ reduces the outer axis only on the last one.
 from .base.cache import clear_caches
 from .base.errors import CollectiveError
 from .base.trace import CommLog, Event, comm_log
+from .base.tree import Masked, masked
 from .diloco.outer import DiLoCo, DiLoCoState, balanced_fragments, diloco, sync_steps
 from .io.checkpoint import empty_state_dict, load_state_dict, state_dict
 from .mesh import DistMesh, Mesh, SimMesh, per_rank
 from .optim import schedules
-from .optim.matrix import (
-    Masked,
-    MuonState,
-    PartitionState,
-    masked,
-    muon,
-    newton_schulz,
-    partition,
-    per_matrix,
-)
+from .optim.matrix import MuonState, PartitionState, muon, newton_schulz, partition, per_matrix
 from .optim.transforms import (
     AdamWState,
     ChainState,

@@ -5,6 +5,7 @@ across world sizes, 4 ranks to 2 and 2 to 4 (a second, 2-rank pool)."""
 from __future__ import annotations
 
 import itertools
+from typing import Any, NamedTuple
 
 import optree
 import pytest
@@ -71,8 +72,32 @@ def _train(params, state, spec, opt, steps: int):
     return params, state
 
 
-def _resume(strategy: str, path: str):
-    spec, opt = preset(strategy, _mesh((2, 2)), bucket_cap_mb=CAP), fh.adamw(lr=0.05)
+class MomentumState(NamedTuple):
+    """A user's own optimizer state, as in notebooks/03_custom_optimizers.py: no method, no
+    registration; fh.state_dict saves it field by field."""
+
+    count: int
+    trace: Any  # a tree like the params: local shards
+
+
+def momentum_sgd(lr: float, beta: float = 0.9) -> fh.GradientTransformation:
+    """A user's optimizer whose state is a :class:`MomentumState` (heavy-ball momentum)."""
+
+    def init(params):
+        return MomentumState(0, optree.tree_map(torch.zeros_like, params))
+
+    def update(grads, state, params=None):
+        trace = optree.tree_map(lambda t, g: beta * t + g, state.trace, grads)
+        return optree.tree_map(lambda t: -lr * t, trace), MomentumState(state.count + 1, trace)
+
+    return fh.GradientTransformation(init, update)
+
+
+OPTIMIZERS = {"adamw": lambda: fh.adamw(lr=0.05), "own": lambda: momentum_sgd(lr=0.05)}
+
+
+def _resume(strategy: str, path: str, optimizer: str = "adamw"):
+    spec, opt = preset(strategy, _mesh((2, 2)), bucket_cap_mb=CAP), OPTIMIZERS[optimizer]()
     _, full0, _, _ = mlp_problem(4, M)
     params = fh.shard(full0, spec)
     params, state = _train(params, opt.init(params), spec, opt, BEFORE)
@@ -105,6 +130,101 @@ def test_resume_on_same_and_reshaped_meshes_matches_uninterrupted_run(pool, stra
                 if shape == (2, 2):
                     assert torch.equal(trained[k], ref[k]), k
                 torch.testing.assert_close(trained[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+def test_a_users_own_namedtuple_state_resumes_on_reshaped_meshes(pool, strategy, tmp_path):
+    """A state the library does not know (notebook 03's kind: a count and a tree) checkpoints
+    as the library's do, at the top level (in a chain: the test of a chain below)."""
+    for as_full, full, ref, out in pool.run(_resume, strategy, str(tmp_path), "own"):
+        assert _equal(as_full, full)
+        for shape, (exact, trained) in out.items():
+            assert exact, shape
+            for k in ref:
+                if shape == (2, 2):
+                    assert torch.equal(trained[k], ref[k]), k
+                torch.testing.assert_close(trained[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+class Params(NamedTuple):
+    """Params as a NamedTuple of tensors: a tree, not a state (it holds no host value)."""
+
+    w: torch.Tensor
+    b: torch.Tensor
+
+
+class TraceState(NamedTuple):
+    """A transformation's state of trees only (optax's ``TraceState``): in a chain, a state."""
+
+    trace: Any
+
+
+def _namedtuples(path: str):
+    """Params as a NamedTuple save as a tree (keyed by position, as any tree of tensors); a
+    chain's count-less NamedTuple state field by field; both load on 1x4."""
+    spec = preset("hfsdp", _mesh((2, 2)), bucket_cap_mb=CAP)
+    full = Params(torch.arange(35.0).reshape(7, 5), torch.arange(3.0))
+    params = optree.tree_map(lambda x: 2 * x, fh.shard(full, spec))  # untagged shards
+    state = fh.ChainState((TraceState(params),))
+    saved = {"params": fh.state_dict(params, spec), "optim": fh.state_dict(state, spec)}
+    keys = (sorted(saved["params"]), sorted(saved["optim"]["0"]))
+    dcp.save(saved, checkpoint_id=path)
+    spec2, like = preset("hfsdp", _mesh((1, 4)), bucket_cap_mb=CAP), _meta(full)
+    likes = {"params": like, "optim": fh.ChainState((TraceState(like),))}
+    target = {k: fh.empty_state_dict(v, spec2) for k, v in likes.items()}
+    dcp.load(target, checkpoint_id=path)
+    p2 = fh.load_state_dict(target["params"], spec2, like)
+    s2 = fh.load_state_dict(target["optim"], spec2, likes["optim"])
+    want = fh.gather(params, spec)
+    same = _equal(fh.gather(p2, spec2), want) and _equal(fh.gather(s2.inner[0].trace, spec2), want)
+    return keys, same, type(p2).__name__, type(s2.inner[0]).__name__
+
+
+def test_namedtuple_params_are_a_tree_and_a_chains_namedtuple_a_state(pool, tmp_path):
+    for keys, same, params, state in pool.run(_namedtuples, str(tmp_path)):
+        assert keys == (["0", "1"], ["trace"]) and same
+        assert (params, state) == ("Params", "TraceState")
+
+
+class _Steps:
+    """A stateful object of a user's own (not a NamedTuple) with the checkpoint protocol."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __fh_state_dict__(self, spec, *, like=None):
+        return {"n": self.n}
+
+    def __fh_empty_state_dict__(self, spec):
+        return {"n": 0}
+
+    def __fh_load_state_dict__(self, state, spec, *, name):
+        if "n" not in state:
+            raise ValueError(f"{name}: has no entry 'n'")
+        return _Steps(state["n"])
+
+
+class _Held(NamedTuple):
+    count: int
+    steps: Any
+    unused: Any = None
+
+
+def test_the_protocol_and_namedtuples_dispatch_without_a_list_of_types():
+    """Any NamedTuple is saved field by field (host values as they are, None left out) and a
+    type with the protocol saves itself, at any depth (no tensors here: no mesh needed)."""
+    held = _Held(3, fh.ChainState((fh.EmptyState(), _Steps(7))))
+    saved = fh.state_dict(held)
+    assert saved == {"count": 3, "steps": {"0": {}, "1": {"n": 7}}}
+    like = _Held(0, fh.ChainState((fh.EmptyState(), _Steps(0))))
+    assert fh.empty_state_dict(like) == {"count": 0, "steps": {"0": {}, "1": {"n": 0}}}
+    loaded = fh.load_state_dict(saved, None, like)
+    assert loaded.count == 3 and loaded.unused is None and loaded.steps.inner[1].n == 7
+    assert isinstance(loaded.steps, fh.ChainState) and loaded.steps.inner[0] == fh.EmptyState()
+    with pytest.raises(ValueError, match=r"state\['steps'\]\['1'\]: has no entry 'n'"):
+        fh.load_state_dict({"count": 3, "steps": {"0": {}, "1": {}}}, None, like)
+    with pytest.raises(ValueError, match=r"state\['steps'\]: has no entry '1' \(for the Chain"):
+        fh.load_state_dict({"count": 3, "steps": {"0": {}}}, None, like)
 
 
 # -- another world size: 4 ranks -> 2, and 2 -> 4 ------------------------------------------------

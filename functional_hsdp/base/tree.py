@@ -1,11 +1,13 @@
-"""Tree handling shared by every public function: flattening with paths, leaf checks, and
-the errors that name a pytree path (JAX style: ``grads['layers'][0]['w']``)."""
+"""Tree handling shared by every public function: flattening with paths, leaf checks, the
+errors that name a pytree path (JAX style: ``grads['layers'][0]['w']``), and :class:`Masked`
+leaves (a leaf another transformation handles: optax's ``MaskedNode``)."""
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -13,13 +15,18 @@ import torch
 from .cache import Bounded, lru
 
 __all__ = [
+    "Masked",
     "check_bool",
     "check_tensors",
     "flatten",
     "format_path",
+    "is_masked",
+    "masked",
+    "masked_like",
     "paths_of",
     "refuse_vmap",
     "structure_error",
+    "unmask",
 ]
 
 
@@ -149,3 +156,70 @@ def structure_error(expected: optree.PyTreeSpec, tree: Any, name: str, *, what: 
     errors = optree.prefix_errors(reference, tree) or optree.prefix_errors(tree, reference)
     detail = errors[0](name) if errors else f"expected {expected}"
     return ValueError(f"{name} does not have the structure of {what}: {detail}")
+
+
+# -- masked leaves ----------------------------------------------------------------------------
+
+
+class Masked(NamedTuple):
+    """A leaf that another transformation of :func:`~functional_hsdp.partition` handles: an
+    empty subtree (optax's ``MaskedNode``), so ``tree_map`` and the optimizers pass it by. It
+    remembers the local shape and dtype of the leaf it stands for (in its class: a
+    namedtuple's fields would be leaves), so that functions that need a tree's layout
+    (:func:`~functional_hsdp.per_matrix`, checkpoints) still find it. Make one with
+    :func:`masked`."""
+
+    def __repr__(self) -> str:
+        shape, dtype = getattr(type(self), "meta", (None, None))
+        return f"Masked(shape={shape}, dtype={dtype})"
+
+    def __reduce__(self):
+        return (masked_like, type(self).meta)
+
+
+@functools.cache  # kept, never cleared: a class is a tree node type, and a state masked before
+# must have the structure of the trees masked after (one small class per local shape and dtype)
+def _masked_class(shape: tuple[int, ...], dtype: torch.dtype) -> type:
+    return type("Masked", (Masked,), {"__slots__": (), "meta": (shape, dtype)})
+
+
+def masked_like(shape: tuple[int, ...], dtype: torch.dtype) -> Masked:
+    """A :class:`Masked` standing for a leaf of local ``shape`` and ``dtype``."""
+    return _masked_class(tuple(shape), dtype)()
+
+
+def masked(leaf: torch.Tensor) -> Masked:
+    """A :class:`Masked` standing for ``leaf``.
+
+    Example:
+        >>> import optree, torch, functional_hsdp as fh
+        >>> tree = {"w": torch.ones(2, 3), "b": fh.masked(torch.ones(3))}
+        >>> doubled = optree.tree_map(lambda x: 2 * x, tree)
+        >>> doubled["b"], isinstance(doubled["b"], fh.Masked)
+        (Masked(shape=(3,), dtype=torch.float32), True)
+    """
+    return masked_like(tuple(leaf.shape), leaf.dtype)
+
+
+def is_masked(x: Any) -> bool:
+    """Whether ``x`` is a :class:`Masked` leaf (an ``is_leaf`` for optree)."""
+    return isinstance(x, Masked)
+
+
+def unmask(tree: Any, name: str) -> tuple[list, list, optree.PyTreeSpec, tuple[str, ...]]:
+    """``(leaves, present, treedef, paths)`` of a tree that may hold :class:`Masked` leaves:
+    ``treedef`` and ``paths`` are the whole tree's; a masked leaf is a zero stand-in of its
+    local shape and dtype (no memory), ``present[i]`` False."""
+    leaves, treedef = optree.tree_flatten(tree, is_leaf=is_masked)
+    paths = tuple(f"{name}{format_path(p)}" for p in treedef.paths())
+    present = [not is_masked(x) for x in leaves]
+    device = next(
+        (x.device for x, p in zip(leaves, present) if p and isinstance(x, torch.Tensor)), None
+    )
+    out = []
+    for x, p in zip(leaves, present):
+        if not p:
+            shape, dtype = type(x).meta
+            x = torch.zeros((), dtype=dtype, device=device).expand(shape)
+        out.append(x)
+    return out, present, treedef, paths

@@ -73,9 +73,10 @@ import optree
 import torch
 
 from ..base.tags import result_state, tag
-from ..base.tree import flatten, format_path, structure_error
+from ..base.tree import Masked, flatten, format_path, masked, structure_error
+from ..io.checkpoint import empty_state_dict, load_state_dict, load_tree, state_dict
 from ..mesh import Mesh
-from ..optim.matrix import Masked, PartitionState, masked
+from ..optim.matrix import PartitionState
 from ..optim.transforms import GradientTransformation, apply_updates
 from ..plan.lookup import find_layout
 from ..plan.recipe import get_plan
@@ -126,6 +127,23 @@ class DiLoCoState(NamedTuple):
     pending: Any
     residual: Any = None
     flight: tuple = ()
+
+    # -- checkpoints: functional_hsdp.checkpoint's protocol ------------------------------
+
+    def __fh_state_dict__(self, spec: Any, *, like: Any = None) -> dict[str, Any]:
+        """This state in a mesh-independent checkpoint (``fh.state_dict(state, spec)``), at
+        any step: see :func:`_as_dict`."""
+        field = lambda name: None if like is None else getattr(like, name)  # noqa: E731
+        return _as_dict(self, lambda sub, name: state_dict(sub, spec, like=field(name)))
+
+    def __fh_empty_state_dict__(self, spec: Any) -> dict[str, Any]:
+        """Placeholders for ``dcp.load`` (``fh.empty_state_dict(like, spec)``)."""
+        return _as_dict(self, lambda sub, _: empty_state_dict(sub, spec))
+
+    def __fh_load_state_dict__(self, state: dict, spec: Any, *, name: str) -> DiLoCoState:
+        """The state :meth:`__fh_state_dict__` saved, loaded on ``spec``'s mesh (this state
+        the like): nothing in flight, each saved sync held in ``pending``."""
+        return _loaded(state, spec, self, name=name)
 
 
 class SyncInFlight:
@@ -1055,3 +1073,58 @@ def _check_state(
                     f"state.{name}{path}: local shape {tuple(a.shape)}, params{path} "
                     f"{tuple(p.shape)}: this state was made for another spec or tree"
                 )
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+def _as_dict(state: DiLoCoState, convert: Any) -> dict[str, Any]:
+    """A DiLoCoState as a dict: its trees (anchor, pending, residual) and outer state
+    converted (``convert(value, field name)``), the step count and each fragment's due step
+    as host values. A sync in flight (``state.flight``) is waited for and saved averaged in
+    ``pending`` (the update where it lands gets the same tensors), so any step saves;
+    ``pending`` is saved whole (:func:`pending_tree`: zeros where it is Masked), so every
+    step's checkpoint has one structure, and the state it loads into has nothing in
+    flight. The residual of a compressed sync's error feedback is per rank: a tree at the
+    params' placement, saved like them (one row per replica, each replica's own), with the
+    new residual of a compressed sync in flight in its fragment's place
+    (:func:`residual_tree`)."""
+    out = {
+        "anchor": convert(state.anchor, "anchor"),
+        "outer": convert(state.outer, "outer"),
+        "count": state.count,
+        "due": list(state.due),
+    }
+    trees = {"pending": pending_tree(state), "residual": residual_tree(state)}
+    for name, tree in trees.items():
+        if tree is not None:
+            out[name] = convert(tree, name)
+    return out
+
+
+def _loaded(state: dict, spec: Any, like: DiLoCoState, *, name: str) -> DiLoCoState:
+    """What :func:`_as_dict` saved, loaded at ``like``'s layout (``name``: for errors)."""
+    trees = [key for key in ("pending", "residual") if getattr(like, key) is not None]
+    for key in ("anchor", "outer", "count", "due", *trees):
+        if key not in state:
+            raise ValueError(f"{name}: has no entry {key!r} (for DiLoCoState.{key})")
+    if len(state["due"]) != len(like.due):
+        raise ValueError(
+            f"{name}['due']: {len(state['due'])} fragments, but like has {len(like.due)}: "
+            "load with the diloco (fragments) the checkpoint was saved with"
+        )
+    # the residual (fp32) sits at the params' layout: their dtypes choose its buckets
+    kinds = dict(residual=tuple(x.dtype for x in optree.tree_leaves(like.anchor)))
+    loaded = dict.fromkeys(("pending", "residual"))
+    likes = {"pending": pending_tree(like), "residual": like.residual}
+    for key in trees:
+        loaded[key] = load_tree(
+            state[key], spec, likes[key], name=f"{name}[{key!r}]", kinds=kinds.get(key)
+        )
+    return DiLoCoState(
+        anchor=load_tree(state["anchor"], spec, like.anchor, name=f"{name}['anchor']"),
+        outer=load_state_dict(state["outer"], spec, like.outer),
+        count=int(state["count"]),
+        due=tuple(int(x) for x in state["due"]),
+        **loaded,
+    )

@@ -1,25 +1,26 @@
 """Checkpoints for ``torch.distributed.checkpoint`` (DCP) that reshard across meshes.
 
-A Flat leaf's local piece is an arbitrary range of the flattened leaf (its part of the rank's
-bucket chunk), which no DTensor placement describes, and buckets depend on the mesh. So a
-checkpoint holds every leaf in a mesh-independent *per-leaf form*: a DTensor of the leaf's
-full shape, placed ``Shard(0)`` on each axis where the spec's optimizer placement is
-sharded (``torch.chunk`` semantics, uneven allowed; on several axes nested in mesh order,
-as DTensor does) and ``Replicate()`` on the others. ``Shard(d)`` specs keep their own dim (a
-rank's shard is already ``torch.chunk(x, n, d)[rank]``); 0-d and zero-size leaves are
-Replicate. DCP then reshards by itself: save on a 2x2 mesh, load on 1x4, 4x1 or another
-world size.
+Every leaf is saved in a mesh-independent *per-leaf form*: a DTensor of the leaf's full shape,
+``Shard(0)`` (``torch.chunk`` semantics) on each axis where the spec's optimizer placement is
+sharded and ``Replicate()`` elsewhere. DCP reshards by itself: save on a 2x2 mesh, load on 1x4,
+4x1 or another world size. Invariant: converting moves data only (bit-exact), one Flat bucket
+at a time (memory beyond the shards stays within one bucket).
 
-Pieces <-> even chunks needs communication, done one bucket at a time so that memory stays
-within one bucket beyond the shards, never the whole model:
+What a value saves is decided by its type, and this room lists no types:
 
-* saving all-gathers one Flat bucket (its optimizer -> full program, through the scheduler),
-  copies out each leaf's dim-0 chunk and drops the bucket;
-* loading packs this rank's chunks of one bucket into equal blocks, all-gathers them over the
-  sharded axes and copies out this rank's Flat pieces. No arithmetic: bit-exact.
+* a type with the checkpoint protocol saves itself, where it is defined, with this room's
+  helpers (:func:`state_dict`, :func:`empty_state_dict` and :func:`load_entry` for what it
+  holds, :func:`save_member` ... for a combinator's states, :func:`load_tree`; the per-leaf
+  form: :func:`to_checkpoint`, :func:`from_checkpoint`)::
 
-Placeholders for loading are made from metadata only (full shapes and dtypes of a ``like``
-tree of meta or real tensors): each rank allocates only its chunk.
+      def __fh_state_dict__(self, spec, *, like=None) -> dict          # for dcp.save
+      def __fh_empty_state_dict__(self, spec) -> dict                   # placeholders for dcp.load
+      def __fh_load_state_dict__(self, state, spec, *, name) -> value  # on the like; name: errors
+
+* a NamedTuple state (an optimizer's, your own too: one with a host value such as a step
+  count, or no field; as a combinator's member, any NamedTuple): field by field;
+* anything else (a NamedTuple of trees of tensors included): a tree of local shards, one
+  DTensor per leaf.
 """
 
 from __future__ import annotations
@@ -34,17 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..base.tags import tag
-from ..base.tree import flatten, paths_of
-from ..diloco.outer import DiLoCoState, pending_tree, residual_tree
-from ..optim.matrix import MuonState, PartitionState, masked_like, unmask
-from ..optim.transforms import (
-    AdamWState,
-    ChainState,
-    EmptyState,
-    ScaleByAdamState,
-    ScaleByLearningRateState,
-    SGDState,
-)
+from ..base.tree import flatten, is_masked, masked_like, paths_of, unmask
 from ..plan.buckets import unpack_full
 from ..plan.lookup import find_layout
 from ..plan.owner import chunk_of, piece_of
@@ -53,22 +44,9 @@ from ..runtime import validate
 from ..runtime.engine import remember_units
 from ..runtime.scheduler import run
 from ..spec.specs import Spec, resolve_specs
-from ..sync.dtensor import contiguous_stride
-from ..sync.maingrad import MainGrad
 
 __all__ = ["empty_state_dict", "load_state_dict", "state_dict"]
 
-#: Optimizer states saved field by field: trees like the params, host scalars, None. Inside a
-#: ChainState or PartitionState any NamedTuple is taken for such a state (a user's own
-#: transformation's state, as optax's are).
-OPTIMIZER_STATES = (
-    AdamWState,
-    SGDState,
-    MuonState,
-    ScaleByAdamState,
-    ScaleByLearningRateState,
-    EmptyState,
-)
 ROLE = "optimizer"  # checkpoints hold (and loading returns) the optimizer placement
 
 
@@ -84,17 +62,21 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
             * local shards laid out like the params (``shard``/``reduce_grads`` results,
               optimizer moments, any elementwise function of those), at the optimizer
               (or parameter) placement of ``spec``;
-            * an :class:`AdamWState` / :class:`SGDState` / :class:`MuonState` (or any
-              state of the combinators: :class:`ScaleByAdamState`, ...): its trees as
-              above, its ``count`` saved as a host int; a :class:`PartitionState`: each
-              label's state (its trees' :class:`Masked` leaves are another label's, saved
-              there); a :class:`ChainState`: each transformation's state (a NamedTuple of
-              your own transformation is saved field by field, as the library's); a
-              :class:`DiLoCoState` (at any step: its anchor, outer state, count, due steps,
-              the averaged syncs in flight and, with ``compress=``, the error feedback's
-              residual, each rank's own);
-            * a :class:`MainGrad` whose step is final (or zeroed); mid-accumulation it is
-              refused (a Partial state has no mesh-independent form).
+            * a NamedTuple state: an optimizer's (:class:`AdamWState`, :class:`SGDState`,
+              :class:`MuonState`, the combinators' :class:`ScaleByAdamState`, ..., or your
+              own transformation's), saved field by field: its trees as above, host scalars
+              (a ``count``) as they are, None left out. A NamedTuple is taken for a state
+              if a field holds a host value (bool, int, float, str) or it has no field
+              (inside a :class:`ChainState` or :class:`PartitionState`: any NamedTuple);
+              otherwise (a NamedTuple of tensors: params) it is a tree;
+            * a value whose type has the checkpoint protocol (``__fh_state_dict__``; see the
+              module): a :class:`PartitionState` (each label's state; its trees'
+              :class:`Masked` leaves are another label's, saved there), a
+              :class:`ChainState` (each transformation's state), a :class:`DiLoCoState` (at
+              any step: its anchor, outer state, count, due steps, the averaged syncs in
+              flight and, with ``compress=``, the error feedback's residual, each rank's
+              own), a :class:`MainGrad` whose step is final (or zeroed; mid-accumulation it
+              is refused: a Partial state has no mesh-independent form).
         spec: the :class:`Spec` or spec tree the shards were made with (optional for a
             MainGrad, which knows its own).
         like: a tree like ``tree`` of full-shape tensors, only if ``tree``'s layout was not
@@ -102,7 +84,7 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
 
     Returns:
         For a tree: ``{key: DTensor}``, one DTensor of the leaf's full shape per leaf, keyed
-        by its path joined with ``"."`` (``"blocks.0.qkv"``). For an optimizer state:
+        by its path joined with ``"."`` (``"blocks.0.qkv"``). For a NamedTuple:
         ``{"count": int, "mu": {...}, "nu": {...}}``; for a PartitionState ``{label: ...}``;
         for a ChainState ``{"0": ..., "1": ...}``, one entry per transformation.
         For a MainGrad: ``{"state": str, "grads": {...}}`` (and ``"residual"``, per rank,
@@ -116,11 +98,7 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
         dcp.save({"params": fh.state_dict(params, spec),
                   "optim": fh.state_dict(opt_state, spec)}, checkpoint_id=path)
     """
-    if isinstance(tree, MainGrad):
-        return _maingrad_state(tree, spec)
-    if isinstance(tree, DiLoCoState):
-        return _diloco(tree, spec, lambda sub, name: state_dict(sub, spec, like=_field(like, name)))
-    return _save(tree, spec, like, of_transform=False)
+    return _save(tree, spec, like, member=False)
 
 
 def empty_state_dict(like: Any, spec: Any = None) -> dict[str, Any]:
@@ -145,13 +123,7 @@ def empty_state_dict(like: Any, spec: Any = None) -> dict[str, Any]:
         dcp.load(state, checkpoint_id=path)
         params = fh.load_state_dict(state["params"], spec, like)
     """
-    if isinstance(like, MainGrad):
-        _check_maingrad_spec(like, spec)
-        residual = _residual_state(like, like.state_dict()["residuals"])
-        return {"state": "final", "grads": _placeholders(like.plan), **residual}
-    if isinstance(like, DiLoCoState):
-        return _diloco(like, spec, lambda sub, _: empty_state_dict(sub, spec))
-    return _placeholders_of(like, spec, of_transform=False)
+    return _placeholders_of(like, spec, member=False)
 
 
 def load_state_dict(state: dict[str, Any], spec: Any, like: Any) -> Any:
@@ -174,11 +146,117 @@ def load_state_dict(state: dict[str, Any], spec: Any, like: Any) -> Any:
     """
     if not isinstance(state, dict):
         raise TypeError(f"state: expected the dict empty_state_dict made; got {type(state)}")
-    if isinstance(like, MainGrad):
-        return _load_maingrad(state, spec, like)
-    if isinstance(like, DiLoCoState):
-        return _load_diloco(state, spec, like)
-    return _load(state, spec, like, of_transform=False, name="state")
+    return load_entry(state, spec, like, name="state")
+
+
+def load_entry(state: Any, spec: Any, like: Any, *, name: str) -> Any:
+    """:func:`load_state_dict` of one entry of a state (what a protocol's
+    ``__fh_load_state_dict__`` calls for what it holds): by ``like``'s protocol, its fields
+    (a NamedTuple state) or as a tree. ``name``: the entry's path in errors
+    (``"state['mu']"``)."""
+    return _load(state, spec, like, name=name, member=False)
+
+
+# -- a combinator's states (ChainState, PartitionState): any NamedTuple by its fields --------
+
+
+def save_member(state: Any, spec: Any, *, like: Any = None) -> dict[str, Any]:
+    """:func:`state_dict` of a combinator's member (a transformation's state), where any
+    NamedTuple is a state, saved by its fields (as optax takes any for one)."""
+    return _save(state, spec, like, member=True)
+
+
+def empty_member(like: Any, spec: Any) -> dict[str, Any]:
+    """:func:`empty_state_dict` of a combinator's member (see :func:`save_member`)."""
+    return _placeholders_of(like, spec, member=True)
+
+
+def load_members(state: dict, spec: Any, members: dict[str, Any], *, name: str, owner: str) -> dict:
+    """A combinator's states loaded by key (a :class:`ChainState`'s, a
+    :class:`PartitionState`'s; see :func:`save_member`): ``members`` maps each key to its
+    ``like``; every key is checked present before any is loaded. ``owner``: the
+    combinator's type, for errors."""
+    for k in members:
+        if k not in state:
+            raise ValueError(f"{name}: has no entry {k!r} (for the {owner}'s {k!r})")
+    return {
+        k: _load(state[k], spec, x, name=f"{name}[{k!r}]", member=True) for k, x in members.items()
+    }
+
+
+# -- the dispatch: the protocol, a NamedTuple state field by field, else a tree --------------
+
+
+def _save(tree: Any, spec: Any, like: Any, *, member: bool) -> dict[str, Any]:
+    save = getattr(type(tree), "__fh_state_dict__", None)
+    if save is not None:
+        return save(tree, spec, like=like)
+    if _by_fields(tree, member=member):
+        convert = lambda sub, sub_like: _save(sub, spec, sub_like, member=False)  # noqa: E731
+        return _as_dict(tree, like, convert)
+    return _tree_state(tree, spec, like)
+
+
+def _placeholders_of(like: Any, spec: Any, *, member: bool) -> dict[str, Any]:
+    empty = getattr(type(like), "__fh_empty_state_dict__", None)
+    if empty is not None:
+        return empty(like, spec)
+    if _by_fields(like, member=member):
+        convert = lambda sub, _: _placeholders_of(sub, spec, member=False)  # noqa: E731
+        return _as_dict(like, None, convert)
+    return _tree_placeholders(like, spec)
+
+
+def _load(state: Any, spec: Any, like: Any, *, name: str, member: bool) -> Any:
+    load = getattr(type(like), "__fh_load_state_dict__", None)
+    if load is not None:
+        return load(like, state, spec, name=name)
+    if _by_fields(like, member=member):
+        return _load_fields(state, spec, like, name=name)
+    return load_tree(state, spec, like, name=name)
+
+
+def _by_fields(x: Any, *, member: bool) -> bool:
+    """Saved field by field: a NamedTuple state, one with a field of a host value (a step
+    count) or with no field, or (a combinator's ``member``) any NamedTuple; not a
+    :class:`Masked` leaf. A NamedTuple of trees of tensors elsewhere is a tree (params)."""
+    if not (isinstance(x, tuple) and hasattr(type(x), "_fields")) or is_masked(x):
+        return False
+    return member or not x or any(_is_scalar(v) for v in x)
+
+
+def _is_scalar(x: Any) -> bool:
+    return isinstance(x, (bool, int, float, str))
+
+
+def _as_dict(state: Any, like: Any, convert: Callable[[Any, Any], Any]) -> dict[str, Any]:
+    """A NamedTuple as a dict: host scalars as they are, the rest converted (with ``like``'s
+    field, if any), None left out."""
+    out: dict[str, Any] = {}
+    for name, value in zip(state._fields, state):
+        if value is None:
+            continue
+        out[name] = value if _is_scalar(value) else convert(value, _field(like, name))
+    return out
+
+
+def _field(like: Any, name: str) -> Any:
+    return None if like is None else getattr(like, name)
+
+
+def _load_fields(state: dict, spec: Any, like: Any, *, name: str) -> Any:
+    values = {}
+    for field, value in zip(like._fields, like):
+        if value is None:
+            values[field] = None
+            continue
+        if field not in state:
+            raise ValueError(f"{name}: has no entry {field!r} (for {type(like).__name__}.{field})")
+        if _is_scalar(value):
+            values[field] = state[field]
+        else:
+            values[field] = load_entry(state[field], spec, value, name=f"{name}[{field!r}]")
+    return type(like)(**values)
 
 
 # -- the per-leaf form ------------------------------------------------------------------------
@@ -235,9 +313,11 @@ def even_chunks(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def forms(plan: Plan, role: str = ROLE) -> list[Form]:
-    """Every leaf's :class:`Form` at ``role`` on this rank. A spec with replica axes
-    (:func:`~functional_hsdp.replicas`) saves every replica's values: one more leading dim,
-    of one row per replica (a checkpoint loads on the same number of replicas)."""
+    """Every leaf's :class:`Form` at ``role`` on this rank: ``Shard(0)`` over the axes where
+    ``role`` is sharded, nested in mesh order (``torch.chunk`` semantics, uneven allowed), a
+    ``Shard(d)`` spec's leaf on its own dim, 0-d and zero-size leaves whole. A spec with
+    replica axes (:func:`~functional_hsdp.replicas`) saves every replica's values: one more
+    leading dim, of one row per replica (a checkpoint loads on the same number of replicas)."""
     out = _forms(plan, role)
     mesh = plan.mesh
     return [
@@ -277,7 +357,9 @@ def _forms(plan: Plan, role: str) -> list[Form]:
     return out
 
 
-def _device_mesh(plan_or_mesh: Any) -> Any:
+def dtensor_mesh(plan_or_mesh: Any) -> Any:
+    """The DeviceMesh of a plan's (or a mesh's) DistMesh, which checkpoints' DTensors live
+    on; a TypeError for a SimMesh."""
     mesh = getattr(plan_or_mesh, "mesh", plan_or_mesh)
     device_mesh = getattr(mesh, "device_mesh", None)
     if device_mesh is None:
@@ -287,13 +369,22 @@ def _device_mesh(plan_or_mesh: Any) -> Any:
     return device_mesh
 
 
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (size-0 dims count as 1)."""
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= max(n, 1)
+    return tuple(reversed(out))
+
+
 def _dtensor(plan: Plan, i: int, local: torch.Tensor, *, form: Form) -> DTensor:
     shape = tuple(plan.shapes[i]) if form.full is None else form.full
     if form.full is not None and local.dim() < len(form.shape):
         local = local.unsqueeze(0)  # this replica's row
     return DTensor.from_local(
         local,
-        _device_mesh(plan),
+        dtensor_mesh(plan),
         form.placements,
         run_check=False,
         shape=torch.Size(shape),
@@ -301,7 +392,7 @@ def _dtensor(plan: Plan, i: int, local: torch.Tensor, *, form: Form) -> DTensor:
     )
 
 
-def _keys(treedef: optree.PyTreeSpec, paths: Sequence[str]) -> list[str]:
+def leaf_keys(treedef: optree.PyTreeSpec, paths: Sequence[str]) -> list[str]:
     """Each leaf's checkpoint key: its path joined with '.' (torch's FQN style)."""
     keys = [".".join(map(str, p)) or "value" for p in treedef.paths()]
     seen: dict[str, str] = {}
@@ -340,8 +431,8 @@ def _tree_state(tree: Any, spec: Any, like: Any) -> dict[str, DTensor]:
         plan, role = find_layout(
             leaves, treedef, paths, spec=spec, like=like, roles=roles, kinds=kinds, name="tree"
         )
-        _device_mesh(plan)
-        keys = _keys(treedef, paths)
+        dtensor_mesh(plan)
+        keys = leaf_keys(treedef, paths)
         agreed.check(plan, paths, options=(f"from {role}",))
     saved = zip(keys, to_checkpoint(plan, leaves, role), present)
     return {key: x for key, x, kept in saved if kept}
@@ -354,7 +445,13 @@ def _with_stand_ins(tree: Any) -> Any:
 
 
 def to_checkpoint(plan: Plan, leaves: list, role: str = ROLE) -> list[DTensor]:
-    """Local shards at ``role`` -> per-leaf DTensors (one Flat bucket gathered at a time)."""
+    """Local shards at ``role`` -> per-leaf DTensors, in leaf order.
+
+    A Flat leaf's local piece is an arbitrary range of the flattened leaf (its part of the
+    rank's bucket chunk), which no DTensor placement describes, so each Flat bucket is
+    all-gathered (its ``role`` -> full program, through the scheduler), each leaf's dim-0
+    chunk copied out and the bucket dropped: one bucket at a time. Whole and ``Shard(d)``
+    leaves are their checkpoint chunks already. Collective."""
     shapes = forms(plan, role)
     local = list(leaves)
     for s in plan.empty:
@@ -384,11 +481,13 @@ def _tree_placeholders(like: Any, spec: Any) -> dict[str, DTensor]:
     _, present, _, _ = unmask(like, "like")
     if not any(present):
         return {}
-    return _placeholders(_like_plan(_with_stand_ins(like), spec)[0], present)
+    return placeholders(_like_plan(_with_stand_ins(like), spec)[0], present)
 
 
-def _placeholders(plan: Plan, present: list[bool] | None = None) -> dict[str, DTensor]:
-    keys = _keys(plan.treedef, _paths(plan))
+def placeholders(plan: Plan, present: list[bool] | None = None) -> dict[str, DTensor]:
+    """``{key: DTensor}`` for ``dcp.load``: this rank's chunk of every leaf of ``plan``
+    (``present``: which leaves; default all), allocated from metadata only, not filled."""
+    keys = leaf_keys(plan.treedef, _paths(plan))
     out = {}
     for i, (key, form) in enumerate(zip(keys, forms(plan))):
         if present is None or present[i]:
@@ -403,7 +502,7 @@ def _paths(plan: Plan, name: str = "like") -> tuple[str, ...]:
 
 def _device(mesh: Any) -> torch.device:
     """The device of the mesh's ranks (for leaves of a meta ``like``)."""
-    kind = _device_mesh(mesh).device_type
+    kind = dtensor_mesh(mesh).device_type
     module = getattr(torch, kind, None)
     if kind != "cpu" and module is not None and hasattr(module, "current_device"):
         return torch.device(kind, module.current_device())
@@ -437,13 +536,16 @@ def _like_plan(like: Any, spec: Any, *, kinds: tuple | None = None) -> tuple[Pla
     return get_plan(meta, paths), paths
 
 
-def _loaded(
+def loaded_chunks(
     state: dict, plan: Plan, shapes: list[Form], *, name: str, present: list[bool] | None = None
 ) -> list[torch.Tensor]:
-    """Each leaf's loaded local tensor from ``state``, checked against ``plan`` (a masked
-    leaf: zeros of its checkpoint shape, never read)."""
+    """Each leaf's checkpoint chunk from ``state`` (a dict of ``{key: DTensor}`` that
+    ``dcp.load`` filled), checked against ``plan`` and ``shapes`` (its :func:`forms`): keys,
+    shapes, dtypes and placements, errors naming ``name[key]``. A leaf not ``present``
+    (masked): zeros of its checkpoint shape, never read. Feed them to
+    :func:`from_checkpoint`."""
     paths = _paths(plan)
-    keys = _keys(plan.treedef, paths)
+    keys = leaf_keys(plan.treedef, paths)
     present = [True] * len(keys) if present is None else present
     for key, path, kept in zip(keys, paths, present):
         if kept and key not in state:
@@ -482,7 +584,7 @@ def _loaded(
 def _check_placed(x: DTensor, plan: Plan, form: Form, *, where: str) -> None:
     local = x.to_local()
     if (
-        x.device_mesh != _device_mesh(plan)
+        x.device_mesh != dtensor_mesh(plan)
         or tuple(x.placements) != form.placements
         or tuple(local.shape) != form.shape
     ):
@@ -503,7 +605,12 @@ def _own_local(x: DTensor) -> torch.Tensor:
     return local
 
 
-def _load_tree(state: dict, spec: Any, like: Any, *, name: str, kinds: tuple | None = None) -> Any:
+def load_tree(state: dict, spec: Any, like: Any, *, name: str, kinds: tuple | None = None) -> Any:
+    """A tree of local shards at ``spec``'s optimizer placement from ``state`` (``{key:
+    DTensor}``), laid out as ``like``'s full shapes and dtypes (its :class:`Masked` leaves
+    loaded as Masked at their local shapes); ``kinds``: which leaves may share a bucket, as
+    :class:`TreeMeta`'s (default the dtypes). Tagged as weights, so the optimizers and
+    ``gather`` find its layout. Collective."""
     _, present, treedef, _ = unmask(like, "like")
     if not any(present):
         return like
@@ -511,7 +618,7 @@ def _load_tree(state: dict, spec: Any, like: Any, *, name: str, kinds: tuple | N
     with validate.agreement(spec, "load_state_dict") as agreed:
         plan, paths = _like_plan(like, spec, kinds=kinds)
         shapes = forms(plan)
-        local = _loaded(state, plan, shapes, name=name, present=present)
+        local = loaded_chunks(state, plan, shapes, name=name, present=present)
         agreed.check(plan, paths)
     out = from_checkpoint(plan, local, shapes)
     tag(out, plan, ROLE, kind="weights")
@@ -526,8 +633,12 @@ def _load_tree(state: dict, spec: Any, like: Any, *, name: str, kinds: tuple | N
 
 
 def from_checkpoint(plan: Plan, local: list, shapes: list[Form]) -> list[torch.Tensor]:
-    """Per-leaf checkpoint chunks -> local shards at the optimizer placement (one Flat bucket
-    of chunks gathered at a time)."""
+    """Per-leaf checkpoint chunks (:func:`loaded_chunks`) -> local shards at the optimizer
+    placement, in leaf order.
+
+    For each Flat bucket, this rank's chunks are packed into equal blocks, all-gathered over
+    the sharded axes and this rank's Flat pieces copied out: one bucket at a time, no
+    arithmetic (bit-exact). Collective."""
     out = list(local)  # whole and own leaves are their shards already
     for s in plan.empty:
         i = s.index
@@ -626,280 +737,3 @@ def _piece(blocks: torch.Tensor, row: int, chunks: Sequence, *, lo: int, hi: int
         if a < z:
             parts.append(blocks[k, a - first * row : z - first * row])
     return torch.cat(parts) if parts else blocks.new_empty(0)
-
-
-# -- optimizer states -------------------------------------------------------------------------
-
-
-def _members(state: Any) -> dict[str, Any] | None:
-    """A PartitionState's or ChainState's states by key (the keys saved), else None."""
-    if isinstance(state, PartitionState):
-        return dict(state.inner)
-    if isinstance(state, ChainState):
-        return {str(i): s for i, s in enumerate(state.inner)}
-    return None
-
-
-def _rebuilt(like: Any, members: dict[str, Any]) -> Any:
-    return (
-        PartitionState(members)
-        if isinstance(like, PartitionState)
-        else ChainState(tuple(members.values()))
-    )
-
-
-def _has_fields(state: Any, *, of_transform: bool) -> bool:
-    """Saved field by field: a library state, or (as a transformation's state inside a chain
-    or partition) any NamedTuple."""
-    named = isinstance(state, tuple) and hasattr(type(state), "_fields")
-    return isinstance(state, OPTIMIZER_STATES) or (of_transform and named)
-
-
-def _save(tree: Any, spec: Any, like: Any, *, of_transform: bool) -> dict[str, Any]:
-    members = _members(tree)
-    if members is not None:
-        likes = _members(like) or {}
-        return {k: _save(x, spec, likes.get(k), of_transform=True) for k, x in members.items()}
-    if _has_fields(tree, of_transform=of_transform):
-        convert = lambda sub, sub_like: _save(sub, spec, sub_like, of_transform=False)  # noqa: E731
-        return _by_field(tree, like, convert)
-    return _tree_state(tree, spec, like)
-
-
-def _placeholders_of(like: Any, spec: Any, *, of_transform: bool) -> dict[str, Any]:
-    members = _members(like)
-    if members is not None:
-        return {k: _placeholders_of(x, spec, of_transform=True) for k, x in members.items()}
-    if _has_fields(like, of_transform=of_transform):
-        convert = lambda sub, _: _placeholders_of(sub, spec, of_transform=False)  # noqa: E731
-        return _by_field(like, None, convert)
-    return _tree_placeholders(like, spec)
-
-
-def _load(state: dict, spec: Any, like: Any, *, of_transform: bool, name: str) -> Any:
-    members = _members(like)
-    if members is not None:
-        for k in members:
-            if k not in state:
-                raise ValueError(
-                    f"{name}: has no entry {k!r} (for the {type(like).__name__}'s {k!r})"
-                )
-        loaded = {
-            k: _load(state[k], spec, x, of_transform=True, name=f"{name}[{k!r}]")
-            for k, x in members.items()
-        }
-        return _rebuilt(like, loaded)
-    if _has_fields(like, of_transform=of_transform):
-        return _load_fields(state, spec, like, name=name)
-    return _load_tree(state, spec, like, name=name)
-
-
-def _is_scalar(x: Any) -> bool:
-    return isinstance(x, (bool, int, float, str))
-
-
-def _by_field(state: Any, like: Any, convert: Callable[[Any, Any], Any]) -> dict[str, Any]:
-    """An optimizer state as a dict: host scalars as they are, trees converted, None left out."""
-    out: dict[str, Any] = {}
-    for name, value in zip(state._fields, state):
-        if value is None:
-            continue
-        out[name] = value if _is_scalar(value) else convert(value, _field(like, name))
-    return out
-
-
-def _field(like: Any, name: str) -> Any:
-    return None if like is None else getattr(like, name)
-
-
-def _load_fields(state: dict, spec: Any, like: Any, *, name: str) -> Any:
-    values = {}
-    for field, value in zip(like._fields, like):
-        if value is None:
-            values[field] = None
-            continue
-        if field not in state:
-            raise ValueError(f"{name}: has no entry {field!r} (for {type(like).__name__}.{field})")
-        if _is_scalar(value):
-            values[field] = state[field]
-        else:
-            where = f"{name}[{field!r}]"
-            values[field] = _load(state[field], spec, value, of_transform=False, name=where)
-    return type(like)(**values)
-
-
-# -- DiLoCo ----------------------------------------------------------------------------------
-
-
-def _diloco(state: DiLoCoState, spec: Any, convert: Callable[[Any, str], Any]) -> dict[str, Any]:
-    """A DiLoCoState as a dict: its trees (anchor, pending, residual) and outer state
-    converted, the step count and each fragment's due step as host values. A sync in flight
-    (``state.flight``) is waited for and saved averaged in ``pending`` (the update where it
-    lands gets the same tensors), so any step saves; ``pending`` is saved whole
-    (:func:`~functional_hsdp.diloco.pending_tree`: zeros where it is Masked), so every
-    step's checkpoint has one structure, and the state it loads into has nothing in
-    flight. The residual of a compressed sync's error feedback is per rank: a tree at the
-    params' placement, saved like them (one row per replica, each replica's own), with the
-    new residual of a compressed sync in flight in its fragment's place
-    (:func:`~functional_hsdp.diloco.residual_tree`)."""
-    out = {
-        "anchor": convert(state.anchor, "anchor"),
-        "outer": convert(state.outer, "outer"),
-        "count": state.count,
-        "due": list(state.due),
-    }
-    trees = {"pending": pending_tree(state), "residual": residual_tree(state)}
-    for name, tree in trees.items():
-        if tree is not None:
-            out[name] = convert(tree, name)
-    return out
-
-
-def _load_diloco(state: dict, spec: Any, like: DiLoCoState) -> DiLoCoState:
-    trees = [name for name in ("pending", "residual") if getattr(like, name) is not None]
-    for name in ("anchor", "outer", "count", "due", *trees):
-        if name not in state:
-            raise ValueError(f"state: has no entry {name!r} (for DiLoCoState.{name})")
-    if len(state["due"]) != len(like.due):
-        raise ValueError(
-            f"state['due']: {len(state['due'])} fragments, but like has {len(like.due)}: "
-            "load with the diloco (fragments) the checkpoint was saved with"
-        )
-    # the residual (fp32) sits at the params' layout: their dtypes choose its buckets
-    kinds = dict(residual=tuple(x.dtype for x in optree.tree_leaves(like.anchor)))
-    loaded = dict.fromkeys(("pending", "residual"))
-    likes = {"pending": pending_tree(like), "residual": like.residual}
-    for name in trees:
-        loaded[name] = _load_tree(
-            state[name], spec, likes[name], name=f"state[{name!r}]", kinds=kinds.get(name)
-        )
-    return DiLoCoState(
-        anchor=_load_tree(state["anchor"], spec, like.anchor, name="state['anchor']"),
-        outer=load_state_dict(state["outer"], spec, like.outer),
-        count=int(state["count"]),
-        due=tuple(int(x) for x in state["due"]),
-        **loaded,
-    )
-
-
-# -- MainGrad ---------------------------------------------------------------------------------
-
-
-def _check_maingrad_spec(mg: MainGrad, spec: Any) -> None:
-    if spec is None:
-        return
-    specs, _ = resolve_specs(spec, mg.plan.treedef, "MainGrad's like tree")
-    if specs != mg.plan.specs:
-        raise ValueError(
-            "spec: is not the spec this MainGrad was made with; pass that spec, or none"
-        )
-
-
-def _maingrad_state(mg: MainGrad, spec: Any) -> dict[str, Any]:
-    with validate.agreement(mg.plan.specs, "state_dict") as agreed:
-        _check_maingrad_spec(mg, spec)
-        _device_mesh(mg.mesh)
-        grads = mg.grads
-        if grads is not None and mg.state != "final":
-            raise ValueError(_MID_ACCUMULATION.format(axes=_deferred(mg.plan)))
-        paths = _paths(mg.plan, "grads")
-        agreed.check(mg.plan, paths, options=(f"MainGrad {mg.state}",))
-    residual = _residual_state(mg, mg.state_dict()["residuals"])
-    if grads is None:  # zeroed: nothing to gather
-        holders = _placeholders(mg.plan)
-        return {"state": "empty", "grads": {k: _zero(v) for k, v in holders.items()}, **residual}
-    leaves = optree.tree_leaves(grads)
-    keys = _keys(mg.plan.treedef, paths)
-    grads = dict(zip(keys, to_checkpoint(mg.plan, leaves)))
-    return {"state": "final", "grads": grads, **residual}
-
-
-def _residual_state(mg: MainGrad, residuals: list | None) -> dict[str, Any]:
-    """``{"residual": {bucket: DTensor}}`` for a MainGrad that feeds back a compressed
-    reduction's error (else ``{}``): each rank's residual of a bucket as its block of one
-    DTensor ``(*mesh shape, L)`` sharded over every mesh dim. It is per-rank state (each
-    replica's own rounding loss, at the gradient placement), so it loads on the same mesh
-    and layout only."""
-    if residuals is None:
-        return {}
-    dm = _device_mesh(mg.mesh)
-    place, ones = [Shard(d) for d in range(dm.ndim)], (1,) * dm.ndim
-    return {
-        "residual": {
-            str(b): DTensor.from_local(r.reshape(*ones, -1), dm, place, run_check=False)
-            for b, r in enumerate(residuals)
-        }
-    }
-
-
-def _load_residual(state: dict, mg: MainGrad) -> None:
-    """Restore what :func:`_residual_state` saved into ``mg`` (nothing to do without one)."""
-    mine = mg.state_dict()
-    if mine["residuals"] is None:
-        return
-    saved = state.get("residual")
-    if not isinstance(saved, dict) or len(saved) != len(mine["residuals"]):
-        raise ValueError(
-            "state['residual']: this MainGrad feeds back a compressed reduction's error; the "
-            "state has no residual of each of its buckets (saved by fh.state_dict of a "
-            "MainGrad with the same spec, on the same mesh)"
-        )
-    local = [saved[str(b)].to_local().reshape(-1) for b in range(len(saved))]
-    mg.load_state_dict({**mine, "residuals": local})
-
-
-_MID_ACCUMULATION = (
-    "MainGrad is mid-accumulation: its buffers are at the gradient placement (Partial over "
-    "{axes}: each replica holds its own partial sum), which no mesh-independent checkpoint "
-    "can hold. Save after the step's last microbatch (accumulate(..., last=True) or "
-    "mg.finish()) or after mg.zero_grad(); to resume mid-accumulation on this same mesh, "
-    "save mg.state_dict() per rank (torch.save; bit-exact) and restore it with "
-    "mg.load_state_dict()"
-)
-
-
-def _deferred(plan: Plan) -> tuple[str, ...]:
-    axes = {a for spec in plan.specs for a in spec.deferred_axes}
-    return tuple(a for a in plan.mesh.axis_names if a in axes) or "no axis"
-
-
-def _zero(x: DTensor) -> DTensor:
-    x.to_local().zero_()
-    return x
-
-
-def _load_maingrad(state: dict, spec: Any, mg: MainGrad) -> MainGrad:
-    saved = state.get("state")
-    if saved not in ("final", "empty"):
-        raise ValueError(
-            f"state['state']: expected 'final' or 'empty' (a MainGrad saved by "
-            f"fh.state_dict); got {saved!r}"
-        )
-    if saved == "empty":
-        _check_maingrad_spec(mg, spec)
-        mg.zero_grad(set_to_none=True)
-        _load_residual(state, mg)
-        return mg
-    plan = mg.plan
-    with validate.agreement(mg.plan.specs, "load_state_dict") as agreed:
-        _check_maingrad_spec(mg, spec)
-        shapes = forms(plan)
-        local = _loaded(state.get("grads", {}), plan, shapes, name="state['grads']")
-        agreed.check(plan, _paths(plan, "grads"), options=("MainGrad",))
-    pieces = from_checkpoint(plan, local, shapes)
-    for b, buf in enumerate(mg.buffers):
-        packed = plan.pack(b, pieces, ROLE)
-        buf[..., : packed.shape[-1]].copy_(packed)
-    n = len(plan.buckets)
-    mg.load_state_dict(
-        {
-            "layout": mg.layout(),
-            "state": "final",
-            "fresh": [False] * n,
-            "empty": False,
-            "buffers": mg.buffers,
-            "residuals": mg.state_dict()["residuals"],
-        }
-    )
-    _load_residual(state, mg)
-    return mg

@@ -30,7 +30,8 @@ import numpy as np
 import optree
 import torch
 
-from ..base.tree import format_path, refuse_tracked, refuse_vmap
+from ..base.tree import Masked, format_path, is_masked, masked, refuse_tracked, refuse_vmap, unmask
+from ..io.checkpoint import empty_member, load_members, save_member
 from ..plan.buckets import shard_dims, unpack_full
 from ..plan.lookup import find_layout
 from ..plan.owner import BucketRoute, chunk_rows, local_items, owner_of_slot, route
@@ -49,82 +50,13 @@ from .transforms import (
 )
 
 __all__ = [
-    "Masked",
     "MuonState",
     "PartitionState",
-    "masked",
     "muon",
     "newton_schulz",
     "partition",
     "per_matrix",
 ]
-
-
-# -- masked leaves ----------------------------------------------------------------------------
-
-
-class Masked(NamedTuple):
-    """A leaf that another transformation of :func:`partition` handles: an empty subtree
-    (optax's ``MaskedNode``), so ``tree_map`` and the optimizers pass it by. It remembers
-    the local shape and dtype of the leaf it stands for (in its class: a namedtuple's fields
-    would be leaves), so that functions that need a tree's layout (:func:`per_matrix`,
-    checkpoints) still find it. Make one with :func:`masked`."""
-
-    def __repr__(self) -> str:
-        shape, dtype = getattr(type(self), "meta", (None, None))
-        return f"Masked(shape={shape}, dtype={dtype})"
-
-    def __reduce__(self):
-        return (masked_like, type(self).meta)
-
-
-@functools.cache  # kept, never cleared: a class is a tree node type, and a state masked before
-# must have the structure of the trees masked after (one small class per local shape and dtype)
-def _masked_class(shape: tuple[int, ...], dtype: torch.dtype) -> type:
-    return type("Masked", (Masked,), {"__slots__": (), "meta": (shape, dtype)})
-
-
-def masked_like(shape: tuple[int, ...], dtype: torch.dtype) -> Masked:
-    """A :class:`Masked` standing for a leaf of local ``shape`` and ``dtype``."""
-    return _masked_class(tuple(shape), dtype)()
-
-
-def masked(leaf: torch.Tensor) -> Masked:
-    """A :class:`Masked` standing for ``leaf``.
-
-    Example:
-        >>> import optree, torch, functional_hsdp as fh
-        >>> tree = {"w": torch.ones(2, 3), "b": fh.masked(torch.ones(3))}
-        >>> doubled = optree.tree_map(lambda x: 2 * x, tree)
-        >>> doubled["b"], isinstance(doubled["b"], fh.Masked)
-        (Masked(shape=(3,), dtype=torch.float32), True)
-    """
-    return masked_like(tuple(leaf.shape), leaf.dtype)
-
-
-def _is_masked(x: Any) -> bool:
-    return isinstance(x, Masked)
-
-
-def unmask(tree: Any, name: str) -> tuple[list, list, optree.PyTreeSpec, tuple[str, ...]]:
-    """``(leaves, present, treedef, paths)`` of a tree that may hold :class:`Masked` leaves:
-    ``treedef`` and ``paths`` are the whole tree's; a masked leaf is a zero stand-in of its
-    local shape and dtype (no memory), ``present[i]`` False."""
-    leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_masked)
-    paths = tuple(f"{name}{format_path(p)}" for p in treedef.paths())
-    present = [not _is_masked(x) for x in leaves]
-    device = next((x.device for x, p in zip(leaves, present) if p and _tensor(x)), None)
-    out = []
-    for x, p in zip(leaves, present):
-        if not p:
-            shape, dtype = type(x).meta
-            x = torch.zeros((), dtype=dtype, device=device).expand(shape)
-        out.append(x)
-    return out, present, treedef, paths
-
-
-def _tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
 
 
 # -- per_matrix ---------------------------------------------------------------------------------
@@ -200,7 +132,7 @@ def per_matrix(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any, spec: Any)
     agreed.settle()
     if any(in_owner):
         _in_place(fn, plan=plan, leaves=leaves, paths=paths, which=in_owner, out=out)
-    leaves_in = optree.tree_flatten(tree, is_leaf=_is_masked)[0]
+    leaves_in = optree.tree_flatten(tree, is_leaf=is_masked)[0]
     out = [x if p else m for x, p, m in zip(out, present, leaves_in)]
     return optree.tree_unflatten(treedef, out)
 
@@ -572,6 +504,23 @@ class PartitionState(NamedTuple):
 
     inner: dict
 
+    # checkpoints (functional_hsdp.checkpoint's protocol): each label's state under its label
+
+    def __fh_state_dict__(self, spec: Any, *, like: Any = None) -> dict[str, Any]:
+        """``{label: ...}``: each label's state as ``fh.state_dict`` saves it (its trees'
+        Masked leaves are another label's, saved there)."""
+        likes = like.inner if isinstance(like, PartitionState) else {}
+        return {k: save_member(x, spec, like=likes.get(k)) for k, x in self.inner.items()}
+
+    def __fh_empty_state_dict__(self, spec: Any) -> dict[str, Any]:
+        """Placeholders for ``dcp.load``, one entry per label."""
+        return {k: empty_member(x, spec) for k, x in self.inner.items()}
+
+    def __fh_load_state_dict__(self, state: dict, spec: Any, *, name: str) -> PartitionState:
+        """Each label's state loaded (this state the like)."""
+        inner = dict(self.inner)
+        return PartitionState(load_members(state, spec, inner, name=name, owner="PartitionState"))
+
 
 def partition(transforms: dict[str, GradientTransformation], labels: Any) -> GradientTransformation:
     """A transformation per leaf, by label (optax's ``multi_transform``).
@@ -629,7 +578,7 @@ def partition(transforms: dict[str, GradientTransformation], labels: Any) -> Gra
                 _mask(params, of, keep=k, marks=marks),
             )
             u, inner[k] = tx.update(masked_grads, state.inner[k], masked_params)
-            for i, x in enumerate(optree.tree_flatten(u, is_leaf=_is_masked)[0]):
+            for i, x in enumerate(optree.tree_flatten(u, is_leaf=is_masked)[0]):
                 if of[i] == k:
                     out[i] = x
         return optree.tree_unflatten(treedef, out), PartitionState(inner)
@@ -660,12 +609,12 @@ def _labels(labels: Any, params: Any, transforms: dict) -> list[str]:
 def _mask(tree: Any, of: list[str], *, keep: str, marks: list[Masked]) -> Any:
     """``tree`` with the leaves of other labels than ``keep`` replaced by ``marks`` (the
     params', so that the params, gradients and states of one label have one structure)."""
-    leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_masked)
+    leaves, treedef = optree.tree_flatten(tree, is_leaf=is_masked)
     if len(leaves) != len(of):
         raise ValueError(
             f"partition: a tree of {len(leaves)} leaves where the params have {len(of)}"
         )
     kept = [
-        x if label == keep or _is_masked(x) else mark for x, label, mark in zip(leaves, of, marks)
+        x if label == keep or is_masked(x) else mark for x, label, mark in zip(leaves, of, marks)
     ]
     return optree.tree_unflatten(treedef, kept)

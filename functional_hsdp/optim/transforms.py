@@ -50,6 +50,7 @@ import torch
 from ..base.errors import still_partial
 from ..base.tags import result_state, state_of, tag
 from ..base.tree import flatten, format_path, structure_error
+from ..io.checkpoint import empty_member, load_members, save_member
 from ..mesh import Mesh
 from ..spec.placement import Flat
 from ..spec.specs import Spec, resolve_specs
@@ -458,6 +459,24 @@ class ChainState(NamedTuple):
     """
 
     inner: tuple
+
+    # checkpoints (functional_hsdp.checkpoint's protocol): each state under its index
+
+    def __fh_state_dict__(self, spec: Any, *, like: Any = None) -> dict[str, Any]:
+        """``{"0": ..., "1": ...}``: each transformation's state as ``fh.state_dict``
+        saves it (a NamedTuple of your own field by field)."""
+        likes = dict(enumerate(like.inner)) if isinstance(like, ChainState) else {}
+        return {str(i): save_member(x, spec, like=likes.get(i)) for i, x in enumerate(self.inner)}
+
+    def __fh_empty_state_dict__(self, spec: Any) -> dict[str, Any]:
+        """Placeholders for ``dcp.load``, one entry per transformation."""
+        return {str(i): empty_member(x, spec) for i, x in enumerate(self.inner)}
+
+    def __fh_load_state_dict__(self, state: dict, spec: Any, *, name: str) -> ChainState:
+        """Each transformation's state loaded (this state the like)."""
+        members = {str(i): x for i, x in enumerate(self.inner)}
+        loaded = load_members(state, spec, members, name=name, owner="ChainState")
+        return ChainState(tuple(loaded.values()))
 
 
 class ScaleByAdamState(NamedTuple):

@@ -22,20 +22,12 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..base.tree import flatten
+from ..io.checkpoint import contiguous_stride
 from ..plan.lookup import find_layout
 from ..plan.recipe import Plan
 from ..spec.placement import Flat, Owner, Partial
 
-__all__ = ["contiguous_stride", "to_dtensor"]
-
-
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (size-0 dims count as 1)."""
-    stride, out = 1, []
-    for n in reversed(shape):
-        out.append(stride)
-        stride *= max(n, 1)
-    return tuple(reversed(out))
+__all__ = ["to_dtensor"]
 
 
 def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = None) -> Any:

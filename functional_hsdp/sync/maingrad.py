@@ -41,6 +41,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from ..base.tags import result_state, tag
 from ..base.tree import (
@@ -51,6 +52,16 @@ from ..base.tree import (
     refuse_tracked,
     refuse_vmap,
     structure_error,
+)
+from ..io.checkpoint import (
+    ROLE,
+    dtensor_mesh,
+    forms,
+    from_checkpoint,
+    leaf_keys,
+    loaded_chunks,
+    placeholders,
+    to_checkpoint,
 )
 from ..plan.buckets import pack_shard_full, spaced
 from ..plan.recipe import Plan, TreeMeta, get_plan
@@ -502,6 +513,25 @@ class MainGrad:
                 )
         return [r.detach().to(torch.float32, copy=True) for r in saved]
 
+    # -- checkpoints: functional_hsdp.checkpoint's protocol ------------------------------
+
+    def __fh_state_dict__(self, spec: Any = None, *, like: Any = None) -> dict[str, Any]:
+        """This MainGrad in a mesh-independent checkpoint (``fh.state_dict(mg)``): ``{"state":
+        "final" | "empty", "grads": {key: DTensor}}`` (and ``"residual"``, per rank, with
+        error feedback). Mid-accumulation it is refused. ``like`` is not needed."""
+        return _checkpoint_state(self, spec)
+
+    def __fh_empty_state_dict__(self, spec: Any = None) -> dict[str, Any]:
+        """Placeholders for ``dcp.load`` (``fh.empty_state_dict(mg)``): a final state."""
+        _check_checkpoint_spec(self, spec)
+        residual = _residual_state(self, self.state_dict()["residuals"])
+        return {"state": "final", "grads": placeholders(self.plan), **residual}
+
+    def __fh_load_state_dict__(self, state: dict, spec: Any = None, *, name: str) -> MainGrad:
+        """Load what :meth:`__fh_state_dict__` saved into this MainGrad (``fh.load_state_dict(
+        state, spec, mg)``), on any mesh: its final gradients (or zeroed), and returns it."""
+        return _load_checkpoint(state, spec, self, name=name)
+
     def __repr__(self) -> str:
         n = sum(buf.numel() for buf in self._buffers)
         return (
@@ -874,3 +904,126 @@ def microbatches(
     if into is not None:
         into.begin_microbatch(last=True)
     yield current, True
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+def _check_checkpoint_spec(mg: MainGrad, spec: Any) -> None:
+    if spec is None:
+        return
+    specs, _ = resolve_specs(spec, mg.plan.treedef, "MainGrad's like tree")
+    if specs != mg.plan.specs:
+        raise ValueError(
+            "spec: is not the spec this MainGrad was made with; pass that spec, or none"
+        )
+
+
+def _checkpoint_state(mg: MainGrad, spec: Any) -> dict[str, Any]:
+    with validate.agreement(mg.plan.specs, "state_dict") as agreed:
+        _check_checkpoint_spec(mg, spec)
+        dtensor_mesh(mg.mesh)
+        grads = mg.grads
+        if grads is not None and mg.state != "final":
+            raise ValueError(_MID_ACCUMULATION.format(axes=_deferred_axes(mg.plan)))
+        paths = paths_of(mg.plan.treedef, "grads")
+        agreed.check(mg.plan, paths, options=(f"MainGrad {mg.state}",))
+    residual = _residual_state(mg, mg.state_dict()["residuals"])
+    if grads is None:  # zeroed: nothing to gather
+        holders = placeholders(mg.plan)
+        return {"state": "empty", "grads": {k: _zero(v) for k, v in holders.items()}, **residual}
+    leaves = optree.tree_leaves(grads)
+    keys = leaf_keys(mg.plan.treedef, paths)
+    grads = dict(zip(keys, to_checkpoint(mg.plan, leaves)))
+    return {"state": "final", "grads": grads, **residual}
+
+
+def _residual_state(mg: MainGrad, residuals: list | None) -> dict[str, Any]:
+    """``{"residual": {bucket: DTensor}}`` for a MainGrad that feeds back a compressed
+    reduction's error (else ``{}``): each rank's residual of a bucket as its block of one
+    DTensor ``(*mesh shape, L)`` sharded over every mesh dim. It is per-rank state (each
+    replica's own rounding loss, at the gradient placement), so it loads on the same mesh
+    and layout only."""
+    if residuals is None:
+        return {}
+    dm = dtensor_mesh(mg.mesh)
+    place, ones = [Shard(d) for d in range(dm.ndim)], (1,) * dm.ndim
+    return {
+        "residual": {
+            str(b): DTensor.from_local(r.reshape(*ones, -1), dm, place, run_check=False)
+            for b, r in enumerate(residuals)
+        }
+    }
+
+
+def _load_residual(state: dict, mg: MainGrad, *, name: str) -> None:
+    """Restore what :func:`_residual_state` saved into ``mg`` (nothing to do without one)."""
+    mine = mg.state_dict()
+    if mine["residuals"] is None:
+        return
+    saved = state.get("residual")
+    if not isinstance(saved, dict) or len(saved) != len(mine["residuals"]):
+        raise ValueError(
+            f"{name}['residual']: this MainGrad feeds back a compressed reduction's error; the "
+            "state has no residual of each of its buckets (saved by fh.state_dict of a "
+            "MainGrad with the same spec, on the same mesh)"
+        )
+    local = [saved[str(b)].to_local().reshape(-1) for b in range(len(saved))]
+    mg.load_state_dict({**mine, "residuals": local})
+
+
+_MID_ACCUMULATION = (
+    "MainGrad is mid-accumulation: its buffers are at the gradient placement (Partial over "
+    "{axes}: each replica holds its own partial sum), which no mesh-independent checkpoint "
+    "can hold. Save after the step's last microbatch (accumulate(..., last=True) or "
+    "mg.finish()) or after mg.zero_grad(); to resume mid-accumulation on this same mesh, "
+    "save mg.state_dict() per rank (torch.save; bit-exact) and restore it with "
+    "mg.load_state_dict()"
+)
+
+
+def _deferred_axes(plan: Plan) -> tuple[str, ...]:
+    axes = {a for spec in plan.specs for a in spec.deferred_axes}
+    return tuple(a for a in plan.mesh.axis_names if a in axes) or "no axis"
+
+
+def _zero(x: DTensor) -> DTensor:
+    x.to_local().zero_()
+    return x
+
+
+def _load_checkpoint(state: dict, spec: Any, mg: MainGrad, *, name: str) -> MainGrad:
+    saved = state.get("state")
+    if saved not in ("final", "empty"):
+        raise ValueError(
+            f"{name}['state']: expected 'final' or 'empty' (a MainGrad saved by "
+            f"fh.state_dict); got {saved!r}"
+        )
+    if saved == "empty":
+        _check_checkpoint_spec(mg, spec)
+        mg.zero_grad(set_to_none=True)
+        _load_residual(state, mg, name=name)
+        return mg
+    plan = mg.plan
+    with validate.agreement(mg.plan.specs, "load_state_dict") as agreed:
+        _check_checkpoint_spec(mg, spec)
+        shapes = forms(plan)
+        local = loaded_chunks(state.get("grads", {}), plan, shapes, name=f"{name}['grads']")
+        agreed.check(plan, paths_of(plan.treedef, "grads"), options=("MainGrad",))
+    pieces = from_checkpoint(plan, local, shapes)
+    for b, buf in enumerate(mg.buffers):
+        packed = plan.pack(b, pieces, ROLE)
+        buf[..., : packed.shape[-1]].copy_(packed)
+    n = len(plan.buckets)
+    mg.load_state_dict(
+        {
+            "layout": mg.layout(),
+            "state": "final",
+            "fresh": [False] * n,
+            "empty": False,
+            "buffers": mg.buffers,
+            "residuals": mg.state_dict()["residuals"],
+        }
+    )
+    _load_residual(state, mg, name=name)
+    return mg
