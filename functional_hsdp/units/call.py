@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..plan.recipe import Plan
 
 if TYPE_CHECKING:
-    from .block import Gathered
-    from .chain import Chain
     from .replay import Replay
-    from .storage import Released
-    from .transfers import AllGather, Reduced, ReduceScatter
+
+# The record is the lowest room of the units: the fields that hold an object of a room above
+# it (the block, the chain, the storage and transfer records) are typed ``Any``, their class
+# named in the comment, so that no import, not even for annotations, runs upward.
 
 __all__ = ["Arguments", "Call", "Held", "Phase"]
 
@@ -71,7 +71,7 @@ class Held:
 
     full: list | None = None  # reshard_after_forward=False: kept whole for backward
     graph: list | None = None  # recompute=False: the gathered weights forward's graph holds
-    released: Released | None = None  # their storage, released (phase RELEASED)
+    released: Any = None  # their storage, released (phase RELEASED): a storage.Released
     kept: frozenset = frozenset()  # storages of outputs that are gathered weights: kept
 
 
@@ -85,7 +85,7 @@ class Call:
 
     # block.py, when the record is made; ``block`` again when another block that gathers
     # alike adopts a record made ahead for it
-    block: Gathered
+    block: Any  # the block.Gathered called
     plan: Plan
     treedef: Any  # of the unit's shards
     k: int  # shard leaves
@@ -97,7 +97,7 @@ class Call:
     # chain.py: the forward pass this call is part of, and the validation mode read at the
     # call, for its collectives in backward too (which may run on another thread, that does
     # not see the caller's context)
-    chain: Chain | None = None
+    chain: Any = None  # its chain.Chain
     mode: str = "on"
     prev: Any = None  # weak reference to the unit called before this one (backward prefetch)
     # functions.py: what the unit's Functions learn
@@ -109,9 +109,9 @@ class Call:
     replay: Replay | None = None  # recompute=True: the RNG and autocast state forward ran in
     # storage.py: the gathered weights held from forward to backward
     held: Held = field(default_factory=Held)
-    # collectives.py: what is in flight for this call
-    ahead: AllGather | None = None
-    reduction: ReduceScatter | Reduced | None = None
+    # transfers.py: what is in flight for this call
+    ahead: Any = None  # a transfers.AllGather issued ahead
+    reduction: Any = None  # a transfers.ReduceScatter, then its transfers.Reduced
 
 
 # -- transitions ------------------------------------------------------------------------------

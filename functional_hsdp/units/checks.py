@@ -9,7 +9,7 @@ and place), and go with the block.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,9 +20,6 @@ from ..plan.recipe import Plan
 from ..spec.specs import Spec
 from ..sync.maingrad import units_of
 from .call import Call
-
-if TYPE_CHECKING:
-    from .block import Gathered
 
 __all__ = [
     "adopts",
@@ -35,7 +32,7 @@ __all__ = [
 ]
 
 
-def unit_plan(block: Gathered, shards: Any, name: str) -> tuple[list, Any, tuple, Plan]:
+def unit_plan(block: Any, shards: Any, name: str) -> tuple[list, Any, tuple, Plan]:
     """``shards`` flattened (leaves, treedef, paths) and the plan they are laid out by, at the
     parameter placement; errors name them ``name``."""
     leaves, treedef, paths = flatten(shards, name)
@@ -54,7 +51,7 @@ def unit_plan(block: Gathered, shards: Any, name: str) -> tuple[list, Any, tuple
     return leaves, treedef, paths, plan
 
 
-def adopts(block: Gathered, other: Gathered) -> bool:
+def adopts(block: Any, other: Any) -> bool:
     """Whether ``block`` can use a call record ``other`` made ahead (its all-gather, its wait
     node and the MainGrad buckets it adds into are the same)."""
     return other is block or (
@@ -122,7 +119,7 @@ def where(pieces: Sequence[torch.Tensor], named: str) -> str:
     return named
 
 
-def describe(block: Gathered, call: Call) -> tuple[str, str]:
+def describe(block: Any, call: Call) -> tuple[str, str]:
     """The unit a call runs and the options its collectives and gradient depend on, as texts
     for the cross-rank checks (made once per block, layout and place)."""
     key = (call.plan, call.where)

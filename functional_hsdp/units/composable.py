@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optree
 import torch
@@ -28,13 +28,10 @@ from . import registry
 from .checks import unit_plan
 from .storage import Released, refill_storage, release_storage
 
-if TYPE_CHECKING:
-    from .block import Gathered
-
 __all__ = ["ReleasedWeights", "composable", "composed"]
 
 
-def composable(block: Gathered, shards: Any, *, args: tuple, kwargs: dict) -> Any:
+def composable(block: Any, shards: Any, *, args: tuple, kwargs: dict) -> Any:
     """``block.fn`` on the unit all-gathered by a differentiable move (see the module
     docstring)."""
     if block.into is not None:
@@ -67,7 +64,7 @@ def composable(block: Gathered, shards: Any, *, args: tuple, kwargs: dict) -> An
     return out
 
 
-def _run(block: Gathered, full: Any, *, args: tuple, kwargs: dict) -> Any:
+def _run(block: Any, full: Any, *, args: tuple, kwargs: dict) -> Any:
     """``block.fn`` on the gathered weights, with the mixed-precision casts of floating
     arguments and outputs."""
     cast = block.param_dtype if block.cast_inputs else None
