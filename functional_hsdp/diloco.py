@@ -68,13 +68,12 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
 import optree
 import torch
 
 from .collectives import agree_pmean, start_pmean
-from .compressed import start as start_compressed
-from .engine import InFlight
+from .compressed import Packing, start_packed
+from .flight import InFlight
 from .lookup import find_layout
 from .matrix import Masked, PartitionState, masked
 from .mesh import Mesh
@@ -128,33 +127,52 @@ class DiLoCoState(NamedTuple):
     flight: tuple = ()
 
 
-class SyncInFlight:
+class SyncInFlight(InFlight[list]):
     """One fragment's delayed sync in flight (an entry of ``DiLoCoState.flight``): its
     all-reduces issued (:func:`~functional_hsdp.collectives.start_pmean`), or compressed,
-    its all-to-alls (the rest run by :meth:`result`), waited for by :meth:`result` once
-    (the update where it lands, or a checkpoint, whichever comes first: both get the same
-    tensors).
+    its all-to-alls (:func:`~functional_hsdp.compressed.start_packed`: the rest run when it
+    is waited for). Its ``result()`` (:class:`~functional_hsdp.flight.InFlight`'s, once) is
+    the fragment's averaged pseudo-gradient, one tensor per leaf of ``leaves``: the update
+    where it lands, or a checkpoint, whichever comes first, waits; both get the same tensors.
 
     Attributes:
         fragment: the fragment's index.
         leaves: the fragment's leaves (indices in the params' tree order).
     """
 
-    __slots__ = ("fragment", "leaves", "_keys", "_reduction")
+    __slots__ = ("fragment", "leaves", "_keys", "_reduction", "_residual")
 
-    def __init__(self, fragment: int, leaves: tuple[int, ...], *, keys: tuple, reduction: Any):
+    def __init__(
+        self,
+        fragment: int,
+        leaves: tuple[int, ...],
+        *,
+        keys: tuple,
+        reduction: InFlight | None,
+        waited: bool = False,
+        result: list | None = None,
+        residual: list | None = None,
+    ):
+        super().__init__(waited=waited, result=result)
         self.fragment, self.leaves, self._keys, self._reduction = fragment, leaves, keys, reduction
+        self._residual = residual
 
-    def result(self) -> list[torch.Tensor]:
-        """The fragment's averaged pseudo-gradient, one tensor per leaf of ``leaves``."""
-        out = self._reduction.result()
-        return [out[k] for k in self._keys]
+    def _wait(self) -> list[torch.Tensor]:
+        got = self._reduction.result()
+        if isinstance(got, dict):  # start_pmean's tree, by key
+            return [got[k] for k in self._keys]
+        out, self._residual = got  # the compressed route's pieces and their new residual
+        return out
+
+    def _release(self) -> None:
+        if self._reduction is not None:
+            self._reduction.abandon()
 
     def residual(self) -> list[torch.Tensor] | None:
         """A compressed sync with error feedback: the fragment's new residual (fp32, one
         tensor per leaf of ``leaves``), waited for; else None."""
-        get = getattr(self._reduction, "residual", None)
-        return None if get is None else get()
+        self.result()
+        return self._residual
 
     def __reduce__(self) -> tuple:
         """Pickled (``torch.save``, ``copy.deepcopy``) waited for: its result travels, its
@@ -165,7 +183,7 @@ class SyncInFlight:
         return (_waited_sync, (self.fragment, self.leaves, self._keys, out, new))
 
     def __repr__(self) -> str:
-        how = "waited" if self._reduction.done else "in flight"
+        how = "waited" if self.done else "in flight"
         return f"SyncInFlight(fragment={self.fragment}, {len(self.leaves)} leaves, {how})"
 
 
@@ -174,45 +192,8 @@ def _waited_sync(
 ) -> SyncInFlight:
     """A :class:`SyncInFlight` whose result, ``out`` (and ``residual``), is already there
     (unpickled)."""
-    named = dict(zip(keys, out))
-    done = InFlight.of(named) if residual is None else _CompressedSync.of(named, residual)
-    return SyncInFlight(fragment, leaves, keys=keys, reduction=done)
-
-
-class _CompressedSync:
-    """A fragment's compressed sync (the ``reduction`` of its :class:`SyncInFlight`): its
-    buckets' first leg in flight (:func:`~functional_hsdp.compressed.start`); ``result()``
-    finishes it once: ``{key: averaged pseudo-gradient}``, and ``residual()`` the new
-    residual pieces (None without error feedback)."""
-
-    __slots__ = ("_flight", "_packing", "_keys", "_dtypes", "_out")
-
-    def __init__(self, flight: Any, *, packing: _Packing | None, keys: tuple, dtypes: list):
-        self._flight, self._packing, self._keys, self._dtypes = flight, packing, keys, dtypes
-        self._out: tuple | None = None
-
-    @classmethod
-    def of(cls, named: dict, residual: list) -> _CompressedSync:
-        """One already done (unpickled)."""
-        done = cls(None, packing=None, keys=tuple(named), dtypes=[])
-        done._out = (named, residual)
-        return done
-
-    @property
-    def done(self) -> bool:
-        return self._out is not None
-
-    def result(self) -> dict:
-        if self._out is None:
-            outs, kept = self._flight.result()
-            avg = [x.to(d) for x, d in zip(self._packing.scatter(outs), self._dtypes)]
-            new = None if kept is None else self._packing.scatter(kept)
-            self._out, self._flight = (dict(zip(self._keys, avg)), new), None
-        return self._out[0]
-
-    def residual(self) -> list | None:
-        self.result()
-        return self._out[1]
+    done = dict(waited=True, result=out, residual=residual)
+    return SyncInFlight(fragment, leaves, keys=keys, reduction=None, **done)
 
 
 def sync_steps(every: int, fragments: int, steps: int) -> list[list[int]]:
@@ -338,140 +319,8 @@ def _check_int(name: str, value: Any, low: int) -> None:
 
 #: the pseudo-gradient's bucket cap (as pmean's default): 25 MiB of fp32
 _CAP_MB = 25.0
-
-
-def _start_compressed(
-    local: list[torch.Tensor],
-    *,
-    mesh: Mesh,
-    axis: str,
-    compress: Compress,
-    packing: _Packing,
-    keys: tuple,
-    residual: list[torch.Tensor] | None = None,
-) -> _CompressedSync:
-    """The average over ``axis`` of each rank's pseudo-gradient pieces ``local``, compressed,
-    started: the fragment's ``packing`` rows cut into buckets of the pmean's cap, every
-    bucket's first leg issued (quantize, all-to-all; :func:`~functional_hsdp.compressed.start`),
-    ``residual`` (the pieces' fp32 residual, or None: zeros) added first. Its ``result()``
-    sums in fp32 and runs the all-gathers: the averages (the pieces' dtypes) by ``keys``,
-    and ``residual()`` the new residual pieces (fp32; None without error feedback)."""
-    cap = max(1, int(_CAP_MB * 2**20) // 4)
-    flat = packing.gather(local)
-    res = None if residual is None else packing.gather(residual)
-    cuts = [(lo, min(lo + cap, packing.length)) for lo in range(0, packing.length, cap)]
-    flight = start_compressed(
-        mesh,
-        [flat[..., lo:hi] for lo, hi in cuts],
-        axis=axis,
-        compress=compress,
-        residuals=None if res is None else [res[..., lo:hi] for lo, hi in cuts],
-    )
-    return _CompressedSync(flight, packing=packing, keys=keys, dtypes=[x.dtype for x in local])
-
-
-class _Packing:
-    """Where a fragment's pseudo-gradient sits in its compressed buckets, built once per tree
-    and fragment (:func:`_packing`): per rank, its elements of the fragment's local pieces, in
-    tree order, side by side; each row zero-padded to ``length``, the longest rank's.
-
-    Attributes:
-        index: ``(*batch, length)`` int64: the position of each bucket element in the
-            pieces laid end to end (their flattened local values, SimMesh fill included);
-            the total width for padding (a zero appended there).
-        shapes: the pieces' local shapes (batch dims in front).
-        length: elements of every rank's row.
-        whole: every element of the pieces is this rank's (a DistMesh: no fill), so the
-            row is the pieces laid end to end, then zeros: copies and views, no index.
-    """
-
-    def __init__(self, index: torch.Tensor, shapes: list, length: int, *, whole: bool):
-        self.index, self.shapes, self.length, self.whole = index, shapes, length, whole
-        self.widths = [math.prod(s[index.dim() - 1 :]) for s in shapes]
-        self.width = sum(self.widths)  # the pieces' elements laid end to end
-
-    def gather(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """The rows, fp32, from pieces of ``shapes``."""
-        lead, width = self.index.shape[:-1], self.width
-        flat = [x.reshape(*lead, w).float() for x, w in zip(pieces, self.widths)]
-        if self.whole:  # one buffer, written once (gather and its index cost 3 passes)
-            row = torch.empty(*lead, self.length, device=self.index.device)
-            torch.cat(flat, -1, out=row.narrow(-1, 0, width))
-            row.narrow(-1, width, self.length - width).zero_()
-            return row
-        row = torch.cat([*flat, torch.zeros(*lead, 1, device=self.index.device)], -1)
-        return torch.gather(row, -1, self.index)  # (take_along_dim: a remainder pass more)
-
-    def scatter(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Pieces of ``shapes`` (fp32, zero fill) from the rows (cut in buckets, in order);
-        ``whole``: views of the rows' buffer."""
-        lead, width = self.index.shape[:-1], self.width
-        if self.whole and rows:
-            row = (torch.cat(rows, -1) if len(rows) > 1 else rows[0]).float()
-            parts = row.narrow(-1, 0, width).split(self.widths, -1)
-            return [x.reshape(s) for x, s in zip(parts, self.shapes)]
-        out = torch.zeros(*lead, width + 1, device=self.index.device)
-        if rows:
-            out.scatter_(-1, self.index, torch.cat(rows, -1).float())
-        parts = out.narrow(-1, 0, width).split(self.widths, -1)
-        return [x.reshape(s) for x, s in zip(parts, self.shapes)]
-
-
-def _packing(plan: Any, leaves: list[torch.Tensor], *, role: str, members: list[int]) -> _Packing:
-    """The :class:`_Packing` of the leaves ``members`` (tree indices) of ``leaves``, local
-    values at ``role`` of ``plan``: which elements of each piece are this rank's (its mesh's
-    fill is not) comes from packing ones and unpacking them; the longest row from the
-    plan's layout, for every rank of the mesh (:func:`_longest`)."""
-    with torch.no_grad():
-        ones = [torch.ones_like(x) for x in leaves]
-        bufs = [plan.pack(b, ones, role) for b in range(len(plan.buckets))]
-        masks = plan.unpack(bufs, role)
-    lead = plan.mesh.batch_shape
-    real = torch.cat([masks[i].reshape(*lead, -1) != 0 for i in members], -1)
-    width, length = real.shape[-1], _longest(plan, role, set(members))
-    real = torch.nn.functional.pad(real, (0, max(length - width, 0)))  # a DistMesh's short row
-    first = torch.argsort((~real).to(torch.uint8), dim=-1, stable=True)[..., :length]
-    mine = torch.arange(length, device=real.device) < real.sum(-1, keepdim=True)
-    index = torch.where(mine, first, width)
-    shapes = [tuple(masks[i].shape) for i in members]
-    # a DistMesh's pieces hold no fill (checked: one host read, once per tree and fragment)
-    whole = not lead and bool(real[..., :width].all())
-    return _Packing(index, shapes, length, whole=whole)
-
-
-def _longest(plan: Any, role: str, members: set[int]) -> int:
-    """The most elements of the leaves ``members`` any rank holds at ``role``: from the
-    plan's buckets, for every coordinate of the mesh (a DistMesh rank sees only its own
-    pieces, and every rank must agree on the buckets' length)."""
-    mesh = plan.mesh
-    coords = dict(zip(mesh.axis_names, np.indices(mesh.sizes).reshape(len(mesh.sizes), -1)))
-    total = np.zeros(math.prod(mesh.sizes), dtype=np.int64)
-    for bucket, placed in zip(plan.buckets, plan.placed):
-        placed, slots = placed[role], [s for s in bucket.slots if s.index in members]
-        if not slots:
-            continue
-        if getattr(placed.geometry, "kept", False):  # Owner on some axes: each rank's pieces
-            at = placed.geometry.at  # for every rank of the mesh, in coordinate order
-            for k, rank in enumerate(np.ndindex(*mesh.sizes)):
-                total[k] += sum(
-                    hi - lo for j, lo, hi, _ in at[rank] if bucket.slots[j].index in members
-                )
-        elif not placed.axes:  # whole leaves on every rank
-            total += sum(s.numel for s in slots)
-        elif bucket.shard is not None:  # torch.chunk along the shard dim
-            axis, dim = bucket.shard
-            for s in slots:
-                along = np.clip(s.shape[dim] - coords[axis] * s.size, 0, s.size)
-                total += s.numel // s.shape[dim] * along
-        else:  # Flat: each leaf's range cut by the rank's chunk of the bucket
-            start, stride = 0, bucket.padded
-            for a in placed.axes:
-                stride //= mesh.size(a)
-                start = start + coords[a] * stride
-            for s in slots:
-                lo = np.clip(s.offset - start, 0, placed.length)
-                total += np.maximum(np.clip(s.offset + s.numel - start, 0, placed.length), lo) - lo
-    return int(total.max())
+#: the same cap in fp32 elements, a compressed sync's buckets'
+_CAP = max(1, int(_CAP_MB * 2**20) // 4)
 
 
 class DiLoCo(NamedTuple):
@@ -649,7 +498,8 @@ class _Step:
         self.flight = list(state.flight) or [None] * len(self.due)
         self.touched = False
 
-    def result(self, params: Any, t: int) -> tuple[Any, DiLoCoState]:
+    def end(self, params: Any, t: int) -> tuple[Any, DiLoCoState]:
+        """The call's returns: the params and the new state after step ``t``."""
         tree = lambda xs: optree.tree_unflatten(self.treedef, xs)  # noqa: E731
         if self.touched:  # the new trees are at the params' placement: tagged so
             for xs in (self.new, self.anchor):  # pending: Masked leaves, tagged when saved
@@ -676,7 +526,7 @@ class _Outer:
         self.outer, self.fragments, self.delay, self.mix = outer, fragments, delay, mix
         self.compress = compress
         self._cache: dict[Any, _Layout] = {}
-        self._packings: dict = {}  # (treedef, fragment) -> its _Packing, for compress=
+        self._packings: dict = {}  # (treedef, fragment) -> its Packing, for compress=
 
     def layout(self, params: Any) -> tuple[list, Any, list[int], int]:
         """params' leaves, treedef, each leaf's fragment and F (checked once per treedef)."""
@@ -706,13 +556,14 @@ class _Outer:
         layout = self._cache[treedef]
         return leaves, treedef, layout.of, layout.n
 
-    def _packing_of(self, treedef: Any, leaves: list, *, of: list[int], p: int) -> _Packing:
-        """Fragment ``p``'s :class:`_Packing` (made by ``init``, or at the first sync)."""
+    def _packing_of(self, treedef: Any, leaves: list, *, of: list[int], p: int) -> Packing:
+        """Fragment ``p``'s :class:`~functional_hsdp.compressed.Packing` (made by ``init``,
+        or at the first sync)."""
         key = (treedef, p)
         if key not in self._packings:
             plan, role = self._cache[treedef].plan, self._cache[treedef].role
             members = [i for i, f in enumerate(of) if f == p]
-            self._packings[key] = _packing(plan, leaves, role=role, members=members)
+            self._packings[key] = Packing.of(plan, leaves, role=role, members=members)
         return self._packings[key]
 
     def _plan(self, leaves: list, treedef: Any, paths: Sequence[str]) -> tuple[Any, str]:
@@ -774,7 +625,7 @@ class _Outer:
         for p, s in enumerate((q + 1) * self.every // n for q in range(n)):
             if t >= s and (t - s) % self.every == 0:
                 self._issue(step, of=of, p=p, t=t)
-        params, state = step.result(params, t)
+        params, state = step.end(params, t)
         if step.touched and state.residual is not None:
             self._tag_residual(treedef, state.residual)
         return params, state
@@ -815,13 +666,13 @@ class _Outer:
             name="pseudo_gradient",
             options=(f"compress={self.compress!r}",),
         )
-        reduction = _start_compressed(
+        reduction = start_packed(
             local,
+            self._packing_of(step.treedef, step.like, of=of, p=p),
             mesh=self.mesh,
             axis=self.axis,
             compress=self.compress,
-            packing=self._packing_of(step.treedef, step.like, of=of, p=p),
-            keys=keys,
+            cap=_CAP,
             residual=None if step.residual is None else [step.residual[i] for i in idx],
         )
         return SyncInFlight(p, idx, keys=keys, reduction=reduction)
