@@ -32,7 +32,7 @@ from ..plan import Plan
 if TYPE_CHECKING:
     from .block import Gathered
     from .chain import Chain
-    from .collectives import AllGather, Reduced, ReduceScatter
+    from .collectives import AllGather, ReduceScatter
     from .replay import Replay
     from .storage import Released
 
@@ -111,7 +111,7 @@ class Call:
     held: Held = field(default_factory=Held)
     # collectives.py: what is in flight for this call
     ahead: AllGather | None = None
-    reduction: ReduceScatter | Reduced | None = None
+    reduction: ReduceScatter | None = None  # waited early: phase REDUCED
 
 
 # -- transitions ------------------------------------------------------------------------------
