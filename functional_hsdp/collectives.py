@@ -85,7 +85,7 @@ def pmean(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> A
 def start_pmean(
     tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0, name: str = "tree"
 ) -> Any:
-    """:func:`pmean` issued, not waited for: an :class:`~functional_hsdp.engine.InFlight`
+    """:func:`pmean` issued, not waited for: a :class:`~functional_hsdp.engine.ReduceInFlight`
     whose ``result()`` is :func:`pmean`'s tree. The call agrees across ranks as
     :func:`pmean` does, before its first collective (under ``validation("off")`` it waits
     for nobody), then issues one all-reduce per bucket and returns with them in flight;

@@ -1,32 +1,15 @@
-"""The compressed reduction on one axis: quantize, all-to-all, sum in fp32, quantize, all-gather.
+"""The compressed reduction: quantize, all-to-all, sum in fp32, quantize, all-gather.
 
-One bucket of ``L`` elements on an axis of ``n`` ranks is cut into ``n`` pieces of ``P``
-(``ceil(L / n)``, the last padded with zeros). Its program, run by the one scheduler
-(:mod:`functional_hsdp.schedule`), is:
+The one route to a compressed reduction over an axis: the engine's for ``outer_compress`` (a
+plan bucket's deferred reduction, ``engine.start``) and DiLoCo's for ``compress=`` (a
+fragment's pieces side by side in a :class:`Packing`, :func:`start_packed`) both run the
+scheduler items of :func:`program`, which say what each leg does; :func:`start` lets the
+first leg fly (a :class:`CompressedInFlight`).
 
-==========================  ============================================================
-item                        what it does
-==========================  ============================================================
-encode (local)              ``x = bucket + residual``; every piece quantized (its bytes)
-all-to-all (``Wire``)       piece ``p`` of every rank goes to rank ``p``: a reduce-scatter
-                            by pieces, in compressed bytes
-reduce (local)              the ``n`` pieces decoded and summed in fp32 (in source order,
-                            so every mesh gives the same bits), divided for ``avg``; the
-                            sum quantized again (not with ``scatter``)
-all-gather (``Wire``)       every rank gets every piece of the sum, compressed
-decode (local)              the pieces decoded: the result, ``L`` long
-==========================  ============================================================
-
-With ``scatter=True`` (the optimizer is sharded over the axis, hfsdp) the sum's piece is the
-result and the all-gather is not issued. Error feedback keeps what rounding lost on both
-legs, on the rank that rounded it: ``x - decode(encode(x))`` of the sender, plus, on the
-owner of piece ``p``, the loss of the sum's rounding (times ``n`` for ``avg``, since the
-residual is averaged with the next contributions). So ``result + mean(new residual) ==
-mean(x)`` (``sum`` alike): over K steps, what was sent plus the last residual is the sum of
-the true contributions.
-
-``comm_log`` reports each leg with the wire dtype of the policy (int4 as ``torch.uint8``) and
-its numel in that dtype, the scales included; on the mesh the bytes travel as uint8.
+Invariant: the sum is in fp32, in source order, so every mesh gives the same bits; with
+error feedback, what rounding lost stays with the rank that rounded it (the residual), so
+``result + mean(new residual) == mean(x)`` (``sum`` alike). The residual goes in and out as
+an argument: this room keeps no state.
 """
 
 from __future__ import annotations
@@ -103,10 +86,36 @@ def program(
     residual_out: ResidualOut,
 ) -> list[Any]:
     """The scheduler items of a compressed reduction over ``axis`` of a bucket of ``length``
-    (per rank), for any bucket index (see the module docstring). The bucket arrives in any
-    floating dtype and leaves in it; the work is fp32. With ``policy.error_feedback``,
-    ``residual_in(b)`` (fp32, the bucket's shape, or None for zeros) is added first and
-    ``residual_out(b, r)`` receives the new residual before the last item returns."""
+    (per rank), for any bucket index. The bucket arrives in any floating dtype and leaves in
+    it; the work is fp32. With ``policy.error_feedback``, ``residual_in(b)`` (fp32, the
+    bucket's shape, or None for zeros) is added first and ``residual_out(b, r)`` receives the
+    new residual before the last item returns.
+
+    The bucket, ``L`` elements on an axis of ``n`` ranks, is cut into ``n`` pieces of ``P``
+    (``ceil(L / n)``, the last padded with zeros); run by the one scheduler
+    (:mod:`functional_hsdp.schedule`), the items are:
+
+    ==========================  ========================================================
+    item                        what it does
+    ==========================  ========================================================
+    encode (local)              ``x = bucket + residual``; every piece quantized
+    all-to-all (``Wire``)       piece ``p`` of every rank goes to rank ``p``: a
+                                reduce-scatter by pieces, in compressed bytes
+    reduce (local)              the ``n`` pieces decoded and summed in fp32 (in source
+                                order, so every mesh gives the same bits), divided for
+                                ``avg``; the sum quantized again (not with ``scatter``)
+    all-gather (``Wire``)       every rank gets every piece of the sum, compressed
+    decode (local)              the pieces decoded: the result, ``L`` long
+    ==========================  ========================================================
+
+    With ``scatter=True`` (the optimizer is sharded over the axis, hfsdp) the sum's piece is
+    the result and the all-gather is not issued. Error feedback keeps what rounding lost on
+    both legs, on the rank that rounded it: ``x - decode(encode(x))`` of the sender, plus, on
+    the owner of piece ``p``, the loss of the sum's rounding (times ``n`` for ``avg``, since
+    the residual is averaged with the next contributions). So over K steps, what was sent
+    plus the last residual is the sum of the true contributions. ``comm_log`` reports each
+    leg with the wire dtype of the policy (int4 as ``torch.uint8``) and its numel in that
+    dtype, the scales included; on the mesh the bytes travel as uint8."""
     n = mesh.size(axis)
     if scatter and length % n:
         raise ValueError(

@@ -1,64 +1,18 @@
 """Semi-synchronous outer: DiLoCo and Streaming DiLoCo as pure functions on the placements.
 
-HSDP defers the outer reduction to the last microbatch of a step. DiLoCo defers it further:
-the replicas along the outer axis train apart (:func:`~functional_hsdp.replicas`: nothing is
-reduced or gathered over that axis) for ``every`` inner steps, then meet once, and an outer
-optimizer steps on the *pseudo-gradient* ``anchor - mean over the axis of params``.
-Streaming DiLoCo cuts the parameters into ``F`` fragments that sync at staggered steps
-(the peak outer transfer is 1/F of a whole-model sync), lets a fragment's reduction land
-``delay`` steps after it was issued, and merges ``mix * anchor + (1 - mix) * params``.
+The replicas along the outer axis train apart (:func:`~functional_hsdp.replicas`: nothing is
+reduced or gathered over it) and meet every ``every`` inner steps, fragment by fragment: an
+outer optimizer steps each fragment's anchor on the pseudo-gradient ``anchor - mean over the
+axis of params``, and the fragment merges ``delay`` steps after its sync was issued (the math
+and the schedule: :func:`diloco`; the guide: ``docs/guides/diloco.md``).
 
-Inner steps are counted t = 1, 2, ... Fragment p syncs after step t when t >= s_p and
-(t - s_p) % every == 0, with s_p = floor((p + 1) * every / F). At a sync, for the fragment's
-leaves:
-
-=====================  ======================================================================
-step                   what happens (local shards at the inner spec's optimizer placement)
-=====================  ======================================================================
-issue (after t)        ``delta = anchor - params``: one all-reduce (AVG) per bucket over
-                       ``axis``, on the shard each rank holds (never a full tensor)
-land (after t + tau)   ``updates, s = outer.update(delta, s, anchor)``;
-                       ``anchor = apply_updates(anchor, updates)``;
-                       ``params = mix * anchor + (1 - mix) * params`` (of step t + tau)
-=====================  ======================================================================
-
-At one step, syncs landing there are merged before the syncs issued there read the params.
-The inner optimizer's state stays per replica, untouched by syncs. The pseudo-gradient's
-reduction is :func:`~functional_hsdp.collectives.start_pmean` of the fragment's leaves
-(one all-reduce per bucket), or with ``compress=`` :func:`_start_compressed` (one
-all-to-all, an fp32 sum and one all-gather per bucket).
-
-A sync issued with ``delay > 0`` overlaps the next ``delay`` inner steps: its all-reduces
-are issued (:func:`~functional_hsdp.collectives.start_pmean`) and ``update`` returns at
-once; the state holds them in flight (``DiLoCoState.flight``: one ``SyncInFlight`` per
-fragment in flight), and the ``update`` where the sync lands waits for them: the transfer
-runs while the next ``delay`` inner steps compute. Before its collectives the sync agrees
-across the whole mesh, as every call does (the replicas issue the same sync of the same
-tree, else every rank raises a ``ValueError`` naming the difference: mismatched
-collectives would abort gloo and hang NCCL), in a few small host messages; so a replica
-that reaches the issue first waits there for the others' summaries, not for the transfer.
-Under ``fh.validation("off")`` the issue waits for nobody, and a replica that is late by
-less than ``delay`` steps delays no other. :func:`~functional_hsdp.state_dict` waits for
-what is in flight and saves it averaged in ``pending`` (resharded like AdamW's moments), so
-a checkpoint at any step loads into a state with nothing in flight that lands alike. A
-compressed sync (``compress=``) is two dependent collectives with an fp32 sum between
-them: its first leg (the quantized all-to-all of every bucket) is what flies, issued after
-an agreement of its own (:func:`~functional_hsdp.collectives.agree_pmean`: the same
-message as an uncompressed sync's); the ``update`` where it lands waits for it, sums and
-runs the all-gather (the second leg: as many bytes reach each rank as in the first; not
-overlapped), and takes the new
-residual of error feedback. A checkpoint or a copy finishes it (both legs, so every rank
-of the replica group takes part, as in ``fh.state_dict``) and saves its new residual in
-its fragment's place (:func:`~functional_hsdp.diloco.residual_tree`).
-
-With ``compress=fh.compress(...)`` the pseudo-gradient travels compressed
-(:func:`~functional_hsdp.compressed_all_reduce`: one all-to-all and one all-gather per
-bucket, summed in fp32). A fragment's buckets hold this rank's elements of the fragment's
-local shards, in tree order, side by side in fp32 (no alignment gaps, no SimMesh fill),
-each rank's row zero-padded to the longest rank's, so that every group of ``axis`` runs the
-same program and a SimMesh gives a DistMesh's bits. With error feedback the residual of
-what rounding lost is ``DiLoCoState.residual``, a tree like the params (fp32): a fragment's
-leaves hold its own, added into its next sync.
+Invariant: a fragment's sync is one reduction of its leaves' local shards over the axis
+(:func:`~functional_hsdp.collectives.start_pmean`'s, or with ``compress=`` the compressed
+route's, :func:`~functional_hsdp.compressed.start_packed`), agreed by the replicas before its
+first collective, issued by the ``update`` after its step and waited for once by the one where
+it lands (a :class:`SyncInFlight` in ``DiLoCoState.flight`` between the two, which a
+checkpoint may wait for first); steps without a sync issue no collective. The state is the
+caller's (:class:`DiLoCoState`); this room keeps per params tree its layout and packings only.
 """
 
 from __future__ import annotations
@@ -374,9 +328,29 @@ def diloco(
 
     The inner loop trains on ``.inner`` (``fh.replicas(spec, axis)``: every path works on
     it, none communicates over ``axis``); after each inner optimizer step,
-    ``params, state = dl.update(params, state)`` issues the syncs due (see the module
-    docstring for the math and the schedule, :func:`sync_steps`). Steps without a sync issue
-    no collective at all.
+    ``params, state = dl.update(params, state)`` issues the syncs due. Steps without a sync
+    issue no collective at all.
+
+    Inner steps are counted t = 1, 2, ... Fragment p syncs after step t when t >= s_p and
+    (t - s_p) % every == 0, with s_p = floor((p + 1) * every / F) (:func:`sync_steps`). At a
+    sync, for the fragment's leaves (local shards at the inner spec's optimizer placement):
+
+    =====================  ==================================================================
+    step                   what happens
+    =====================  ==================================================================
+    issue (after t)        ``delta = anchor - params``: one all-reduce (AVG) per bucket over
+                           ``axis``, on the shard each rank holds (never a full tensor)
+    land (after t + tau)   ``updates, s = outer.update(delta, s, anchor)``;
+                           ``anchor = apply_updates(anchor, updates)``;
+                           ``params = mix * anchor + (1 - mix) * params`` (of step t + tau)
+    =====================  ==================================================================
+
+    At one step, syncs landing there are merged before the syncs issued there read the
+    params. The inner optimizer's state stays per replica, untouched by syncs. A sync with
+    ``delay > 0`` is held in flight (``DiLoCoState.flight``) and overlaps the next ``delay``
+    inner steps; compressed, its first leg flies (the quantized all-to-all), and the update
+    where it lands sums in fp32 and runs the all-gather. A checkpoint (``fh.state_dict``),
+    ``copy.deepcopy`` or ``torch.save`` waits for what is in flight and keeps its result.
 
     Args:
         spec: a :class:`Spec` or spec tree (say ``fh.hsdp(mesh, "dp_outer", "dp_inner")``).

@@ -14,7 +14,9 @@ sync_params            optimizer -> parameter
 =====================  ============================================================
 
 Inputs are never mutated: buffers are packed anew, and only buffers the call made are reduced
-or added into in place. Results are new trees of plain tensors, tagged with their state.
+or added into in place. Results are new trees of plain tensors, tagged with their state. A
+reduction that outlives its call (``reduce(wait=False)``) is a :class:`ReduceInFlight`, waited
+for once (:mod:`functional_hsdp.flight`).
 """
 
 from __future__ import annotations
