@@ -273,8 +273,6 @@ def _check_int(name: str, value: Any, low: int) -> None:
 
 #: the pseudo-gradient's bucket cap (as pmean's default): 25 MiB of fp32
 _CAP_MB = 25.0
-#: the same cap in fp32 elements, a compressed sync's buckets'
-_CAP = max(1, int(_CAP_MB * 2**20) // 4)
 
 
 class DiLoCo(NamedTuple):
@@ -646,7 +644,7 @@ class _Outer:
             mesh=self.mesh,
             axis=self.axis,
             compress=self.compress,
-            cap=_CAP,
+            cap=max(1, int(_CAP_MB * 2**20) // 4),  # in fp32 elements
             residual=None if step.residual is None else [step.residual[i] for i in idx],
         )
         return SyncInFlight(p, idx, keys=keys, reduction=reduction)
