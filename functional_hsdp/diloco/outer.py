@@ -1,64 +1,18 @@
 """Semi-synchronous outer: DiLoCo and Streaming DiLoCo as pure functions on the placements.
 
-HSDP defers the outer reduction to the last microbatch of a step. DiLoCo defers it further:
-the replicas along the outer axis train apart (:func:`~functional_hsdp.replicas`: nothing is
-reduced or gathered over that axis) for ``every`` inner steps, then meet once, and an outer
-optimizer steps on the *pseudo-gradient* ``anchor - mean over the axis of params``.
-Streaming DiLoCo cuts the parameters into ``F`` fragments that sync at staggered steps
-(the peak outer transfer is 1/F of a whole-model sync), lets a fragment's reduction land
-``delay`` steps after it was issued, and merges ``mix * anchor + (1 - mix) * params``.
+The replicas along the outer axis train apart (:func:`~functional_hsdp.replicas`: nothing is
+reduced or gathered over it) and meet every ``every`` inner steps, fragment by fragment: an
+outer optimizer steps each fragment's anchor on the pseudo-gradient ``anchor - mean over the
+axis of params``, and the fragment merges ``delay`` steps after its sync was issued (the math
+and the schedule: :func:`diloco`; the guide: ``docs/guides/diloco.md``).
 
-Inner steps are counted t = 1, 2, ... Fragment p syncs after step t when t >= s_p and
-(t - s_p) % every == 0, with s_p = floor((p + 1) * every / F). At a sync, for the fragment's
-leaves:
-
-=====================  ======================================================================
-step                   what happens (local shards at the inner spec's optimizer placement)
-=====================  ======================================================================
-issue (after t)        ``delta = anchor - params``: one all-reduce (AVG) per bucket over
-                       ``axis``, on the shard each rank holds (never a full tensor)
-land (after t + tau)   ``updates, s = outer.update(delta, s, anchor)``;
-                       ``anchor = apply_updates(anchor, updates)``;
-                       ``params = mix * anchor + (1 - mix) * params`` (of step t + tau)
-=====================  ======================================================================
-
-At one step, syncs landing there are merged before the syncs issued there read the params.
-The inner optimizer's state stays per replica, untouched by syncs. The pseudo-gradient's
-reduction is :func:`~functional_hsdp.sync.collectives.start_pmean` of the fragment's leaves
-(one all-reduce per bucket), or with ``compress=`` :func:`_start_compressed` (one
-all-to-all, an fp32 sum and one all-gather per bucket).
-
-A sync issued with ``delay > 0`` overlaps the next ``delay`` inner steps: its all-reduces
-are issued (:func:`~functional_hsdp.sync.collectives.start_pmean`) and ``update`` returns at
-once; the state holds them in flight (``DiLoCoState.flight``: one ``SyncInFlight`` per
-fragment in flight), and the ``update`` where the sync lands waits for them: the transfer
-runs while the next ``delay`` inner steps compute. Before its collectives the sync agrees
-across the whole mesh, as every call does (the replicas issue the same sync of the same
-tree, else every rank raises a ``ValueError`` naming the difference: mismatched
-collectives would abort gloo and hang NCCL), in a few small host messages; so a replica
-that reaches the issue first waits there for the others' summaries, not for the transfer.
-Under ``fh.validation("off")`` the issue waits for nobody, and a replica that is late by
-less than ``delay`` steps delays no other. :func:`~functional_hsdp.state_dict` waits for
-what is in flight and saves it averaged in ``pending`` (resharded like AdamW's moments), so
-a checkpoint at any step loads into a state with nothing in flight that lands alike. A
-compressed sync (``compress=``) is two dependent collectives with an fp32 sum between
-them: its first leg (the quantized all-to-all of every bucket) is what flies, issued after
-an agreement of its own (:func:`~functional_hsdp.sync.collectives.agree_pmean`: the same
-message as an uncompressed sync's); the ``update`` where it lands waits for it, sums and
-runs the all-gather (the second leg: as many bytes reach each rank as in the first; not
-overlapped), and takes the new
-residual of error feedback. A checkpoint or a copy finishes it (both legs, so every rank
-of the replica group takes part, as in ``fh.state_dict``) and saves its new residual in
-its fragment's place (:func:`~functional_hsdp.diloco.residual_tree`).
-
-With ``compress=fh.compress(...)`` the pseudo-gradient travels compressed
-(:func:`~functional_hsdp.compressed_all_reduce`: one all-to-all and one all-gather per
-bucket, summed in fp32). A fragment's buckets hold this rank's elements of the fragment's
-local shards, in tree order, side by side in fp32 (no alignment gaps, no SimMesh fill),
-each rank's row zero-padded to the longest rank's, so that every group of ``axis`` runs the
-same program and a SimMesh gives a DistMesh's bits. With error feedback the residual of
-what rounding lost is ``DiLoCoState.residual``, a tree like the params (fp32): a fragment's
-leaves hold its own, added into its next sync.
+Invariant: a fragment's sync is one reduction of its leaves' local shards over the axis
+(:func:`~functional_hsdp.sync.collectives.start_pmean`'s, or with ``compress=`` the compressed
+route's, :func:`~functional_hsdp.runtime.compressed.start_packed`), agreed by the replicas
+before its first collective, issued by the ``update`` after its step and waited for once by
+the one where it lands (a :class:`SyncInFlight` in ``DiLoCoState.flight`` between the two, which a
+checkpoint may wait for first); steps without a sync issue no collective. The state is the
+caller's (:class:`DiLoCoState`); this room keeps per params tree its layout and packings only.
 """
 
 from __future__ import annotations
@@ -68,7 +22,6 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
 import optree
 import torch
 
@@ -80,8 +33,8 @@ from ..optim.matrix import PartitionState
 from ..optim.transforms import GradientTransformation, apply_updates
 from ..plan.lookup import find_layout
 from ..plan.recipe import get_plan
-from ..runtime.compressed import start as start_compressed
-from ..runtime.engine import InFlight
+from ..runtime.compressed import Packing, start_packed
+from ..runtime.flight import InFlight
 from ..spec.quantize import Compress
 from ..spec.specs import Spec, replicas
 from ..sync.collectives import agree_pmean, start_pmean
@@ -128,7 +81,7 @@ class DiLoCoState(NamedTuple):
     residual: Any = None
     flight: tuple = ()
 
-    # -- checkpoints: functional_hsdp.checkpoint's protocol ------------------------------
+    # -- checkpoints: functional_hsdp.io.checkpoint's protocol ------------------------------
 
     def __fh_state_dict__(self, spec: Any, *, like: Any = None) -> dict[str, Any]:
         """This state in a mesh-independent checkpoint (``fh.state_dict(state, spec)``), at
@@ -146,33 +99,52 @@ class DiLoCoState(NamedTuple):
         return _loaded(state, spec, self, name=name)
 
 
-class SyncInFlight:
+class SyncInFlight(InFlight[list]):
     """One fragment's delayed sync in flight (an entry of ``DiLoCoState.flight``): its
     all-reduces issued (:func:`~functional_hsdp.sync.collectives.start_pmean`), or compressed,
-    its all-to-alls (the rest run by :meth:`result`), waited for by :meth:`result` once
-    (the update where it lands, or a checkpoint, whichever comes first: both get the same
-    tensors).
+    its all-to-alls (:func:`~functional_hsdp.runtime.compressed.start_packed`: the rest run when it
+    is waited for). Its ``result()`` (:class:`~functional_hsdp.runtime.flight.InFlight`'s, once) is
+    the fragment's averaged pseudo-gradient, one tensor per leaf of ``leaves``: the update
+    where it lands, or a checkpoint, whichever comes first, waits; both get the same tensors.
 
     Attributes:
         fragment: the fragment's index.
         leaves: the fragment's leaves (indices in the params' tree order).
     """
 
-    __slots__ = ("fragment", "leaves", "_keys", "_reduction")
+    __slots__ = ("fragment", "leaves", "_keys", "_reduction", "_residual")
 
-    def __init__(self, fragment: int, leaves: tuple[int, ...], *, keys: tuple, reduction: Any):
+    def __init__(
+        self,
+        fragment: int,
+        leaves: tuple[int, ...],
+        *,
+        keys: tuple,
+        reduction: InFlight | None,
+        waited: bool = False,
+        result: list | None = None,
+        residual: list | None = None,
+    ):
+        super().__init__(waited=waited, result=result)
         self.fragment, self.leaves, self._keys, self._reduction = fragment, leaves, keys, reduction
+        self._residual = residual
 
-    def result(self) -> list[torch.Tensor]:
-        """The fragment's averaged pseudo-gradient, one tensor per leaf of ``leaves``."""
-        out = self._reduction.result()
-        return [out[k] for k in self._keys]
+    def _wait(self) -> list[torch.Tensor]:
+        got = self._reduction.result()
+        if isinstance(got, dict):  # start_pmean's tree, by key
+            return [got[k] for k in self._keys]
+        out, self._residual = got  # the compressed route's pieces and their new residual
+        return out
+
+    def _release(self) -> None:
+        if self._reduction is not None:
+            self._reduction.abandon()
 
     def residual(self) -> list[torch.Tensor] | None:
         """A compressed sync with error feedback: the fragment's new residual (fp32, one
         tensor per leaf of ``leaves``), waited for; else None."""
-        get = getattr(self._reduction, "residual", None)
-        return None if get is None else get()
+        self.result()
+        return self._residual
 
     def __reduce__(self) -> tuple:
         """Pickled (``torch.save``, ``copy.deepcopy``) waited for: its result travels, its
@@ -183,7 +155,7 @@ class SyncInFlight:
         return (_waited_sync, (self.fragment, self.leaves, self._keys, out, new))
 
     def __repr__(self) -> str:
-        how = "waited" if self._reduction.done else "in flight"
+        how = "waited" if self.done else "in flight"
         return f"SyncInFlight(fragment={self.fragment}, {len(self.leaves)} leaves, {how})"
 
 
@@ -192,45 +164,8 @@ def _waited_sync(
 ) -> SyncInFlight:
     """A :class:`SyncInFlight` whose result, ``out`` (and ``residual``), is already there
     (unpickled)."""
-    named = dict(zip(keys, out))
-    done = InFlight.of(named) if residual is None else _CompressedSync.of(named, residual)
-    return SyncInFlight(fragment, leaves, keys=keys, reduction=done)
-
-
-class _CompressedSync:
-    """A fragment's compressed sync (the ``reduction`` of its :class:`SyncInFlight`): its
-    buckets' first leg in flight (:func:`~functional_hsdp.runtime.compressed.start`); ``result()``
-    finishes it once: ``{key: averaged pseudo-gradient}``, and ``residual()`` the new
-    residual pieces (None without error feedback)."""
-
-    __slots__ = ("_flight", "_packing", "_keys", "_dtypes", "_out")
-
-    def __init__(self, flight: Any, *, packing: _Packing | None, keys: tuple, dtypes: list):
-        self._flight, self._packing, self._keys, self._dtypes = flight, packing, keys, dtypes
-        self._out: tuple | None = None
-
-    @classmethod
-    def of(cls, named: dict, residual: list) -> _CompressedSync:
-        """One already done (unpickled)."""
-        done = cls(None, packing=None, keys=tuple(named), dtypes=[])
-        done._out = (named, residual)
-        return done
-
-    @property
-    def done(self) -> bool:
-        return self._out is not None
-
-    def result(self) -> dict:
-        if self._out is None:
-            outs, kept = self._flight.result()
-            avg = [x.to(d) for x, d in zip(self._packing.scatter(outs), self._dtypes)]
-            new = None if kept is None else self._packing.scatter(kept)
-            self._out, self._flight = (dict(zip(self._keys, avg)), new), None
-        return self._out[0]
-
-    def residual(self) -> list | None:
-        self.result()
-        return self._out[1]
+    done = dict(waited=True, result=out, residual=residual)
+    return SyncInFlight(fragment, leaves, keys=keys, reduction=None, **done)
 
 
 def sync_steps(every: int, fragments: int, steps: int) -> list[list[int]]:
@@ -358,141 +293,6 @@ def _check_int(name: str, value: Any, low: int) -> None:
 _CAP_MB = 25.0
 
 
-def _start_compressed(
-    local: list[torch.Tensor],
-    *,
-    mesh: Mesh,
-    axis: str,
-    compress: Compress,
-    packing: _Packing,
-    keys: tuple,
-    residual: list[torch.Tensor] | None = None,
-) -> _CompressedSync:
-    """The average over ``axis`` of each rank's pseudo-gradient pieces ``local``, compressed,
-    started: the fragment's ``packing`` rows cut into buckets of the pmean's cap, every
-    bucket's first leg issued (quantize, all-to-all;
-    :func:`~functional_hsdp.runtime.compressed.start`),
-    ``residual`` (the pieces' fp32 residual, or None: zeros) added first. Its ``result()``
-    sums in fp32 and runs the all-gathers: the averages (the pieces' dtypes) by ``keys``,
-    and ``residual()`` the new residual pieces (fp32; None without error feedback)."""
-    cap = max(1, int(_CAP_MB * 2**20) // 4)
-    flat = packing.gather(local)
-    res = None if residual is None else packing.gather(residual)
-    cuts = [(lo, min(lo + cap, packing.length)) for lo in range(0, packing.length, cap)]
-    flight = start_compressed(
-        mesh,
-        [flat[..., lo:hi] for lo, hi in cuts],
-        axis=axis,
-        compress=compress,
-        residuals=None if res is None else [res[..., lo:hi] for lo, hi in cuts],
-    )
-    return _CompressedSync(flight, packing=packing, keys=keys, dtypes=[x.dtype for x in local])
-
-
-class _Packing:
-    """Where a fragment's pseudo-gradient sits in its compressed buckets, built once per tree
-    and fragment (:func:`_packing`): per rank, its elements of the fragment's local pieces, in
-    tree order, side by side; each row zero-padded to ``length``, the longest rank's.
-
-    Attributes:
-        index: ``(*batch, length)`` int64: the position of each bucket element in the
-            pieces laid end to end (their flattened local values, SimMesh fill included);
-            the total width for padding (a zero appended there).
-        shapes: the pieces' local shapes (batch dims in front).
-        length: elements of every rank's row.
-        whole: every element of the pieces is this rank's (a DistMesh: no fill), so the
-            row is the pieces laid end to end, then zeros: copies and views, no index.
-    """
-
-    def __init__(self, index: torch.Tensor, shapes: list, length: int, *, whole: bool):
-        self.index, self.shapes, self.length, self.whole = index, shapes, length, whole
-        self.widths = [math.prod(s[index.dim() - 1 :]) for s in shapes]
-        self.width = sum(self.widths)  # the pieces' elements laid end to end
-
-    def gather(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """The rows, fp32, from pieces of ``shapes``."""
-        lead, width = self.index.shape[:-1], self.width
-        flat = [x.reshape(*lead, w).float() for x, w in zip(pieces, self.widths)]
-        if self.whole:  # one buffer, written once (gather and its index cost 3 passes)
-            row = torch.empty(*lead, self.length, device=self.index.device)
-            torch.cat(flat, -1, out=row.narrow(-1, 0, width))
-            row.narrow(-1, width, self.length - width).zero_()
-            return row
-        row = torch.cat([*flat, torch.zeros(*lead, 1, device=self.index.device)], -1)
-        return torch.gather(row, -1, self.index)  # (take_along_dim: a remainder pass more)
-
-    def scatter(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Pieces of ``shapes`` (fp32, zero fill) from the rows (cut in buckets, in order);
-        ``whole``: views of the rows' buffer."""
-        lead, width = self.index.shape[:-1], self.width
-        if self.whole and rows:
-            row = (torch.cat(rows, -1) if len(rows) > 1 else rows[0]).float()
-            parts = row.narrow(-1, 0, width).split(self.widths, -1)
-            return [x.reshape(s) for x, s in zip(parts, self.shapes)]
-        out = torch.zeros(*lead, width + 1, device=self.index.device)
-        if rows:
-            out.scatter_(-1, self.index, torch.cat(rows, -1).float())
-        parts = out.narrow(-1, 0, width).split(self.widths, -1)
-        return [x.reshape(s) for x, s in zip(parts, self.shapes)]
-
-
-def _packing(plan: Any, leaves: list[torch.Tensor], *, role: str, members: list[int]) -> _Packing:
-    """The :class:`_Packing` of the leaves ``members`` (tree indices) of ``leaves``, local
-    values at ``role`` of ``plan``: which elements of each piece are this rank's (its mesh's
-    fill is not) comes from packing ones and unpacking them; the longest row from the
-    plan's layout, for every rank of the mesh (:func:`_longest`)."""
-    with torch.no_grad():
-        ones = [torch.ones_like(x) for x in leaves]
-        bufs = [plan.pack(b, ones, role) for b in range(len(plan.buckets))]
-        masks = plan.unpack(bufs, role)
-    lead = plan.mesh.batch_shape
-    real = torch.cat([masks[i].reshape(*lead, -1) != 0 for i in members], -1)
-    width, length = real.shape[-1], _longest(plan, role, set(members))
-    real = torch.nn.functional.pad(real, (0, max(length - width, 0)))  # a DistMesh's short row
-    first = torch.argsort((~real).to(torch.uint8), dim=-1, stable=True)[..., :length]
-    mine = torch.arange(length, device=real.device) < real.sum(-1, keepdim=True)
-    index = torch.where(mine, first, width)
-    shapes = [tuple(masks[i].shape) for i in members]
-    # a DistMesh's pieces hold no fill (checked: one host read, once per tree and fragment)
-    whole = not lead and bool(real[..., :width].all())
-    return _Packing(index, shapes, length, whole=whole)
-
-
-def _longest(plan: Any, role: str, members: set[int]) -> int:
-    """The most elements of the leaves ``members`` any rank holds at ``role``: from the
-    plan's buckets, for every coordinate of the mesh (a DistMesh rank sees only its own
-    pieces, and every rank must agree on the buckets' length)."""
-    mesh = plan.mesh
-    coords = dict(zip(mesh.axis_names, np.indices(mesh.sizes).reshape(len(mesh.sizes), -1)))
-    total = np.zeros(math.prod(mesh.sizes), dtype=np.int64)
-    for bucket, placed in zip(plan.buckets, plan.placed):
-        placed, slots = placed[role], [s for s in bucket.slots if s.index in members]
-        if not slots:
-            continue
-        if getattr(placed.geometry, "kept", False):  # Owner on some axes: each rank's pieces
-            at = placed.geometry.at  # for every rank of the mesh, in coordinate order
-            for k, rank in enumerate(np.ndindex(*mesh.sizes)):
-                total[k] += sum(
-                    hi - lo for j, lo, hi, _ in at[rank] if bucket.slots[j].index in members
-                )
-        elif not placed.axes:  # whole leaves on every rank
-            total += sum(s.numel for s in slots)
-        elif bucket.shard is not None:  # torch.chunk along the shard dim
-            axis, dim = bucket.shard
-            for s in slots:
-                along = np.clip(s.shape[dim] - coords[axis] * s.size, 0, s.size)
-                total += s.numel // s.shape[dim] * along
-        else:  # Flat: each leaf's range cut by the rank's chunk of the bucket
-            start, stride = 0, bucket.padded
-            for a in placed.axes:
-                stride //= mesh.size(a)
-                start = start + coords[a] * stride
-            for s in slots:
-                lo = np.clip(s.offset - start, 0, placed.length)
-                total += np.maximum(np.clip(s.offset + s.numel - start, 0, placed.length), lo) - lo
-    return int(total.max())
-
-
 class DiLoCo(NamedTuple):
     """What :func:`diloco` returns.
 
@@ -544,9 +344,29 @@ def diloco(
 
     The inner loop trains on ``.inner`` (``fh.replicas(spec, axis)``: every path works on
     it, none communicates over ``axis``); after each inner optimizer step,
-    ``params, state = dl.update(params, state)`` issues the syncs due (see the module
-    docstring for the math and the schedule, :func:`sync_steps`). Steps without a sync issue
-    no collective at all.
+    ``params, state = dl.update(params, state)`` issues the syncs due. Steps without a sync
+    issue no collective at all.
+
+    Inner steps are counted t = 1, 2, ... Fragment p syncs after step t when t >= s_p and
+    (t - s_p) % every == 0, with s_p = floor((p + 1) * every / F) (:func:`sync_steps`). At a
+    sync, for the fragment's leaves (local shards at the inner spec's optimizer placement):
+
+    =====================  ==================================================================
+    step                   what happens
+    =====================  ==================================================================
+    issue (after t)        ``delta = anchor - params``: one all-reduce (AVG) per bucket over
+                           ``axis``, on the shard each rank holds (never a full tensor)
+    land (after t + tau)   ``updates, s = outer.update(delta, s, anchor)``;
+                           ``anchor = apply_updates(anchor, updates)``;
+                           ``params = mix * anchor + (1 - mix) * params`` (of step t + tau)
+    =====================  ==================================================================
+
+    At one step, syncs landing there are merged before the syncs issued there read the
+    params. The inner optimizer's state stays per replica, untouched by syncs. A sync with
+    ``delay > 0`` is held in flight (``DiLoCoState.flight``) and overlaps the next ``delay``
+    inner steps; compressed, its first leg flies (the quantized all-to-all), and the update
+    where it lands sums in fp32 and runs the all-gather. A checkpoint (``fh.state_dict``),
+    ``copy.deepcopy`` or ``torch.save`` waits for what is in flight and keeps its result.
 
     Args:
         spec: a :class:`Spec` or spec tree (say ``fh.hsdp(mesh, "dp_outer", "dp_inner")``).
@@ -668,7 +488,8 @@ class _Step:
         self.flight = list(state.flight) or [None] * len(self.due)
         self.touched = False
 
-    def result(self, params: Any, t: int) -> tuple[Any, DiLoCoState]:
+    def end(self, params: Any, t: int) -> tuple[Any, DiLoCoState]:
+        """The call's returns: the params and the new state after step ``t``."""
         tree = lambda xs: optree.tree_unflatten(self.treedef, xs)  # noqa: E731
         if self.touched:  # the new trees are at the params' placement: tagged so
             for xs in (self.new, self.anchor):  # pending: Masked leaves, tagged when saved
@@ -695,7 +516,7 @@ class _Outer:
         self.outer, self.fragments, self.delay, self.mix = outer, fragments, delay, mix
         self.compress = compress
         self._cache: dict[Any, _Layout] = {}
-        self._packings: dict = {}  # (treedef, fragment) -> its _Packing, for compress=
+        self._packings: dict = {}  # (treedef, fragment) -> its Packing, for compress=
 
     def layout(self, params: Any) -> tuple[list, Any, list[int], int]:
         """params' leaves, treedef, each leaf's fragment and F (checked once per treedef)."""
@@ -725,13 +546,14 @@ class _Outer:
         layout = self._cache[treedef]
         return leaves, treedef, layout.of, layout.n
 
-    def _packing_of(self, treedef: Any, leaves: list, *, of: list[int], p: int) -> _Packing:
-        """Fragment ``p``'s :class:`_Packing` (made by ``init``, or at the first sync)."""
+    def _packing_of(self, treedef: Any, leaves: list, *, of: list[int], p: int) -> Packing:
+        """Fragment ``p``'s :class:`~functional_hsdp.runtime.compressed.Packing` (made by ``init``,
+        or at the first sync)."""
         key = (treedef, p)
         if key not in self._packings:
             plan, role = self._cache[treedef].plan, self._cache[treedef].role
             members = [i for i, f in enumerate(of) if f == p]
-            self._packings[key] = _packing(plan, leaves, role=role, members=members)
+            self._packings[key] = Packing.of(plan, leaves, role=role, members=members)
         return self._packings[key]
 
     def _plan(self, leaves: list, treedef: Any, paths: Sequence[str]) -> tuple[Any, str]:
@@ -793,7 +615,7 @@ class _Outer:
         for p, s in enumerate((q + 1) * self.every // n for q in range(n)):
             if t >= s and (t - s) % self.every == 0:
                 self._issue(step, of=of, p=p, t=t)
-        params, state = step.result(params, t)
+        params, state = step.end(params, t)
         if step.touched and state.residual is not None:
             self._tag_residual(treedef, state.residual)
         return params, state
@@ -834,13 +656,13 @@ class _Outer:
             name="pseudo_gradient",
             options=(f"compress={self.compress!r}",),
         )
-        reduction = _start_compressed(
+        reduction = start_packed(
             local,
+            self._packing_of(step.treedef, step.like, of=of, p=p),
             mesh=self.mesh,
             axis=self.axis,
             compress=self.compress,
-            packing=self._packing_of(step.treedef, step.like, of=of, p=p),
-            keys=keys,
+            cap=max(1, int(_CAP_MB * 2**20) // 4),  # in fp32 elements
             residual=None if step.residual is None else [step.residual[i] for i in idx],
         )
         return SyncInFlight(p, idx, keys=keys, reduction=reduction)

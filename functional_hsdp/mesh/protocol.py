@@ -15,7 +15,8 @@ serves both.
 
 *In flight.* A collective may return a :class:`Flight` instead of a tensor: the collective is
 running and its result must not be read until :meth:`Mesh.wait` returns it. The record is
-explicit (no state hidden on tensors): whoever holds it either waits for it or abandons it.
+explicit (no state hidden on tensors): whoever holds it either waits for it or abandons it
+(above the mesh, an :class:`~functional_hsdp.runtime.flight.InFlight` does).
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ Coord = Any  # an int on a DistMesh; an int64 numpy array of the mesh shape on a
 
 @dataclass(eq=False)
 class Flight:
-    """A collective in flight on one axis.
+    """A collective in flight on one axis: the backend's handle, read by the mesh that
+    issued it (:meth:`Mesh.wait`, :meth:`Mesh.abandon`).
+
+    Not a :class:`~functional_hsdp.runtime.flight.InFlight`: only its mesh knows how to wait for it
+    (library code waits a tensor and a Flight alike, ``mesh.wait(x)``, and a SimMesh never
+    returns one), and it keeps no result or error of its own; the ``InFlight`` that holds it
+    (a reduction issued and not yet waited for) keeps them, and waits for it once.
 
     Attributes:
         op: the collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,

@@ -504,7 +504,7 @@ class PartitionState(NamedTuple):
 
     inner: dict
 
-    # checkpoints (functional_hsdp.checkpoint's protocol): each label's state under its label
+    # checkpoints (functional_hsdp.io.checkpoint's protocol): each label's state under its label
 
     def __fh_state_dict__(self, spec: Any, *, like: Any = None) -> dict[str, Any]:
         """``{label: ...}``: each label's state as ``fh.state_dict`` saves it (its trees'

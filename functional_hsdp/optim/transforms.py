@@ -460,7 +460,7 @@ class ChainState(NamedTuple):
 
     inner: tuple
 
-    # checkpoints (functional_hsdp.checkpoint's protocol): each state under its index
+    # checkpoints (functional_hsdp.io.checkpoint's protocol): each state under its index
 
     def __fh_state_dict__(self, spec: Any, *, like: Any = None) -> dict[str, Any]:
         """``{"0": ..., "1": ...}``: each transformation's state as ``fh.state_dict``

@@ -12,10 +12,12 @@ Replicate).
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import optree
 import torch
 
@@ -443,6 +445,42 @@ class Plan:
         if torch.compiler.is_compiling():  # dynamo cannot trace itemgetter
             return [values[k] for k in self._position]
         return list(self._reorder(values))
+
+    def held(self, role: str, members: set[int]) -> np.ndarray:
+        """Elements of the leaves ``members`` (tree indices) that each rank of the mesh
+        holds at ``role``, ranks in coordinate order (flat): for every rank, whatever this
+        process sees (a DistMesh rank holds only its own pieces, and every rank must agree
+        on lengths that depend on all of them, as a compressed packing's rows do)."""
+        mesh = self.mesh
+        coords = dict(zip(mesh.axis_names, np.indices(mesh.sizes).reshape(len(mesh.sizes), -1)))
+        total = np.zeros(math.prod(mesh.sizes), dtype=np.int64)
+        for bucket, placed in zip(self.buckets, self.placed):
+            placed, slots = placed[role], [s for s in bucket.slots if s.index in members]
+            if not slots:
+                continue
+            if getattr(placed.geometry, "kept", False):  # Owner on some axes: each rank's pieces
+                at = placed.geometry.at  # for every rank of the mesh, in coordinate order
+                for k, rank in enumerate(np.ndindex(*mesh.sizes)):
+                    total[k] += sum(
+                        hi - lo for j, lo, hi, _ in at[rank] if bucket.slots[j].index in members
+                    )
+            elif not placed.axes:  # whole leaves on every rank
+                total += sum(s.numel for s in slots)
+            elif bucket.shard is not None:  # torch.chunk along the shard dim
+                axis, dim = bucket.shard
+                for s in slots:
+                    along = np.clip(s.shape[dim] - coords[axis] * s.size, 0, s.size)
+                    total += s.numel // s.shape[dim] * along
+            else:  # Flat: each leaf's range cut by the rank's chunk of the bucket
+                start, stride = 0, bucket.padded
+                for a in placed.axes:
+                    stride //= mesh.size(a)
+                    start = start + coords[a] * stride
+                for s in slots:
+                    lo = np.clip(s.offset - start, 0, placed.length)
+                    hi = np.clip(s.offset + s.numel - start, 0, placed.length)
+                    total += np.maximum(hi, lo) - lo
+        return total
 
 
 # -- the plan cache ---------------------------------------------------------------------------

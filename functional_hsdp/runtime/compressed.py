@@ -1,36 +1,20 @@
-"""The compressed reduction on one axis: quantize, all-to-all, sum in fp32, quantize, all-gather.
+"""The compressed reduction: quantize, all-to-all, sum in fp32, quantize, all-gather.
 
-One bucket of ``L`` elements on an axis of ``n`` ranks is cut into ``n`` pieces of ``P``
-(``ceil(L / n)``, the last padded with zeros). Its program, run by the one scheduler
-(:mod:`functional_hsdp.runtime.scheduler`), is:
+The one route to a compressed reduction over an axis: the engine's for ``outer_compress`` (a
+plan bucket's deferred reduction, ``engine.start``) and DiLoCo's for ``compress=`` (a
+fragment's pieces side by side in a :class:`Packing`, :func:`start_packed`) both run the
+scheduler items of :func:`program`, which say what each leg does; :func:`start` lets the
+first leg fly (a :class:`CompressedInFlight`).
 
-==========================  ============================================================
-item                        what it does
-==========================  ============================================================
-encode (local)              ``x = bucket + residual``; every piece quantized (its bytes)
-all-to-all (``Wire``)       piece ``p`` of every rank goes to rank ``p``: a reduce-scatter
-                            by pieces, in compressed bytes
-reduce (local)              the ``n`` pieces decoded and summed in fp32 (in source order,
-                            so every mesh gives the same bits), divided for ``avg``; the
-                            sum quantized again (not with ``scatter``)
-all-gather (``Wire``)       every rank gets every piece of the sum, compressed
-decode (local)              the pieces decoded: the result, ``L`` long
-==========================  ============================================================
-
-With ``scatter=True`` (the optimizer is sharded over the axis, hfsdp) the sum's piece is the
-result and the all-gather is not issued. Error feedback keeps what rounding lost on both
-legs, on the rank that rounded it: ``x - decode(encode(x))`` of the sender, plus, on the
-owner of piece ``p``, the loss of the sum's rounding (times ``n`` for ``avg``, since the
-residual is averaged with the next contributions). So ``result + mean(new residual) ==
-mean(x)`` (``sum`` alike): over K steps, what was sent plus the last residual is the sum of
-the true contributions.
-
-``comm_log`` reports each leg with the wire dtype of the policy (int4 as ``torch.uint8``) and
-its numel in that dtype, the scales included; on the mesh the bytes travel as uint8.
+Invariant: the sum is in fp32, in source order, so every mesh gives the same bits; with
+error feedback, what rounding lost stays with the rank that rounded it (the residual), so
+``result + mean(new residual) == mean(x)`` (``sum`` alike). The residual goes in and out as
+an argument: this room keeps no state.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,11 +24,20 @@ import numpy as np
 import torch
 
 from ..mesh import Mesh
-from ..plan.recipe import Step
+from ..plan.recipe import Plan, Step
 from ..spec.quantize import Compress
+from .flight import InFlight
 from .scheduler import run
 
-__all__ = ["CompressedInFlight", "Wire", "compressed_all_reduce", "program", "start"]
+__all__ = [
+    "CompressedInFlight",
+    "Packing",
+    "Wire",
+    "compressed_all_reduce",
+    "program",
+    "start",
+    "start_packed",
+]
 
 #: per bucket: its residual in (None: zeros), and where its new residual goes
 ResidualIn = Callable[[int], "torch.Tensor | None"]
@@ -93,10 +86,36 @@ def program(
     residual_out: ResidualOut,
 ) -> list[Any]:
     """The scheduler items of a compressed reduction over ``axis`` of a bucket of ``length``
-    (per rank), for any bucket index (see the module docstring). The bucket arrives in any
-    floating dtype and leaves in it; the work is fp32. With ``policy.error_feedback``,
-    ``residual_in(b)`` (fp32, the bucket's shape, or None for zeros) is added first and
-    ``residual_out(b, r)`` receives the new residual before the last item returns."""
+    (per rank), for any bucket index. The bucket arrives in any floating dtype and leaves in
+    it; the work is fp32. With ``policy.error_feedback``, ``residual_in(b)`` (fp32, the
+    bucket's shape, or None for zeros) is added first and ``residual_out(b, r)`` receives the
+    new residual before the last item returns.
+
+    The bucket, ``L`` elements on an axis of ``n`` ranks, is cut into ``n`` pieces of ``P``
+    (``ceil(L / n)``, the last padded with zeros); run by the one scheduler
+    (:mod:`functional_hsdp.runtime.scheduler`), the items are:
+
+    ==========================  ========================================================
+    item                        what it does
+    ==========================  ========================================================
+    encode (local)              ``x = bucket + residual``; every piece quantized
+    all-to-all (``Wire``)       piece ``p`` of every rank goes to rank ``p``: a
+                                reduce-scatter by pieces, in compressed bytes
+    reduce (local)              the ``n`` pieces decoded and summed in fp32 (in source
+                                order, so every mesh gives the same bits), divided for
+                                ``avg``; the sum quantized again (not with ``scatter``)
+    all-gather (``Wire``)       every rank gets every piece of the sum, compressed
+    decode (local)              the pieces decoded: the result, ``L`` long
+    ==========================  ========================================================
+
+    With ``scatter=True`` (the optimizer is sharded over the axis, hfsdp) the sum's piece is
+    the result and the all-gather is not issued. Error feedback keeps what rounding lost on
+    both legs, on the rank that rounded it: ``x - decode(encode(x))`` of the sender, plus, on
+    the owner of piece ``p``, the loss of the sum's rounding (times ``n`` for ``avg``, since
+    the residual is averaged with the next contributions). So over K steps, what was sent
+    plus the last residual is the sum of the true contributions. ``comm_log`` reports each
+    leg with the wire dtype of the policy (int4 as ``torch.uint8``) and its numel in that
+    dtype, the scales included; on the mesh the bytes travel as uint8."""
     n = mesh.size(axis)
     if scatter and length % n:
         raise ValueError(
@@ -278,48 +297,93 @@ def start(
 ) -> CompressedInFlight:
     """:func:`compressed_all_reduce` of each of ``buckets`` (each checked as there), its
     first leg issued: every bucket encoded and its all-to-all in flight, not waited for.
-    :meth:`CompressedInFlight.result` finishes (the fp32 sum, the all-gather, the decode),
-    so the first leg's transfer overlaps whatever the caller does in between (DiLoCo's
-    delayed compressed syncs). ``residuals``: per bucket, as ``residual``; ``op`` and
-    ``scatter`` as there."""
-    residuals = residuals or [None] * len(buckets)
+    ``result()`` finishes (the fp32 sum, the all-gather, the decode), so the first leg's
+    transfer overlaps whatever the caller does in between. ``residuals``: per bucket, as
+    ``residual``; ``op`` and ``scatter`` as there."""
+    how = dict(axis=axis, compress=compress, op=op, scatter=scatter)
+    return _start(mesh, buckets, residuals or [None] * len(buckets), how=how)
+
+
+def start_packed(
+    pieces: list[torch.Tensor],
+    packing: Packing,
+    *,
+    mesh: Mesh,
+    axis: str,
+    compress: Compress,
+    cap: int,
+    residual: list[torch.Tensor] | None = None,
+) -> CompressedInFlight:
+    """The average over ``axis`` of each rank's ``pieces`` (a tree's local leaves, as
+    ``packing`` describes them), compressed, started: the pieces laid into ``packing``'s
+    rows (fp32), cut into buckets of at most ``cap`` elements, and each bucket's first leg
+    issued as by :func:`start`; ``residual`` (the pieces' fp32 residual, or None: zeros)
+    added first. ``result()`` is ``(averages, new residual)``, per piece: the averages in
+    the pieces' dtypes, the new residual fp32 (None without error feedback).
+
+    DiLoCo's compressed sync (:mod:`functional_hsdp.diloco`) takes this route; the engine's
+    ``outer_compress`` the plan's buckets (``engine.start``). Both run :func:`program`."""
+    flat = packing.gather(pieces)
+    res = None if residual is None else packing.gather(residual)
+    cuts = [(lo, min(lo + cap, packing.length)) for lo in range(0, packing.length, cap)]
+    dtypes = [x.dtype for x in pieces]
+
+    def unpack(outs: list, kept: list | None) -> tuple[list, list | None]:
+        avg = [x.to(d) for x, d in zip(packing.scatter(outs), dtypes)]
+        return avg, None if kept is None else packing.scatter(kept)
+
+    how = dict(axis=axis, compress=compress, op="avg", scatter=False)
+    rows = [flat[..., lo:hi] for lo, hi in cuts]
+    held = [None] * len(cuts) if res is None else [res[..., lo:hi] for lo, hi in cuts]
+    return _start(mesh, rows, held, how=how, unpack=unpack)
+
+
+def _start(mesh: Mesh, buckets: list, residuals: list, *, how: dict, unpack: Any = None):
+    """:func:`start`, its ``result()`` given to ``unpack(results, new residuals)`` first."""
+    axis, compress = how["axis"], how["compress"]
     for x, r in zip(buckets, residuals, strict=True):
-        _check(x, axis, mesh, compress=compress, op=op, residual=r)
-    feedback = compress.error_feedback
+        _check(x, axis, mesh, compress=compress, op=how["op"], residual=r)
     if not mesh.moves(axis):  # nothing travels, nothing is rounded
+        feedback = compress.error_feedback
         outs = [
             (x + r.to(x.dtype) if feedback and r is not None else x).clone()
             for x, r in zip(buckets, residuals)
         ]
         kept = [torch.zeros_like(x, dtype=torch.float32) for x in buckets] if feedback else None
-        return CompressedInFlight(mesh, done=(outs, kept))
-    how = dict(axis=axis, compress=compress, op=op, scatter=scatter)
-    return CompressedInFlight(mesh, **how).issue(buckets, residuals)
+        done = (outs, kept) if unpack is None else unpack(outs, kept)
+        return CompressedInFlight(mesh, how=how, waited=True, result=done)
+    return CompressedInFlight(mesh, how=how, unpack=unpack).issue(buckets, residuals)
 
 
-class CompressedInFlight:
+class CompressedInFlight(InFlight[tuple]):
     """A compressed all-reduce of some buckets with its first leg in flight (:func:`start`).
-    :meth:`result` waits for the all-to-alls (an interrupt there leaves them to be waited
-    for again), then runs the rest: the fp32 sums, the all-gathers and the decodes (not
-    with ``scatter``). Once: a second call returns the same, or raises the same error."""
+    Its ``result()`` (:class:`~functional_hsdp.runtime.flight.InFlight`'s: once, an error kept)
+    waits for the all-to-alls (an interrupt there leaves them to be waited for again), then
+    runs the rest: the fp32 sums, the all-gathers and the decodes (not with ``scatter``).
+    An interrupt in that second leg, whose state is then spent, keeps a ``RuntimeError``
+    saying so. ``unpack``: what the ``(results, new residuals)`` are given to (a packing's
+    pieces, :func:`start_packed`)."""
 
-    def __init__(self, mesh: Mesh, *, done: tuple | None = None, **how: Any):
-        self.mesh, self.how, self._out = mesh, how, done
+    def __init__(
+        self,
+        mesh: Mesh,
+        *,
+        how: dict,
+        unpack: Any = None,
+        waited: bool = False,
+        result: Any = None,
+    ):
+        super().__init__(waited=waited, result=result)
+        self.mesh, self.how, self._unpack = mesh, how, unpack
         self._rest: list[list[Any]] = []
         self._first: list[Any] = []
         self._new: dict[int, torch.Tensor] = {}
         self._held: list[Any] = []  # the residuals in, until every bucket is encoded
-        self._error: Exception | None = None
-
-    @property
-    def done(self) -> bool:
-        """Whether the result is there (waited for, or nothing travelled)."""
-        return self._out is not None
 
     def issue(self, buckets: list, residuals: list) -> CompressedInFlight:
         """Encode every bucket and issue its all-to-all (step-major, one scheduler run)."""
         self._held = list(residuals)
-        for b, x in enumerate(buckets):
+        for x in buckets:
             items = program(
                 self.how["compress"],
                 self.how["axis"],
@@ -336,24 +400,15 @@ class CompressedInFlight:
         self._held = []  # read by the encodes only: not held while in flight
         return self
 
-    def result(self) -> tuple[list, list | None]:
+    def _wait(self) -> tuple[list, list | None]:
         """``(results, new residuals)``: per bucket, as :func:`compressed_all_reduce`'s
-        (the residuals None without error feedback)."""
-        if self._error is not None:
-            raise self._error.with_traceback(None)
-        if self._out is None:
-            try:
-                self._first = [self.mesh.wait(x) for x in self._first]  # an interrupt: again
-            except Exception as exc:
-                self._fail(exc)
-                raise
-            self._out = self._finish()
-        return self._out
+        (the residuals None without error feedback), or as ``unpack`` makes them."""
+        self._first = [self.mesh.wait(x) for x in self._first]  # an interrupt: again
+        outs, new = self._finish()
+        return (outs, new) if self._unpack is None else self._unpack(outs, new)
 
-    def _fail(self, exc: Exception) -> None:
-        """Keep ``exc`` for later calls and let go of whatever is still in flight (an
-        error leaks no buffers)."""
-        self._error = exc
+    def _release(self) -> None:
+        """Let go of whatever is still in flight (an error leaks no buffers)."""
         for x in self._first:
             self.mesh.abandon(x)
         self._first, self._rest = [], []
@@ -363,20 +418,90 @@ class CompressedInFlight:
         try:
             outs = run(self.mesh, self._rest, self._first.__getitem__)
             outs = [self.mesh.wait(x) for x in outs]
-        except BaseException as exc:  # the legs' state is spent: this reduction cannot resume
-            self._fail(
-                exc
-                if isinstance(exc, Exception)
-                else RuntimeError(
-                    f"a compressed reduction over {self.how['axis']!r} was interrupted in its "
-                    "second leg (its collectives abandoned): it cannot be resumed"
+        except BaseException as exc:  # an error: kept by result(), which lets go of the rest
+            if not isinstance(exc, Exception):  # the legs' state is spent: it cannot resume
+                self._fail(
+                    RuntimeError(
+                        f"a compressed reduction over {self.how['axis']!r} was interrupted in "
+                        "its second leg (its collectives abandoned): it cannot be resumed"
+                    )
                 )
-            )
             raise
         feedback = self.how["compress"].error_feedback
         new = [self._new[b] for b in range(len(outs))] if feedback else None
         self._first, self._rest = [], []
         return outs, new
+
+
+class Packing:
+    """Where a tree's local pieces sit in compressed buckets of their own (:func:`start_packed`):
+    per rank, its elements of the pieces, in tree order, side by side (no alignment gaps, no
+    SimMesh fill), each rank's row zero-padded to ``length``, the longest rank's, so that every
+    group of the axis runs the same program and a SimMesh gives a DistMesh's bits. Built once
+    per tree (:meth:`of`), from the plan's own geometry.
+
+    Attributes:
+        index: ``(*batch, length)`` int64: the position of each bucket element in the
+            pieces laid end to end (their flattened local values, SimMesh fill included);
+            the total width for padding (a zero appended there).
+        shapes: the pieces' local shapes (batch dims in front).
+        length: elements of every rank's row.
+        whole: every element of the pieces is this rank's (a DistMesh: no fill), so the
+            row is the pieces laid end to end, then zeros: copies and views, no index.
+    """
+
+    def __init__(self, index: torch.Tensor, shapes: list, length: int, *, whole: bool):
+        self.index, self.shapes, self.length, self.whole = index, shapes, length, whole
+        self.widths = [math.prod(s[index.dim() - 1 :]) for s in shapes]
+        self.width = sum(self.widths)  # the pieces' elements laid end to end
+
+    @classmethod
+    def of(cls, plan: Plan, leaves: list[torch.Tensor], *, role: str, members: list) -> Packing:
+        """The packing of the leaves ``members`` (tree indices) of ``leaves``, local values at
+        ``role`` of ``plan``: which elements of each piece are this rank's (its mesh's fill
+        is not) comes from packing ones and unpacking them; the longest row from the plan,
+        for every rank of the mesh (:meth:`~functional_hsdp.plan.Plan.held`)."""
+        with torch.no_grad():
+            ones = [torch.ones_like(x) for x in leaves]
+            bufs = [plan.pack(b, ones, role) for b in range(len(plan.buckets))]
+            masks = plan.unpack(bufs, role)
+        lead = plan.mesh.batch_shape
+        real = torch.cat([masks[i].reshape(*lead, -1) != 0 for i in members], -1)
+        width, length = real.shape[-1], int(plan.held(role, set(members)).max())
+        real = torch.nn.functional.pad(real, (0, max(length - width, 0)))  # a short row
+        first = torch.argsort((~real).to(torch.uint8), dim=-1, stable=True)[..., :length]
+        mine = torch.arange(length, device=real.device) < real.sum(-1, keepdim=True)
+        index = torch.where(mine, first, width)
+        shapes = [tuple(masks[i].shape) for i in members]
+        # a DistMesh's pieces hold no fill (checked: one host read, once per tree)
+        whole = not lead and bool(real[..., :width].all())
+        return cls(index, shapes, length, whole=whole)
+
+    def gather(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The rows, fp32, from pieces of ``shapes``."""
+        lead, width = self.index.shape[:-1], self.width
+        flat = [x.reshape(*lead, w).float() for x, w in zip(pieces, self.widths)]
+        if self.whole:  # one buffer, written once (gather and its index cost 3 passes)
+            row = torch.empty(*lead, self.length, device=self.index.device)
+            torch.cat(flat, -1, out=row.narrow(-1, 0, width))
+            row.narrow(-1, width, self.length - width).zero_()
+            return row
+        row = torch.cat([*flat, torch.zeros(*lead, 1, device=self.index.device)], -1)
+        return torch.gather(row, -1, self.index)  # (take_along_dim: a remainder pass more)
+
+    def scatter(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Pieces of ``shapes`` (fp32, zero fill) from the rows (cut in buckets, in order);
+        ``whole``: views of the rows' buffer."""
+        lead, width = self.index.shape[:-1], self.width
+        if self.whole and rows:
+            row = (torch.cat(rows, -1) if len(rows) > 1 else rows[0]).float()
+            parts = row.narrow(-1, 0, width).split(self.widths, -1)
+            return [x.reshape(s) for x, s in zip(parts, self.shapes)]
+        out = torch.zeros(*lead, width + 1, device=self.index.device)
+        if rows:
+            out.scatter_(-1, self.index, torch.cat(rows, -1).float())
+        parts = out.narrow(-1, 0, width).split(self.widths, -1)
+        return [x.reshape(s) for x, s in zip(parts, self.shapes)]
 
 
 def _check(bucket: Any, axis: str, mesh: Any, *, compress: Any, op: str, residual: Any) -> None:

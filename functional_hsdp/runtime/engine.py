@@ -14,7 +14,9 @@ sync_params            optimizer -> parameter
 =====================  ============================================================
 
 Inputs are never mutated: buffers are packed anew, and only buffers the call made are reduced
-or added into in place. Results are new trees of plain tensors, tagged with their state.
+or added into in place. Results are new trees of plain tensors, tagged with their state. A
+reduction that outlives its call (``reduce(wait=False)``) is a :class:`ReduceInFlight`, waited
+for once (:mod:`functional_hsdp.runtime.flight`).
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ from ..plan.lookup import check_local, find_layout, grads_plan, plan_for, traced
 from ..plan.recipe import Plan, remember_layout
 from ..spec.specs import Spec, resolve_specs
 from . import compressed, validate
+from .flight import InFlight
 from .scheduler import expand, run
 
 __all__ = [
     "AT",
     "DEFERRED",
-    "InFlight",
+    "ReduceInFlight",
     "Residual",
     "agree",
     "finish",
@@ -234,7 +237,7 @@ def reduce(
     ``wait=False`` (``last=True``, no ``acc``, no compression): the call agrees as any
     (settled before its first collective: ranks that differ would issue mismatched
     collectives, which gloo aborts on and NCCL hangs on), issues the collectives and returns
-    an :class:`InFlight` without waiting for them; its ``result()`` waits. ``tagged=False``:
+    a :class:`ReduceInFlight` without waiting for them; its ``result()`` waits. ``tagged=False``:
     the result's leaves carry no placement (the caller gives them its own meaning)."""
     _check_wait(wait, call, plain=last is True and acc is None and residual is None)
     leaves, treedef, paths = flatten(grads, name)
@@ -260,7 +263,7 @@ def reduce(
         check = dict(last=last, options=options, nonfinite=nonfinite, defer=True, units=units)
         agreed.check(plan, paths, **check)
     pending = start(plan, source, legs, gate=agreed.settle, residual=store)
-    flight = InFlight(plan, pending, treedef, last=last, tagged=tagged)
+    flight = ReduceInFlight(plan, pending, treedef, last=last, tagged=tagged)
     if not wait:
         return flight
     result = flight.result()
@@ -292,73 +295,69 @@ def _check_wait(wait: bool, call: str, *, plain: bool) -> None:
 
 def _no_leaves(spec: Any, treedef: Any, *, acc: Any, name: str, wait: bool) -> Any:
     """A reduction of a tree without leaves: checked, and returned empty (in an
-    :class:`InFlight` already done, for ``wait=False``)."""
+    :class:`ReduceInFlight` already done, for ``wait=False``)."""
     resolve_specs(spec, treedef, name)
     if acc is not None and optree.tree_structure(acc) != treedef:
         raise structure_error(treedef, acc, "acc", what=name)
     empty = optree.tree_unflatten(treedef, [])
-    return empty if wait else InFlight.of(empty)
+    return empty if wait else ReduceInFlight.of(empty)
 
 
-class InFlight:
+class ReduceInFlight(InFlight[Any]):
     """A reduction issued and not yet waited for (what :func:`reduce` with ``wait=False``
     returns): its agreement settled, its collectives in flight (on a SimMesh, done).
-    :meth:`result` waits for them and unpacks, once: a second call returns the same tree
-    (or raises the same error; an interrupt, a ``BaseException`` that is not an
-    ``Exception``, leaves the collectives to be waited for again). ``last``: the leaves are
-    final, at the optimizer placement (else accumulating, at the gradient placement);
-    ``tagged=False``: the leaves carry no placement.
+    :meth:`~functional_hsdp.runtime.flight.InFlight.result` waits for them and unpacks, once (see
+    :class:`~functional_hsdp.runtime.flight.InFlight`: an error is kept, an interrupt lets it wait
+    again). ``last``: the leaves are final, at the optimizer placement (else accumulating, at
+    the gradient placement); ``tagged=False``: the leaves carry no placement.
 
     Its owner keeps it where the result will be needed (DiLoCo's state holds the syncs in
     flight); dropping it unwaited leaks nothing (a functional collective's result is
     released by its finalizer, a c10d one by its backend when it completes)."""
 
-    __slots__ = ("plan", "_pending", "_treedef", "_last", "_tagged", "_out", "_error")
+    __slots__ = ("plan", "_pending", "_treedef", "_last", "_tagged")
 
     def __init__(
-        self, plan: Plan | None, pending: list | None, treedef: Any, *, last: bool, tagged: bool
+        self,
+        plan: Plan | None,
+        pending: list | None,
+        treedef: Any,
+        *,
+        last: bool,
+        tagged: bool,
+        waited: bool = False,
+        result: Any = None,
     ):
+        super().__init__(waited=waited, result=result)
         self.plan, self._pending, self._treedef, self._last = plan, pending, treedef, last
         self._tagged = tagged
-        self._out: Any = None
-        self._error: Exception | None = None
 
     @classmethod
-    def of(cls, tree: Any) -> InFlight:
-        """An :class:`InFlight` already done, whose result is ``tree`` (a reduction of a tree
-        without leaves, or a result kept from a checkpoint)."""
-        done = cls(None, None, optree.tree_structure(tree), last=True, tagged=False)
-        done._out = tree
-        return done
+    def of(cls, tree: Any) -> ReduceInFlight:
+        """One already done, whose result is ``tree`` (a reduction of a tree without
+        leaves)."""
+        treedef = optree.tree_structure(tree)
+        return cls(None, None, treedef, last=True, tagged=False, waited=True, result=tree)
 
-    @property
-    def done(self) -> bool:
-        """Whether :meth:`result` has run (the collectives were waited for)."""
-        return self._pending is None
-
-    def result(self) -> Any:
+    def _wait(self) -> Any:
         """The reduced tree (its leaves tagged with their placement unless ``tagged=False``)."""
-        if self._error is not None:  # raised from here, not growing its first traceback
-            raise self._error.with_traceback(None)
+        role = "optimizer" if self._last else "gradient"
+        out, bufs = finish(self.plan, self._pending, role)
+        self._pending = None
+        if self._tagged:
+            kind, kept = ("final", None) if self._last else ("accumulating", bufs)
+            tag(out, self.plan, role, kind=kind, bufs=kept)
+        return optree.tree_unflatten(self._treedef, out)
+
+    def _release(self) -> None:
         if self._pending is not None:
-            pending, role = self._pending, "optimizer" if self._last else "gradient"
-            try:
-                out, bufs = finish(self.plan, pending, role)
-            except Exception as exc:
-                release(self.plan, pending)
-                self._pending, self._error = None, exc
-                raise
-            self._pending = None
-            if self._tagged:
-                kind, kept = ("final", None) if self._last else ("accumulating", bufs)
-                tag(out, self.plan, role, kind=kind, bufs=kept)
-            self._out = optree.tree_unflatten(self._treedef, out)
-        return self._out
+            pending, self._pending = self._pending, None
+            release(self.plan, pending)
 
     def __repr__(self) -> str:
         n = len(self.plan.buckets) if self.plan is not None else 0
         how = "waited" if self.done else "in flight"
-        return f"InFlight({n} bucket{'s' if n != 1 else ''}, {how})"
+        return f"ReduceInFlight({n} bucket{'s' if n != 1 else ''}, {how})"
 
 
 def _residual_out(plan: Plan, result: Any, *, store: Residual | None, treedef: Any) -> tuple:

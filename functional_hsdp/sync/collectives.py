@@ -85,14 +85,14 @@ def pmean(tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> A
 def start_pmean(
     tree: Any, axis: str, mesh: Mesh, *, bucket_cap_mb: float = 25.0, name: str = "tree"
 ) -> Any:
-    """:func:`pmean` issued, not waited for: an :class:`~functional_hsdp.runtime.engine.InFlight`
-    whose ``result()`` is :func:`pmean`'s tree. The call agrees across ranks as
-    :func:`pmean` does, before its first collective (under ``validation("off")`` it waits
-    for nobody), then issues one all-reduce per bucket and returns with them in flight;
-    ``result()`` waits for them. Not differentiable: ``tree``'s leaves must not be tracked.
-    DiLoCo's syncs use it (a delayed one overlaps the inner steps). ``name``: the tree's
-    name in errors. Unlike :func:`pmean`'s, the result's leaves carry no placement tag: they
-    are views of the reduction's buckets, which the caller gives a meaning of its own (the
+    """:func:`pmean` issued, not waited for: a
+    :class:`~functional_hsdp.runtime.engine.ReduceInFlight` whose ``result()`` is :func:`pmean`'s
+    tree. The call agrees across ranks as :func:`pmean` does, before its first collective (under
+    ``validation("off")`` it waits for nobody), then issues one all-reduce per bucket and returns
+    with them in flight; ``result()`` waits for them. Not differentiable: ``tree``'s leaves must not
+    be tracked. DiLoCo's syncs use it (a delayed one overlaps the inner steps). ``name``: the tree's
+    name in errors. Unlike :func:`pmean`'s, the result's leaves carry no placement tag: they are
+    views of the reduction's buckets, which the caller gives a meaning of its own (the
     pseudo-gradient sits at the params' placement, not at the collective's)."""
     spec = _axis_spec(mesh, axis, target="replicate", op="avg", bucket_cap_mb=bucket_cap_mb)
     mode = validate.current_mode()

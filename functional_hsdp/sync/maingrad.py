@@ -37,7 +37,7 @@ import os
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import optree
 import torch
@@ -66,6 +66,7 @@ from ..io.checkpoint import (
 from ..plan.buckets import pack_shard_full, spaced
 from ..plan.recipe import Plan, TreeMeta, get_plan
 from ..runtime import engine, validate
+from ..runtime.flight import InFlight
 from ..spec.specs import resolve_specs
 
 __all__ = ["DEPTH", "MainGrad", "microbatches"]
@@ -513,7 +514,7 @@ class MainGrad:
                 )
         return [r.detach().to(torch.float32, copy=True) for r in saved]
 
-    # -- checkpoints: functional_hsdp.checkpoint's protocol ------------------------------
+    # -- checkpoints: functional_hsdp.io.checkpoint's protocol ------------------------------
 
     def __fh_state_dict__(self, spec: Any = None, *, like: Any = None) -> dict[str, Any]:
         """This MainGrad in a mesh-independent checkpoint (``fh.state_dict(mg)``): ``{"state":
@@ -636,18 +637,33 @@ def _full_shapes(leaves: list, paths: tuple[str, ...], *, treedef: Any, specs: t
     return tuple(tuple(x.shape) for x in leaves)
 
 
-class DeferredReduction(NamedTuple):
+class DeferredReduction(InFlight[torch.Tensor]):
     """One bucket's deferred reduction (to the optimizer placement: the ``dp_outer``
     all-reduce of HSDP) issued in backward, once every gathered unit holding the bucket has
-    added its gradient of the step.
+    added its gradient of the step; its ``result()``
+    (:class:`~functional_hsdp.runtime.flight.InFlight`'s, once) is the bucket's reduced buffer.
 
     Invariant: at most DEPTH are in flight; each lands in its bucket's buffer, in the order
     issued, before the buffers are read (``grads``), zeroed, saved or finished; a bucket's
     reduction is issued once per step.
     """
 
-    bucket: int
-    pending: Any  # the mesh's collective in flight (Mesh.wait gives the result)
+    __slots__ = ("bucket", "_mesh", "_pending")
+
+    def __init__(self, bucket: int, pending: Any, *, mesh: Any):
+        super().__init__()
+        self.bucket, self._mesh = bucket, mesh
+        self._pending = pending  # the mesh's collective in flight (Mesh.wait gives the result)
+
+    def _wait(self) -> torch.Tensor:
+        out = self._mesh.wait(self._pending)
+        self._pending = None
+        return out
+
+    def _release(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._mesh.abandon(pending)
 
 
 class _Deferred:
@@ -724,7 +740,7 @@ class _Deferred:
             buckets=todo,
             residual=self.residual,
         )
-        self.inflight.extend(DeferredReduction(b, p) for b, p in zip(todo, pending))
+        self.inflight.extend(DeferredReduction(b, p, mesh=self.mesh) for b, p in zip(todo, pending))
         while len(self.inflight) > DEPTH:
             self._land_oldest()
 
@@ -741,8 +757,8 @@ class _Deferred:
             buf.narrow(-1, 0, result.shape[-1]).copy_(result)
 
     def _land_oldest(self) -> None:
-        b, pending = self.inflight.popleft()
-        self._landed(b, self.mesh.wait(pending))
+        reduction = self.inflight.popleft()
+        self._landed(reduction.bucket, reduction.result())
 
     def land_all(self) -> None:
         """Wait for every reduction in flight, each into its buffer."""

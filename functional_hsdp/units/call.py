@@ -111,7 +111,7 @@ class Call:
     held: Held = field(default_factory=Held)
     # transfers.py: what is in flight for this call
     ahead: Any = None  # a transfers.AllGather issued ahead
-    reduction: Any = None  # a transfers.ReduceScatter, then its transfers.Reduced
+    reduction: Any = None  # a transfers.ReduceScatter (waited early: phase REDUCED)
 
 
 # -- transitions ------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ when one is given: the shards are cast before it, so the wire and the compute ar
 issued when needed or ahead of its use, and the reduce-scatter of its gradient (in
 ``mp_policy.reduce_dtype``), issued in backward and waited by the unit's wait node.
 
-Each collective in flight is one typed record on the call (:class:`AllGather`,
-:class:`ReduceScatter`, then :class:`Reduced`), whose docstring states its invariant. Every
+Each collective in flight is an :class:`~functional_hsdp.runtime.flight.InFlight` on the call
+(:class:`AllGather`, :class:`ReduceScatter`), whose docstring states its invariant. Every
 rank issues the same collectives in the same order; under ``validation("strict")`` the ranks
 agree on each before it is issued (:func:`_agree_before`).
 
@@ -20,18 +20,18 @@ State: none of its own; what is in flight lives on the call records.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
+from ..plan.recipe import Plan
 from ..runtime import engine, validate
+from ..runtime.flight import InFlight
 from . import call as lifecycle
 from .call import Call, Phase
 from .checks import describe
 
 __all__ = [
     "AllGather",
-    "Reduced",
     "ReduceScatter",
     "abandon_ahead",
     "abandon_reduce_scatter",
@@ -43,41 +43,65 @@ __all__ = [
 ]
 
 
-class AllGather(NamedTuple):
-    """A unit's all-gather issued ahead of its use (``call.ahead``): by the unit called before
-    it (forward prefetch) or, in backward, by the unit called after it (backward prefetch).
+class AllGather(InFlight[list]):
+    """A unit's all-gather issued (``call.ahead`` when issued ahead of its use: by the unit
+    called before it, forward prefetch, or in backward by the unit called after it, backward
+    prefetch). Its ``result()`` (:class:`~functional_hsdp.runtime.flight.InFlight`'s, once) is the
+    unit's full weights.
 
-    Invariant: at most one per call; every rank issued it alike, so it completes; it is used
-    once, by the gather for the same ``when``, or abandoned (``engine.release``) when that
+    Invariant: at most one ahead per call; every rank issued it alike, so it completes; it is
+    used once, by the gather for the same ``when``, or abandoned (``abandon()``) when that
     gather will not come: the call is not made, its block gathers otherwise, or the chain
     ends. Nothing of it stays in flight past its chain.
     """
 
-    when: str  # "forward" or "backward": the gather that uses it
-    pending: list  # engine.start's per-bucket results, the last collective possibly in flight
+    __slots__ = ("when", "plan", "dtype", "pending")
+
+    def __init__(self, when: str, pending: list, *, plan: Plan, dtype: torch.dtype | None):
+        super().__init__()
+        self.when = when  # "forward" or "backward": the gather that uses it
+        self.plan, self.dtype = plan, dtype  # the unit's plan, mp_policy.param_dtype
+        self.pending = pending  # engine.start's per-bucket results, the last possibly in flight
+
+    def _wait(self) -> list[torch.Tensor]:
+        full, _ = engine.finish(self.plan, self.pending, "full", dtype=self.dtype)
+        self.pending = None
+        return full
+
+    def _release(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            engine.release(self.plan, pending)
 
 
-class ReduceScatter(NamedTuple):
-    """The gradient's reduce-scatter issued by a unit's backward (``call.reduction``, phase
-    REDUCING).
+class ReduceScatter(InFlight[list]):
+    """The gradient's reduce-scatter issued by a unit's backward (``call.reduction``, phases
+    REDUCING, then REDUCED once waited early). Its ``result()``
+    (:class:`~functional_hsdp.runtime.flight.InFlight`'s, once) is the reduced gradient's buckets.
 
     Invariant: every rank issued it alike; it is waited once: by the call's wait node, or
-    early by a later unit's backward (then :class:`Reduced`), or abandoned at the end of the
-    backward when the wait node never runs (a gradient of other inputs was asked for).
+    early by a later unit's backward, so that its gradient-sized input is freed before the
+    next unit packs its own (its buffers, the call's own and shard-sized, are then held until
+    the wait node hands them on, and nothing is added into a MainGrad before that); or it is
+    abandoned at the end of the backward when the wait node never runs (a gradient of other
+    inputs was asked for).
     """
 
-    pending: list  # engine.start's per-bucket results
+    __slots__ = ("plan", "pending")
 
+    def __init__(self, pending: list, *, plan: Plan):
+        super().__init__()
+        self.plan, self.pending = plan, pending  # engine.start's per-bucket results
 
-class Reduced(NamedTuple):
-    """A reduce-scatter waited early (``call.reduction``, phase REDUCED), so that its
-    gradient-sized input was freed before the next unit packs its own.
+    def _wait(self) -> list[torch.Tensor]:
+        bufs = engine.wait(self.plan, self.pending)
+        self.pending = None
+        return bufs
 
-    Invariant: the buffers are the call's own (shard-sized), handed on once, by its wait
-    node; nothing is added into a MainGrad before that.
-    """
-
-    buffers: list[torch.Tensor]
+    def _release(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            engine.release(self.plan, pending)
 
 
 # -- the all-gather ----------------------------------------------------------------------------
@@ -88,14 +112,14 @@ def issue_ahead(call: Call, when: str, pieces: Sequence[torch.Tensor]) -> None:
     issued before and not used is abandoned."""
     abandon_ahead(call)
     # in forward, ahead of its call: the record is still the prefetching block's
-    call.ahead = AllGather(when, _start_all_gather(call, pieces, ahead=when == "forward"))
+    call.ahead = _start_all_gather(call, when, pieces, ahead=when == "forward")
 
 
 def abandon_ahead(call: Call) -> None:
     """Release the all-gather issued ahead for ``call`` and not used (every rank issued it
     alike, so it completes; nothing of it stays in flight or held)."""
     if call.ahead is not None:
-        engine.release(call.plan, call.ahead.pending)
+        call.ahead.abandon()
         call.ahead = None
 
 
@@ -103,19 +127,21 @@ def gather(call: Call, when: str, pieces: Sequence[torch.Tensor]) -> list[torch.
     """The unit's full weights: its all-gather issued ahead for ``when``, or one issued now."""
     ahead = call.ahead
     if ahead is not None and ahead.when == when:
-        call.ahead, pending = None, ahead.pending
+        call.ahead, flight = None, ahead
     else:
-        pending = _start_all_gather(call, pieces)
-    full, _ = engine.finish(call.plan, pending, "full", dtype=call.block.param_dtype)
-    return full
+        flight = _start_all_gather(call, when, pieces)
+    return flight.result()
 
 
-def _start_all_gather(call: Call, pieces: Sequence[torch.Tensor], *, ahead: bool = False) -> list:
+def _start_all_gather(
+    call: Call, when: str, pieces: Sequence[torch.Tensor], *, ahead: bool = False
+) -> AllGather:
     if call.mode == "strict":
         _agree_before(call, "all-gather", ahead=ahead)
     plan, dtype = call.plan, call.block.param_dtype
     pack = lambda b: plan.pack(b, list(pieces), "parameter", dtype=dtype)  # noqa: E731
-    return engine.start(plan, pack, [("parameter", "full")])
+    pending = engine.start(plan, pack, [("parameter", "full")])
+    return AllGather(when, pending, plan=plan, dtype=dtype)
 
 
 # -- the reduce-scatter ------------------------------------------------------------------------
@@ -127,7 +153,8 @@ def start_reduce_scatter(call: Call, weight_grads: list[torch.Tensor]) -> None:
         _agree_before(call, "reduce-scatter")
     plan, dtype = call.plan, call.block.reduce_dtype
     pack = lambda b: plan.pack(b, weight_grads, "input", dtype=dtype)  # noqa: E731
-    call.reduction = ReduceScatter(engine.start(plan, pack, [("input", "gradient")], wire=dtype))
+    pending = engine.start(plan, pack, [("input", "gradient")], wire=dtype)
+    call.reduction = ReduceScatter(pending, plan=plan)
     lifecycle.reduce_scatter_issued(call)
 
 
@@ -135,7 +162,7 @@ def wait_early(call: Call) -> None:
     """Wait for ``call``'s reduce-scatter if it is in flight, keeping the result (shard-sized,
     the call's own) for its wait node; nothing is handed on here."""
     if call.phase is Phase.REDUCING:
-        call.reduction = Reduced(engine.wait(call.plan, call.reduction.pending))
+        call.reduction.result()
         lifecycle.reduce_scatter_waited(call)
 
 
@@ -143,12 +170,9 @@ def take_gradient(call: Call) -> list[torch.Tensor] | None:
     """For the wait node: the reduced gradient's buckets (waited now, or early), or None
     when no reduce-scatter is pending (the unit's backward did not run, or wanted none)."""
     reduction, call.reduction = call.reduction, None
-    if call.phase is Phase.REDUCING:
+    if call.phase in (Phase.REDUCING, Phase.REDUCED):
         lifecycle.gradient_handed_on(call)
-        return engine.wait(call.plan, reduction.pending)
-    if call.phase is Phase.REDUCED:
-        lifecycle.gradient_handed_on(call)
-        return reduction.buffers
+        return reduction.result()
     return None
 
 
@@ -158,7 +182,7 @@ def abandon_reduce_scatter(call: Call) -> None:
     if call.phase is Phase.REDUCING:
         reduction, call.reduction = call.reduction, None
         lifecycle.reduce_scatter_abandoned(call)
-        engine.release(call.plan, reduction.pending)
+        reduction.abandon()
 
 
 # -- strict agreement --------------------------------------------------------------------------
