@@ -7,7 +7,7 @@ gradient collective (README, "Reliability"). 4 gloo processes, 2x2 mesh, ``hsdp`
   per microbatch, SGD) with the agreement on (the default) and with ``validation("off")``,
   interleaved; the cost is (on - off) / off. Goal: <= 2 %.
 - **10,000 leaves**: ``reduce_grads(g, spec, last=True)`` on a tree of 10,000 small leaves,
-  on and off; and the agreement alone (``validate.agreement`` and its ``check``, with the
+  on and off; and the agreement alone (``agreement.agreement`` and its ``check``, with the
   call's cached fingerprint, waited at once).
 - **the floor**: 1 + M agreements alone per step (a step makes 1 + M calls): what the
   agreement costs where nothing overlaps it. Beside it, one bare host all-gather of a row as
@@ -67,7 +67,8 @@ def task(cfg: dict) -> dict:
     import functional_hsdp as fh
     from functional_hsdp.base.tree import flatten
     from functional_hsdp.plan.lookup import grads_plan
-    from functional_hsdp.runtime import validate
+    from functional_hsdp.runtime import agreement
+    from functional_hsdp.runtime.fingerprints import HEADER
 
     dm = C.device_mesh((2, 2))
     spec = fh.hsdp(fh.DistMesh(dm), *C.AXES)
@@ -91,14 +92,14 @@ def task(cfg: dict) -> dict:
     call = partial(fh.reduce_grads, tree, spec, last=True)
     leaves, treedef, paths = flatten(tree, "grads")
     plan = grads_plan(leaves, treedef, paths, spec=spec, name="grads")
-    row = torch.zeros(len(validate.HEADER) + 5, dtype=torch.int64)  # the agreement's row
+    row = torch.zeros(len(HEADER) + 5, dtype=torch.int64)  # the agreement's row
     bare = partial(_bare_exchange, row, [torch.empty_like(row) for _ in range(C.WORLD)])
     ops = {
         "step_on": step,
         "step_off": partial(S.validation_off, step),
         "tree_on": call,
         "tree_off": partial(S.validation_off, call),
-        "agreement": partial(S.agreement_alone, validate, spec, plan, paths),
+        "agreement": partial(S.agreement_alone, agreement, spec, plan, paths),
         "bare": bare,
     }
     return C.interleaved(ops, cfg["warmup"], cfg["reps"])
@@ -172,7 +173,7 @@ def report(res: dict, command: str, when: str) -> str:
         "`MainGrad.accumulate`, SGD; 1 + M library calls, each with its agreement) with the "
         'agreement on (the default) and `validation("off")`. Tree: `reduce_grads(last=True)` '
         f"on {cfg['leaves']} leaves of 20 fp32 elements; the agreement alone: "
-        "`validate.agreement` and its `check`, with the cached fingerprint, waited at once. "
+        "`agreement.agreement` and its `check`, with the cached fingerprint, waited at once. "
         f"{C.timing_note(cfg, 'every operation')}\n"
     )
     t = C.table(

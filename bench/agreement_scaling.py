@@ -44,10 +44,21 @@ def validation_off(fn):
         return fn()
 
 
-def agreement_alone(validate, spec, plan, paths) -> None:
+def agreement_room():
+    """The module that holds ``agreement`` in the imported library: ``runtime.agreement``, or
+    in a checkout before that room, ``runtime.validate``."""
+    try:
+        from functional_hsdp.runtime import agreement
+    except ImportError:  # an older checkout: the agreement lived in validate
+        from functional_hsdp.runtime import validate as agreement
+    return agreement
+
+
+def agreement_alone(room, spec, plan, paths) -> None:
     """One call's agreement alone, as ``reduce_grads(last=True)`` makes it (its fingerprint
-    cached after the first), waited at once (``validate.agreement`` of every version)."""
-    with validate.agreement(spec, "reduce_grads") as agreed:
+    cached after the first), waited at once (``room.agreement`` of every version: ``room`` is
+    the module holding it, :func:`agreement_room`)."""
+    with room.agreement(spec, "reduce_grads") as agreed:
         agreed.check(plan, paths, last=True, options=("check_finite=False", "at=input"))
 
 
@@ -59,7 +70,6 @@ def task(cfg: dict) -> dict:
     import functional_hsdp as fh
     from functional_hsdp.base.tree import flatten
     from functional_hsdp.plan.lookup import grads_plan
-    from functional_hsdp.runtime import validate
 
     n = dist.get_world_size()
     spec = fh.hsdp(fh.DistMesh(C.device_mesh((2, n // 2))), *C.AXES)
@@ -71,7 +81,7 @@ def task(cfg: dict) -> dict:
     ops = {
         "on": call,
         "off": partial(validation_off, call),
-        "agreement": partial(agreement_alone, validate, spec, plan, paths),
+        "agreement": partial(agreement_alone, agreement_room(), spec, plan, paths),
     }
     return C.interleaved(ops, cfg["scaling_warmup"], cfg["scaling_reps"])
 

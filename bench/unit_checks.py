@@ -42,7 +42,7 @@ class _Mode:
 def _alone(runner, data, calls: int) -> dict:
     """Per step, the default mode's own work, timed alone: the extra summary and the unit
     calls' recording (each call's texts are cached: a list append and a hash update)."""
-    from functional_hsdp.runtime import validate
+    from functional_hsdp.runtime.unit_calls import UnitLog
     from functional_hsdp.sync.maingrad import units_of
 
     mg, fh = runner.mg, runner.fh
@@ -56,7 +56,7 @@ def _alone(runner, data, calls: int) -> dict:
     for _ in range(calls):
         units_of(mg).agree("MainGrad.begin_microbatch")
     summary = (time.perf_counter() - t0) / calls
-    log, units = validate.UnitLog(), 2 * len(runner.shards)  # each unit once per microbatch
+    log, units = UnitLog(), 2 * len(runner.shards)  # each unit once per microbatch
     t0 = time.perf_counter()
     for _ in range(calls):
         for u in range(units):

@@ -239,15 +239,15 @@ def test_balanced_fragments_train_as_the_naive_reference_with_those_labels():
 
 
 def test_a_replicas_specs_agreement_spans_its_replica_and_still_names_the_rank():
-    from functional_hsdp.runtime import validate
+    from functional_hsdp.runtime import span
 
     mesh = _mesh()
     inner = fh.replicas(fh.hsdp(mesh, "dp_outer", "dp_inner"), "dp_outer")
-    scope = validate.within(inner)
+    scope = span.within(inner)
     assert (scope.axis_names, scope.sizes, scope.batch_shape) == (("dp_inner",), (2,), (2, 2))
-    assert validate.within(fh.hsdp(mesh, "dp_outer", "dp_inner")) is mesh
-    assert validate.within(mesh) is mesh
-    assert validate.within({"a": inner, "b": fh.hsdp(mesh, "dp_outer", "dp_inner")}) is mesh
+    assert span.within(fh.hsdp(mesh, "dp_outer", "dp_inner")) is mesh
+    assert span.within(mesh) is mesh
+    assert span.within({"a": inner, "b": fh.hsdp(mesh, "dp_outer", "dp_inner")}) is mesh
     g = {"w": torch.ones(2, 2, 8, 4)}
     g["w"][1, 0, 3, 1] = float("nan")
     with pytest.raises(ValueError, match=r"\['w'\]: holds NaN or Inf on rank \(1, 0\)"):

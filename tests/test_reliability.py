@@ -61,10 +61,11 @@ from reference import (
 )
 
 import functional_hsdp as fh
-from functional_hsdp.base.errors import collective_error
+from functional_hsdp.base.errors import CollectiveError, collective_error
 from functional_hsdp.plan.recipe import TreeMeta, get_plan
-from functional_hsdp.runtime import validate
-from functional_hsdp.runtime.validate import CollectiveError, validation
+from functional_hsdp.runtime.agreement import agree
+from functional_hsdp.runtime.fingerprints import fingerprint
+from functional_hsdp.runtime.validate import validation
 
 # ``mesh`` (a 2x2 SimMesh) and ``spec`` (hsdp on it) are conftest.py's fixtures.
 
@@ -270,7 +271,7 @@ def _fingerprint(grads: dict, spec: fh.Spec, last: bool, name: str = "grads"):
         ),
         paths,
     )
-    return validate.fingerprint(plan, "reduce_grads", paths, last=last, options=()), paths
+    return fingerprint(plan, "reduce_grads", paths, last=last, options=()), paths
 
 
 def _agree_on_threads(per_rank: list, nonfinite: list | None = None) -> list:
@@ -281,7 +282,7 @@ def _agree_on_threads(per_rank: list, nonfinite: list | None = None) -> list:
         fp, paths = _fingerprint(*per_rank[r])
         bad = torch.tensor(nonfinite[r]) if nonfinite else None
         try:
-            validate.agree(mesh.bind(r), ("dp",), fp, paths, bad)
+            agree(mesh.bind(r), ("dp",), fp, paths, bad)
         except ValueError as e:
             out[r] = str(e)
 

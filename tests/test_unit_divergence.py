@@ -12,7 +12,8 @@ import torch
 from reference import on_device_threads
 
 import functional_hsdp as fh
-from functional_hsdp.runtime import validate
+from functional_hsdp.runtime import messages
+from functional_hsdp.runtime.unit_calls import unit_log
 from functional_hsdp.units import transfers as units
 
 
@@ -54,7 +55,7 @@ def test_every_mode_gives_the_same_gradients(recompute):
         mesh, got = _step(mode, recompute)
         for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
             assert torch.equal(a, b)
-        assert validate.unit_log(mesh).count == 0  # taken by the step's checks
+        assert unit_log(mesh).count == 0  # taken by the step's checks
 
 
 def test_the_log_records_each_unit_call_in_order_until_a_check_takes_it():
@@ -64,7 +65,7 @@ def test_the_log_records_each_unit_call_in_order_until_a_check_takes_it():
     block = fh.gathered(fh.per_rank(_layer, mesh), spec)
     x = torch.ones(2, 3, 4)
     block(shards[1], block(shards[0], x))
-    log = validate.unit_log(mesh)
+    log = unit_log(mesh)
     assert log.count == 2 and "_layer on tree[0]" in log.texts[log.entries[0][1]]
     first = log.digest
     log.take()
@@ -115,7 +116,7 @@ def _lists(*ranks):
 def test_how_the_unit_calls_differ(ranks, how):
     lists = _lists(*ranks)
     made = [len(r) for r in ranks]
-    assert validate._how(lists, made, 1, texts=["", ""]) == how
+    assert messages._how(lists, made, 1, texts=["", ""]) == how
 
 
 def test_how_names_the_options_or_dtypes_that_differ():
@@ -123,8 +124,8 @@ def test_how_names_the_options_or_dtypes_that_differ():
     a = "u | recompute=False; param_dtype=None; buckets=[4, 4]"
     b = "u | recompute=False; param_dtype=torch.bfloat16; buckets=[4, 4]"
     c = "u | recompute=True; param_dtype=None; buckets=[4, 4]"
-    assert validate._how(lists, [1, 1], 0, texts=[a, b]) == "dtype: param_dtype"
-    assert validate._how(lists, [1, 1], 0, texts=[a, c]) == "options: recompute"
+    assert messages._how(lists, [1, 1], 0, texts=[a, b]) == "dtype: param_dtype"
+    assert messages._how(lists, [1, 1], 0, texts=[a, c]) == "options: recompute"
 
 
 def _composable(mode: str, transform: str, order=(0, 1)):
@@ -160,14 +161,14 @@ def test_the_composable_path_records_its_unit_calls(transform):
     fingerprint (where its shards are found through the transforms' wrappers and forward
     mode's dual views), in order; validation('off') records nothing."""
     mesh, _ = _composable("on", transform)
-    log = validate.unit_log(mesh)
+    log = unit_log(mesh)
     texts = [log.texts[e[1]] for e in log.entries]
     assert len(texts) == 2 and "(composable path) on tree[0]" in texts[0], texts
     assert "(composable path) on tree[1]" in texts[1], texts
     other, _ = _composable("on", transform, order=(1, 0))
-    assert validate.unit_log(other).digest != log.digest
+    assert unit_log(other).digest != log.digest
     off, _ = _composable("off", transform)
-    assert validate.unit_log(off).count == 0
+    assert unit_log(off).count == 0
 
 
 @pytest.mark.parametrize("transform", ["vmap", "jvp", "hvp"])

@@ -31,7 +31,7 @@ from ..io.checkpoint import empty_state_dict, load_state_dict, load_tree, state_
 from ..mesh import Mesh
 from ..optim.matrix import PartitionState
 from ..optim.transforms import GradientTransformation, apply_updates
-from ..plan.lookup import find_layout
+from ..plan.lookup import find_plan_at
 from ..plan.recipe import get_plan
 from ..runtime.compressed import Packing, start_packed
 from ..runtime.flight import InFlight
@@ -271,16 +271,7 @@ def _params_plan(
         return made.plan, made.role
     if spec is None:
         return None
-    plan, _ = find_layout(
-        leaves,
-        treedef,
-        paths,
-        spec=spec,
-        like=None,
-        roles=("optimizer",),
-        kinds=("weights", "final"),
-        name="params",
-    )
+    plan = find_plan_at(leaves, treedef, paths, spec=spec, role="optimizer", name="params")
     return plan, "optimizer"
 
 

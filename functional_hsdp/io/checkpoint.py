@@ -37,10 +37,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..base.tags import tag
 from ..base.tree import flatten, is_masked, masked_like, paths_of, unmask
 from ..plan.buckets import unpack_full
-from ..plan.lookup import find_layout
+from ..plan.lookup import find_plan
 from ..plan.owner import chunk_of, piece_of
 from ..plan.recipe import Plan, Step, TreeMeta, get_plan
-from ..runtime import validate
+from ..runtime.agreement import agreement
 from ..runtime.engine import remember_units
 from ..runtime.scheduler import run
 from ..spec.specs import Spec, resolve_specs
@@ -423,12 +423,12 @@ def _tree_state(tree: Any, spec: Any, like: Any) -> dict[str, DTensor]:
     leaves, present, treedef, paths = unmask(tree, "tree")
     if not any(present):
         return {}
-    with validate.agreement(spec, "state_dict") as agreed:
+    with agreement(spec, "state_dict") as agreed:
         if spec is None:
             raise TypeError("state_dict: spec is required (the Spec the tree was made with)")
         roles, kinds = (ROLE, "parameter"), ("final", "weights")
         like = None if like is None else _with_stand_ins(like)
-        plan, role = find_layout(
+        plan, role = find_plan(
             leaves, treedef, paths, spec=spec, like=like, roles=roles, kinds=kinds, name="tree"
         )
         dtensor_mesh(plan)
@@ -615,7 +615,7 @@ def load_tree(state: dict, spec: Any, like: Any, *, name: str, kinds: tuple | No
     if not any(present):
         return like
     like = _with_stand_ins(like)  # Masked leaves: loaded as Masked at their local shapes
-    with validate.agreement(spec, "load_state_dict") as agreed:
+    with agreement(spec, "load_state_dict") as agreed:
         plan, paths = _like_plan(like, spec, kinds=kinds)
         shapes = forms(plan)
         local = loaded_chunks(state, plan, shapes, name=name, present=present)

@@ -33,10 +33,10 @@ import torch
 from ..base.tree import Masked, format_path, is_masked, masked, refuse_tracked, refuse_vmap, unmask
 from ..io.checkpoint import empty_member, load_members, save_member
 from ..plan.buckets import shard_dims, unpack_full
-from ..plan.lookup import find_layout
+from ..plan.lookup import find_plan_at
 from ..plan.owner import BucketRoute, chunk_rows, local_items, owner_of_slot, route
 from ..plan.recipe import Plan
-from ..runtime import validate
+from ..runtime.agreement import agreement
 from ..runtime.scheduler import run
 from .schedules import Schedule, check_lr
 from .transforms import (
@@ -105,20 +105,11 @@ def per_matrix(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any, spec: Any)
         raise TypeError(f"per_matrix: fn must be callable; got {type(fn).__name__}")
     leaves, present, treedef, paths = unmask(tree, "tree")
     refuse_vmap([x for x, p in zip(leaves, present) if p], "per_matrix")
-    with validate.agreement(spec, "per_matrix") as agreed:
+    with agreement(spec, "per_matrix") as agreed:
         if not any(present):
             return tree
         refuse_tracked(leaves, paths, "per_matrix")
-        plan, _ = find_layout(
-            leaves,
-            treedef,
-            paths,
-            spec=spec,
-            like=None,
-            roles=("optimizer",),
-            kinds=("final", "weights"),
-            name="tree",
-        )
+        plan = find_plan_at(leaves, treedef, paths, spec=spec, role="optimizer", name="tree")
         _check_matrices(plan, present, paths)
         agreed.check(plan, paths, options=("per_matrix", str(tuple(present))), defer=True)
     out = list(leaves)

@@ -4,8 +4,9 @@
   checks run on the first tree of each metadata; later trees with the same metadata reuse
   the result.
 - :func:`traced_grads_plan`: the same under ``torch.compile``.
-- :func:`find_layout`: local shards (their shapes are pieces): the plan and role they are
-  laid out at, from their state tags or the full shapes this process has seen.
+- :func:`find_plan`: local shards (their shapes are pieces): the plan and role they are
+  laid out at, from their state tags or the full shapes this process has seen;
+  :func:`find_plan_at`: the plan of local shards at one known role.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from .recipe import Plan, TreeMeta, get_plan, layouts_for
 
 __all__ = [
     "check_local",
-    "find_layout",
+    "find_plan",
+    "find_plan_at",
     "grads_plan",
     "plan_for",
     "traced_grads_plan",
@@ -224,7 +226,7 @@ def _check_tag(
         raise ValueError(kind_error(path, state.kind, kinds))
 
 
-def find_layout(
+def find_plan(
     leaves: list,
     treedef: optree.PyTreeSpec,
     paths: tuple[str, ...],
@@ -268,6 +270,26 @@ def find_layout(
     if key not in _FOUND:
         _FOUND[key] = _by_shapes(leaves, treedef, paths, **search)
     return _FOUND[key]
+
+
+def find_plan_at(
+    leaves: list,
+    treedef: optree.PyTreeSpec,
+    paths: tuple[str, ...],
+    *,
+    spec: Any,
+    role: str,
+    kinds: tuple[str, ...] = ("final", "weights"),
+    name: str,
+) -> Plan:
+    """The plan that ``leaves`` (local shards at ``role``, of a state among ``kinds``: by
+    default weights, as shard, gather or an optimizer's update leaves them) are laid out by:
+    :func:`find_plan` with one role and no ``like``."""
+    roles = (role,)
+    plan, _ = find_plan(
+        leaves, treedef, paths, spec=spec, like=None, roles=roles, kinds=kinds, name=name
+    )
+    return plan
 
 
 def _unwrapped(x: Any) -> Any:

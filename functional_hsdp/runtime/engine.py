@@ -36,10 +36,19 @@ from ..base.tree import (
     refuse_vmap,
     structure_error,
 )
-from ..plan.lookup import check_local, find_layout, grads_plan, plan_for, traced_grads_plan
+from ..plan.lookup import (
+    check_local,
+    find_plan,
+    find_plan_at,
+    grads_plan,
+    plan_for,
+    traced_grads_plan,
+)
 from ..plan.recipe import Plan, remember_layout
 from ..spec.specs import Spec, resolve_specs
-from . import compressed, validate
+from . import compressed
+from .agreement import agreement, agreement_in_mode
+from .fingerprints import nonfinite_index
 from .flight import InFlight
 from .scheduler import expand, run
 
@@ -242,7 +251,7 @@ def reduce(
     _check_wait(wait, call, plain=last is True and acc is None and residual is None)
     leaves, treedef, paths = flatten(grads, name)
     refuse_vmap(leaves, call)
-    with validate.agreement_in_mode(spec, call, mode) as agreed:  # a local error: all raise
+    with agreement_in_mode(spec, call, mode) as agreed:  # a local error: all raise
         refuse_tracked(leaves, paths, call)
         check_bool("last", last, " (True on the final microbatch)")
         check_bool("check_finite", check_finite)
@@ -280,7 +289,7 @@ def agree(
     collectives is issued (mismatched ones abort gloo and hang NCCL). ``mode``: as in
     :func:`reduce`; under ``validation("off")`` nothing is exchanged."""
     leaves, treedef, paths = flatten(tree, name)
-    with validate.agreement_in_mode(spec, call, mode) as agreed:  # a local error: all raise
+    with agreement_in_mode(spec, call, mode) as agreed:  # a local error: all raise
         refuse_tracked(leaves, paths, call)
         if not leaves or mode == "off":  # nothing to agree on, or nothing exchanged
             return
@@ -413,23 +422,15 @@ def _source(plan: Plan, leaves: list, role: str, *, check_finite: bool) -> tuple
     if not check_finite:
         return functools.partial(plan.pack, leaves=leaves, role=role), None
     packed = [plan.pack(b, leaves, role) for b in range(len(plan.buckets))]
-    nonfinite = validate.nonfinite_index(leaves, len(plan.mesh.batch_shape), packed)
+    nonfinite = nonfinite_index(leaves, len(plan.mesh.batch_shape), packed)
     return packed.__getitem__, nonfinite
 
 
 def _input_plan(grads, leaves, treedef, *, paths, spec, at: str, name: str) -> Plan:
     if at == "gradient":  # local shards at the gradient placement (layer-wise backward)
-        plan, _ = find_layout(
-            leaves,
-            treedef,
-            paths,
-            spec=spec,
-            like=None,
-            roles=("gradient",),
-            kinds=("accumulating",),
-            name=name,
+        return find_plan_at(
+            leaves, treedef, paths, spec=spec, role="gradient", kinds=("accumulating",), name=name
         )
-        return plan
     if torch.compiler.is_compiling():
         return traced_grads_plan(grads, leaves, spec, name=name)
     return grads_plan(leaves, treedef, paths, spec=spec, name=name)
@@ -546,10 +547,10 @@ def move(
         resolve_specs(spec, treedef, name)
         return optree.tree_unflatten(treedef, [])
     roles = (source,) if source else ("optimizer", "parameter")
-    with validate.agreement(spec, call) as agreed:
+    with agreement(spec, call) as agreed:
         refuse_tracked(leaves, paths, call)
         kinds = ("final", "weights")
-        plan, role = find_layout(
+        plan, role = find_plan(
             leaves, treedef, paths, spec=spec, like=like, roles=roles, kinds=kinds, name=name
         )
         agreed.check(plan, paths, options=(f"from {role}", f"dtype={dtype}"), defer=True)

@@ -147,8 +147,8 @@ def run(
             possibly still in flight (``mesh.wait`` each before use).
         gate: called once, just before the first collective is issued (after the first
             bucket was packed), or at the end if none is: the call's cross-rank agreement
-            (:meth:`~functional_hsdp.runtime.validate.Agreement.settle`), whose exchange so overlaps
-            the packing. Also called if anything raises before it was, so that every rank
+            (:meth:`~functional_hsdp.runtime.agreement.Agreement.settle`), whose exchange so
+            overlaps the packing. Also called if anything raises before it was, so that every rank
             takes part in the exchange; an error it raises then is raised instead.
 
     Returns:

@@ -489,43 +489,44 @@ def fsdp(
     return _preset(mesh, roles, axes, reduce_op=reduce_op, bucket_cap_mb=bucket_cap_mb)
 
 
-def _hybrid(
-    name: str,
-    mesh: Mesh,
-    *,
-    outer: str,
-    inner: str,
-    opt_outer: Placement,
-    reduce_op: str,
-    bucket_cap_mb: float,
-    outer_compress: Compress | None,
-) -> Spec:
-    axes = _axes((outer, inner), mesh, name)
-    roles = {
-        "parameter": {outer: Replicate(), inner: Flat()},
-        "gradient": {outer: Partial(reduce_op), inner: Flat()},
-        "optimizer": {outer: opt_outer, inner: Flat()},
-    }
-    return _preset(
-        mesh,
-        roles,
-        axes,
-        reduce_op=reduce_op,
-        bucket_cap_mb=bucket_cap_mb,
-        outer_compress=outer_compress,
-    )
+def _hybrid(name: str, opt_outer: type[Placement], doc: str):
+    """The preset ``name`` on an ``(outer, inner)`` pair of axes, documented by ``doc``:
+    parameter ``[Replicate, Flat]``, gradient ``[Partial(op), Flat]``, optimizer
+    ``[opt_outer, Flat]``. :func:`hsdp` and :func:`hfsdp` differ only in ``opt_outer``."""
+
+    def preset(
+        mesh: Mesh,
+        outer: str,
+        inner: str,
+        *,
+        reduce_op: str = "avg",
+        bucket_cap_mb: float = 25.0,
+        outer_compress: Compress | None = None,
+    ) -> Spec:
+        axes = _axes((outer, inner), mesh, name)
+        roles = {
+            "parameter": {outer: Replicate(), inner: Flat()},
+            "gradient": {outer: Partial(reduce_op), inner: Flat()},
+            "optimizer": {outer: opt_outer(), inner: Flat()},
+        }
+        return _preset(
+            mesh,
+            roles,
+            axes,
+            reduce_op=reduce_op,
+            bucket_cap_mb=bucket_cap_mb,
+            outer_compress=outer_compress,
+        )
+
+    preset.__name__ = preset.__qualname__ = name
+    preset.__doc__ = doc
+    return preset
 
 
-def hsdp(
-    mesh: Mesh,
-    outer: str,
-    inner: str,
-    *,
-    reduce_op: str = "avg",
-    bucket_cap_mb: float = 25.0,
-    outer_compress: Compress | None = None,
-) -> Spec:
-    """HSDP with deferred outer reduction (Megatron-LM PR 5743).
+hsdp = _hybrid(
+    "hsdp",
+    Replicate,
+    doc="""HSDP with deferred outer reduction (Megatron-LM PR 5743).
 
     Every microbatch reduce-scatters over ``inner`` and accumulates; only the last one
     all-reduces over ``outer``, on the 1/n_inner shard.
@@ -550,29 +551,13 @@ def hsdp(
         >>> spec = fh.hsdp(fh.SimMesh({"dp_outer": 2, "dp_inner": 2}), "dp_outer", "dp_inner")
         >>> spec.gradient
         (Partial(avg), Flat())
-    """
-    return _hybrid(
-        "hsdp",
-        mesh,
-        outer=outer,
-        inner=inner,
-        opt_outer=Replicate(),
-        reduce_op=reduce_op,
-        bucket_cap_mb=bucket_cap_mb,
-        outer_compress=outer_compress,
-    )
+    """,
+)
 
-
-def hfsdp(
-    mesh: Mesh,
-    outer: str,
-    inner: str,
-    *,
-    reduce_op: str = "avg",
-    bucket_cap_mb: float = 25.0,
-    outer_compress: Compress | None = None,
-) -> Spec:
-    """HFSDP: like :func:`hsdp`, but the optimizer is ``[Flat, Flat]``.
+hfsdp = _hybrid(
+    "hfsdp",
+    Flat,
+    doc="""HFSDP: like :func:`hsdp`, but the optimizer is ``[Flat, Flat]``.
 
     The last microbatch reduce-scatters over ``outer`` too; main weights and optimizer state
     are sharded over both axes.
@@ -588,17 +573,8 @@ def hfsdp(
         >>> import functional_hsdp as fh
         >>> fh.hfsdp(fh.SimMesh({"dp_outer": 2, "dp_inner": 2}), "dp_outer", "dp_inner").split_order
         ('dp_inner', 'dp_outer')
-    """
-    return _hybrid(
-        "hfsdp",
-        mesh,
-        outer=outer,
-        inner=inner,
-        opt_outer=Flat(),
-        reduce_op=reduce_op,
-        bucket_cap_mb=bucket_cap_mb,
-        outer_compress=outer_compress,
-    )
+    """,
+)
 
 
 def replicas(spec: Any, axis: str) -> Any:

@@ -40,7 +40,9 @@ import torch
 from ..base.tags import state_of_alias
 from ..plan.recipe import Plan, Step
 from ..runtime import engine, validate
+from ..runtime.agreement import agree_on_unit_collective
 from ..runtime.scheduler import expand, issue
+from ..runtime.unit_calls import unit_log
 
 __all__ = ["Move", "collecting_norms", "move", "per_example_grad_norms"]
 
@@ -128,7 +130,7 @@ class Move:
         what = f"gathered (composable path): {op} of the unit on {unit.where}"
         paths = [f"{unit.where}[{i}]" for i in range(len(self.plan.shapes))]
         options = (f"{self.frm}->{self.to}", f"dtype={self.dtype}", *unit.options)
-        validate.agree_on_unit_collective(
+        agree_on_unit_collective(
             self.plan.specs,
             self.plan,
             what=what,
@@ -158,7 +160,7 @@ class UnitCall:
         self.recorded = True
         self.where = _where(leaves[0]) if leaves else self.where
         if self.mode != "off":
-            validate.unit_log(plan.mesh).record(
+            unit_log(plan.mesh).record(
                 f"all-gather (composable path) on {self.where}", "; ".join(self.options)
             )
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..base.tree import flatten
 from ..io.checkpoint import contiguous_stride
-from ..plan.lookup import find_layout
+from ..plan.lookup import find_plan
 from ..plan.recipe import Plan
 from ..spec.placement import Flat, Owner, Partial
 
@@ -57,7 +57,7 @@ def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = 
     if not leaves:
         return [] if per == "bucket" else optree.tree_unflatten(treedef, [])
     roles = (source,) if source else ("optimizer", "parameter")
-    plan, role = find_layout(
+    plan, role = find_plan(
         leaves,
         treedef,
         paths,

@@ -66,7 +66,10 @@ from ..io.checkpoint import (
 from ..plan.buckets import pack_shard_full, spaced
 from ..plan.recipe import Plan, TreeMeta, get_plan
 from ..runtime import engine, validate
+from ..runtime.agreement import agree_on_unit_collective, agreement
+from ..runtime.fingerprints import nonfinite_index
 from ..runtime.flight import InFlight
+from ..runtime.unit_calls import unit_log
 from ..spec.specs import resolve_specs
 
 __all__ = ["DEPTH", "MainGrad", "microbatches"]
@@ -261,7 +264,7 @@ class MainGrad:
         plan, mesh = self.plan, self.mesh
         leaves, treedef, paths = flatten(grads, "grads")
         refuse_vmap(leaves, "MainGrad.accumulate")
-        with validate.agreement(plan.specs, "MainGrad.accumulate") as agreed:
+        with agreement(plan.specs, "MainGrad.accumulate") as agreed:
             refuse_tracked(leaves, paths, "MainGrad.accumulate")
             check_bool("last", last, " (True on the final microbatch)")
             check_bool("check_finite", check_finite)
@@ -278,9 +281,7 @@ class MainGrad:
                 f"check_finite={check_finite}",
                 f"at={at}",
             )
-            nonfinite = (
-                validate.nonfinite_index(leaves, len(mesh.batch_shape)) if check_finite else None
-            )
+            nonfinite = nonfinite_index(leaves, len(mesh.batch_shape)) if check_finite else None
             # on the last microbatch, the step's unit calls too (before its gradient is final)
             check = dict(options=options, nonfinite=nonfinite, defer=True, units=last is True)
             agreed.check(plan, paths, last=last, **check)
@@ -368,7 +369,7 @@ class MainGrad:
         # rank's own checks run inside that agreement (a failure there is every rank's)
         declare = functools.partial(self._declare, last)
         if validate.current_mode() == "strict":  # every declaration, at once
-            validate.agree_on_unit_collective(
+            agree_on_unit_collective(
                 self.plan.specs,
                 self.plan,
                 what="MainGrad.begin_microbatch",
@@ -388,7 +389,7 @@ class MainGrad:
         """begin_microbatch's own checks, and the declaration into the mesh's unit log."""
         check_bool("last", last, " (True before the final microbatch)")
         self._check_accumulating("begin_microbatch")
-        validate.unit_log(self.mesh).record("MainGrad.begin_microbatch", f"last={last}")
+        unit_log(self.mesh).record("MainGrad.begin_microbatch", f"last={last}")
 
     @torch.compiler.disable
     def finish(self) -> None:
@@ -396,7 +397,7 @@ class MainGrad:
         add): for gradients that :func:`~functional_hsdp.gathered` units with ``into=self``
         added during backward. The reductions already issued in that backward (see
         :meth:`begin_microbatch`) are only waited for. Every rank must call it."""
-        with validate.agreement(self.plan.specs, "MainGrad.finish") as agreed:
+        with agreement(self.plan.specs, "MainGrad.finish") as agreed:
             if self._state == "final":
                 raise ValueError("MainGrad.finish: the step is finished already; call zero_grad()")
             if self._empty:
@@ -832,7 +833,7 @@ class _Units:
         error starting with ``where``. ``local``: this rank's own checks, run first inside
         the agreement (a rank whose checks fail tells the others). Every rank must call it."""
         mg = self._mg
-        with validate.agreement(mg.plan.specs, where) as agreed:
+        with agreement(mg.plan.specs, where) as agreed:
             if local is not None:
                 local()
             agreed.check(mg.plan, paths_of(mg.plan.treedef, "grads"), units=True)
@@ -936,7 +937,7 @@ def _check_checkpoint_spec(mg: MainGrad, spec: Any) -> None:
 
 
 def _checkpoint_state(mg: MainGrad, spec: Any) -> dict[str, Any]:
-    with validate.agreement(mg.plan.specs, "state_dict") as agreed:
+    with agreement(mg.plan.specs, "state_dict") as agreed:
         _check_checkpoint_spec(mg, spec)
         dtensor_mesh(mg.mesh)
         grads = mg.grads
@@ -1021,7 +1022,7 @@ def _load_checkpoint(state: dict, spec: Any, mg: MainGrad, *, name: str) -> Main
         _load_residual(state, mg, name=name)
         return mg
     plan = mg.plan
-    with validate.agreement(mg.plan.specs, "load_state_dict") as agreed:
+    with agreement(mg.plan.specs, "load_state_dict") as agreed:
         _check_checkpoint_spec(mg, spec)
         shapes = forms(plan)
         local = loaded_chunks(state.get("grads", {}), plan, shapes, name=f"{name}['grads']")

@@ -17,6 +17,7 @@ import optree
 import torch
 
 from ..runtime import validate
+from ..runtime.unit_calls import unit_log
 from ..spec.precision import Precision, check_mp_policy
 from ..spec.specs import Spec
 from ..sync.maingrad import MainGrad, units_of
@@ -94,7 +95,7 @@ class Gathered:
         # read here, in the caller's context, and carried on the record into backward
         chains.join(call, registry.current_chain(), validate.current_mode())
         if call.mode != "off":  # the step's running fingerprint, agreed where it exchanges
-            validate.unit_log(self.spec.mesh).record(*describe(self, call))
+            unit_log(self.spec.mesh).record(*describe(self, call))
         if call.sink is not None:  # its backward's gradient is one more for the MainGrad
             units_of(self.into).called(call.sink)
         nxt, self._next = self._next, None

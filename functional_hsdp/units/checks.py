@@ -15,7 +15,7 @@ import torch
 
 from ..base.tags import state_of
 from ..base.tree import flatten
-from ..plan.lookup import find_layout
+from ..plan.lookup import find_plan_at
 from ..plan.recipe import Plan
 from ..spec.specs import Spec
 from ..sync.maingrad import units_of
@@ -38,16 +38,7 @@ def unit_plan(block: Any, shards: Any, name: str) -> tuple[list, Any, tuple, Pla
     leaves, treedef, paths = flatten(shards, name)
     if not leaves:
         raise ValueError(f"gathered: {block.name}'s shards are an empty tree")
-    plan, _ = find_layout(
-        leaves,
-        treedef,
-        paths,
-        spec=block.spec,
-        like=None,
-        roles=("parameter",),
-        kinds=("final", "weights"),
-        name=name,
-    )
+    plan = find_plan_at(leaves, treedef, paths, spec=block.spec, role="parameter", name=name)
     return leaves, treedef, paths, plan
 
 

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 import torch
 
 from ..plan.recipe import Plan
-from ..runtime import engine, validate
+from ..runtime import engine
+from ..runtime.agreement import agree_on_unit_collective
 from ..runtime.flight import InFlight
 from . import call as lifecycle
 from .call import Call, Phase
@@ -201,7 +202,7 @@ def _agree_before(call: Call, collective: str, *, ahead: bool = False) -> None:
         named = f"the unit on {call.where} (its all-gather issued ahead by gathered({block.name}))"
     what = f"gathered: {collective} of {unit}"
     paths = [f"{call.where}[{i}]" for i in range(call.k)]
-    validate.agree_on_unit_collective(
+    agree_on_unit_collective(
         block.spec,
         call.plan,
         what=what,
