@@ -7,15 +7,7 @@ Library code is written once against :class:`Mesh` and never asks which mesh it 
 companions: ``mesh.geometry`` (a :class:`Geometry`: where each rank's piece of a bucket lies,
 and slicing and joining pieces) and ``mesh.diagnostics`` (a :class:`Diagnostics`: how a
 collective was carried out, and the uncounted host-side exchanges the cross-rank checks use).
-
-*Buckets.* A bucket is a tensor ``(*batch_shape, L)``: one flat buffer per rank.
-``batch_shape`` is the mesh shape on a :class:`~functional_hsdp.SimMesh` (rank ``(o, i)``
-holds ``x[o, i]``) and ``()`` on a :class:`~functional_hsdp.DistMesh`, so the same code
-serves both.
-
-*In flight.* A collective may return a :class:`Flight` instead of a tensor: the collective is
-running and its result must not be read until :meth:`Mesh.wait` returns it. The record is
-explicit (no state hidden on tensors): whoever holds it either waits for it or abandons it.
+Buckets and collectives in flight: :class:`Mesh`, :class:`Flight`.
 """
 
 from __future__ import annotations
@@ -34,6 +26,10 @@ Coord = Any  # an int on a DistMesh; an int64 numpy array of the mesh shape on a
 @dataclass(eq=False)
 class Flight:
     """A collective in flight on one axis.
+
+    A collective may return a Flight instead of a tensor: the collective is running and its
+    result must not be read until :meth:`Mesh.wait` returns it. The record is explicit (no
+    state hidden on tensors): whoever holds it either waits for it or abandons it.
 
     Attributes:
         op: the collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,
@@ -66,7 +62,12 @@ class Flight:
 
 @runtime_checkable
 class Mesh(Protocol):
-    """What the library needs from a mesh of data-parallel ranks."""
+    """What the library needs from a mesh of data-parallel ranks.
+
+    Buckets: a bucket is a tensor ``(*batch_shape, L)``: one flat buffer per rank.
+    ``batch_shape`` is the mesh shape on a :class:`~functional_hsdp.SimMesh` (rank ``(o, i)``
+    holds ``x[o, i]``) and ``()`` on a :class:`~functional_hsdp.DistMesh`, so the same code
+    serves both. A collective returns a tensor or a :class:`Flight` (one in flight)."""
 
     axis_names: tuple[str, ...]
     """The axes, outer to inner (like ``DeviceMesh`` dims)."""
