@@ -67,7 +67,8 @@ class Mesh(Protocol):
     Buckets: a bucket is a tensor ``(*batch_shape, L)``: one flat buffer per rank.
     ``batch_shape`` is the mesh shape on a :class:`~functional_hsdp.SimMesh` (rank ``(o, i)``
     holds ``x[o, i]``) and ``()`` on a :class:`~functional_hsdp.DistMesh`, so the same code
-    serves both. A collective returns a tensor or a :class:`Flight` (one in flight)."""
+    serves both. A collective returns a tensor or, while it runs, a
+    :class:`~functional_hsdp.mesh.protocol.Flight`."""
 
     axis_names: tuple[str, ...]
     """The axes, outer to inner (like ``DeviceMesh`` dims)."""
