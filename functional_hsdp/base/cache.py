@@ -1,10 +1,10 @@
-"""Everything the library keeps between calls is registered here and emptied by
-:func:`clear_caches` (which lists it all).
+"""The caches: everything the library keeps between calls is registered here.
 
-Plans, per-layout checks, path strings and spec broadcasts are cached so that a repeated call
-does only packing, collectives and unpacking. Each cache has a size bound; none holds a mesh
-or a tensor beyond its bound. The rest (what :func:`~functional_hsdp.shard_module` remembers
-per model, what a thread's forward keeps for its backward) registers with :func:`register`.
+:func:`clear_caches` empties it all (and lists it). Plans, per-layout checks, path strings
+and spec broadcasts are cached so that a repeated call does only packing, collectives and
+unpacking. Each cache has a size bound; none holds a mesh or a tensor beyond its bound. The
+rest (what :func:`~functional_hsdp.shard_module` remembers per model, what a thread's forward
+keeps for its backward) registers with :func:`register`.
 """
 
 from __future__ import annotations

@@ -5,14 +5,8 @@ over, so that feeding a result back in the wrong state (a finalized result as ``
 as gradients, another spec's result) is an error rather than silent corruption. Tags live in
 registries beside the tensors, not on them, so that copying, pickling or ``torch.save`` of a
 result drags no plan or mesh along. A tensor the user made (by ``tree_map``, a copy or a
-load) has no tag and is checked by structure, dtype and shape only.
-
-Tagging costs one weak reference per leaf; the rest is per bucket. Most result leaves are views
-of their bucket's buffer (the plan says which: :attr:`~functional_hsdp.plan.recipe.Placed.views`):
-those are registered once per bucket, under the buffer they view (``leaf._base``), and a leaf
-is found by its buffer and then by identity in the result. Only leaves that are copies (a
-SimMesh's ragged pieces, a ``Shard(d)`` bucket's chunks, zero-size leaves) are registered
-one by one.
+load) has no tag and is checked by structure, dtype and shape only. What tagging costs:
+:func:`tag`.
 """
 
 from __future__ import annotations
@@ -164,7 +158,14 @@ def tag(
     leaves: list[torch.Tensor], plan: Any, role: str, *, kind: str, bufs: list | None = None
 ) -> None:
     """Register ``leaves`` (one result, in tree order) with their state; ``bufs``: the bucket
-    buffers they were unpacked from, remembered (weakly) where the leaves are views."""
+    buffers they were unpacked from, remembered (weakly) where the leaves are views.
+
+    Tagging costs one weak reference per leaf; the rest is per bucket. Most result leaves are
+    views of their bucket's buffer (the plan says which:
+    :attr:`~functional_hsdp.plan.recipe.Placed.views`): those are registered once per bucket,
+    under the buffer they view (``leaf._base``), and a leaf is found by its buffer and then by
+    identity in the result. Only leaves that are copies (a SimMesh's ragged pieces, a
+    ``Shard(d)`` bucket's chunks, zero-size leaves) are registered one by one."""
     if torch.compiler.is_compiling():  # a side registry dynamo cannot trace: results untagged
         return
     if bufs is not None:  # a same-shape view's base lives as long as the leaves do

@@ -2,32 +2,9 @@
 
 Every name whose spelling or presence depends on the torch release goes through this module,
 so the rest of the library is written once against the newest spelling. Each entry says which
-releases differ and how; the CI's second lane (``.ci/torch-lane``) runs the library on the
-oldest and the newest release of the range.
-
-=====================================  ======================================================
-what                                   releases
-=====================================  ======================================================
-functional single-tensor all-gather    ``funcol.all_gather_single`` from 2.13;
-                                       ``funcol.all_gather_tensor`` before (deprecated from
-                                       2.13: it warns there)
-functional single-tensor               ``funcol.reduce_scatter_single`` from 2.13;
-reduce-scatter                         ``funcol.reduce_scatter_tensor`` before
-c10d single-tensor all-gather          ``dist.all_gather_single`` from 2.13;
-                                       ``dist.all_gather_into_tensor`` before (deprecated from
-                                       2.13)
-``Placement``                          a C++ (pybind11) class in 2.11, whose ``__init__`` a
-                                       subclass must call (``Flat`` calls it on every
-                                       release); a Python class from 2.13
-tracing ``reduce_grads``               from 2.13; dynamo in 2.11 refuses a ``Spec`` (a frozen
-(``torch.compile``)                    dataclass) as an ``assume_constant_result`` argument,
-                                       guards on ``Flat`` (a subclass of the C++
-                                       ``Placement``) with "Unexpected type" (unless it is
-                                       a pytree constant: :func:`placement_class`), and
-                                       fails to compare optree tree structures: there it runs
-                                       eagerly at a graph break (:func:`traced_or_eager`),
-                                       with the same results; ``fullgraph=True`` is refused
-=====================================  ======================================================
+releases differ and how; the table of them all is in the guide
+(``docs/guides/torch_releases.md``, "What differs between releases"). The CI's second lane
+(``.ci/torch-lane``) runs the library on the oldest and the newest release of the range.
 """
 
 from __future__ import annotations
@@ -59,7 +36,11 @@ def torch_release() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-#: Whether dynamo traces the library's reductions (see the table above).
+#: Whether dynamo traces the library's reductions: from 2.13. Dynamo in 2.11 refuses a ``Spec``
+#: (a frozen dataclass) as an ``assume_constant_result`` argument, guards on ``Flat`` with
+#: "Unexpected type" (:func:`placement_class`) and fails to compare optree tree structures:
+#: there the reductions run eagerly at a graph break (:func:`traced_or_eager`), with the same
+#: results, and ``fullgraph=True`` is refused.
 TRACES_LIBRARY = torch_release() >= (2, 13)
 
 
@@ -73,7 +54,9 @@ def placement_class(cls: type) -> type:
     """A ``Placement`` subclass of the library's, made one dynamo can guard on: before 2.13
     dynamo guards a placement by equality only for torch's own (``Shard``, ``Replicate``,
     ``Partial``) or for a class registered as a pytree constant (the library's have
-    ``__eq__`` and ``__hash__``), and fails on any other ("Unexpected type")."""
+    ``__eq__`` and ``__hash__``), and fails on any other ("Unexpected type"). ``Placement``
+    itself is a C++ (pybind11) class in 2.11, whose ``__init__`` a subclass must call
+    (``Flat`` calls it on every release); a Python class from 2.13."""
     if not TRACES_LIBRARY:
         import torch.utils._pytree as pytree
 
@@ -94,11 +77,16 @@ def _first(module: Any, *names: str) -> Any:
     )
 
 
-#: ``(tensor, gather_dim, group) -> tensor``: the functional all-gather of one tensor.
+#: ``(tensor, gather_dim, group) -> tensor``: the functional all-gather of one tensor
+#: (``funcol.all_gather_single`` from 2.13; ``funcol.all_gather_tensor`` before, deprecated
+#: from 2.13: it warns there).
 funcol_all_gather_single = _first(funcol, "all_gather_single", "all_gather_tensor")
 
-#: ``(tensor, reduce_op, scatter_dim, group) -> tensor``: the functional reduce-scatter.
+#: ``(tensor, reduce_op, scatter_dim, group) -> tensor``: the functional reduce-scatter
+#: (``funcol.reduce_scatter_single`` from 2.13; ``funcol.reduce_scatter_tensor`` before).
 funcol_reduce_scatter_single = _first(funcol, "reduce_scatter_single", "reduce_scatter_tensor")
 
-#: ``(output, input, group=, async_op=)``: the c10d all-gather into one tensor.
+#: ``(output, input, group=, async_op=)``: the c10d all-gather into one tensor
+#: (``dist.all_gather_single`` from 2.13; ``dist.all_gather_into_tensor`` before, deprecated
+#: from 2.13).
 c10d_all_gather_single = _first(dist, "all_gather_single", "all_gather_into_tensor")

@@ -1,6 +1,7 @@
-"""Tree handling shared by every public function: flattening with paths, leaf checks, the
-errors that name a pytree path (JAX style: ``grads['layers'][0]['w']``), and :class:`Masked`
-leaves (a leaf another transformation handles: optax's ``MaskedNode``)."""
+"""Tree handling shared by every public function: flattening with paths, and leaf checks.
+
+Errors name the pytree path (JAX style: ``grads['layers'][0]['w']``); a :class:`Masked` leaf
+is one another transformation handles (optax's ``MaskedNode``)."""
 
 from __future__ import annotations
 

@@ -2,25 +2,13 @@
 
 Every leaf is saved in a mesh-independent *per-leaf form*: a DTensor of the leaf's full shape,
 ``Shard(0)`` (``torch.chunk`` semantics) on each axis where the spec's optimizer placement is
-sharded and ``Replicate()`` elsewhere. DCP reshards by itself: save on a 2x2 mesh, load on 1x4,
-4x1 or another world size. Invariant: converting moves data only (bit-exact), one Flat bucket
-at a time (memory beyond the shards stays within one bucket).
+sharded and ``Replicate()`` elsewhere, which DCP reshards (save on a 2x2 mesh, load on 1x4, 4x1
+or another world size). Invariant: converting moves data only (bit-exact), one Flat bucket at a
+time (memory beyond the shards stays within one bucket).
 
-What a value saves is decided by its type, and this room lists no types:
-
-* a type with the checkpoint protocol saves itself, where it is defined, with this room's
-  helpers (:func:`state_dict`, :func:`empty_state_dict` and :func:`load_entry` for what it
-  holds, :func:`save_member` ... for a combinator's states, :func:`load_tree`; the per-leaf
-  form: :func:`to_checkpoint`, :func:`from_checkpoint`)::
-
-      def __fh_state_dict__(self, spec, *, like=None) -> dict          # for dcp.save
-      def __fh_empty_state_dict__(self, spec) -> dict                   # placeholders for dcp.load
-      def __fh_load_state_dict__(self, state, spec, *, name) -> value  # on the like; name: errors
-
-* a NamedTuple state (an optimizer's, your own too: one with a host value such as a step
-  count, or no field; as a combinator's member, any NamedTuple): field by field;
-* anything else (a NamedTuple of trees of tensors included): a tree of local shards, one
-  DTensor per leaf.
+What a value saves is decided by its type, and this room lists no types: a type with the
+checkpoint protocol saves itself (:func:`state_dict` says how), a NamedTuple state field by
+field, anything else as a tree of local shards (the guide: ``docs/guides/checkpoints.md``).
 """
 
 from __future__ import annotations
@@ -69,8 +57,8 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
               if a field holds a host value (bool, int, float, str) or it has no field
               (inside a :class:`ChainState` or :class:`PartitionState`: any NamedTuple);
               otherwise (a NamedTuple of tensors: params) it is a tree;
-            * a value whose type has the checkpoint protocol (``__fh_state_dict__``; see the
-              module): a :class:`PartitionState` (each label's state; its trees'
+            * a value whose type has the checkpoint protocol (``__fh_state_dict__``; see
+              below): a :class:`PartitionState` (each label's state; its trees'
               :class:`Masked` leaves are another label's, saved there), a
               :class:`ChainState` (each transformation's state), a :class:`DiLoCoState` (at
               any step: its anchor, outer state, count, due steps, the averaged syncs in
@@ -91,6 +79,15 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
         under ``outer_compress`` with error feedback). Nest them in one dict for
         ``dcp.save``. Collective: every rank calls it (Flat trees all-gather one bucket at a
         time).
+
+    The checkpoint protocol: a type saves itself where it is defined, with three methods and
+    this module's helpers (``state_dict``, ``empty_state_dict`` and ``load_entry`` for what it
+    holds, ``save_member``, ``empty_member`` and ``load_members`` for a combinator's states,
+    ``load_tree``; the per-leaf form: ``to_checkpoint``, ``from_checkpoint``)::
+
+        def __fh_state_dict__(self, spec, *, like=None) -> dict  # for dcp.save
+        def __fh_empty_state_dict__(self, spec) -> dict  # placeholders for dcp.load
+        def __fh_load_state_dict__(self, state, spec, *, name) -> value  # on the like; name: errors
 
     Example (every rank; tested in tests/test_checkpoint.py)::
 

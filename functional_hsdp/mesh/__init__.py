@@ -4,7 +4,7 @@
   a per-rank function on its values (``vmap`` over the mesh dims; ``fn`` itself on a
   DistMesh).
 - :class:`DistMesh` (``dist.py``) wraps a real ``torch.distributed`` ``DeviceMesh``.
-- ``protocol.py``: :class:`Mesh` (ten members), its :class:`Geometry` and
+- ``protocol.py``: :class:`Mesh` (thirteen members), its :class:`Geometry` and
   :class:`Diagnostics` companions, and :class:`Flight`, a collective in flight.
 """
 

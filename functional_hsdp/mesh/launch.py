@@ -1,41 +1,14 @@
 """Start N local gloo ranks for one task: how ``python -m functional_hsdp demo`` gets its ranks.
 
 :func:`run` runs a task ``fn(*args, **kwargs)`` on every rank of one gloo process group over
-loopback and returns the per-rank return values (index = rank).
-``torch.distributed.launcher.api.elastic_launch`` (what ``torchrun`` runs) starts
-``world_size`` workers, which rendezvous on a free port (``c10d``, as ``torchrun
---standalone``), join the process group, run the task once and exit. A rank that raises or
-dies ends the run at once (the agent stops the others, even those blocked in a collective)
-with :class:`WorkerError`. Used by ``python -m functional_hsdp demo``, ``python -m bench`` and
-the tests that need fresh ranks. The training library itself never imports this module.
-
-In a worker, a task can call :func:`rank`, :func:`world_size` and :func:`device_mesh` (a CPU
-``DeviceMesh`` cached for the life of the worker process).
-
-Workers that stay up across tasks are :class:`functional_hsdp.tools.testing.GlooPool`'s, for the
-test suite and the benchmarks, which run many short tasks: a one-shot run costs about 0.9 s
-of start-up and teardown, a pool task about 3 ms after a 0.6 s start (``python -m
-bench.startup`` measures both). The pool shares this module's worker set-up, serialization
-and :class:`WorkerError`; this module does not import it.
-
-Workers come from the multiprocessing *forkserver*, a fresh interpreter that imports
-``preload`` (torch, and ``torch._dynamo``, which the first functional collective imports) once
-per calling process and forks every worker from there: never a fork of the caller, whose
-threads (pytest's, the elastic agent's store) could deadlock a forked child. ``preload`` only
-takes effect for the call that starts the forkserver.
-
-Tasks
------
-``fn``, its arguments and its return values are pickled with the standard pickle module
-(tensors travel by value, as ``torch.save`` bytes of a detached CPU clone; no shared memory),
-so ``fn`` must be a module-level function of a module the workers can import by the same
-name. Workers get the caller's ``sys.path`` as of their start. Under pytest's default
-``prepend`` import mode ``tests/`` is on it and ``tests/test_foo.py`` is the top-level module
-``test_foo``, so test modules and helper modules beside them can hold tasks (importing one in a
-worker runs its top level: keep that free of side effects; ``--import-mode=importlib`` is not
-supported). Lambdas, closures and nested functions cannot be tasks. Workers see the
-environment of the forkserver (the caller's when it started), run one thread each
-(``torch.set_num_threads(1)``) and share the caller's stdout and stderr.
+loopback and returns the per-rank return values (index = rank); a rank that raises or dies
+ends the run at once with :class:`WorkerError`. In a worker, a task can call :func:`rank`,
+:func:`world_size` and :func:`device_mesh`. Used by ``python -m functional_hsdp demo``,
+``python -m bench`` and the tests that need fresh ranks; the training library itself never
+imports this module. What a task may be: :func:`run`; where workers come from:
+:func:`starting_workers`. Workers that stay up across tasks are
+:class:`functional_hsdp.tools.testing.GlooPool`'s (it shares this module's worker set-up,
+serialization and :class:`WorkerError`; this module does not import it).
 """
 
 from __future__ import annotations
@@ -254,7 +227,13 @@ def join_group(timeout_s: float, **init: Any) -> None:
 @contextlib.contextmanager
 def starting_workers(preload: tuple[str, ...]) -> Iterator[None]:
     """Around starting workers: the forkserver's preload and quiet environment, if this call
-    starts it (os.environ is restored afterwards)."""
+    starts it (os.environ is restored afterwards).
+
+    Workers come from the multiprocessing *forkserver*, a fresh interpreter that imports
+    ``preload`` (torch, and ``torch._dynamo``, which the first functional collective imports)
+    once per calling process and forks every worker from there: never a fork of the caller,
+    whose threads (pytest's, the elastic agent's store) could deadlock a forked child.
+    ``preload`` only takes effect for the call that starts the forkserver."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     saved = {k: os.environ.get(k) for k in _QUIET_ENV}
     try:
@@ -308,9 +287,28 @@ def run(
     the workers as ``torchrun`` does, without a process group (the environment names the
     rendezvous): the task makes it, with ``init_device_mesh`` say, and should destroy it.
     Raises :class:`WorkerError` (with the remote tracebacks) when a rank raises or dies; the
-    agent then stops the other ranks at once. (``world_size``, ``timeout``, ``preload`` and
-    ``join`` are this function's: a task cannot take keyword arguments of those names
-    through it.)
+    agent then stops the other ranks at once, even those blocked in a collective.
+    (``world_size``, ``timeout``, ``preload`` and ``join`` are this function's: a task cannot
+    take keyword arguments of those names through it.)
+
+    ``torch.distributed.launcher.api.elastic_launch`` (what ``torchrun`` runs) starts
+    ``world_size`` workers, which rendezvous on a free port (``c10d``, as ``torchrun
+    --standalone``), join the process group, run the task once and exit. A one-shot run costs
+    about 0.9 s of start-up and teardown; a :class:`functional_hsdp.tools.testing.GlooPool`
+    task about 3 ms after a 0.6 s start (``python -m bench.startup`` measures both), which is
+    why the test suite and the benchmarks, which run many short tasks, use the pool.
+
+    Tasks: ``fn``, its arguments and its return values are pickled with the standard pickle
+    module (tensors travel by value, as ``torch.save`` bytes of a detached CPU clone; no shared
+    memory), so ``fn`` must be a module-level function of a module the workers can import by
+    the same name. Workers get the caller's ``sys.path`` as of their start. Under pytest's
+    default ``prepend`` import mode ``tests/`` is on it and ``tests/test_foo.py`` is the
+    top-level module ``test_foo``, so test modules and helper modules beside them can hold
+    tasks (importing one in a worker runs its top level: keep that free of side effects;
+    ``--import-mode=importlib`` is not supported). Lambdas, closures and nested functions
+    cannot be tasks. Workers see the environment of the forkserver (the caller's when it
+    started), run one thread each (``torch.set_num_threads(1)``) and share the caller's stdout
+    and stderr.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch

@@ -7,16 +7,7 @@ Library code is written once against :class:`Mesh` and never asks which mesh it 
 companions: ``mesh.geometry`` (a :class:`Geometry`: where each rank's piece of a bucket lies,
 and slicing and joining pieces) and ``mesh.diagnostics`` (a :class:`Diagnostics`: how a
 collective was carried out, and the uncounted host-side exchanges the cross-rank checks use).
-
-*Buckets.* A bucket is a tensor ``(*batch_shape, L)``: one flat buffer per rank.
-``batch_shape`` is the mesh shape on a :class:`~functional_hsdp.SimMesh` (rank ``(o, i)``
-holds ``x[o, i]``) and ``()`` on a :class:`~functional_hsdp.DistMesh`, so the same code
-serves both.
-
-*In flight.* A collective may return a :class:`Flight` instead of a tensor: the collective is
-running and its result must not be read until :meth:`Mesh.wait` returns it. The record is
-explicit (no state hidden on tensors): whoever holds it either waits for it or abandons it
-(above the mesh, an :class:`~functional_hsdp.runtime.flight.InFlight` does).
+Buckets and collectives in flight: :class:`Mesh`, :class:`Flight`.
 """
 
 from __future__ import annotations
@@ -42,11 +33,15 @@ class Flight:
     returns one), and it keeps no result or error of its own; the ``InFlight`` that holds it
     (a reduction issued and not yet waited for) keeps them, and waits for it once.
 
+    A collective may return a Flight instead of a tensor: the collective is running and its
+    result must not be read until :meth:`Mesh.wait` returns it. The record is explicit (no
+    state hidden on tensors): whoever holds it either waits for it or abandons it.
+
     Attributes:
         op: the collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,
             ``"all_to_all"``).
-        axis: the mesh axis.
-        buffer: the tensor the collective writes (the result, or for a reduce-scatter done as
+        axis: the mesh axis. buffer: the tensor the collective writes (the result, or for a
+        reduce-scatter done as
             an in-place all-reduce, the whole buffer whose chunk is the result).
         work: the backend's handle (a c10d ``Work``), or None when ``buffer`` waits itself
             (a functional collective's result).
@@ -73,7 +68,13 @@ class Flight:
 
 @runtime_checkable
 class Mesh(Protocol):
-    """What the library needs from a mesh of data-parallel ranks."""
+    """What the library needs from a mesh of data-parallel ranks.
+
+    Buckets: a bucket is a tensor ``(*batch_shape, L)``: one flat buffer per rank.
+    ``batch_shape`` is the mesh shape on a :class:`~functional_hsdp.SimMesh` (rank ``(o, i)``
+    holds ``x[o, i]``) and ``()`` on a :class:`~functional_hsdp.DistMesh`, so the same code
+    serves both. A collective returns a tensor or, while it runs, a
+    :class:`~functional_hsdp.mesh.protocol.Flight`."""
 
     axis_names: tuple[str, ...]
     """The axes, outer to inner (like ``DeviceMesh`` dims)."""

@@ -3,22 +3,10 @@
 Layout (where bytes live) is separate from the buffers that hold them (made per call) and from
 the mesh that reduces them. A bucket holds leaves of one *unit* (a leaf of the spec prefix,
 FSDP2's ``fully_shard`` granularity: one spec), dtype and device, in tree order, up to the
-spec's size cap, so a unit's buckets never hold another unit's leaves.
-
-Every leaf starts at a multiple of :data:`ALIGN` elements of its bucket, zeros filling the gap
-after the previous leaf: a gathered leaf (a view of the gathered bucket) is then 16-byte
-aligned, as matrix kernels want their operands, in whatever dtype the bucket travels in (fp8
-up to fp64). A bucket's length is padded at the tail to a multiple of the product of its Flat
-axes' sizes, so every Flat chunk is the same size (chunk boundaries may fall inside a leaf).
-Padding is zeros between leaves and at the tail, never inside a leaf, and never read as data.
-Zero-size leaves take no bucket: they never need communication.
-
-A bucket of a ``Shard(d)`` spec is laid out rank-major instead (FSDP2's all-gather layout):
-block r holds every leaf's r-th ``torch.chunk`` along ``d``, each padded to the first chunk's
-size and starting at an aligned offset of the block, whose length is a multiple of ``ALIGN``
-(so block r's leaves are aligned in the gathered bucket too); a rank's shards are one
-contiguous chunk of the bucket and the collectives are the same as for Flat. Only packing
-and unpacking differ.
+spec's size cap, so a unit's buckets never hold another unit's leaves. Invariant: every leaf
+starts at a multiple of :data:`ALIGN` elements of its bucket, and padding is zeros between
+leaves and at the tail, never inside a leaf, and never read as data (:class:`Bucket` says
+where it goes, for Flat and for ``Shard(d)`` buckets).
 """
 
 from __future__ import annotations
@@ -125,7 +113,22 @@ class Slot:
 @dataclass(frozen=True)
 class Bucket:
     """Leaves packed into one flat buffer of ``padded`` elements per rank: ``numel`` of them
-    data, the rest zeros between leaves (for alignment) and at the tail."""
+    data, the rest zeros between leaves (for alignment) and at the tail.
+
+    Every leaf starts at a multiple of :data:`ALIGN` elements of its bucket, zeros filling the
+    gap after the previous leaf: a gathered leaf (a view of the gathered bucket) is then
+    16-byte aligned, as matrix kernels want their operands, in whatever dtype the bucket
+    travels in (fp8 up to fp64). A bucket's length is padded at the tail to a multiple of the
+    product of its Flat axes' sizes, so every Flat chunk is the same size (chunk boundaries may
+    fall inside a leaf). Zero-size leaves take no bucket: they never need communication.
+
+    A bucket of a ``Shard(d)`` spec is laid out rank-major instead (FSDP2's all-gather
+    layout): block r holds every leaf's r-th ``torch.chunk`` along ``d``, each padded to the
+    first chunk's size and starting at an aligned offset of the block, whose length is a
+    multiple of ``ALIGN`` (so block r's leaves are aligned in the gathered bucket too); a
+    rank's shards are one contiguous chunk of the bucket and the collectives are the same as
+    for Flat. Only packing and unpacking differ.
+    """
 
     spec: Spec
     unit: int

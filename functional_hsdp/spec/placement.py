@@ -1,54 +1,12 @@
 """Placements of a value along one mesh axis, and the collective behind every transition.
 
-``Replicate``, ``Partial`` and ``Shard`` are ``torch.distributed.tensor``'s own classes; ``Flat``
-is this library's: the leaves of a bucket are flattened and concatenated, each starting at a
-multiple of 16 elements (16-byte aligned in any dtype, see :mod:`functional_hsdp.plan.buckets`), and
-each rank along the axis holds one contiguous, equal-size chunk of the bucket (zero padding
-between leaves and at the bucket's tail, never inside a leaf's range). ``Shard(d)`` is FSDP2's:
-each leaf is chunked on dim ``d`` with ``torch.chunk`` semantics and padded to equal chunks;
-its buckets are laid out rank-major (every leaf's chunk for rank 0, then for rank 1, ...), so
-the collectives are the same as for Flat. ``Owner`` (an optimizer placement, on every
-data-parallel axis) keeps each leaf whole on one rank: a bucket's leaves are assigned
-to the ranks balanced by size, and a rank's chunk is the whole leaves it owns, padded to the
-largest chunk (see :mod:`functional_hsdp.plan.owner`). Such a spec lays its buckets out
-owner-major, so that its chunks are the owners' leaves; the collectives are then Flat's.
-``Owner`` on some data-parallel axes only (HSDP's outer, where the parameter is Replicate)
-keeps the spec's own layout: along that axis each rank keeps the pieces of its chunk whose
-leaf its coordinate owns, and the moves there are uneven all-to-alls of the data.
-
-One mesh axis at a time:
-
-===================  ===================  =============================================
-from                 to                   operation
-===================  ===================  =============================================
-Partial(op)          Flat / Shard(d)      reduce-scatter with ``op``
-Partial(op)          Owner                reduce-scatter with ``op`` in the owner layout
-Partial(op)          Replicate            all-reduce with ``op``
-Flat / Shard(d)      Replicate            all-gather
-Owner                Replicate            all-gather
-Replicate            Flat / Shard(d)      local slice, no communication
-Replicate            Owner                local slice, no communication
-Flat                 Owner, same spec     nothing: that spec's Flat chunks are owned
-Flat (other layout)  Owner                all-to-all (``per_matrix`` of a spec without
-                                          Owner: its buckets to the owner layout)
-Owner                Flat (other layout)  all-to-all (back)
-Shard(d)             Owner                all-to-all (``per_matrix``: each rank's chunks,
-                                          joined along d at the owner)
-Owner                Shard(d)             all-to-all (back)
-Partial(op)          Owner, some axes     reduce-scatter-v: one all-to-all of the data
-                                          (each piece to its leaf owner's coordinate),
-                                          then a sum (``fh.owned(spec, "dp_outer")``)
-Owner, some axes     Replicate            all-gather-v: one all-to-all
-Replicate            Owner, some axes     local: the rank's owned pieces of its chunk
-Partial(op)          Partial(op)          nothing (the axis stays deferred)
-X                    X                    nothing
-Replicate / Flat     Partial              impossible: a reduced value cannot become a
-                                          summand
-===================  ===================  =============================================
-
-Within one multi-axis move, reduce-scatters (and slices) come first, in the bucket's split
-order, then all-reduces on the already-scattered chunk, then all-gathers in reverse split
-order, so that every all-reduce runs on the smallest piece of data.
+``Replicate``, ``Partial`` and ``Shard`` are ``torch.distributed.tensor``'s own classes;
+:class:`Flat` (flattened, bucketed, evenly chunked) and :class:`Owner` (each leaf whole on one
+rank) are this library's. A move changes one mesh axis at a time: :func:`transition` names the
+collective, and its docstring has the table of every move. Invariant: within one multi-axis
+move, reduce-scatters (and slices) come first, in the bucket's split order, then all-reduces on
+the already-scattered chunk, then all-gathers in reverse split order, so that every all-reduce
+runs on the smallest piece of data.
 """
 
 from __future__ import annotations
@@ -96,6 +54,11 @@ REDUCE_OPS = ("avg", "sum")
 @placement_class
 class Flat(Placement):
     """Flattened, bucketed and evenly chunked along one mesh axis (Megatron-FSDP's layout).
+
+    The leaves of a bucket are flattened and concatenated, each starting at a multiple of 16
+    elements (16-byte aligned in any dtype, see :mod:`functional_hsdp.plan.buckets`), and each
+    rank along the axis holds one contiguous, equal-size chunk of the bucket (zero padding
+    between leaves and at the bucket's tail, never inside a leaf's range).
 
     Example:
         >>> from functional_hsdp import Flat, Replicate
@@ -185,8 +148,49 @@ def is_sharded(p: Placement) -> bool:
 def transition(frm: Placement, to: Placement, axis: str) -> Collective | None:
     """The collective that moves a value from ``frm`` to ``to`` along ``axis`` (None: no-op).
 
-    ``Shard(d)`` moves exactly like ``Flat``: its buckets are laid out rank-major (FSDP2's
-    layout), so a rank's shards of every leaf form one contiguous chunk of the bucket.
+    ``Shard(d)`` moves exactly like ``Flat``: each leaf is chunked on dim ``d`` with
+    ``torch.chunk`` semantics and padded to equal chunks, and its buckets are laid out
+    rank-major (FSDP2's layout: every leaf's chunk for rank 0, then for rank 1, ...), so a
+    rank's shards of every leaf form one contiguous chunk of the bucket. ``Owner`` (an
+    optimizer placement, on every data-parallel axis) keeps each leaf whole on one rank: a
+    bucket's leaves are assigned to the ranks balanced by size, and a rank's chunk is the whole
+    leaves it owns, padded to the largest chunk (see :mod:`functional_hsdp.plan.owner`). Such a
+    spec lays its buckets out owner-major, so that its chunks are the owners' leaves; the
+    collectives are then Flat's. ``Owner`` on some data-parallel axes only (HSDP's outer, where
+    the parameter is Replicate) keeps the spec's own layout: along that axis each rank keeps
+    the pieces of its chunk whose leaf its coordinate owns, and the moves there are uneven
+    all-to-alls of the data. Those and the moves between layouts (the rows with all-to-alls
+    below) are planned by :mod:`functional_hsdp.plan.owner`, not here.
+
+    One mesh axis at a time:
+
+    ===================  ===================  =============================================
+    from                 to                   operation
+    ===================  ===================  =============================================
+    Partial(op)          Flat / Shard(d)      reduce-scatter with ``op``
+    Partial(op)          Owner                reduce-scatter with ``op`` in the owner layout
+    Partial(op)          Replicate            all-reduce with ``op``
+    Flat / Shard(d)      Replicate            all-gather
+    Owner                Replicate            all-gather
+    Replicate            Flat / Shard(d)      local slice, no communication
+    Replicate            Owner                local slice, no communication
+    Flat                 Owner, same spec     nothing: that spec's Flat chunks are owned
+    Flat (other layout)  Owner                all-to-all (``per_matrix`` of a spec without
+                                              Owner: its buckets to the owner layout)
+    Owner                Flat (other layout)  all-to-all (back)
+    Shard(d)             Owner                all-to-all (``per_matrix``: each rank's chunks,
+                                              joined along d at the owner)
+    Owner                Shard(d)             all-to-all (back)
+    Partial(op)          Owner, some axes     reduce-scatter-v: one all-to-all of the data
+                                              (each piece to its leaf owner's coordinate),
+                                              then a sum (``fh.owned(spec, "dp_outer")``)
+    Owner, some axes     Replicate            all-gather-v: one all-to-all
+    Replicate            Owner, some axes     local: the rank's owned pieces of its chunk
+    Partial(op)          Partial(op)          nothing (the axis stays deferred)
+    X                    X                    nothing
+    Replicate / Flat     Partial              impossible: a reduced value cannot become a
+                                              summand
+    ===================  ===================  =============================================
 
     Raises ValueError for a move that cannot exist (anything to Partial, Partial ops that
     differ) and NotImplementedError between Flat and Shard or between two Shard dims.

@@ -1,19 +1,9 @@
-"""Mixed precision: torch's own ``MixedPrecisionPolicy`` (FSDP2's), read once into the dtypes
-the library uses.
+"""Mixed precision: torch's own ``MixedPrecisionPolicy`` (FSDP2's), read once into dtypes.
 
-==========================  ==========================================================
-policy field                what the library does with it
-==========================  ==========================================================
-``param_dtype``             the shards are cast to it before the all-gather: the wire
-                            and the unit's compute are in it (None: the shards' dtype)
-``reduce_dtype``            the gradient's reduce-scatter (and what lands in a
-                            ``MainGrad``, or what ``grad`` returns) runs in it
-                            (None: ``param_dtype``, as FSDP2)
-``output_dtype``            floating outputs of a unit are cast to it
-``cast_forward_inputs``     floating arguments of a unit are cast to ``param_dtype``
-==========================  ==========================================================
-
-The master weights (the shards) keep their own dtype; an optimizer updates them in place.
+:class:`Precision` is what a policy (or None) means for a unit: the dtype its all-gather and
+compute run in, the dtype its gradient is reduced in, the dtype of its outputs, and whether its
+inputs are cast (the table of fields: :class:`Precision`). The master weights (the shards) keep
+their own dtype; an optimizer updates them in place.
 """
 
 from __future__ import annotations
@@ -28,7 +18,22 @@ __all__ = ["Precision", "check_mp_policy"]
 
 @dataclass(frozen=True)
 class Precision:
-    """The dtypes a ``MixedPrecisionPolicy`` (or None) means for a unit."""
+    """The dtypes a ``MixedPrecisionPolicy`` (or None) means for a unit.
+
+    ==========================  ======================================================
+    policy field                what the library does with it
+    ==========================  ======================================================
+    ``param_dtype``             the shards are cast to it before the all-gather: the
+                                wire and the unit's compute are in it (None: the
+                                shards' dtype)
+    ``reduce_dtype``            the gradient's reduce-scatter (and what lands in a
+                                ``MainGrad``, or what ``grad`` returns) runs in it
+                                (None: ``param_dtype``, as FSDP2)
+    ``output_dtype``            floating outputs of a unit are cast to it
+    ``cast_forward_inputs``     floating arguments of a unit are cast to
+                                ``param_dtype``
+    ==========================  ======================================================
+    """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None

@@ -2,26 +2,9 @@
 
 A :class:`Compress` is a frozen policy (as FSDP2's ``MixedPrecisionPolicy``): the wire
 format, the block of elements that shares one fp32 scale, and whether the rounding error is
-fed back. Its codec turns fp32 values into the bytes that travel, and back:
-
-==================  ======================  =====================  ==================
-format              value bytes             scale per block        largest value
-==================  ======================  =====================  ==================
-``torch.bfloat16``  2 per value             none (plain cast)      (bf16's own)
-``float8_e4m3fn``   1 per value             fp32 absmax / 448      448
-``torch.int8``      1 per value             fp32 absmax / 127      127
-``"int4"``          1 per two values        fp32 absmax / 7        7
-==================  ======================  =====================  ==================
-
-Values are rounded to nearest (int: half away from even as ``torch.round``, fp8/bf16: the
-cast's round to nearest even). A block whose values are all zero has scale 0 and decodes to
-zeros. A NaN or Inf poisons its whole block: the block's scale is NaN/Inf, so it decodes to
-NaN, never to a silent zero (``reduce_grads(..., check_finite=True)`` raises before any
-collective instead).
-
-The encoded form of ``n`` values is one uint8 row: the values' bytes (int4: padded to an even
-count), then the ``ceil(n / block)`` blocks' scales as fp32 bytes (the last block may be
-short).
+fed back. Its codec (:meth:`Compress.encode`, :meth:`Compress.decode`) turns fp32 values into
+the bytes that travel, and back; the formats, the rounding and the encoded form are in
+:class:`Compress`'s docstring. A NaN or Inf poisons its whole block, never a silent zero.
 """
 
 from __future__ import annotations
@@ -56,6 +39,27 @@ class Compress:
         block: elements sharing one fp32 absmax scale (unused by bf16).
         error_feedback: whether each rank keeps what rounding lost (both legs) and adds it
             to the next reduction of the same buffer.
+
+    The codec turns fp32 values into the bytes that travel, and back:
+
+    ==================  ======================  =====================  ==================
+    format              value bytes             scale per block        largest value
+    ==================  ======================  =====================  ==================
+    ``torch.bfloat16``  2 per value             none (plain cast)      (bf16's own)
+    ``float8_e4m3fn``   1 per value             fp32 absmax / 448      448
+    ``torch.int8``      1 per value             fp32 absmax / 127      127
+    ``"int4"``          1 per two values        fp32 absmax / 7        7
+    ==================  ======================  =====================  ==================
+
+    Values are rounded to nearest (int: ties to even, as ``torch.round``; fp8/bf16: the
+    cast's round to nearest even). A block whose values are all zero has scale 0 and decodes
+    to zeros. A NaN or Inf poisons its whole block: the block's scale is NaN/Inf, so it decodes
+    to NaN, never to a silent zero (``reduce_grads(..., check_finite=True)`` raises before any
+    collective instead).
+
+    The encoded form of ``n`` values is one uint8 row: the values' bytes (int4: padded to an
+    even count), then the ``ceil(n / block)`` blocks' scales as fp32 bytes (the last block may
+    be short).
     """
 
     dtype: Any

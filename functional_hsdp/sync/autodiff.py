@@ -1,29 +1,14 @@
 """Collectives as differentiable functions: every ``torch.func`` transform through them.
 
-JAX's rules, in the library's data-parallel convention. A value that differs per rank (a
+JAX's rules, in the library's data-parallel convention: a value that differs per rank (a
 rank's gradient, its full weights' cotangent) stands for the *mean* over ranks, the way a
-rank's loss stands for the mean loss: that is why ``grad`` through an all-gather gives the
-reduce-scatter with AVG (the gradient of the mean loss), as the layer-wise units always have.
-In that convention the moves come in adjoint pairs (transposes of each other for the inner
-product that averages per-rank values and sums sharded ones):
-
-====================================  ==================================================
-move (forward)                        its adjoint (backward)
-====================================  ==================================================
-parameter -> full (all-gather)        input -> gradient (reduce-scatter, AVG)
-input -> gradient (reduce-scatter)    parameter -> full (all-gather)
-====================================  ==================================================
-
-A move is linear, so its forward-mode rule (``jvp``) is the same move applied to the
-tangent, and its backward is itself a move (differentiable again: ``grad`` of ``grad``,
-Hessian-vector products by ``jvp(grad(f))`` or ``vjp(grad(f))``). Under ``vmap`` a batch
-dim rides inside the buffer: one collective per bucket for the whole batch, each rank's
-chunk laid out rank-major around it (``b (n c) -> (n b c)``), so a batch of B per-sample
-gradients is one reduce-scatter of B times the bytes, not B collectives.
-
-These moves keep the gathered weights in the graph (no resharding, no recompute): they are
-what a gathered unit runs under the transforms its first-order path cannot honour (see
-:mod:`functional_hsdp.units`), where first-order training keeps its own, leaner path.
+rank's loss stands for the mean loss. So ``grad`` through an all-gather gives the
+reduce-scatter with AVG (the gradient of the mean loss, as the layer-wise units always have),
+and the moves come in adjoint pairs (:data:`ADJOINT`). A move is linear: its jvp is the same
+move of the tangent, its backward is itself a move (so ``grad`` of ``grad`` works), and under
+``vmap`` one collective per bucket carries the whole batch (:func:`move`). A gathered unit runs
+these moves under the transforms its first-order path cannot honour (see
+:mod:`functional_hsdp.units`).
 """
 
 from __future__ import annotations
@@ -46,7 +31,16 @@ from ..runtime.unit_calls import unit_log
 
 __all__ = ["Move", "collecting_norms", "move", "per_example_grad_norms"]
 
-#: each move's adjoint, in the mean convention (see the module docstring)
+#: Each move's adjoint, in the mean convention (see the module docstring): the moves are
+#: transposes of each other for the inner product that averages per-rank values and sums
+#: sharded ones.
+#:
+#: ====================================  ==================================================
+#: move (forward)                        its adjoint (backward)
+#: ====================================  ==================================================
+#: parameter -> full (all-gather)        input -> gradient (reduce-scatter, AVG)
+#: input -> gradient (reduce-scatter)    parameter -> full (all-gather)
+#: ====================================  ==================================================
 ADJOINT = {
     ("parameter", "full"): ("input", "gradient"),
     ("input", "gradient"): ("parameter", "full"),
@@ -356,6 +350,15 @@ def per_example_grad_norms(
 def move(how: Move, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """``how`` applied to ``leaves`` (in the plan's leaf order), differentiable under every
     ``torch.func`` transform and plain autograd: a unit's all-gather on the composable path.
+
+    A move is linear, so its forward-mode rule (``jvp``) is the same move applied to the
+    tangent, and its backward is itself a move (differentiable again: ``grad`` of ``grad``,
+    Hessian-vector products by ``jvp(grad(f))`` or ``vjp(grad(f))``). Under ``vmap`` a batch
+    dim rides inside the buffer: one collective per bucket for the whole batch, each rank's
+    chunk laid out rank-major around it (``b (n c) -> (n b c)``), so a batch of B per-sample
+    gradients is one reduce-scatter of B times the bytes, not B collectives. These moves keep
+    the gathered weights in the graph (no resharding, no recompute), where first-order
+    training keeps its own, leaner path.
 
     The call is one more in the step's record of unit calls (the running fingerprint the
     step's checks agree on, as a first-order unit call is), and under

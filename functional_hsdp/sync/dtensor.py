@@ -1,16 +1,11 @@
 """Export local shards as DTensors, for torch.distributed.checkpoint and DTensor-aware tools.
 
-Per leaf where DTensor can say what a rank holds: Replicate, Partial and ``Shard(d)`` (the
-local shard is exactly ``torch.chunk(x, n, d)[rank]``). A Flat leaf's piece is a range of the
-flattened leaf that no DTensor placement describes, so Flat trees export per bucket: the
-bucket is a 1-D global tensor (``Shard(0)`` over its Flat axis) or, with several Flat axes,
-a tensor of shape ``(n_1, ..., n_k, chunk)`` in split order with ``Shard(j)`` on the j-th
-split axis: exactly the rank's contiguous chunk, padding included (the zeros between leaves
-that align each leaf to 16 elements, and at the bucket's tail).
-
-Per-bucket DTensors are tied to the mesh and the bucket layout. For checkpoints that load on
-another mesh shape or world size, use :func:`~functional_hsdp.state_dict` (per leaf, full
-shapes; :mod:`functional_hsdp.io.checkpoint`).
+Per leaf where DTensor can say what a rank holds (Replicate, Partial, ``Shard(d)``); a Flat
+leaf's piece is a range of the flattened leaf that no DTensor placement describes, so Flat
+trees export per bucket (:func:`to_dtensor` says how). Per-bucket DTensors are tied to the
+mesh and the bucket layout: for checkpoints that load on another mesh shape or world size,
+use :func:`~functional_hsdp.state_dict` (per leaf, full shapes;
+:mod:`functional_hsdp.io.checkpoint`).
 """
 
 from __future__ import annotations
@@ -32,6 +27,14 @@ __all__ = ["to_dtensor"]
 
 def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = None) -> Any:
     """Wrap this rank's local shards as DTensors on the spec's DeviceMesh (no communication).
+
+    Per leaf where DTensor can say what a rank holds: Replicate, Partial and ``Shard(d)`` (the
+    local shard is exactly ``torch.chunk(x, n, d)[rank]``). A Flat leaf's piece is a range of
+    the flattened leaf that no DTensor placement describes, so Flat trees export per bucket:
+    the bucket is a 1-D global tensor (``Shard(0)`` over its Flat axis) or, with several Flat
+    axes, a tensor of shape ``(n_1, ..., n_k, chunk)`` in split order with ``Shard(j)`` on the
+    j-th split axis: exactly the rank's contiguous chunk, padding included (the zeros between
+    leaves that align each leaf to 16 elements, and at the bucket's tail).
 
     Args:
         tree: local shards (from :func:`shard`, :func:`reduce_grads`, :func:`sync_params` or

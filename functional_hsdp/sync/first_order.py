@@ -1,17 +1,11 @@
 """First-order gradients with ``torch.func``'s signature and autograd's memory.
 
-``torch.func.grad`` builds a graph of the backward itself (it differentiates with
-``create_graph=True``, so that any transform may be stacked on top). The price is paid by
-first-order training: every tensor a backward node saved, and every intermediate of the
-backward, is kept until the whole backward ends, where ``loss.backward()`` frees each one as
-soon as its node has run. For a model run through :func:`functional_hsdp.functional_call` the
-units already free theirs (each unit's backward runs inside the unit), but what runs outside
-the units (an LLM's embedding, its head and its loss over the vocabulary) is held to the end.
-
 :func:`grad_and_value` and :func:`grad` take and return what ``torch.func``'s do, and
-differentiate the way ``loss.backward()`` does: once, freeing as they go. Under another
-``torch.func`` transform (``vmap`` of it, ``grad`` of it, ``jvp``) or while ``torch.compile``
-traces, they are ``torch.func``'s own, so nothing composes differently.
+differentiate the way ``loss.backward()`` does: once, freeing each backward node's saved
+tensors and intermediates as they go, where ``torch.func.grad`` keeps them to the end of the
+backward (why: :func:`grad_and_value`). Under another ``torch.func`` transform (``vmap`` of
+it, ``grad`` of it, ``jvp``) or while ``torch.compile`` traces, they are ``torch.func``'s own,
+so nothing composes differently.
 """
 
 from __future__ import annotations
@@ -104,6 +98,14 @@ def grad_and_value(
     """``torch.func.grad_and_value(fn, argnums, has_aux)``, differentiated once, as
     ``loss.backward()`` does: each backward node's saved tensors and intermediates are freed
     as soon as it has run, where ``torch.func``'s are kept until its whole backward ends.
+
+    ``torch.func.grad`` builds a graph of the backward itself (it differentiates with
+    ``create_graph=True``, so that any transform may be stacked on top). The price is paid by
+    first-order training: every tensor a backward node saved, and every intermediate of the
+    backward, is kept until the whole backward ends. For a model run through
+    :func:`functional_hsdp.functional_call` the units already free theirs (each unit's
+    backward runs inside the unit), but what runs outside the units (an LLM's embedding, its
+    head and its loss over the vocabulary) is held to the end.
 
     Args:
         fn: the function to differentiate; returns a scalar tensor (with ``has_aux``, a

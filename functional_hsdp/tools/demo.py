@@ -1,31 +1,14 @@
-"""``python -m functional_hsdp demo``: train a small ``torch.func`` MLP with ddp, fsdp, hsdp or
-hfsdp, the whole tree at once or layer by layer.
+"""``python -m functional_hsdp demo``: a small MLP trained with ddp, fsdp, hsdp or hfsdp.
 
-The demo is the library's end-to-end check. One training loop, written once against the
-public API, runs either
-
-- on real ranks (``--backend gloo``): the command starts O*I local gloo ranks itself with
-  :func:`functional_hsdp.mesh.launch.run` (torch.distributed's elastic launcher); each builds a
-  ``DeviceMesh`` and a :class:`~functional_hsdp.DistMesh`, and computes gradients on its own
-  data slice; or
-- in one process (``--backend sim``) on a :class:`~functional_hsdp.SimMesh`, where every value
-  carries the mesh shape in front and per-rank functions are mapped with ``fh.per_rank``.
-
-Two loops (``--mode``):
-
-- ``whole`` (default): ``gather`` the whole tree for the forward, ``grad`` per rank,
-  ``reduce_grads`` every microbatch (deferred axes on the last), SGD as a ``tree_map``.
-- ``layerwise``: the MLP is a list of per-Linear units; each Linear runs through
-  ``fh.gathered(..., into=mg)``, so a unit is all-gathered in its forward, re-gathered in its
-  backward and its gradient reduce-scattered into a :class:`~functional_hsdp.MainGrad` as soon
-  as it exists; ``mg.finish()`` after the last microbatch, SGD in place on the shards.
-
-Main weights stay at the optimizer placement; ``sync_params`` brings them to the parameter
-placement each step (an all-gather over dp_outer for hfsdp, nothing for the others). The loop
-does not ask which mesh it has. A dense single-process reference (a plain ``nn.Module``,
-autograd and SGD on the whole global batch) runs the same math; the demo passes when every
-loss is finite, the per-step losses agree to within 1e-5 and the final parameters to within
-1e-5 relative.
+The demo is the library's end-to-end check: one training loop, written once against the
+public API, runs on real ranks (``--backend gloo``: :func:`train_gloo`, O*I local gloo ranks
+started by :func:`functional_hsdp.mesh.launch.run`, each on a ``DeviceMesh`` and a
+:class:`~functional_hsdp.DistMesh` with its own data slice) or in one process (``--backend
+sim``: :func:`train_sim`, a :class:`~functional_hsdp.SimMesh`). The loop does not ask which
+mesh it has. Two ``torch.func`` loops (``--mode``): the whole tree at once (``whole``,
+:class:`_Whole`, the default) or layer by layer (``layerwise``, :class:`_Layerwise`). A dense
+single-process reference (:func:`train_reference`) runs the same math; when the run passes:
+:class:`Report`.
 """
 
 from __future__ import annotations
@@ -119,7 +102,9 @@ class Result:
 
 @dataclasses.dataclass
 class Report:
-    """A run against its reference; it passes when :attr:`failures` is empty."""
+    """A run against its reference; it passes when :attr:`failures` is empty: every loss is
+    finite, the per-step losses agree to within 1e-5 (``TOLERANCE``) and the final parameters
+    to within 1e-5 relative (``PARAM_TOLERANCE``)."""
 
     config: Config
     result: Result
@@ -247,7 +232,10 @@ class _Phases:
 
 
 class _Loop:
-    """State shared by both loops: main weights at the optimizer placement, and the phases."""
+    """State shared by both loops: main weights at the optimizer placement, and the phases.
+
+    Main weights stay at the optimizer placement; ``sync_params`` brings them to the parameter
+    placement each step (an all-gather over dp_outer for hfsdp, nothing for the others)."""
 
     def __init__(self, cfg: Config, mesh: fh.Mesh, spec: fh.Spec, *, full: Any, phases: _Phases):
         self.cfg, self.mesh, self.phases = cfg, mesh, phases
@@ -263,7 +251,11 @@ class _Loop:
 
 
 class _Whole(_Loop):
-    """Gather the whole tree, ``grad`` per rank, ``reduce_grads`` every microbatch."""
+    """Gather the whole tree, ``grad`` per rank, ``reduce_grads`` every microbatch.
+
+    ``--mode whole`` (the default): ``gather`` the whole tree for the forward, ``grad`` per
+    rank (on a SimMesh mapped with ``fh.per_rank``), ``reduce_grads`` every microbatch
+    (deferred axes on the last), SGD as a ``tree_map``."""
 
     def __init__(self, cfg: Config, mesh: fh.Mesh, spec: fh.Spec, *, phases: _Phases):
         super().__init__(cfg, mesh, spec, full=init_params(cfg), phases=phases)
@@ -299,7 +291,12 @@ def _linear(p: Params, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Layerwise(_Loop):
-    """One ``fh.gathered`` unit per Linear, gradients reduce-scattered into a MainGrad."""
+    """One ``fh.gathered`` unit per Linear, gradients reduce-scattered into a MainGrad.
+
+    ``--mode layerwise``: each Linear runs through ``fh.gathered(..., into=mg)``, so a unit is
+    all-gathered in its forward, re-gathered in its backward and its gradient reduce-scattered
+    into a :class:`~functional_hsdp.MainGrad` as soon as it exists; ``mg.finish()`` after the
+    last microbatch, SGD in place on the shards."""
 
     def __init__(self, cfg: Config, mesh: fh.Mesh, spec: fh.Spec, *, phases: _Phases):
         full = to_units(init_params(cfg))
@@ -392,7 +389,8 @@ def _plain_progress(steps: int, desc: str, out: TextIO) -> Iterator[int]:
 
 
 def train_sim(cfg: Config) -> Result:
-    """Every rank in this process, on a SimMesh."""
+    """Every rank in this process, on a SimMesh (every value carries the mesh shape in
+    front)."""
     mesh = fh.SimMesh(dict(zip(AXES, (cfg.outer, cfg.inner))))
     x, y = make_data(cfg)
     return train(cfg, mesh, x=x, y=y, progress=True)

@@ -1,8 +1,10 @@
-"""The user-facing block: :func:`gathered` makes a :class:`Gathered`, whose call makes (or takes
-from the registry) the call record, reads the call's arguments and mode, and runs the unit on
-the first-order path (:mod:`~functional_hsdp.units.functions`) or, under vmap, forward mode
-or a second derivative, on the composable path (:mod:`~functional_hsdp.units.composable`).
-:func:`sequence` runs a stack of units with each next one prefetched.
+"""The user-facing block: :func:`gathered` makes a :class:`Gathered`; :func:`sequence` runs many.
+
+A block's call makes (or takes from the registry) the call record, reads the call's arguments
+and mode, and runs the unit on the first-order path (:mod:`~functional_hsdp.units.functions`)
+or, under vmap, forward mode or a second derivative, on the composable path
+(:mod:`~functional_hsdp.units.composable`). :func:`sequence` runs a stack of units with each
+next one prefetched.
 
 State: a block keeps the call declared by its ``prefetch`` until its next call (``_next``),
 and its descriptions for the cross-rank checks (``descriptions``); both go with the block.

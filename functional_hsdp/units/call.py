@@ -4,21 +4,10 @@ A record is made with the call's wait node (:func:`~functional_hsdp.units.block.
 by ``prefetch`` before the unit that runs first, or at the call. Until it is called, a
 record made ahead is held by this thread's registry and by the block that declared it; then
 it lives in the autograd graph (the ``ctx`` of its two Functions) and goes with it (its
-chain refers to it weakly). Its phase changes only through the transitions below, each of
-which checks the phase it comes from (a failed check is a bug of this package, not of the
-caller, but for the one documented error of :func:`backward_began`)::
-
-    PREPARED --forward_ran--> RAN --weights_released--> RELEASED --weights_refilled--> RAN
-    RAN --backward_began--> BACKWARD --wanted_none--> DONE
-                            BACKWARD --reduce_scatter_issued--> REDUCING
-    REDUCING --reduce_scatter_waited--> REDUCED --gradient_handed_on--> DONE
-    REDUCING --gradient_handed_on--> DONE
-    REDUCING --reduce_scatter_abandoned--> ABANDONED
-
-``RELEASED`` is reached only with ``recompute=False`` (forward's graph kept, its gathered
-weights' memory given back until backward). With ``recompute=True`` backward may run again
-through a retained graph: ``backward_began`` then also comes from ``BACKWARD``,
-``REDUCING``, ``REDUCED``, ``DONE`` or ``ABANDONED``.
+chain refers to it weakly). Invariant: its phase changes only through the transitions of
+this module (:class:`Phase` draws them), each of which checks the phase it comes from (a
+failed check is a bug of this package, not of the caller, but for the one documented error
+of :func:`backward_began`).
 """
 
 from __future__ import annotations
@@ -40,7 +29,20 @@ __all__ = ["Arguments", "Call", "Held", "Phase"]
 
 
 class Phase(enum.Enum):
-    """Where a unit call is in its life (see the module docstring for the transitions)."""
+    """Where a unit call is in its life, and the transitions between phases::
+
+        PREPARED --forward_ran--> RAN --weights_released--> RELEASED --weights_refilled--> RAN
+        RAN --backward_began--> BACKWARD --wanted_none--> DONE
+                                BACKWARD --reduce_scatter_issued--> REDUCING
+        REDUCING --reduce_scatter_waited--> REDUCED --gradient_handed_on--> DONE
+        REDUCING --gradient_handed_on--> DONE
+        REDUCING --reduce_scatter_abandoned--> ABANDONED
+
+    ``RELEASED`` is reached only with ``recompute=False`` (forward's graph kept, its gathered
+    weights' memory given back until backward). With ``recompute=True`` backward may run again
+    through a retained graph: ``backward_began`` then also comes from ``BACKWARD``,
+    ``REDUCING``, ``REDUCED``, ``DONE`` or ``ABANDONED``.
+    """
 
     PREPARED = "prepared"  # record and wait node made; its all-gather may be issued ahead
     RAN = "ran"  # forward ran; recompute=False: its graph and gathered weights are held

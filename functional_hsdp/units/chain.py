@@ -2,12 +2,8 @@
 
 Every call record points to its chain, so that a backward run on another thread than its
 forward (autograd runs CUDA backward on its device threads) finds what the forward left:
-nothing a forward and its backward share is kept per thread. The chain links each call to
-the one called before it (backward prefetch: autograd's engine runs the most recently
-created ready node first, so the backward of unit ``i`` comes just before that of unit
-``i-1``, whose all-gather it issues), keeps the last unit's gathered weights for its
-backward (FSDP2 does not reshard its root either), and knows what is still in flight, so
-that the end of the backward (or an error) releases what will not be used.
+nothing a forward and its backward share is kept per thread. What a chain does (backward
+prefetch, the last unit's weights, what is in flight): :class:`Chain`.
 
 State: a chain lives as long as a call record or this thread's registry
 (:mod:`~functional_hsdp.units.registry`) refers to it. It refers to calls weakly; it holds
@@ -54,7 +50,14 @@ class Kept(NamedTuple):
 
 @dataclass(eq=False)
 class Chain:
-    """The unit calls of one forward pass, until its backward ends: what they share."""
+    """The unit calls of one forward pass, until its backward ends: what they share.
+
+    The chain links each call to the one called before it (backward prefetch: autograd's
+    engine runs the most recently created ready node first, so the backward of unit ``i``
+    comes just before that of unit ``i-1``, whose all-gather it issues), keeps the last
+    unit's gathered weights for its backward (FSDP2 does not reshard its root either), and
+    knows what is still in flight, so that the end of the backward (or an error) releases
+    what will not be used."""
 
     last: Any = None  # weak reference to the last unit called (backward prefetch)
     kept: Kept | None = None  # dropped by the next unit's forward, or by the backward

@@ -1,6 +1,7 @@
-"""What a unit call is checked against, and how messages name it: the unit's plan, its place in
-the sharded tree, its description for the cross-rank checks, and the ``MainGrad`` buckets a
-unit with ``into=`` adds into.
+"""What a unit call is checked against, and how messages name it.
+
+The unit's plan, its place in the sharded tree, its description for the cross-rank checks,
+and the ``MainGrad`` buckets a unit with ``into=`` adds into.
 
 State: a block's descriptions are cached on it (``Gathered.descriptions``, one entry per plan
 and place), and go with the block.

@@ -1,13 +1,9 @@
-"""The composable path: a unit under ``vmap``, forward mode (``jvp``, a
-``torch.autograd.forward_ad`` dual level) or a second derivative, where the first-order
-Functions (:mod:`~functional_hsdp.units.functions`) cannot go.
+"""The composable path: a unit under ``vmap``, forward mode or a second derivative.
 
-The unit is all-gathered by a differentiable move (:func:`functional_hsdp.sync.autodiff.move`: its
-backward a differentiable reduce-scatter, its jvp the all-gather of the tangent, its vmap
-one collective for the batch) and ``fn`` runs on the result. No recompute, no prefetch, and
-nothing is added into a ``MainGrad``: the gathered weights stay in the graph, but under vmap
-of one gradient level (per-sample gradients, DP-SGD's norms), where they are released
-between forward and backward (:class:`ReleasedWeights`) as the first-order path does.
+There the first-order Functions (:mod:`~functional_hsdp.units.functions`) cannot go (forward
+mode: ``jvp``, a ``torch.autograd.forward_ad`` dual level). The unit is all-gathered by a
+differentiable move (:func:`functional_hsdp.sync.autodiff.move`) and ``fn`` runs on the
+result; what that keeps and what it does not: :func:`composable`.
 
 State: the weights released between forward and backward live in the graph
 (:class:`ReleasedWeights`, held by the :class:`_Refill` nodes and the move's record); this
@@ -32,8 +28,13 @@ __all__ = ["ReleasedWeights", "composable", "composed"]
 
 
 def composable(block: Any, shards: Any, *, args: tuple, kwargs: dict) -> Any:
-    """``block.fn`` on the unit all-gathered by a differentiable move (see the module
-    docstring)."""
+    """``block.fn`` on the unit all-gathered by a differentiable move.
+
+    The move's backward is a differentiable reduce-scatter, its jvp the all-gather of the
+    tangent, its vmap one collective for the batch. No recompute, no prefetch, and nothing is
+    added into a ``MainGrad``: the gathered weights stay in the graph, but under vmap of one
+    gradient level (per-sample gradients, DP-SGD's norms), where they are released between
+    forward and backward (:class:`ReleasedWeights`) as the first-order path does."""
     if block.into is not None:
         raise NotImplementedError(
             f"gathered({block.name}, into=...): under vmap, jvp or a second derivative "

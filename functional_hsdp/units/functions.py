@@ -1,37 +1,12 @@
-"""The first-order path (``torch.func.grad``/``vjp``/``grad_and_value``, plain autograd): two
-``torch.autograd.Function`` per unit call, functorch style (``setup_context``, and a backward
-that is ``once_differentiable``, so that its collectives see plain tensors).
+"""The first-order path (``torch.func.grad``/``vjp``/``grad_and_value``, plain autograd).
 
-- :class:`_Unit` is ``fn(gather(shards), *args)``. Its **forward** all-gathers the unit
-  (:func:`~functional_hsdp.units.transfers.gather`), issues the next unit's all-gather
-  ahead when one is declared, and runs ``fn``:
-
-  - ``recompute=False`` (the default, FSDP2 without activation checkpointing): ``fn`` runs
-    under ``torch.func.vjp`` on the Function's plain tensors and the closure, which holds
-    the unit's activations, is kept on the call record until backward; the gathered weights
-    are released once the next unit starts (:mod:`~functional_hsdp.units.storage`).
-  - ``recompute=True`` (per-unit activation checkpointing): ``fn`` runs without recording a
-    graph; only the shards and the arguments are saved, and backward gathers the unit again
-    and recomputes ``fn`` under ``torch.func.vjp`` (less memory, one more forward per unit),
-    in forward's RNG and autocast state (:mod:`~functional_hsdp.units.replay`).
-
-  Its **backward** issues the backward prefetch of the unit called before it, runs the vjp,
-  and issues the reduce-scatter of the weight gradient asynchronously
-  (:func:`~functional_hsdp.units.transfers.start_reduce_scatter`).
-- :class:`_Wait`, an identity on the unit's shards applied just before the unit, is the one
-  consumer of that pending gradient: its backward waits for the reduce-scatter and hands on
-  a finished tensor (or adds it into the ``MainGrad``). So nothing (a tied weight's sum, a
-  cast's backward, a second ``.backward()``) can read a gradient still in flight, whatever
-  order autograd's engine picks.
-
-Overlap comes from that engine's order: it runs the most recently created ready node first,
-so when a unit's wait node was created one call early (by ``prefetch``, or ``sequence``), unit
-``i``'s reduce-scatter runs during unit ``i-1``'s backward; and the all-gather of the next unit
-(forward) or of the previous unit (backward) is issued before this unit's compute.
-
-Only floating arguments that require a gradient (tracked by autograd or by the
-``torch.func`` transform being run) are differentiated: rotary tables, masks and other
-constants are not.
+Two ``torch.autograd.Function`` per unit call, functorch style (``setup_context``, and a
+backward that is ``once_differentiable``, so that its collectives see plain tensors):
+:class:`_Unit` is ``fn(gather(shards), *args)`` (gather in forward, reduce-scatter in
+backward), and :class:`_Wait`, applied just before the unit, is the one consumer of that
+pending gradient. Overlap comes from autograd's engine order (:class:`_Wait` says how). Only
+floating arguments that require a gradient (tracked by autograd or by the ``torch.func``
+transform being run) are differentiated: rotary tables, masks and other constants are not.
 
 State: none of its own; each call's is on its record (:mod:`~functional_hsdp.units.call`).
 """
@@ -201,7 +176,24 @@ def _differentiate(
 
 
 class _Unit(torch.autograd.Function):
-    """fn(gather(shards), *args): gather in forward, (recompute +) reduce-scatter in backward."""
+    """fn(gather(shards), *args): gather in forward, (recompute +) reduce-scatter in backward.
+
+    Its **forward** all-gathers the unit (:func:`~functional_hsdp.units.transfers.gather`),
+    issues the next unit's all-gather ahead when one is declared, and runs ``fn``:
+
+    - ``recompute=False`` (the default, FSDP2 without activation checkpointing): ``fn`` runs
+      under ``torch.func.vjp`` on the Function's plain tensors and the closure, which holds
+      the unit's activations, is kept on the call record until backward; the gathered
+      weights are released once the next unit starts (:mod:`~functional_hsdp.units.storage`).
+    - ``recompute=True`` (per-unit activation checkpointing): ``fn`` runs without recording
+      a graph; only the shards and the arguments are saved, and backward gathers the unit
+      again and recomputes ``fn`` under ``torch.func.vjp`` (less memory, one more forward per
+      unit), in forward's RNG and autocast state (:mod:`~functional_hsdp.units.replay`).
+
+    Its **backward** issues the backward prefetch of the unit called before it, runs the vjp,
+    and issues the reduce-scatter of the weight gradient asynchronously
+    (:func:`~functional_hsdp.units.transfers.start_reduce_scatter`).
+    """
 
     @staticmethod
     def forward(call: Call, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -275,7 +267,20 @@ class _Unit(torch.autograd.Function):
 
 
 class _Wait(torch.autograd.Function):
-    """Identity on a unit's shards; backward: wait for the unit's reduce-scatter, hand it on."""
+    """Identity on a unit's shards; backward: wait for the unit's reduce-scatter, hand it on.
+
+    Applied just before the unit, it is the one consumer of that pending gradient: its
+    backward waits for the reduce-scatter and hands on a finished tensor (or adds it into the
+    ``MainGrad``). So nothing (a tied weight's sum, a cast's backward, a second
+    ``.backward()``) can read a gradient still in flight, whatever order autograd's engine
+    picks.
+
+    Overlap comes from that engine's order: it runs the most recently created ready node
+    first, so when a unit's wait node was created one call early (by ``prefetch``, or
+    ``sequence``), unit ``i``'s reduce-scatter runs during unit ``i-1``'s backward; and the
+    all-gather of the next unit (forward) or of the previous unit (backward) is issued before
+    this unit's compute.
+    """
 
     @staticmethod
     def forward(call: Call, *pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -5,20 +5,9 @@ their forward. ``shard_module`` is FSDP2's ``fully_shard`` per unit, done once: 
 (a submodule) and the root (the parameters in no unit) becomes a unit of a spec tree, the
 parameters become local shards (the master weights, in their own dtype) and the module keeps
 only meta stand-ins of them (its buffers stay). ``functional_call`` is
-``torch.func.functional_call`` on those shards: it runs ``model.forward`` itself, with
-
-- the root unit all-gathered first and kept until its backward (FSDP2 does not reshard its
-  root either): the embedding, a tied head, final norms;
-- each unit gathered just before its own forward (through :func:`~functional_hsdp.gathered`:
-  its forward replaced, for the call, by the gathered call of the original one), the next
-  unit prefetched in the order the units ran last time (the order given, the first time);
-- its gradient reduce-scattered in backward, into a ``MainGrad`` (``into=``) or returned at
-  the gradient placement (for ``reduce_grads(..., at="gradient")``).
-
-Tied parameters: a parameter used under one unit only belongs to that unit; one used by
-several units, or by a unit and the root, belongs to the root, is gathered once for the
-whole forward and passed to each unit that uses it as an input, so its gradient is summed
-over every use before its one reduce-scatter per backward.
+``torch.func.functional_call`` on those shards: it runs ``model.forward`` itself, each unit
+gathered just before its own forward (its docstring says in which order; tied parameters:
+:func:`shard_module`).
 """
 
 from __future__ import annotations
@@ -102,6 +91,11 @@ def shard_module(
     mp_policy: Any = None,
 ) -> tuple[dict, dict]:
     """Shard ``model``'s parameters unit by unit, as FSDP2's ``fully_shard`` per unit.
+
+    Tied parameters: a parameter used under one unit only belongs to that unit; one used by
+    several units, or by a unit and the root, belongs to the root, is gathered once for the
+    whole forward and passed to each unit that uses it as an input, so its gradient is summed
+    over every use before its one reduce-scatter per backward.
 
     Args:
         model: an ``nn.Module`` whose parameters are the same on every rank (seed alike, or
@@ -326,7 +320,16 @@ def functional_call(
     ``grad_and_value`` and plain autograd: the gradient with respect to ``shards`` is each
     unit's gradient at the gradient placement (for ``reduce_grads(..., at="gradient")`` or
     ``MainGrad.accumulate(..., at="gradient")``), or zero with ``into=``, where it was added
-    into the ``MainGrad`` during backward. Every rank must make the same calls.
+    into the ``MainGrad`` during backward. Every rank must make the same calls. It runs
+    ``model.forward`` itself, with
+
+    - the root unit all-gathered first and kept until its backward (FSDP2 does not reshard
+      its root either): the embedding, a tied head, final norms;
+    - each unit gathered just before its own forward (through :func:`~functional_hsdp.gathered`:
+      its forward replaced, for the call, by the gathered call of the original one), the next
+      unit prefetched in the order the units ran last time (the order given, the first time);
+    - its gradient reduce-scattered in backward, into a ``MainGrad`` (``into=``) or returned
+      at the gradient placement (for ``reduce_grads(..., at="gradient")``).
 
     Args:
         model: a model :func:`shard_module` sharded.

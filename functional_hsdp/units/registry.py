@@ -1,18 +1,12 @@
-"""What a thread's forward passes keep between unit calls, and only there: the chain they
-extend, the wait nodes ``prefetch`` made ahead, and the composable path's last unit.
+"""What a thread's forward passes keep between unit calls, and only there.
 
-This is the package's one per-thread state (``_FORWARD``, a ``threading.local``). Backward
-never reads it: a backward may run on another thread (autograd's device threads), so
-everything a backward needs is on the call record and its chain. The static check in
+That is the chain they extend, the wait nodes ``prefetch`` made ahead, and the composable
+path's last unit: the package's one per-thread state (``_FORWARD``, a ``threading.local``;
+what it holds and when it is released: :class:`_Forward`). Invariant: backward never reads
+it; a backward may run on another thread (autograd's device threads), so everything a
+backward needs is on the call record and its chain. The static check in
 ``tests/test_device_threads.py`` pins that no backward, jvp or vmap rule reaches a read of
 it; every read of ``_FORWARD`` is in this module.
-
-State and its release: per thread, the last chain (whose last unit keeps its gathered
-weights for its backward, until the end of that backward or, if none comes, this thread's
-next forward), at most ``_PREPARED`` wait nodes made ahead and never called (each holds its
-shards, its all-gather issued ahead abandoned when it is forgotten), and a weak reference to
-the composable path's last unit. ``fh.clear_caches()`` forgets this thread's
-(:meth:`_Forward.cache_clear`); another thread's goes with its next forward.
 """
 
 from __future__ import annotations
@@ -42,7 +36,14 @@ class Prepared(NamedTuple):
 
 class _Forward(threading.local):
     """What a thread's forward passes keep between unit calls, and only there (backward
-    never reads it): the chain they extend, and wait nodes made ahead by ``prefetch``."""
+    never reads it): the chain they extend, and wait nodes made ahead by ``prefetch``.
+
+    State and its release: per thread, the last chain (whose last unit keeps its gathered
+    weights for its backward, until the end of that backward or, if none comes, this
+    thread's next forward), at most ``_PREPARED`` wait nodes made ahead and never called
+    (each holds its shards, its all-gather issued ahead abandoned when it is forgotten), and
+    a weak reference to the composable path's last unit. ``fh.clear_caches()`` forgets this
+    thread's (:meth:`_Forward.cache_clear`); another thread's goes with its next forward."""
 
     def __init__(self) -> None:
         self.chain: Chain | None = None

@@ -1,7 +1,8 @@
-"""Replay for ``recompute=True`` (per-unit activation checkpointing): backward runs ``fn``
-again, and it must run as forward did. So forward captures the RNG states (dropout draws the
-same random numbers) and the autocast state (the same dtypes), as ``torch.utils.checkpoint``
-does, and the recompute runs under them (:func:`replaying`).
+"""Replay for ``recompute=True`` (per-unit activation checkpointing): ``fn`` again, as forward ran.
+
+Backward runs ``fn`` again, and it must run as forward did. So forward captures the RNG states
+(dropout draws the same random numbers) and the autocast state (the same dtypes), as
+``torch.utils.checkpoint`` does, and the recompute runs under them (:func:`replaying`).
 
 State: none of its own. What forward captured is kept on the call record
 (``call.replay``), not per thread: backward may run on another thread (autograd runs CUDA

@@ -1,16 +1,10 @@
 """The storage of a unit's gathered weights between its forward and its backward.
 
-With ``recompute=False`` (the default, FSDP2 without activation checkpointing) forward's graph
-holds the gathered weights. Once the next unit starts, their storage is released
-(``untyped_storage().resize_(0)``: the tensors stay, with no memory), while the graph keeps
-its tensors; backward gathers again into that same storage (the copy runs with functorch
-disabled and the version counter preserved, since the graph saved those tensors) and runs no
-second forward. ``reshard_after_forward=False`` keeps the gathered weights whole from forward
-to backward instead (no second all-gather). The forward's last unit keeps them either way:
-its backward comes next (:mod:`~functional_hsdp.units.chain`).
-
-One name per act: *release* gives a storage's memory back, *refill* takes it again and
-copies the weights in, *hold* keeps the weights on the call for backward.
+One name per act: *release* gives a storage's memory back (:func:`release_weights`: once the
+next unit starts, with ``recompute=False``), *refill* takes it again and copies the weights in
+(:func:`refill_weights`: in backward, no second forward), *hold* keeps the weights on the call
+for backward (:func:`hold`: ``reshard_after_forward=False`` keeps them whole). The forward's
+last unit keeps them either way: its backward comes next (:mod:`~functional_hsdp.units.chain`).
 
 State: none of its own; what a call holds is its ``held`` record (:class:`~.call.Held`),
 which goes with the call.
@@ -96,7 +90,15 @@ def drop(call: Call) -> None:
 
 def release_weights(call: Call) -> None:
     """recompute=False: release the gathered weights that forward's graph holds, once the
-    unit is not the forward's last one; backward refills them (:func:`refill_weights`)."""
+    unit is not the forward's last one; backward refills them (:func:`refill_weights`).
+
+    With ``recompute=False`` (the default, FSDP2 without activation checkpointing) forward's
+    graph holds the gathered weights. Once the next unit starts, their storage is released
+    (``untyped_storage().resize_(0)``: the tensors stay, with no memory), while the graph keeps
+    its tensors; backward gathers again into that same storage (the copy runs with functorch
+    disabled and the version counter preserved, since the graph saved those tensors) and runs
+    no second forward. ``reshard_after_forward=False`` keeps the gathered weights whole from
+    forward to backward instead (no second all-gather)."""
     if (
         call.phase is not Phase.RAN
         or not call.arguments.graph

@@ -1,12 +1,12 @@
-"""The keep axis: an Owner spec on some data-parallel axes only (``owned(spec, axes)``:
-HSDP's outer axis, where the parameter is Replicate).
+"""The keep axis: an Owner spec on some data-parallel axes only (``owned(spec, axes)``).
 
-The spec keeps its own layout and chunks; along the keep axis each rank keeps only the
-pieces of its chunk whose leaf's owner (:func:`keep_owners`) has its coordinate there
-(:class:`KeptPieces`, the optimizer placement's geometry, which
-:class:`~functional_hsdp.plan.recipe.Plan` builds). Partial -> Owner is a reduce-scatter-v and
-Owner -> Replicate an all-gather-v, each one all-to-all of the data with uneven blocks
-(:func:`keep_items`, which the plan calls for each such move). Nothing here keeps state.
+That is HSDP's outer axis, where the parameter is Replicate. The spec keeps its own layout and
+chunks; along the keep axis (one of size > 1) each rank keeps only the pieces of its chunk
+whose leaf's owner (:func:`keep_owners`) has its coordinate there (:class:`KeptPieces`, the
+optimizer placement's geometry, which :class:`~functional_hsdp.plan.recipe.Plan` builds).
+Partial -> Owner is a reduce-scatter-v and Owner -> Replicate an all-gather-v, each one
+all-to-all of the data with uneven blocks (:func:`keep_items`, which the plan calls for each
+such move). Nothing here keeps state.
 """
 
 from __future__ import annotations

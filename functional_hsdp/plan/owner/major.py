@@ -4,8 +4,7 @@
 owner-major (:func:`owner_bucket`, which :mod:`functional_hsdp.plan.recipe` passes to
 :func:`functional_hsdp.plan.buckets.build_buckets`): a bucket's leaves are assigned to the ranks
 balanced by size (:func:`balance`), and rank k's chunk holds the whole leaves it owns, padded
-to the largest chunk. The package docstring (:mod:`functional_hsdp.plan.owner`) says what this
-costs and how such a spec moves.
+to the largest chunk. What this costs: :func:`owner_bucket`; how such a spec moves: :func:`owned`.
 """
 
 from __future__ import annotations
@@ -110,6 +109,11 @@ def owner_bucket(run: list[Slot], spec: Spec, *, unit: int, dtype: torch.dtype, 
     never empty (a bucket's first leaf is at offset 0). The layout depends on the run's
     leaves alone (their sizes and order), never on where they sit in a larger tree: a unit's
     buckets are the same seen alone (as a gathered unit looks them up) or in the whole tree.
+
+    What it costs: a bucket is n chunks of its heaviest owner's leaves, so at least n times
+    its largest leaf, whatever the assignment. A Llama decoder layer of width d (MLP 4d, half
+    as many key-value heads as query heads) holds three 4d^2 MLP matrices and 3d^2 besides:
+    on 4 owners it pads to 16d^2 for its 15d^2 (four layers in one unit balance exactly).
     """
     n = math.prod(spec.mesh.size(a) for a in spec.split_order)
     widths = [align(s.numel) for s in run]

@@ -1,11 +1,11 @@
-"""What the owner moves are made of: program items and chunk arithmetic, shared by the
-all-to-all routes (:mod:`.routes`) and the keep axis's moves (:mod:`.keep`).
+"""What the owner moves are made of: program items and chunk arithmetic.
 
-:class:`Exchange` is an all-to-all step with uneven blocks (:func:`exchange` makes it from
-the counts), :class:`Rearrange` a local step that builds each rank's new buffer from runs of
-its old one; :func:`chunk_of` and :func:`piece_of` say which elements of a Flat bucket a rank's
-chunk holds, and :func:`local_items` which ranks this process holds (its own on a DistMesh,
-every one on a SimMesh). None keeps state.
+They are shared by the all-to-all routes (:mod:`.routes`) and the keep axis's moves
+(:mod:`.keep`). :class:`Exchange` is an all-to-all step with uneven blocks (:func:`exchange`
+makes it from the counts), :class:`Rearrange` a local step that builds each rank's new buffer
+from runs of its old one; :func:`chunk_of` and :func:`piece_of` say which elements of a Flat
+bucket a rank's chunk holds, and :func:`local_items` which ranks this process holds (its own
+on a DistMesh, every one on a SimMesh). None keeps state.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
-"""The all-to-all routes: a bucket of a spec without the owner-major layout moved from the
-optimizer placement to each leaf's owner and back (``per_matrix``'s way for such specs).
+"""The all-to-all routes: each bucket of a spec without the owner-major layout, to its owners.
 
 :func:`route` plans, once per plan and set of routed leaves, each bucket's
-:class:`BucketRoute` (:class:`_Planner`): a local selection for each Replicate axis, one
-all-to-all per Flat or Shard(d) axis (:class:`~.pieces.Exchange`), each owner's pieces joined
-into whole leaves; back, the reverse all-to-alls and one all-gather per Replicate axis. A
-Shard(d) bucket starts from each rank's data (:class:`Compact`). The routes are cached in
-``_ROUTES`` (bounded; ``fh.clear_caches()`` empties it).
-
-A route reads a finished :class:`~functional_hsdp.plan.recipe.Plan` by its fields (``mesh``,
-``buckets``, ``placed``) and does not import :mod:`functional_hsdp.plan.recipe`, which builds on
-this package (the owner-major buckets, the kept pieces): the dependency goes one way.
+:class:`BucketRoute` (by :class:`_Planner`) from the optimizer placement to each leaf's owner
+and back (``per_matrix``'s way for such specs; the moves: :func:`route`); a Shard(d) bucket
+starts from each rank's data (:class:`Compact`). The routes are cached in ``_ROUTES``
+(bounded; ``fh.clear_caches()`` empties it). A route reads a finished
+:class:`~functional_hsdp.plan.recipe.Plan` by its fields (``mesh``, ``buckets``, ``placed``)
+and does not import :mod:`functional_hsdp.plan.recipe`, which builds on this package (the
+owner-major buckets, the kept pieces): the dependency goes one way.
 """
 
 from __future__ import annotations
@@ -48,8 +45,15 @@ class Compact:
     """A Shard(d) bucket's routed leaves as the ranks hold them, their data only: each
     rank's nonempty chunks flattened, end to end, then zeros up to ``length`` (the longest
     rank's). ``at[r]``: per chunk rank r holds, ``(slot position, position, lo, hi)``: the
-    chunk is elements ``[lo, hi)`` of the leaf in chunk order (see
-    :mod:`functional_hsdp.plan.owner`)."""
+    chunk is elements ``[lo, hi)`` of the leaf in chunk order.
+
+    A Shard(d) bucket is routed as a Flat one, from each rank's data: leaf j's chunk c, its
+    ``torch.chunk`` along d, is the elements ``[c S P Q, (c S + n_c) P Q)`` of the leaf in
+    *chunk order* (the chunks' data end to end, each row-major; S the chunk length, n_c this
+    chunk's, P and Q the sizes of the dims before and after d), so the planner moves ranges
+    as for Flat; the owner joins the chunks along d into the whole leaf (for d = 0 chunk
+    order is the leaf's own: a view), and splits the result back. Empty chunks send nothing;
+    padding to S never travels."""
 
     def __init__(self, mesh: Any, bucket: Bucket, routed: Sequence[bool]):
         self.bucket, self.batch = bucket, mesh.batch_shape
@@ -326,8 +330,18 @@ def route(plan: Any, routed: tuple[bool, ...]) -> list[BucketRoute | None]:
     """Every bucket's :class:`BucketRoute` of ``plan`` (a
     :class:`~functional_hsdp.plan.recipe.Plan`) for the leaves ``routed`` (by tree index),
     built once. Owners are balanced over the whole tree (largest leaf first, each to the least
-    loaded rank, then evened: :func:`balance`), among the data-parallel axes that move of each
-    spec."""
+    loaded rank, then evened: :func:`balance`), among the data-parallel axes that move (size
+    > 1) of each spec; a leaf's owner coordinate on every other axis is the rank's own (other
+    axes hold other values: each does its own).
+
+    There: a local selection for each Replicate axis (a rank keeps the pieces whose owner
+    shares its coordinate on it) and one all-to-all per Flat or Shard(d) axis (each piece to
+    its owner's coordinate on that axis); then each owner's pieces are joined into whole
+    leaves. Back: the reverse all-to-alls, and one all-gather per Replicate axis. Blocks are
+    uneven (nothing padded on the wire); a rank's buffer is as long as the longest of the
+    mesh, so that both meshes log the same events. A keep spec's kept pieces are moved over
+    the other axes to the owner and back, and the results left with the keep axis's owners
+    (no all-gather there)."""
     key = (plan, routed)
     known = _ROUTES.get(key)
     if known is None:

@@ -3,15 +3,11 @@
 :class:`GlooPool` starts ``world_size`` workers that join one gloo process group and then wait
 for tasks, so that every ``pool.run(fn, ...)`` after the first costs a round trip (about 3 ms)
 instead of a start (about 0.9 s with :func:`functional_hsdp.mesh.launch.run`; ``python -m
-bench.startup`` measures both). The test modules that run on gloo ranks keep one pool each
-(``tests/conftest.py``'s ``pool`` fixture, or their own); the benchmarks' smoke test keeps one
-for all benchmarks, and a benchmark whose variants share a group makes one for its run
-(``bench/common.py``).
-
-Tasks follow :mod:`functional_hsdp.mesh.launch`'s rules (module-level functions, pickled by name;
-tensors by value), and workers are set up as :func:`~functional_hsdp.mesh.launch.run`'s are: forked
-from the forkserver, which imports ``preload``, one thread each, ``rank``, ``world_size`` and
-``device_mesh`` of :mod:`functional_hsdp.mesh.launch` usable in a task.
+bench.startup`` measures both). Tasks and workers follow
+:func:`~functional_hsdp.mesh.launch.run`'s rules (module-level functions, pickled by name;
+tensors by value; forked from the forkserver; one thread each; ``rank``, ``world_size`` and
+``device_mesh`` of :mod:`functional_hsdp.mesh.launch` usable in a task). Who keeps a pool:
+:class:`GlooPool`.
 """
 
 from __future__ import annotations
@@ -128,6 +124,10 @@ def _pool_worker_main(
 
 class GlooPool:
     """``world_size`` worker processes in one gloo process group, reused across tasks.
+
+    The test modules that run on gloo ranks keep one pool each (``tests/conftest.py``'s
+    ``pool`` fixture, or their own); the benchmarks' smoke test keeps one for all benchmarks,
+    and a benchmark whose variants share a group makes one for its run (``bench/common.py``).
 
     Args:
         world_size: number of ranks.

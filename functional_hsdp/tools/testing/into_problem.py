@@ -1,23 +1,12 @@
-"""Calls with other ``into=`` / ``recompute=`` / ``reshard_after_forward=`` alternating on one
-model, shared by the SimMesh tests (tests/test_into.py) and the gloo tests
-(tests/test_into_gloo.py), and by ``bench/hostile.py``.
+"""Calls alternating ``into=`` / ``recompute=`` / ``reshard_after_forward=`` on one model.
 
-Two ways to run the same small language model (an embedding, ``L`` tanh layers, a head tied
-to the embedding or not):
-
-- **blocks**: ``fh.gathered`` units inside the loss (:func:`block_loss`), the layers run by
-  ``fh.sequence`` (each next unit prefetched), the embedding a unit kept from forward to
-  backward (a root, as FSDP2 keeps its own), on a SimMesh or a DistMesh; or the whole model
-  one unit (``whole=True``);
-- **module**: an ``nn.Module`` (:class:`Net`) sharded by ``fh.shard_module`` and run by
-  ``fh.functional_call`` (DistMesh only), with root parameters (the embedding, the head) or
-  every parameter in a unit.
-
-A **step** is ``for ids, last in fh.microbatches(batches, into=mg): grad(loss)(shards, ids)``
-then ``mg.finish()``; a **probe** is one gradient without ``into=`` (a gradient norm, a
-validation gradient), returned at the gradient placement. Every sequence is compared with
-the same step, or the same probe, made clean: on fresh shards of the same weights, a fresh
-``MainGrad``, nothing run before.
+Shared by the SimMesh tests (tests/test_into.py), the gloo tests (tests/test_into_gloo.py) and
+``bench/hostile.py``. One small language model (an embedding, ``L`` tanh layers, a head tied
+to the embedding or not), run two ways: as ``fh.gathered`` blocks (:func:`blocks_model`) or as
+an ``nn.Module`` through ``fh.shard_module`` (:func:`module_model`). A :func:`step` goes into a
+``MainGrad``, a :func:`probe` is one gradient without ``into=``; :func:`run` compares every
+sequence (``SEQUENCES``) with the same step, or the same probe, made clean: on fresh shards of
+the same weights, a fresh ``MainGrad``, nothing run before.
 """
 
 from __future__ import annotations
@@ -137,7 +126,10 @@ GRADS = {"fh.grad": fh.grad, "torch.func.grad": torch.func.grad}
 
 
 def step(loss: Callable, shards, mg: fh.MainGrad, *, mesh, grad: str = "fh.grad") -> list:
-    """One step into ``mg`` (``loss`` adds into it), finished: its gradients, copied."""
+    """One step into ``mg`` (``loss`` adds into it), finished: its gradients, copied.
+
+    That is ``for ids, last in fh.microbatches(batches, into=mg): grad(loss)(shards, ids)``
+    then ``mg.finish()``."""
     for ids, _ in fh.microbatches(mesh_batches(mesh), into=mg):
         GRADS[grad](loss)(shards, ids)
     mg.finish()
@@ -145,8 +137,8 @@ def step(loss: Callable, shards, mg: fh.MainGrad, *, mesh, grad: str = "fh.grad"
 
 
 def probe(loss: Callable, shards, *, mesh, grad: str = "fh.grad") -> list:
-    """One gradient without ``into=`` (the first microbatch): returned at the gradient
-    placement."""
+    """One gradient without ``into=`` (the first microbatch; a gradient norm, a validation
+    gradient): returned at the gradient placement."""
     g = GRADS[grad](loss)(shards, mesh_batches(mesh)[0])
     return [x.clone() for x in optree.tree_leaves(g)]
 
@@ -215,7 +207,12 @@ class Model:
 
 
 def blocks_model(spec: fh.Spec, tied: bool, whole: bool = False) -> Model:
-    """``fh.gathered`` blocks, one set per target and options (as a user makes them)."""
+    """``fh.gathered`` blocks, one set per target and options (as a user makes them).
+
+    The units inside the loss (:func:`block_loss`), the layers run by ``fh.sequence`` (each
+    next unit prefetched), the embedding a unit kept from forward to backward (a root, as
+    FSDP2 keeps its own), on a SimMesh or a DistMesh; or the whole model one unit
+    (``whole=True``)."""
     ts = tree_spec(spec, tied, whole)
     shards = fh.shard(init(tied), ts)
     made: dict = {}
@@ -234,7 +231,8 @@ def blocks_model(spec: fh.Spec, tied: bool, whole: bool = False) -> Model:
 
 def module_model(spec: fh.Spec, tied: bool, root: bool = True) -> Model:
     """:class:`Net` through ``fh.shard_module`` / ``fh.functional_call``: the layers are the
-    units, the embedding and the head the root (``root=False``, untied: each its own unit)."""
+    units, the embedding and the head the root (``root=False``, untied: each its own unit).
+    DistMesh only."""
     net = Net(tied)
     units = list(net.layers) if root else [net.embed, *net.layers, net.head]
     shards, ts = fh.shard_module(net, spec, units=units)

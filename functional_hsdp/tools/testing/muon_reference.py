@@ -1,6 +1,8 @@
-"""``torch.optim.Muon`` with its Newton-Schulz in float32: the reference the test suite and
-``bench gpu`` check ``fh.muon(..., ns_dtype=torch.float32)`` against (torch's own iteration
-casts to bf16)."""
+"""``torch.optim.Muon`` with its Newton-Schulz in float32: the reference for ``fh.muon``.
+
+The test suite and ``bench gpu`` check ``fh.muon(..., ns_dtype=torch.float32)`` against it
+(torch's own iteration casts to bf16).
+"""
 
 from __future__ import annotations
 
