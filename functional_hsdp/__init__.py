@@ -9,7 +9,9 @@ from .base.cache import clear_caches
 from .base.errors import CollectiveError
 from .base.trace import CommLog, Event, comm_log
 from .base.tree import Masked, masked
-from .diloco.outer import DiLoCo, DiLoCoState, balanced_fragments, diloco, sync_steps
+from .diloco.outer import DiLoCo, diloco
+from .diloco.schedule import balanced_fragments, sync_steps
+from .diloco.state import DiLoCoState
 from .io.checkpoint import empty_state_dict, load_state_dict, state_dict
 from .mesh import DistMesh, Mesh, SimMesh, per_rank
 from .optim import schedules

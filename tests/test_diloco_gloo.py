@@ -624,7 +624,7 @@ def _packings(placements) -> list:
                        compress=fh.compress(torch.int8, block=32))  # fmt: skip
         params = fh.shard(full_params(), dl.inner)
         dl.init(params)
-        packings = list(dl.update.__self__._packings.values())
+        packings = list(dl.update.__self__.cuts._packings.values())  # made by init
         ok = len(packings) == 2
         for pk in packings:
             width = sum(pk.widths)

@@ -1,283 +1,34 @@
-"""Semi-synchronous outer: DiLoCo and Streaming DiLoCo as pure functions on the placements.
-
-The replicas along the outer axis train apart (:func:`~functional_hsdp.replicas`: nothing is
-reduced or gathered over it) and meet every ``every`` inner steps, fragment by fragment: an
-outer optimizer steps each fragment's anchor on the pseudo-gradient ``anchor - mean over the
-axis of params``, and the fragment merges ``delay`` steps after its sync was issued (the math
-and the schedule: :func:`diloco`; the guide: ``docs/guides/diloco.md``).
+"""DiLoCo's outer step: :func:`diloco` -> :class:`DiLoCo`, its ``init`` and ``update``.
 
 Invariant: a fragment's sync is one reduction of its leaves' local shards over the axis
-(:func:`~functional_hsdp.sync.collectives.start_pmean`'s, or with ``compress=`` the compressed
-route's, :func:`~functional_hsdp.runtime.compressed.start_packed`), agreed by the replicas
-before its first collective, issued by the ``update`` after its step and waited for once by
-the one where it lands (a :class:`SyncInFlight` in ``DiLoCoState.flight`` between the two, which a
-checkpoint may wait for first); steps without a sync issue no collective. The state is the
-caller's (:class:`DiLoCoState`); this room keeps per params tree its layout and packings only.
+(:func:`~functional_hsdp.sync.collectives.start_pmean`'s, or with ``compress=`` the
+compressed route's, :func:`~functional_hsdp.runtime.compressed.start_packed`), agreed by the
+replicas before its first collective, issued by the ``update`` after its step and waited for
+once by the one where it lands; steps without a sync issue no collective. The state is the
+caller's; this room keeps per params tree its cut only (``cut.TreeCuts``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from ..base.tags import result_state, tag
-from ..base.tree import Masked, flatten, format_path, masked, structure_error
-from ..io.checkpoint import empty_state_dict, load_state_dict, load_tree, state_dict
+from ..base.tree import Masked, masked
 from ..mesh import Mesh
 from ..optim.matrix import PartitionState
 from ..optim.transforms import GradientTransformation, apply_updates
-from ..plan.lookup import find_plan_at
-from ..plan.recipe import get_plan
-from ..runtime.compressed import Packing, start_packed
-from ..runtime.flight import InFlight
+from ..runtime.compressed import start_packed
 from ..spec.quantize import Compress
 from ..spec.specs import Spec, replicas
 from ..sync.collectives import agree_pmean, start_pmean
+from .cut import TreeCuts
+from .schedule import check_int, syncs_after
+from .state import DiLoCoState, check_state, pending_leaves, tag_like
+from .syncs import SyncInFlight
 
-__all__ = ["DiLoCo", "DiLoCoState", "SyncInFlight", "balanced_fragments", "diloco", "sync_steps"]
-
-
-class DiLoCoState(NamedTuple):
-    """State of :func:`diloco` (a pytree: tensors and host ints).
-
-    Attributes:
-        anchor: tree like the params (local shards at the inner spec's optimizer placement):
-            the weights of the last sync, equal on every replica.
-        outer: a :class:`PartitionState` with one outer-optimizer state per fragment
-            (labels ``"0"``, ``"1"``, ...; other fragments' leaves :class:`Masked`).
-        count: inner steps seen so far (a host int, the same on every rank).
-        due: per fragment, the step after which its sync in flight lands (0: none).
-        pending: tree like the params: for a fragment whose sync was reduced but has not
-            landed (a sync in a state loaded from a checkpoint), its averaged
-            pseudo-gradient (equal on every replica); :class:`Masked`
-            elsewhere (a sync in ``flight`` too), so that only what is held takes memory.
-            None when ``delay == 0`` (nothing is ever in flight between calls). A
-            checkpoint saves it whole (the syncs in flight waited for, zeros for the other
-            Masked leaves: ``functional_hsdp.diloco.pending_tree``); after a load, the next
-            ``update`` masks the leaves of the fragments not due again.
-        residual: with ``compress=`` and error feedback, tree like the params (fp32, local
-            shards): what rounding lost of each rank's part of its fragment's last compressed
-            sync that landed, added into the next (per rank: it differs between replicas);
-            a sync in flight holds its fragment's new one (``residual_tree`` gives the tree
-            with it in place, what a checkpoint saves). None otherwise.
-        flight: per fragment, its sync in flight (a ``functional_hsdp.diloco.SyncInFlight``:
-            a host object, not a tensor; the ``update`` where it lands waits for it), or
-            None; ``()``: none anywhere. A sync is in flight from its issue to its landing
-            when ``delay > 0`` (compressed: its first leg); checkpoints wait for it and save
-            it in ``pending``, and pickling (``torch.save``, ``copy.deepcopy``) waits for it
-            and keeps its result.
-    """
-
-    anchor: Any
-    outer: PartitionState
-    count: int
-    due: tuple[int, ...]
-    pending: Any
-    residual: Any = None
-    flight: tuple = ()
-
-    # -- checkpoints: functional_hsdp.io.checkpoint's protocol ------------------------------
-
-    def __fh_state_dict__(self, spec: Any, *, like: Any = None) -> dict[str, Any]:
-        """This state in a mesh-independent checkpoint (``fh.state_dict(state, spec)``), at
-        any step: see :func:`_as_dict`."""
-        field = lambda name: None if like is None else getattr(like, name)  # noqa: E731
-        return _as_dict(self, lambda sub, name: state_dict(sub, spec, like=field(name)))
-
-    def __fh_empty_state_dict__(self, spec: Any) -> dict[str, Any]:
-        """Placeholders for ``dcp.load`` (``fh.empty_state_dict(like, spec)``)."""
-        return _as_dict(self, lambda sub, _: empty_state_dict(sub, spec))
-
-    def __fh_load_state_dict__(self, state: dict, spec: Any, *, name: str) -> DiLoCoState:
-        """The state :meth:`__fh_state_dict__` saved, loaded on ``spec``'s mesh (this state
-        the like): nothing in flight, each saved sync held in ``pending``."""
-        return _loaded(state, spec, self, name=name)
-
-
-class SyncInFlight(InFlight[list]):
-    """One fragment's delayed sync in flight (an entry of ``DiLoCoState.flight``): its
-    all-reduces issued (:func:`~functional_hsdp.sync.collectives.start_pmean`), or compressed,
-    its all-to-alls (:func:`~functional_hsdp.runtime.compressed.start_packed`: the rest run when it
-    is waited for). Its ``result()`` (:class:`~functional_hsdp.runtime.flight.InFlight`'s, once) is
-    the fragment's averaged pseudo-gradient, one tensor per leaf of ``leaves``: the update
-    where it lands, or a checkpoint, whichever comes first, waits; both get the same tensors.
-
-    Attributes:
-        fragment: the fragment's index.
-        leaves: the fragment's leaves (indices in the params' tree order).
-    """
-
-    __slots__ = ("fragment", "leaves", "_keys", "_reduction", "_residual")
-
-    def __init__(
-        self,
-        fragment: int,
-        leaves: tuple[int, ...],
-        *,
-        keys: tuple,
-        reduction: InFlight | None,
-        waited: bool = False,
-        result: list | None = None,
-        residual: list | None = None,
-    ):
-        super().__init__(waited=waited, result=result)
-        self.fragment, self.leaves, self._keys, self._reduction = fragment, leaves, keys, reduction
-        self._residual = residual
-
-    def _wait(self) -> list[torch.Tensor]:
-        got = self._reduction.result()
-        if isinstance(got, dict):  # start_pmean's tree, by key
-            return [got[k] for k in self._keys]
-        out, self._residual = got  # the compressed route's pieces and their new residual
-        return out
-
-    def _release(self) -> None:
-        if self._reduction is not None:
-            self._reduction.abandon()
-
-    def residual(self) -> list[torch.Tensor] | None:
-        """A compressed sync with error feedback: the fragment's new residual (fp32, one
-        tensor per leaf of ``leaves``), waited for; else None."""
-        self.result()
-        return self._residual
-
-    def __reduce__(self) -> tuple:
-        """Pickled (``torch.save``, ``copy.deepcopy``) waited for: its result travels, its
-        collectives do not (a copy lands alike)."""
-        out = [x.clone() for x in self.result()]
-        new = self.residual()
-        new = None if new is None else [x.clone() for x in new]
-        return (_waited_sync, (self.fragment, self.leaves, self._keys, out, new))
-
-    def __repr__(self) -> str:
-        how = "waited" if self.done else "in flight"
-        return f"SyncInFlight(fragment={self.fragment}, {len(self.leaves)} leaves, {how})"
-
-
-def _waited_sync(
-    fragment: int, leaves: tuple, keys: tuple, out: list, residual: list | None = None
-) -> SyncInFlight:
-    """A :class:`SyncInFlight` whose result, ``out`` (and ``residual``), is already there
-    (unpickled)."""
-    done = dict(waited=True, result=out, residual=residual)
-    return SyncInFlight(fragment, leaves, keys=keys, reduction=None, **done)
-
-
-def sync_steps(every: int, fragments: int, steps: int) -> list[list[int]]:
-    """The schedule: for each inner step t = 1..``steps``, the fragments that sync after it.
-
-    Args:
-        every: steps between two syncs of one fragment (H).
-        fragments: the number of fragments (F).
-        steps: how many steps to list.
-
-    Returns:
-        A list of ``steps`` lists of fragment indices.
-
-    Example:
-        >>> import functional_hsdp as fh
-        >>> fh.sync_steps(every=4, fragments=2, steps=8)
-        [[], [0], [], [1], [], [0], [], [1]]
-    """
-    _check_int("every", every, 1)
-    _check_int("fragments", fragments, 1)
-    starts = [(p + 1) * every // fragments for p in range(fragments)]
-    return [
-        [p for p, s in enumerate(starts) if t >= s and (t - s) % every == 0]
-        for t in range(1, steps + 1)
-    ]
-
-
-def balanced_fragments(params: Any, fragments: int, *, spec: Any = None) -> Any:
-    """A ``fragments=`` tree for :func:`diloco` whose fragments hold nearly equal bytes.
-
-    ``fragments=F`` as an int cuts the leaves, in tree order, into F *contiguous* groups;
-    a model whose largest leaves sit side by side (an embedding and an untied head) then
-    has a fragment far above 1/F of the bytes, and Streaming DiLoCo's peak outer transfer
-    with it. This groups the leaves by size instead (largest first, each into the fragment
-    with the fewest bytes so far), so that no fragment holds more than 1/F of the bytes by
-    more than its smallest leaf. Labels are numbered in tree order of each fragment's
-    first leaf. The result depends on the full shapes only, so it is the same on every
-    rank.
-
-    Args:
-        params: the params' tree: local shards as :func:`~functional_hsdp.shard` or
-            :func:`~functional_hsdp.shard_module` return them (their full shapes are read
-            from the placement they carry), local shards at ``spec``'s optimizer placement
-            (pass ``spec``), or tensors of the full shapes (meta tensors are fine).
-        fragments: F, an int from 1 to the number of leaves.
-        spec: the spec ``params`` are sharded with (``dl.inner``, or
-            ``fh.replicas(spec, axis)``), for local shards that carry no placement.
-
-    Returns:
-        A tree of ints in [0, F), each used, with the params' structure.
-
-    Example:
-        >>> import torch, functional_hsdp as fh
-        >>> params = {"embed": torch.zeros(64, 8), "head": torch.zeros(8, 64),
-        ...           "l0": torch.zeros(16, 16), "l1": torch.zeros(16, 16)}
-        >>> fh.balanced_fragments(params, 2)     # 1024 bytes each way
-        {'embed': 0, 'head': 1, 'l0': 0, 'l1': 1}
-        >>> fh.diloco(fh.hsdp(fh.SimMesh({"dp_outer": 2, "dp_inner": 2}),
-        ...                   "dp_outer", "dp_inner"), axis="dp_outer", every=4,
-        ...           outer=fh.sgd(0.7, momentum=0.9, nesterov=True),
-        ...           fragments=fh.balanced_fragments(params, 2), delay=1).fragments
-        {'embed': 0, 'head': 1, 'l0': 0, 'l1': 1}
-    """
-    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
-        raise ValueError(f"balanced_fragments: fragments must be an int >= 1; got {fragments!r}")
-    leaves, treedef, paths = flatten(params, "params")
-    if fragments > len(leaves):
-        raise ValueError(
-            f"balanced_fragments: fragments={fragments} is more than the params' "
-            f"{len(leaves)} leaves; each fragment needs at least one leaf"
-        )
-    sizes = _full_bytes(leaves, treedef, paths, spec=spec)
-    load, label = [0] * fragments, [0] * len(leaves)
-    for i in sorted(range(len(leaves)), key=lambda i: (-sizes[i], i)):
-        p = min(range(fragments), key=lambda q: (load[q], q))
-        load[p] += sizes[i]
-        label[i] = p
-    order = {p: k for k, p in enumerate(dict.fromkeys(label))}  # first leaf in tree order
-    return optree.tree_unflatten(treedef, [order[p] for p in label])
-
-
-def _full_bytes(leaves: list, treedef: Any, paths: Sequence[str], *, spec: Any) -> list[int]:
-    """Each leaf's full bytes: from the params' plan (:func:`_params_plan`), else from their
-    own shapes (full tensors)."""
-    found = _params_plan(leaves, treedef, paths, spec=spec)
-    if found is None:
-        return [_bytes(x.shape, x.dtype) for x in leaves]
-    return _plan_bytes(found[0])
-
-
-def _plan_bytes(plan: Any) -> list[int]:
-    """Each leaf's full bytes, from ``plan``'s shapes and dtypes."""
-    return [_bytes(s, d) for s, d in zip(plan.shapes, plan.dtypes)]
-
-
-def _params_plan(
-    leaves: list, treedef: Any, paths: Sequence[str], *, spec: Any
-) -> tuple[Any, str] | None:
-    """The params' plan and role: the placement the leaves carry (a unit tree's, ...), else
-    ``spec``'s layout of them at its optimizer placement; None without either."""
-    made = result_state(leaves)
-    if made is not None and made.role in ("optimizer", "parameter"):
-        return made.plan, made.role
-    if spec is None:
-        return None
-    plan = find_plan_at(leaves, treedef, paths, spec=spec, role="optimizer", name="params")
-    return plan, "optimizer"
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"diloco: {name} must be an int >= {low}; got {value!r}")
+__all__ = ["DiLoCo", "diloco"]
 
 
 #: the pseudo-gradient's bucket cap (as pmean's default): 25 MiB of fp32
@@ -431,7 +182,7 @@ def diloco(
             f"fh.compress(torch.int8)) or None; got {compress!r}"
         )
     if isinstance(fragments, int) and not isinstance(fragments, bool):
-        _check_int("fragments", fragments, 1)
+        check_int("fragments", fragments, 1)
     options = dict(axis=axis, every=every, fragments=fragments, delay=delay, mix=float(mix))
     run = _Outer(replicas(spec, axis), mesh, outer=outer, compress=compress, **options)
     return DiLoCo(inner=run.inner, init=run.init, update=run.advance, compress=compress, **options)
@@ -442,8 +193,8 @@ def _check_options(mesh: Mesh, *, axis: Any, every: Any, outer: Any, delay: Any,
         raise ValueError(
             f"diloco: axis {axis!r} is not in the mesh; its axes are {mesh.axis_names}"
         )
-    _check_int("every", every, 1)
-    _check_int("delay", delay, 0)
+    check_int("every", every, 1)
+    check_int("delay", delay, 0)
     if delay >= every:
         raise ValueError(
             f"diloco: delay must be < every (a fragment's sync lands before its next one is "
@@ -455,25 +206,13 @@ def _check_options(mesh: Mesh, *, axis: Any, every: Any, outer: Any, delay: Any,
         raise TypeError(f"diloco: outer must be a GradientTransformation; got {outer!r}")
 
 
-class _Layout(NamedTuple):
-    """What ``_Outer.layout`` keeps per params treedef: each leaf's fragment, F, the
-    params' plan and role, the residual's plan (fp32) and the leaves' paths."""
-
-    of: list[int]
-    n: int
-    plan: Any
-    role: str
-    residual_plan: Any
-    paths: tuple[str, ...]
-
-
 class _Step:
     """One call of ``update``: the trees' leaves, changed in place of the lists."""
 
     def __init__(self, params: list, state: DiLoCoState, treedef: Any):
         self.like, self.treedef = params, treedef
         self.new, self.anchor = list(params), list(optree.tree_leaves(state.anchor))
-        self.pending = None if state.pending is None else _pending_leaves(state.pending)
+        self.pending = None if state.pending is None else pending_leaves(state.pending)
         self.residual = None if state.residual is None else list(optree.tree_leaves(state.residual))
         self.outer, self.due = dict(state.outer.inner), list(state.due)
         self.flight = list(state.flight) or [None] * len(self.due)
@@ -485,7 +224,7 @@ class _Step:
         if self.touched:  # the new trees are at the params' placement: tagged so
             for xs in (self.new, self.anchor):  # pending: Masked leaves, tagged when saved
                 if xs is not None:
-                    _tag_like(xs, self.like)
+                    tag_like(xs, self.like)
             params = tree(self.new)
         state = DiLoCoState(
             anchor=tree(self.anchor),
@@ -504,65 +243,14 @@ class _Outer:
 
     def __init__(self, inner, mesh, *, axis, every, outer, fragments, delay, mix, compress):
         self.inner, self.mesh, self.axis, self.every = inner, mesh, axis, every
-        self.outer, self.fragments, self.delay, self.mix = outer, fragments, delay, mix
+        self.outer, self.delay, self.mix = outer, delay, mix
         self.compress = compress
-        self._cache: dict[Any, _Layout] = {}
-        self._packings: dict = {}  # (treedef, fragment) -> its Packing, for compress=
-
-    def layout(self, params: Any) -> tuple[list, Any, list[int], int]:
-        """params' leaves, treedef, each leaf's fragment and F (checked once per treedef)."""
-        leaves, treedef, paths = flatten(params, "params")
-        if treedef not in self._cache and leaves and all(x.is_meta for x in leaves):
-            # a like for loading a checkpoint: full shapes (fh.empty_state_dict's like)
-            sizes = _full_bytes(leaves, treedef, paths, spec=None)
-            return (
-                leaves,
-                treedef,
-                *_fragments(self.fragments, params, treedef=treedef, paths=paths, sizes=sizes),
-            )
-        if treedef not in self._cache:
-            plan, role = self._plan(leaves, treedef, paths)
-            sizes = _plan_bytes(plan)
-            self._cache.clear()
-            self._packings.clear()
-            of, n = _fragments(self.fragments, params, treedef=treedef, paths=paths, sizes=sizes)
-            self._cache[treedef] = _Layout(
-                of=of,
-                n=n,
-                plan=plan,
-                role=role,
-                residual_plan=_residual_plan(plan, paths),
-                paths=tuple(paths),
-            )
-        layout = self._cache[treedef]
-        return leaves, treedef, layout.of, layout.n
-
-    def _packing_of(self, treedef: Any, leaves: list, *, of: list[int], p: int) -> Packing:
-        """Fragment ``p``'s :class:`~functional_hsdp.runtime.compressed.Packing` (made by ``init``,
-        or at the first sync)."""
-        key = (treedef, p)
-        if key not in self._packings:
-            plan, role = self._cache[treedef].plan, self._cache[treedef].role
-            members = [i for i, f in enumerate(of) if f == p]
-            self._packings[key] = Packing.of(plan, leaves, role=role, members=members)
-        return self._packings[key]
-
-    def _plan(self, leaves: list, treedef: Any, paths: Sequence[str]) -> tuple[Any, str]:
-        """The params' plan and role (their placement)."""
-        plan, role = _params_plan(leaves, treedef, paths, spec=self.inner)
-        wrong = [s for s in plan.specs if self.axis not in s.replica_axes]
-        if wrong:
-            raise ValueError(
-                f"diloco: params were sharded with {wrong[0]!r}, which reduces over "
-                f"{self.axis!r}; shard them with the inner spec (dl.inner: replicas on "
-                f"{self.axis!r})"
-            )
-        return plan, role
+        self.cuts = TreeCuts(inner, axis=axis, fragments=fragments)
 
     def init(self, params: Any) -> DiLoCoState:
-        leaves, treedef, of, n = self.layout(params)
+        leaves, treedef, of, n = self.cuts.cut(params)
         anchor = [x.detach().clone() for x in leaves]
-        _tag_like(anchor, leaves)
+        tag_like(anchor, leaves)
         outer_states = {
             str(p): self.outer.init(_masked(treedef, anchor, of=of, p=p, like=leaves))
             for p in range(n)
@@ -570,12 +258,12 @@ class _Outer:
         pending = residual = None
         if self.delay:
             pending = optree.tree_unflatten(treedef, [masked(x) for x in leaves])
-        if self.compress is not None and treedef in self._cache:  # not for a meta like
+        if self.compress is not None and treedef in self.cuts:  # not for a meta like
             for p in range(n):  # every layout the wire cannot take is refused here
-                self._packing_of(treedef, leaves, of=of, p=p)
+                self.cuts.packing(treedef, leaves, of=of, p=p)
         if self.compress is not None and self.compress.error_feedback:
             residual = _zeros(treedef, leaves, dtype=torch.float32)
-            self._tag_residual(treedef, residual)
+            self.cuts.tag_residual(treedef, residual)
         return DiLoCoState(
             anchor=optree.tree_unflatten(treedef, anchor),
             outer=PartitionState(outer_states),
@@ -586,9 +274,9 @@ class _Outer:
         )
 
     def advance(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
-        leaves, treedef, of, n = self.layout(params)
+        leaves, treedef, of, n = self.cuts.cut(params)
         feedback = self.compress is not None and self.compress.error_feedback
-        _check_state(state, treedef, leaves=leaves, n=n, delay=self.delay, feedback=feedback)
+        check_state(state, treedef, leaves=leaves, n=n, delay=self.delay, feedback=feedback)
         t, step = state.count + 1, _Step(leaves, state, treedef)
         for p in (q for q in range(n) if step.due[q] == t):  # syncs issued tau steps ago land
             if step.flight[p] is not None:
@@ -603,21 +291,12 @@ class _Outer:
             for i, f in enumerate(of):
                 if not step.due[f] and isinstance(step.pending[i], torch.Tensor):
                     step.pending[i] = masked(step.pending[i])
-        for p, s in enumerate((q + 1) * self.every // n for q in range(n)):
-            if t >= s and (t - s) % self.every == 0:
-                self._issue(step, of=of, p=p, t=t)
+        for p in syncs_after(t, every=self.every, fragments=n):
+            self._issue(step, of=of, p=p, t=t)
         params, state = step.end(params, t)
         if step.touched and state.residual is not None:
-            self._tag_residual(treedef, state.residual)
+            self.cuts.tag_residual(treedef, state.residual)
         return params, state
-
-    def _tag_residual(self, treedef: Any, residual: Any) -> None:
-        """Tag the residual at the params' layout in fp32 (:func:`_residual_plan`), where
-        :func:`~functional_hsdp.state_dict` finds and saves it (not for a meta ``like``)."""
-        if treedef in self._cache:
-            layout = self._cache[treedef]
-            role, plan = layout.role, layout.residual_plan
-            tag(optree.tree_leaves(residual), plan, role, kind="weights")
 
     def _issue(self, step: _Step, *, of: list[int], p: int, t: int) -> None:
         step.touched = True
@@ -632,7 +311,7 @@ class _Outer:
         compressed, every bucket's first leg (after an agreement of its own)."""
         idx = tuple(i for i, f in enumerate(of) if f == p)
         local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
-        keys = tuple(self._cache[step.treedef].paths[i] for i in idx)  # named in errors
+        keys = tuple(self.cuts[step.treedef].paths[i] for i in idx)  # named in errors
         named = dict(zip(keys, local))
         if self.compress is None:
             reduction = start_pmean(
@@ -649,7 +328,7 @@ class _Outer:
         )
         reduction = start_packed(
             local,
-            self._packing_of(step.treedef, step.like, of=of, p=p),
+            self.cuts.packing(step.treedef, step.like, of=of, p=p),
             mesh=self.mesh,
             axis=self.axis,
             compress=self.compress,
@@ -681,25 +360,11 @@ class _Outer:
             step.new[i] = x.clone() if mix == 1 else (mix * x + (1 - mix) * old).to(old.dtype)
 
 
-def _bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
-
-
-def _residual_plan(plan: Any, paths: Sequence[str]) -> Any:
-    """``plan``'s layout in fp32: the leaves' dtypes still choose which share a bucket (as
-    a MainGrad's fp32 buffers keep the parameters' layout), so the residual's local shapes
-    are the params', and a checkpoint packs it in fp32."""
-    meta = plan.meta
-    kinds = meta.kinds if meta.kinds is not None else meta.dtypes
-    fp32 = dataclasses.replace(meta, dtypes=(torch.float32,) * len(meta.dtypes), kinds=kinds)
-    return get_plan(fp32, tuple(paths))
-
-
 def _zeros(treedef: Any, leaves: list, *, dtype: torch.dtype | None) -> Any:
     """A tree of zeros like the params' ``leaves`` (in ``dtype``, default theirs), tagged
     with their placement."""
     zeros = [torch.zeros_like(x, dtype=dtype) for x in leaves]
-    _tag_like(zeros, leaves)
+    tag_like(zeros, leaves)
     return optree.tree_unflatten(treedef, zeros)
 
 
@@ -722,222 +387,3 @@ def _held(step: _Step, *, of: list[int], p: int, t: int) -> list[torch.Tensor]:
             "checkpoint holds it in pending; build states with init, update and load_state_dict)"
         )
     return held
-
-
-def _pending_leaves(pending: Any) -> list:
-    """``pending``'s leaves in tree order, a :class:`Masked` one included."""
-    return optree.tree_leaves(pending, is_leaf=lambda x: isinstance(x, Masked))
-
-
-def pending_tree(state: DiLoCoState) -> Any:
-    """``state.pending`` whole: the syncs in flight waited for and in their place, zeros
-    (like the anchor's leaves, and at their placement) in place of the other
-    :class:`Masked` leaves; what a checkpoint saves. None without a delay."""
-    if state.pending is None:
-        return None
-    anchor, treedef = optree.tree_flatten(state.anchor)
-    held = _pending_leaves(state.pending)
-    for i, x in _flown(state, SyncInFlight.result).items():
-        held[i] = x
-    full = [x if isinstance(x, torch.Tensor) else torch.zeros_like(a) for x, a in zip(held, anchor)]
-    _tag_like(full, anchor)
-    return optree.tree_unflatten(treedef, full)
-
-
-def residual_tree(state: DiLoCoState) -> Any:
-    """``state.residual`` with the new residual of each compressed sync in flight in its
-    fragment's place (the sync finished now: the update where it lands reuses it); what a
-    checkpoint saves. None without error feedback."""
-    if state.residual is None:
-        return None
-    leaves, treedef = optree.tree_flatten(state.residual)
-    new = _flown(state, SyncInFlight.residual)
-    if not new:
-        return state.residual
-    out = [new.get(i, x) for i, x in enumerate(leaves)]
-    _tag_like(out, leaves)
-    return optree.tree_unflatten(treedef, out)
-
-
-def _flown(state: DiLoCoState, which: Any) -> dict[int, torch.Tensor]:
-    """Leaf index -> a copy of what the sync in flight on it brings (``which(sync)``: its
-    result or its new residual, one tensor per leaf, or None), waited for now (the update
-    where it lands reuses it). Copies: the originals are views of the reduction's buckets,
-    and a checkpoint tags what it saves."""
-    out = {}
-    for sync in state.flight:
-        got = None if sync is None else which(sync)
-        if got is not None:
-            out.update((i, x.clone()) for i, x in zip(sync.leaves, got))
-    return out
-
-
-def _tag_like(out: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
-    made = result_state(leaves)
-    if made is not None:  # the params' placement, kept (as apply_updates does)
-        tag(out, made.plan, made.role, kind=made.kind)
-
-
-def _fragments(
-    fragments: Any, params: Any, *, treedef: Any, paths: Sequence[str], sizes: list[int]
-) -> tuple[list[int], int]:
-    """Each leaf's fragment, and F."""
-    n_leaves = len(sizes)
-    if isinstance(fragments, int) and not isinstance(fragments, bool):
-        if fragments > n_leaves:
-            raise ValueError(
-                f"diloco: fragments={fragments} is more than the params' {n_leaves} leaves; "
-                "each fragment needs at least one leaf"
-            )
-        return _contiguous(sizes, fragments), fragments
-    try:
-        labels = optree.tree_leaves(optree.tree_broadcast_prefix(fragments, params))
-    except ValueError as e:
-        raise ValueError(
-            f"diloco: fragments is not a pytree prefix of the params' tree: "
-            f"{structure_error(treedef, fragments, 'fragments', what='params')}"
-        ) from e
-    bad = [
-        (path, x)
-        for path, x in zip(paths, labels)
-        if isinstance(x, bool) or not isinstance(x, int) or x < 0
-    ]
-    if bad:
-        path, x = bad[0]
-        raise ValueError(
-            f"diloco: fragments{path[len('params') :]}: label {x!r} is not an int >= 0"
-        )
-    n = len(set(labels))
-    for path, x in zip(paths, labels):
-        if x >= n:
-            raise ValueError(
-                f"diloco: fragments{path[len('params') :]}: label {x} is out of range [0, {n}): "
-                f"the labels must be 0 .. F-1, each used (got {sorted(set(labels))})"
-            )
-    return list(labels), n
-
-
-def _contiguous(sizes: list[int], n: int) -> list[int]:
-    """Contiguous groups of about equal bytes: group k starts at the first leaf whose middle
-    byte lies past k/n of the total, kept to at least one leaf per group."""
-    total, count = sum(sizes) or 1, len(sizes)
-    middles, before = [], 0
-    for s in sizes:
-        middles.append(2 * before + s)
-        before += s
-    starts = [0]
-    for k in range(1, n):
-        at = next((i for i, m in enumerate(middles) if m * n >= 2 * k * total), count)
-        starts.append(min(max(at, starts[-1] + 1), count - (n - k)))
-    return [sum(1 for b in starts[1:] if b <= i) for i in range(count)]
-
-
-def _check_flight(state: DiLoCoState, n: int) -> None:
-    """``state.flight``: ``()``, or per fragment None or its own :class:`SyncInFlight`, due."""
-    if state.flight and (
-        len(state.flight) != n
-        or any(x is not None and not isinstance(x, SyncInFlight) for x in state.flight)
-    ):
-        raise ValueError(
-            f"state.flight: expected {n} entries (None or a SyncInFlight, per fragment); "
-            f"got {state.flight!r}"
-        )
-    for p, sync in enumerate(state.flight):
-        if sync is not None and (sync.fragment != p or state.due[p] <= state.count):
-            raise ValueError(
-                f"state.flight[{p}]: {sync!r} does not match fragment {p}'s schedule (due "
-                f"after step {state.due[p]}, the state at step {state.count}): this state was "
-                "not made by init and update"
-            )
-
-
-def _check_state(
-    state: Any, treedef: Any, *, leaves: list, n: int, delay: int, feedback: bool
-) -> None:
-    if not isinstance(state, DiLoCoState):
-        raise TypeError(
-            f"state: expected a DiLoCoState (from this diloco's init); got {type(state).__name__}"
-        )
-    if len(state.due) != n or (state.pending is None) != (delay == 0):
-        raise ValueError("state: was made by another diloco (fragments or delay differ)")
-    if (state.residual is None) == feedback:
-        raise ValueError(
-            "state: was made by another diloco (compress differs: the residual of error "
-            f"feedback is {'missing' if feedback else 'there'})"
-        )
-    _check_flight(state, n)
-    held = None if state.pending is None else len(_pending_leaves(state.pending))
-    if held is not None and held != len(leaves):
-        raise ValueError(
-            f"state.pending: {held} leaves, the params {len(leaves)}: this state was made "
-            "for another tree"
-        )
-    for name in ("anchor", "residual"):
-        tree = getattr(state, name)
-        if tree is None:
-            continue
-        got, got_def = optree.tree_flatten(tree)
-        if got_def != treedef:
-            raise ValueError(structure_error(treedef, tree, f"state.{name}", what="params"))
-        for i, (a, p) in enumerate(zip(got, leaves)):
-            if a.shape != p.shape:  # the path only for the message: not on every call
-                path = format_path(treedef.paths()[i])
-                raise ValueError(
-                    f"state.{name}{path}: local shape {tuple(a.shape)}, params{path} "
-                    f"{tuple(p.shape)}: this state was made for another spec or tree"
-                )
-
-
-# -- checkpoints ------------------------------------------------------------------------------
-
-
-def _as_dict(state: DiLoCoState, convert: Any) -> dict[str, Any]:
-    """A DiLoCoState as a dict: its trees (anchor, pending, residual) and outer state
-    converted (``convert(value, field name)``), the step count and each fragment's due step
-    as host values. A sync in flight (``state.flight``) is waited for and saved averaged in
-    ``pending`` (the update where it lands gets the same tensors), so any step saves;
-    ``pending`` is saved whole (:func:`pending_tree`: zeros where it is Masked), so every
-    step's checkpoint has one structure, and the state it loads into has nothing in
-    flight. The residual of a compressed sync's error feedback is per rank: a tree at the
-    params' placement, saved like them (one row per replica, each replica's own), with the
-    new residual of a compressed sync in flight in its fragment's place
-    (:func:`residual_tree`)."""
-    out = {
-        "anchor": convert(state.anchor, "anchor"),
-        "outer": convert(state.outer, "outer"),
-        "count": state.count,
-        "due": list(state.due),
-    }
-    trees = {"pending": pending_tree(state), "residual": residual_tree(state)}
-    for name, tree in trees.items():
-        if tree is not None:
-            out[name] = convert(tree, name)
-    return out
-
-
-def _loaded(state: dict, spec: Any, like: DiLoCoState, *, name: str) -> DiLoCoState:
-    """What :func:`_as_dict` saved, loaded at ``like``'s layout (``name``: for errors)."""
-    trees = [key for key in ("pending", "residual") if getattr(like, key) is not None]
-    for key in ("anchor", "outer", "count", "due", *trees):
-        if key not in state:
-            raise ValueError(f"{name}: has no entry {key!r} (for DiLoCoState.{key})")
-    if len(state["due"]) != len(like.due):
-        raise ValueError(
-            f"{name}['due']: {len(state['due'])} fragments, but like has {len(like.due)}: "
-            "load with the diloco (fragments) the checkpoint was saved with"
-        )
-    # the residual (fp32) sits at the params' layout: their dtypes choose its buckets
-    kinds = dict(residual=tuple(x.dtype for x in optree.tree_leaves(like.anchor)))
-    loaded = dict.fromkeys(("pending", "residual"))
-    likes = {"pending": pending_tree(like), "residual": like.residual}
-    for key in trees:
-        loaded[key] = load_tree(
-            state[key], spec, likes[key], name=f"{name}[{key!r}]", kinds=kinds.get(key)
-        )
-    return DiLoCoState(
-        anchor=load_tree(state["anchor"], spec, like.anchor, name=f"{name}['anchor']"),
-        outer=load_state_dict(state["outer"], spec, like.outer),
-        count=int(state["count"]),
-        due=tuple(int(x) for x in state["due"]),
-        **loaded,
-    )
