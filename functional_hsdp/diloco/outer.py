@@ -73,11 +73,11 @@ import optree
 import torch
 
 from ..base.tags import result_state, tag
-from ..base.tree import Masked, flatten, format_path, masked, structure_error
+from ..base.tree import MaskedNode, flatten, format_path, masked_node, structure_error
 from ..io.checkpoint import empty_state_dict, load_state_dict, load_tree, state_dict
 from ..mesh import Mesh
-from ..optim.matrix import PartitionState
-from ..optim.transforms import GradientTransformation, apply_updates
+from ..optim.combine import PartitionState
+from ..optim.transformation import GradientTransformation, apply_updates
 from ..plan.lookup import find_layout
 from ..plan.recipe import get_plan
 from ..runtime.compressed import start as start_compressed
@@ -96,16 +96,16 @@ class DiLoCoState(NamedTuple):
         anchor: tree like the params (local shards at the inner spec's optimizer placement):
             the weights of the last sync, equal on every replica.
         outer: a :class:`PartitionState` with one outer-optimizer state per fragment
-            (labels ``"0"``, ``"1"``, ...; other fragments' leaves :class:`Masked`).
+            (labels ``"0"``, ``"1"``, ...; other fragments' leaves :class:`MaskedNode`).
         count: inner steps seen so far (a host int, the same on every rank).
         due: per fragment, the step after which its sync in flight lands (0: none).
         pending: tree like the params: for a fragment whose sync was reduced but has not
             landed (a sync in a state loaded from a checkpoint), its averaged
-            pseudo-gradient (equal on every replica); :class:`Masked`
+            pseudo-gradient (equal on every replica); :class:`MaskedNode`
             elsewhere (a sync in ``flight`` too), so that only what is held takes memory.
             None when ``delay == 0`` (nothing is ever in flight between calls). A
             checkpoint saves it whole (the syncs in flight waited for, zeros for the other
-            Masked leaves: ``functional_hsdp.diloco.pending_tree``); after a load, the next
+            MaskedNode leaves: ``functional_hsdp.diloco.pending_tree``); after a load, the next
             ``update`` masks the leaves of the fragments not due again.
         residual: with ``compress=`` and error feedback, tree like the params (fp32, local
             shards): what rounding lost of each rank's part of its fragment's last compressed
@@ -671,7 +671,7 @@ class _Step:
     def result(self, params: Any, t: int) -> tuple[Any, DiLoCoState]:
         tree = lambda xs: optree.tree_unflatten(self.treedef, xs)  # noqa: E731
         if self.touched:  # the new trees are at the params' placement: tagged so
-            for xs in (self.new, self.anchor):  # pending: Masked leaves, tagged when saved
+            for xs in (self.new, self.anchor):  # pending: MaskedNode leaves, tagged when saved
                 if xs is not None:
                     _tag_like(xs, self.like)
             params = tree(self.new)
@@ -756,7 +756,7 @@ class _Outer:
         }
         pending = residual = None
         if self.delay:
-            pending = optree.tree_unflatten(treedef, [masked(x) for x in leaves])
+            pending = optree.tree_unflatten(treedef, [masked_node(x) for x in leaves])
         if self.compress is not None and treedef in self._cache:  # not for a meta like
             for p in range(n):  # every layout the wire cannot take is refused here
                 self._packing_of(treedef, leaves, of=of, p=p)
@@ -784,12 +784,12 @@ class _Outer:
                 self._merge(step, of=of, p=p, delta=_held(step, of=of, p=p, t=t))
             for i, f in enumerate(of):
                 if f == p and isinstance(step.pending[i], torch.Tensor):
-                    step.pending[i] = masked(step.pending[i])
+                    step.pending[i] = masked_node(step.pending[i])
             step.due[p], step.flight[p], step.touched = 0, None, True
         if step.pending is not None:  # loaded whole from a checkpoint: mask what is not in flight
             for i, f in enumerate(of):
                 if not step.due[f] and isinstance(step.pending[i], torch.Tensor):
-                    step.pending[i] = masked(step.pending[i])
+                    step.pending[i] = masked_node(step.pending[i])
         for p, s in enumerate((q + 1) * self.every // n for q in range(n)):
             if t >= s and (t - s) % self.every == 0:
                 self._issue(step, of=of, p=p, t=t)
@@ -891,10 +891,10 @@ def _zeros(treedef: Any, leaves: list, *, dtype: torch.dtype | None) -> Any:
 
 
 def _masked(treedef: Any, leaves: list, *, of: list[int], p: int, like: list) -> Any:
-    """The tree with fragment ``p``'s leaves from ``leaves`` and the others Masked (marked
+    """The tree with fragment ``p``'s leaves from ``leaves`` and the others MaskedNode (marked
     from the params' leaves ``like``, so that every tree of one fragment has one structure)."""
     return optree.tree_unflatten(
-        treedef, [x if f == p else masked(m) for x, f, m in zip(leaves, of, like)]
+        treedef, [x if f == p else masked_node(m) for x, f, m in zip(leaves, of, like)]
     )
 
 
@@ -902,7 +902,7 @@ def _held(step: _Step, *, of: list[int], p: int, t: int) -> list[torch.Tensor]:
     """Fragment ``p``'s averaged pseudo-gradient, landing after step ``t`` with nothing in
     flight: what ``pending`` holds (a state loaded from a checkpoint)."""
     held = [step.pending[i] for i, f in enumerate(of) if f == p]
-    if any(isinstance(x, Masked) for x in held):
+    if any(isinstance(x, MaskedNode) for x in held):
         raise ValueError(
             f"state: fragment {p}'s sync lands after step {t}, but it is neither in flight "
             "(state.flight) nor held (state.pending): this state lost it (a state from a "
@@ -912,14 +912,14 @@ def _held(step: _Step, *, of: list[int], p: int, t: int) -> list[torch.Tensor]:
 
 
 def _pending_leaves(pending: Any) -> list:
-    """``pending``'s leaves in tree order, a :class:`Masked` one included."""
-    return optree.tree_leaves(pending, is_leaf=lambda x: isinstance(x, Masked))
+    """``pending``'s leaves in tree order, a :class:`MaskedNode` one included."""
+    return optree.tree_leaves(pending, is_leaf=lambda x: isinstance(x, MaskedNode))
 
 
 def pending_tree(state: DiLoCoState) -> Any:
     """``state.pending`` whole: the syncs in flight waited for and in their place, zeros
     (like the anchor's leaves, and at their placement) in place of the other
-    :class:`Masked` leaves; what a checkpoint saves. None without a delay."""
+    :class:`MaskedNode` leaves; what a checkpoint saves. None without a delay."""
     if state.pending is None:
         return None
     anchor, treedef = optree.tree_flatten(state.anchor)
@@ -1083,7 +1083,7 @@ def _as_dict(state: DiLoCoState, convert: Any) -> dict[str, Any]:
     converted (``convert(value, field name)``), the step count and each fragment's due step
     as host values. A sync in flight (``state.flight``) is waited for and saved averaged in
     ``pending`` (the update where it lands gets the same tensors), so any step saves;
-    ``pending`` is saved whole (:func:`pending_tree`: zeros where it is Masked), so every
+    ``pending`` is saved whole (:func:`pending_tree`: zeros where it is MaskedNode), so every
     step's checkpoint has one structure, and the state it loads into has nothing in
     flight. The residual of a compressed sync's error feedback is per rank: a tree at the
     params' placement, saved like them (one row per replica, each replica's own), with the
