@@ -266,9 +266,9 @@ def _ns_timer(device: torch.device, spans: list):
     ``(start, end)`` to ``spans``: CUDA events, or ``perf_counter`` seconds on the CPU."""
     import torch.optim._muon as torch_muon
 
-    from functional_hsdp.optim import matrix
+    from functional_hsdp.optim import muon as muon_room
 
-    seams = [(matrix, "newton_schulz"), (torch_muon, "_zeropower_via_newtonschulz")]
+    seams = [(muon_room, "newton_schulz"), (torch_muon, "_zeropower_via_newtonschulz")]
     owns = [getattr(mod, name) for mod, name in seams]
 
     def timed(own):

@@ -105,9 +105,9 @@ _NS = {"seconds": 0.0}
 def _ns_timed():
     """Every fh.newton_schulz call inside adds its time to ``_NS`` (a seam on the library's
     module attribute, which fh.muon's per-matrix function calls)."""
-    from functional_hsdp.optim import matrix
+    from functional_hsdp.optim import muon as muon_room
 
-    own = matrix.newton_schulz
+    own = muon_room.newton_schulz
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
@@ -115,19 +115,19 @@ def _ns_timed():
         _NS["seconds"] += time.perf_counter() - t0
         return out
 
-    matrix.newton_schulz = timed
+    muon_room.newton_schulz = timed
     try:
         yield
     finally:
-        matrix.newton_schulz = own
+        muon_room.newton_schulz = own
 
 
 def _orthogonalized(x: torch.Tensor) -> torch.Tensor:
     """fh.muon's direction of one whole matrix (torch.optim.Muon's defaults)."""
-    from functional_hsdp.optim import matrix
+    from functional_hsdp.optim import muon as muon_room
 
     ratio = max(1, x.shape[-2] / x.shape[-1]) ** 0.5
-    return matrix.newton_schulz(x).to(x.dtype) * ratio
+    return muon_room.newton_schulz(x).to(x.dtype) * ratio
 
 
 def _naive_muon(tree_spec: dict, units: list[str]):
@@ -158,10 +158,10 @@ def _naive_muon(tree_spec: dict, units: list[str]):
 
 
 def _masked_as(tree, like):
-    """``tree``'s leaves where ``like`` has leaves, ``like``'s Masked elsewhere."""
-    from functional_hsdp.base.tree import Masked
+    """``tree``'s leaves where ``like`` has leaves, ``like``'s MaskedNode elsewhere."""
+    from functional_hsdp.base.tree import MaskedNode
 
-    is_masked = lambda x: isinstance(x, Masked)  # noqa: E731
+    is_masked = lambda x: isinstance(x, MaskedNode)  # noqa: E731
     values, treedef = optree.tree_flatten(tree)
     marks = optree.tree_leaves(like, is_leaf=is_masked)
     return optree.tree_unflatten(treedef, [m if is_masked(m) else v for v, m in zip(values, marks)])

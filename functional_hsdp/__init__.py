@@ -8,34 +8,26 @@ reduces the outer axis only on the last one.
 from .base.cache import clear_caches
 from .base.errors import CollectiveError
 from .base.trace import CommLog, Event, comm_log
-from .base.tree import Masked, masked
+from .base.tree import MaskedNode, masked_node
 from .diloco.outer import DiLoCo, diloco
 from .diloco.schedule import balanced_fragments, sync_steps
 from .diloco.state import DiLoCoState
 from .io.checkpoint import empty_state_dict, load_state_dict, state_dict
 from .mesh import DistMesh, Mesh, SimMesh, per_rank
 from .optim import schedules
-from .optim.matrix import MuonState, PartitionState, muon, newton_schulz, partition, per_matrix
-from .optim.transforms import (
-    AdamWState,
-    ChainState,
-    EmptyState,
-    GradientTransformation,
-    ScaleByAdamState,
+from .optim.adam import ScaleByAdamState, adamw, scale_by_adam
+from .optim.clipping import clip_by_global_norm, clip_global_norm, global_norm
+from .optim.combine import ChainState, PartitionState, chain, partition
+from .optim.matrix import per_matrix
+from .optim.muon import MuonState, muon, newton_schulz
+from .optim.scaling import (
     ScaleByLearningRateState,
-    SGDState,
-    adamw,
     add_decayed_weights,
-    apply_updates,
-    chain,
-    clip_by_global_norm,
-    clip_global_norm,
-    global_norm,
     scale,
-    scale_by_adam,
     scale_by_learning_rate,
-    sgd,
 )
+from .optim.sgd import SGDState, sgd
+from .optim.transformation import EmptyState, GradientTransformation, apply_updates
 from .plan.owner import owned
 from .runtime.compressed import compressed_all_reduce
 from .runtime.validate import validation
@@ -52,7 +44,6 @@ from .units import Gathered, gathered, sequence
 from .units.module import functional_call, shard_module
 
 __all__ = [
-    "AdamWState",
     "ChainState",
     "CollectiveError",
     "CommLog",
@@ -66,7 +57,7 @@ __all__ = [
     "Gathered",
     "GradientTransformation",
     "MainGrad",
-    "Masked",
+    "MaskedNode",
     "Mesh",
     "MuonState",
     "Owner",
@@ -105,7 +96,7 @@ __all__ = [
     "hfsdp",
     "hsdp",
     "load_state_dict",
-    "masked",
+    "masked_node",
     "microbatches",
     "muon",
     "newton_schulz",
@@ -135,3 +126,24 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# Old spellings, kept working: each warns, naming its new name (DESIGN.md, "Names").
+_DEPRECATED = {
+    "AdamWState": ("ScaleByAdamState", ScaleByAdamState),
+    "Masked": ("MaskedNode", MaskedNode),
+    "masked": ("masked_node", masked_node),
+}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        import warnings
+
+        new, value = _DEPRECATED[name]
+        warnings.warn(
+            f"fh.{name} is deprecated: use fh.{new} (the same object)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -428,7 +428,7 @@ def test_maingrad_final_state_reshards_and_mid_accumulation_is_refused(pool, tmp
     for moved, empty, refused in pool.run(_maingrad, str(tmp_path)):
         assert moved and empty
         assert "mid-accumulation" in refused and "('dp_outer',)" in refused
-        assert "mg.finish()" in refused and "mg.state_dict()" in refused
+        assert "mg.finish()" in refused and "mg.local_state_dict()" in refused
 
 
 def _maingrad_kept(path: str):

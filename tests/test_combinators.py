@@ -153,8 +153,31 @@ def test_adamw_is_its_chain_bit_for_bit(strategy, lr):
     want, chain_state = _steps(_adamw_chain(lr), spec, shape)
     assert _bitwise(got, want)
     adam, _, lr_state = chain_state.inner
-    assert isinstance(state, fh.AdamWState) and _bitwise(tuple(state), tuple(adam))
+    assert isinstance(state, fh.ScaleByAdamState) and _bitwise(tuple(state), tuple(adam))
     assert state.count == lr_state.count == 5
+
+
+def test_adamw_state_is_scale_by_adam_state_and_its_old_name_warns():
+    params = {"w": torch.ones(3)}
+    state = fh.adamw(0.1).init(params)
+    assert type(state) is fh.ScaleByAdamState is type(fh.scale_by_adam().init(params))
+    deprecated = r"fh\.AdamWState is deprecated: use fh\.ScaleByAdamState"
+    with pytest.warns(DeprecationWarning, match=deprecated):
+        old = fh.AdamWState
+    assert old is fh.ScaleByAdamState and isinstance(state, old)
+    assert "AdamWState" not in fh.__all__
+
+
+def test_clip_by_global_norm_with_optax_s_one_argument_points_to_clip_global_norm():
+    """optax's ``clip_by_global_norm(max_norm)`` is a transformation; here that is
+    ``clip_global_norm(spec, max_norm)``, and the function form says so."""
+    with pytest.raises(TypeError, match=r"use fh\.clip_global_norm\(spec, max_norm=1\.0\)"):
+        fh.clip_by_global_norm(1.0)
+    spec = fh.ddp(_mesh((2, 2)))
+    with pytest.raises(TypeError, match=r"max_norm missing .* fh\.clip_global_norm"):
+        fh.clip_by_global_norm({"w": torch.ones(2, 2, 3)}, spec)
+    with pytest.raises(TypeError, match=r"spec and max_norm missing"):
+        fh.clip_by_global_norm({"w": torch.ones(2, 2, 3)})
 
 
 def test_adamw_is_its_chain_in_float64_and_bfloat16_params():

@@ -398,7 +398,7 @@ def test_whole_tree_and_maingrad_agree_bitwise_and_match_dense_within_the_bound(
         assert err <= 2 * ulp * raw, (err, raw)
 
 
-def test_zero_grad_keeps_the_residual_and_state_dict_carries_it():
+def test_zero_grad_keeps_the_residual_and_local_state_dict_carries_it():
     spec = _hsdp(policy=fh.compress("int4", block=32))
     like = optree.tree_map(lambda x: torch.zeros(x.shape[2:]), _step_grads(0))
     mg = fh.MainGrad(spec, like=like)
@@ -406,21 +406,21 @@ def test_zero_grad_keeps_the_residual_and_state_dict_carries_it():
     mg.accumulate(_step_grads(0), last=True)
     kept = optree.tree_map(torch.clone, mg.residual)
     assert _max_abs(kept) > 0
-    saved = mg.state_dict()
+    saved = mg.local_state_dict()
     mg.zero_grad()
     assert mg.grads is None and optree.tree_all(optree.tree_map(torch.equal, mg.residual, kept))
     mg.accumulate(_step_grads(1), last=True)
     after = fh.gather(mg.grads, spec)
     mg2 = fh.MainGrad(spec, like=like)
-    mg2.load_state_dict(saved)
+    mg2.load_local_state_dict(saved)
     assert optree.tree_all(optree.tree_map(torch.equal, mg2.residual, kept))
     mg2.zero_grad()
     mg2.accumulate(_step_grads(1), last=True)
     assert optree.tree_all(optree.tree_map(torch.equal, fh.gather(mg2.grads, spec), after))
     plain = fh.MainGrad(_hsdp(), like=like)
-    assert plain.residual is None and plain.state_dict()["residuals"] is None
+    assert plain.residual is None and plain.local_state_dict()["residuals"] is None
     with pytest.raises(ValueError, match="saved with another specs"):
-        mg2.load_state_dict(plain.state_dict())
+        mg2.load_local_state_dict(plain.local_state_dict())
 
 
 def test_the_uncompressed_path_is_unchanged():

@@ -161,7 +161,7 @@ def _module_task(fmt):
                 for p, g in zip(optree.tree_leaves(shards), optree.tree_leaves(mg.grads)):
                     p.sub_(0.5 * g)
             mg.zero_grad()
-    kept = mg.residual is not None and mg.state_dict()["residuals"] is not None
+    kept = mg.residual is not None and mg.local_state_dict()["residuals"] is not None
     outer = sorted({e.op for e in log.events if e.axis == "dp_outer"})
     return fh.gather(shards, tree_spec), outer, kept
 

@@ -154,7 +154,7 @@ def test_fragments_as_an_int_cut_contiguous_groups_of_about_equal_bytes():
     )
     state = dl.init(fh.shard(full_params(), dl.inner))
     marked = {
-        k: [isinstance(v, fh.Masked) for v in s.momentum.values()] if s.momentum else None
+        k: [isinstance(v, fh.MaskedNode) for v in s.momentum.values()] if s.momentum else None
         for k, s in state.outer.inner.items()
     }
     assert marked == {"0": None, "1": None}  # sgd(1.0) keeps no momentum
@@ -167,7 +167,7 @@ def test_fragments_as_an_int_cut_contiguous_groups_of_about_equal_bytes():
     )
     state = dl.init(fh.shard(full_params(), dl.inner))
     got = [
-        [not isinstance(v, fh.Masked) for v in state.outer.inner[p].momentum.values()]
+        [not isinstance(v, fh.MaskedNode) for v in state.outer.inner[p].momentum.values()]
         for p in ("0", "1")
     ]
     assert got == [[True, True, False, False], [False, False, True, True]]
@@ -311,7 +311,7 @@ def test_a_delayed_sync_is_in_flight_until_it_lands_and_saves_whole(wire):
     if feedback:
         assert all(torch.equal(live_state.residual[k], after.residual[k]) for k in params)
     assert not all(torch.equal(live[k], step7[k]) for k in first)  # it did land
-    assert all(isinstance(v, fh.Masked) for v in after.pending.values())
+    assert all(isinstance(v, fh.MaskedNode) for v in after.pending.values())
     with pytest.raises(ValueError, match="fragment 0's sync lands after step 7, but it is neither"):
         dl.update(step7, state6._replace(flight=()))  # in flight, then dropped
     with pytest.raises(ValueError, match="state.flight: expected 2 entries"):
@@ -476,9 +476,9 @@ def test_a_label_tree_as_a_prefix_gives_one_fragment_per_subtree():
         spec, axis="dp_outer", every=2, outer=fh.sgd(0.5, momentum=0.5), fragments={"a": 1, "c": 0}
     )
     state = dl.init(fh.shard(full, dl.inner))
-    assert not isinstance(state.outer.inner["0"].momentum["c"], fh.Masked)
-    assert isinstance(state.outer.inner["0"].momentum["a"]["w"], fh.Masked)
-    assert isinstance(state.outer.inner["1"].momentum["c"], fh.Masked)
+    assert not isinstance(state.outer.inner["0"].momentum["c"], fh.MaskedNode)
+    assert isinstance(state.outer.inner["0"].momentum["a"]["w"], fh.MaskedNode)
+    assert isinstance(state.outer.inner["1"].momentum["c"], fh.MaskedNode)
 
 
 # -- compress= -----------------------------------------------------------------------------------

@@ -507,7 +507,7 @@ def test_a_non_persistent_main_grad_holds_memory_only_for_what_landed():
     assert torch.equal(fh.gather(mg.grads, tree_spec)["embed"]["tok"], torch.zeros(2, 2, V, 8))
     mg.zero_grad()
     assert held() == [False] * 3 and mg.grads is None
-    state = mg.state_dict()  # released buckets save as zeros, nothing taken again
+    state = mg.local_state_dict()  # released buckets save as zeros, nothing taken again
     assert held() == [False] * 3 and all(not b.any() for b in state["buffers"])
     with pytest.raises(TypeError, match="persistent must be a bool"):
         fh.MainGrad(tree_spec, like=full, persistent="no")

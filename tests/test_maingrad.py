@@ -143,7 +143,7 @@ def test_fp16_on_the_wire_pre_and_post_divides_so_large_worlds_do_not_overflow()
     assert (event.dtype, event.reduce) == (torch.float16, "sum")
 
 
-def test_state_dict_resumes_mid_accumulation_bit_identically():
+def test_local_state_dict_resumes_mid_accumulation_bit_identically():
     mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
     spec = fh.hfsdp(mesh, "dp_outer", "dp_inner")
     micro = [random_tree((2, 2), seed=m) for m in range(4)]
@@ -154,9 +154,9 @@ def test_state_dict_resumes_mid_accumulation_bit_identically():
     first = fh.MainGrad(spec, like=like())
     first.accumulate(micro[0], last=False)
     first.accumulate(micro[1], last=False)
-    saved = first.state_dict()
+    saved = first.local_state_dict()
     resumed = fh.MainGrad(spec, like=like())
-    resumed.load_state_dict(saved)
+    resumed.load_local_state_dict(saved)
     assert resumed.state == "accumulating"
     resumed.accumulate(micro[2], last=False)
     resumed.accumulate(micro[3], last=True)
@@ -164,22 +164,42 @@ def test_state_dict_resumes_mid_accumulation_bit_identically():
         assert torch.equal(a, b)
 
 
-def test_load_state_dict_from_another_spec_or_shape_is_refused():
+def test_load_local_state_dict_from_another_spec_or_shape_is_refused():
     mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
     mg = fh.MainGrad(fh.hsdp(mesh, "dp_outer", "dp_inner"), like=like())
     other = fh.MainGrad(fh.fsdp(mesh), like=like())
     with pytest.raises(ValueError, match=re.escape("state_dict['layout']['specs']: saved with")):
-        mg.load_state_dict(other.state_dict())
+        mg.load_local_state_dict(other.local_state_dict())
     smaller = fh.MainGrad(fh.hsdp(mesh, "dp_outer", "dp_inner"), like={"a": torch.zeros(3)})
     with pytest.raises(ValueError, match=re.escape("state_dict['layout']['tree']: saved with")):
-        mg.load_state_dict(smaller.state_dict())
+        mg.load_local_state_dict(smaller.local_state_dict())
     elsewhere = fh.MainGrad(
         fh.hsdp(fh.SimMesh({"dp_outer": 1, "dp_inner": 4}), "dp_outer", "dp_inner"), like=like()
     )
     with pytest.raises(ValueError, match=re.escape("state_dict['layout']['mesh']: saved with")):
-        mg.load_state_dict(elsewhere.state_dict())
-    with pytest.raises(ValueError, match="not a MainGrad state_dict"):
-        mg.load_state_dict({"buffers": []})
+        mg.load_local_state_dict(elsewhere.local_state_dict())
+    with pytest.raises(ValueError, match="not a MainGrad local_state_dict"):
+        mg.load_local_state_dict({"buffers": []})
+
+
+def test_the_old_state_dict_spellings_warn_and_are_the_local_ones():
+    """``mg.state_dict()`` / ``mg.load_state_dict()`` (per rank) are the deprecated names of
+    ``mg.local_state_dict()`` / ``mg.load_local_state_dict()``: ``fh.state_dict(mg)`` is the
+    mesh-independent checkpoint."""
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+    mg = fh.MainGrad(spec, like=like())
+    mg.accumulate(random_tree((2, 2), seed=0), last=False)
+    with pytest.warns(DeprecationWarning, match=r"MainGrad\.state_dict is deprecated: use mg\."):
+        old = mg.state_dict()
+    new = mg.local_state_dict()
+    assert old.keys() == new.keys() and old["state"] == new["state"] == "accumulating"
+    assert all(torch.equal(a, b) for a, b in zip(old["buffers"], new["buffers"]))
+    resumed = fh.MainGrad(spec, like=like())
+    with pytest.warns(DeprecationWarning, match=r"use mg\.load_local_state_dict\(\)"):
+        resumed.load_state_dict(old)
+    assert resumed.state == "accumulating"
+    assert all(torch.equal(a, b) for a, b in zip(resumed.buffers, mg.buffers))
 
 
 def test_accumulate_bad_input_names_the_path():

@@ -85,16 +85,33 @@ def test_per_matrix_equals_fn_of_each_dense_leaf_once(strategy, shape):
         assert (3, 4, 6) in fn.calls
 
 
+def test_the_old_masked_spellings_warn_and_are_masked_node():
+    """``fh.Masked`` / ``fh.masked`` (optax reads ``masked`` as a combinator) are the
+    deprecated names of ``fh.MaskedNode`` / ``fh.masked_node``: the same objects."""
+    with pytest.warns(DeprecationWarning, match=r"fh\.masked is deprecated: use fh\.masked_node"):
+        make = fh.masked
+    with pytest.warns(DeprecationWarning, match=r"fh\.Masked is deprecated: use fh\.MaskedNode"):
+        from functional_hsdp import Masked
+    assert make is fh.masked_node and Masked is fh.MaskedNode
+    leaf = make(torch.ones(2, 3))
+    assert isinstance(leaf, Masked) and type(leaf) is type(fh.masked_node(torch.ones(2, 3)))
+    assert repr(leaf) == "MaskedNode(shape=(2, 3), dtype=torch.float32)"
+    assert not {"Masked", "masked"} & set(fh.__all__)
+    with pytest.raises(AttributeError, match="has no attribute 'mask'"):
+        fh.mask  # noqa: B018
+
+
 def test_per_matrix_on_a_final_reduce_grads_result_and_masked_leaves():
     shape = (2, 2)
     spec = preset("hsdp", _mesh(shape))
     micro = [random_tree(shape, seed=m, shapes=MATRICES) for m in range(3)]
     final = accumulate(micro, spec)
     dense = dense_reduce(micro, len(shape))
-    tree = dict(final, a=fh.masked(final["a"]))
+    tree = dict(final, a=fh.masked_node(final["a"]))
     fn = Counting()
     out = fh.per_matrix(fn, tree, spec)
-    assert isinstance(out["a"], fh.Masked) and fn.matrices == len(optree.tree_leaves(dense)) - 1
+    assert isinstance(out["a"], fh.MaskedNode)
+    assert fn.matrices == len(optree.tree_leaves(dense)) - 1
     out["a"] = final["a"]  # (unchanged by per_matrix: only to gather the rest)
     got = fh.gather(out, spec)
     ref = optree.tree_map(lambda x: _fn(x.float()), dense)
@@ -964,7 +981,7 @@ def test_a_muon_step_on_owned_hsdp_moves_adamw_hsdps_bytes_over_outer():
 
 def test_partition_takes_gradients_of_another_dtype_than_the_params():
     """bf16 gradients for fp32 params (cast by each optimizer): every label's trees share
-    the params' Masked leaves."""
+    the params' MaskedNode leaves."""
     spec = preset("hsdp", _mesh((2, 2)))
     params = fh.shard(random_tree((), seed=3, shapes=MUON_SHAPES), spec)
     g = fh.reduce_grads(random_tree((2, 2), seed=4, shapes=MUON_SHAPES), spec, last=True)

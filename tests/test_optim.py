@@ -403,7 +403,7 @@ def test_optimizer_state_from_another_spec_is_refused():
         other_tree = opt.init({"a": params["a"]})
         with pytest.raises(ValueError, match=r"does not have the structure of params"):
             opt.update(grads, other_tree, params)
-    with pytest.raises(TypeError, match="state: expected an AdamWState"):
+    with pytest.raises(TypeError, match="state: expected a ScaleByAdamState"):
         fh.adamw(0.1).update(grads, fh.sgd(0.1).init(params), params)
     with pytest.raises(ValueError, match="made without momentum"):
         fh.sgd(0.1, momentum=0.9).update(grads, fh.sgd(0.1).init(params), params)

@@ -189,7 +189,7 @@ def test_adam_chain_with_a_schedule_matches_torch_adamw_with_lambdalr(pool):
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert losses[-1] < losses[0]
     states = (fh.ChainState, fh.EmptyState, fh.ScaleByAdamState, fh.EmptyState)
-    states += (fh.ScaleByLearningRateState, fh.AdamWState)
+    states += (fh.ScaleByLearningRateState, fh.ScaleByAdamState)
     for _, final, events, same, counts, kinds in results:
         assert kinds == states
         for k in ref_params:

@@ -1,7 +1,6 @@
-"""Tree handling shared by every public function: flattening with paths, and leaf checks.
-
-Errors name the pytree path (JAX style: ``grads['layers'][0]['w']``); a :class:`Masked` leaf
-is one another transformation handles (optax's ``MaskedNode``)."""
+"""Tree handling shared by every public function: flattening with paths, leaf checks, the
+errors that name a pytree path (JAX style: ``grads['layers'][0]['w']``), and
+:class:`MaskedNode` leaves (a leaf another transformation handles, as optax's ``MaskedNode``)."""
 
 from __future__ import annotations
 
@@ -16,14 +15,14 @@ import torch
 from .cache import Bounded, lru
 
 __all__ = [
-    "Masked",
+    "MaskedNode",
     "check_bool",
     "check_tensors",
     "flatten",
     "format_path",
     "is_masked",
-    "masked",
     "masked_like",
+    "masked_node",
     "paths_of",
     "refuse_vmap",
     "structure_error",
@@ -162,17 +161,17 @@ def structure_error(expected: optree.PyTreeSpec, tree: Any, name: str, *, what: 
 # -- masked leaves ----------------------------------------------------------------------------
 
 
-class Masked(NamedTuple):
+class MaskedNode(NamedTuple):
     """A leaf that another transformation of :func:`~functional_hsdp.partition` handles: an
     empty subtree (optax's ``MaskedNode``), so ``tree_map`` and the optimizers pass it by. It
     remembers the local shape and dtype of the leaf it stands for (in its class: a
     namedtuple's fields would be leaves), so that functions that need a tree's layout
     (:func:`~functional_hsdp.per_matrix`, checkpoints) still find it. Make one with
-    :func:`masked`."""
+    :func:`masked_node` (``Masked`` is its deprecated name)."""
 
     def __repr__(self) -> str:
         shape, dtype = getattr(type(self), "meta", (None, None))
-        return f"Masked(shape={shape}, dtype={dtype})"
+        return f"MaskedNode(shape={shape}, dtype={dtype})"
 
     def __reduce__(self):
         return (masked_like, type(self).meta)
@@ -181,34 +180,34 @@ class Masked(NamedTuple):
 @functools.cache  # kept, never cleared: a class is a tree node type, and a state masked before
 # must have the structure of the trees masked after (one small class per local shape and dtype)
 def _masked_class(shape: tuple[int, ...], dtype: torch.dtype) -> type:
-    return type("Masked", (Masked,), {"__slots__": (), "meta": (shape, dtype)})
+    return type("MaskedNode", (MaskedNode,), {"__slots__": (), "meta": (shape, dtype)})
 
 
-def masked_like(shape: tuple[int, ...], dtype: torch.dtype) -> Masked:
-    """A :class:`Masked` standing for a leaf of local ``shape`` and ``dtype``."""
+def masked_like(shape: tuple[int, ...], dtype: torch.dtype) -> MaskedNode:
+    """A :class:`MaskedNode` standing for a leaf of local ``shape`` and ``dtype``."""
     return _masked_class(tuple(shape), dtype)()
 
 
-def masked(leaf: torch.Tensor) -> Masked:
-    """A :class:`Masked` standing for ``leaf``.
+def masked_node(leaf: torch.Tensor) -> MaskedNode:
+    """A :class:`MaskedNode` standing for ``leaf`` (``masked`` is its deprecated name).
 
     Example:
         >>> import optree, torch, functional_hsdp as fh
-        >>> tree = {"w": torch.ones(2, 3), "b": fh.masked(torch.ones(3))}
+        >>> tree = {"w": torch.ones(2, 3), "b": fh.masked_node(torch.ones(3))}
         >>> doubled = optree.tree_map(lambda x: 2 * x, tree)
-        >>> doubled["b"], isinstance(doubled["b"], fh.Masked)
-        (Masked(shape=(3,), dtype=torch.float32), True)
+        >>> doubled["b"], isinstance(doubled["b"], fh.MaskedNode)
+        (MaskedNode(shape=(3,), dtype=torch.float32), True)
     """
     return masked_like(tuple(leaf.shape), leaf.dtype)
 
 
 def is_masked(x: Any) -> bool:
-    """Whether ``x`` is a :class:`Masked` leaf (an ``is_leaf`` for optree)."""
-    return isinstance(x, Masked)
+    """Whether ``x`` is a :class:`MaskedNode` leaf (an ``is_leaf`` for optree)."""
+    return isinstance(x, MaskedNode)
 
 
 def unmask(tree: Any, name: str) -> tuple[list, list, optree.PyTreeSpec, tuple[str, ...]]:
-    """``(leaves, present, treedef, paths)`` of a tree that may hold :class:`Masked` leaves:
+    """``(leaves, present, treedef, paths)`` of a tree that may hold :class:`MaskedNode` leaves:
     ``treedef`` and ``paths`` are the whole tree's; a masked leaf is a zero stand-in of its
     local shape and dtype (no memory), ``present[i]`` False."""
     leaves, treedef = optree.tree_flatten(tree, is_leaf=is_masked)

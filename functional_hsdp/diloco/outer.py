@@ -15,10 +15,10 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ..base.tree import Masked, masked
+from ..base.tree import MaskedNode, masked_node
 from ..mesh import Mesh
-from ..optim.matrix import PartitionState
-from ..optim.transforms import GradientTransformation, apply_updates
+from ..optim.combine import PartitionState
+from ..optim.transformation import GradientTransformation, apply_updates
 from ..runtime.compressed import start_packed
 from ..spec.quantize import Compress
 from ..spec.specs import Spec, replicas
@@ -222,7 +222,7 @@ class _Step:
         """The call's returns: the params and the new state after step ``t``."""
         tree = lambda xs: optree.tree_unflatten(self.treedef, xs)  # noqa: E731
         if self.touched:  # the new trees are at the params' placement: tagged so
-            for xs in (self.new, self.anchor):  # pending: Masked leaves, tagged when saved
+            for xs in (self.new, self.anchor):  # pending: MaskedNode leaves, tagged when saved
                 if xs is not None:
                     tag_like(xs, self.like)
             params = tree(self.new)
@@ -257,7 +257,7 @@ class _Outer:
         }
         pending = residual = None
         if self.delay:
-            pending = optree.tree_unflatten(treedef, [masked(x) for x in leaves])
+            pending = optree.tree_unflatten(treedef, [masked_node(x) for x in leaves])
         if self.compress is not None and treedef in self.cuts:  # not for a meta like
             for p in range(n):  # every layout the wire cannot take is refused here
                 self.cuts.packing(treedef, leaves, of=of, p=p)
@@ -285,12 +285,12 @@ class _Outer:
                 self._merge(step, of=of, p=p, delta=_held(step, of=of, p=p, t=t))
             for i, f in enumerate(of):
                 if f == p and isinstance(step.pending[i], torch.Tensor):
-                    step.pending[i] = masked(step.pending[i])
+                    step.pending[i] = masked_node(step.pending[i])
             step.due[p], step.flight[p], step.touched = 0, None, True
         if step.pending is not None:  # loaded whole from a checkpoint: mask what is not in flight
             for i, f in enumerate(of):
                 if not step.due[f] and isinstance(step.pending[i], torch.Tensor):
-                    step.pending[i] = masked(step.pending[i])
+                    step.pending[i] = masked_node(step.pending[i])
         for p in syncs_after(t, every=self.every, fragments=n):
             self._issue(step, of=of, p=p, t=t)
         params, state = step.end(params, t)
@@ -369,10 +369,10 @@ def _zeros(treedef: Any, leaves: list, *, dtype: torch.dtype | None) -> Any:
 
 
 def _masked(treedef: Any, leaves: list, *, of: list[int], p: int, like: list) -> Any:
-    """The tree with fragment ``p``'s leaves from ``leaves`` and the others Masked (marked
+    """The tree with fragment ``p``'s leaves from ``leaves`` and the others MaskedNode (marked
     from the params' leaves ``like``, so that every tree of one fragment has one structure)."""
     return optree.tree_unflatten(
-        treedef, [x if f == p else masked(m) for x, f, m in zip(leaves, of, like)]
+        treedef, [x if f == p else masked_node(m) for x, f, m in zip(leaves, of, like)]
     )
 
 
@@ -380,7 +380,7 @@ def _held(step: _Step, *, of: list[int], p: int, t: int) -> list[torch.Tensor]:
     """Fragment ``p``'s averaged pseudo-gradient, landing after step ``t`` with nothing in
     flight: what ``pending`` holds (a state loaded from a checkpoint)."""
     held = [step.pending[i] for i, f in enumerate(of) if f == p]
-    if any(isinstance(x, Masked) for x in held):
+    if any(isinstance(x, MaskedNode) for x in held):
         raise ValueError(
             f"state: fragment {p}'s sync lands after step {t}, but it is neither in flight "
             "(state.flight) nor held (state.pending): this state lost it (a state from a "

@@ -15,9 +15,9 @@ import optree
 import torch
 
 from ..base.tags import result_state, tag
-from ..base.tree import Masked, format_path, structure_error
+from ..base.tree import MaskedNode, format_path, structure_error
 from ..io.checkpoint import empty_state_dict, load_state_dict, load_tree, state_dict
-from ..optim.matrix import PartitionState
+from ..optim.combine import PartitionState
 from .syncs import SyncInFlight
 
 __all__ = ["DiLoCoState", "pending_tree", "residual_tree"]
@@ -30,16 +30,16 @@ class DiLoCoState(NamedTuple):
         anchor: tree like the params (local shards at the inner spec's optimizer placement):
             the weights of the last sync, equal on every replica.
         outer: a :class:`PartitionState` with one outer-optimizer state per fragment
-            (labels ``"0"``, ``"1"``, ...; other fragments' leaves :class:`Masked`).
+            (labels ``"0"``, ``"1"``, ...; other fragments' leaves :class:`MaskedNode`).
         count: inner steps seen so far (a host int, the same on every rank).
         due: per fragment, the step after which its sync in flight lands (0: none).
         pending: tree like the params: for a fragment whose sync was reduced but has not
             landed (a sync in a state loaded from a checkpoint), its averaged
-            pseudo-gradient (equal on every replica); :class:`Masked`
+            pseudo-gradient (equal on every replica); :class:`MaskedNode`
             elsewhere (a sync in ``flight`` too), so that only what is held takes memory.
             None when ``delay == 0`` (nothing is ever in flight between calls). A
             checkpoint saves it whole (the syncs in flight waited for, zeros for the other
-            Masked leaves: ``functional_hsdp.diloco.pending_tree``); after a load, the next
+            MaskedNode leaves: ``functional_hsdp.diloco.pending_tree``); after a load, the next
             ``update`` masks the leaves of the fragments not due again.
         residual: with ``compress=`` and error feedback, tree like the params (fp32, local
             shards): what rounding lost of each rank's part of its fragment's last compressed
@@ -81,14 +81,14 @@ class DiLoCoState(NamedTuple):
 
 
 def pending_leaves(pending: Any) -> list:
-    """``pending``'s leaves in tree order, a :class:`Masked` one included."""
-    return optree.tree_leaves(pending, is_leaf=lambda x: isinstance(x, Masked))
+    """``pending``'s leaves in tree order, a :class:`MaskedNode` one included."""
+    return optree.tree_leaves(pending, is_leaf=lambda x: isinstance(x, MaskedNode))
 
 
 def pending_tree(state: DiLoCoState) -> Any:
     """``state.pending`` whole: the syncs in flight waited for and in their place, zeros
     (like the anchor's leaves, and at their placement) in place of the other
-    :class:`Masked` leaves; what a checkpoint saves. None without a delay."""
+    :class:`MaskedNode` leaves; what a checkpoint saves. None without a delay."""
     if state.pending is None:
         return None
     anchor, treedef = optree.tree_flatten(state.anchor)
@@ -201,7 +201,7 @@ def _as_dict(state: DiLoCoState, convert: Any) -> dict[str, Any]:
     converted (``convert(value, field name)``), the step count and each fragment's due step
     as host values. A sync in flight (``state.flight``) is waited for and saved averaged in
     ``pending`` (the update where it lands gets the same tensors), so any step saves;
-    ``pending`` is saved whole (:func:`pending_tree`: zeros where it is Masked), so every
+    ``pending`` is saved whole (:func:`pending_tree`: zeros where it is MaskedNode), so every
     step's checkpoint has one structure, and the state it loads into has nothing in
     flight. The residual of a compressed sync's error feedback is per rank: a tree at the
     params' placement, saved like them (one row per replica, each replica's own), with the

@@ -50,16 +50,16 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
             * local shards laid out like the params (``shard``/``reduce_grads`` results,
               optimizer moments, any elementwise function of those), at the optimizer
               (or parameter) placement of ``spec``;
-            * a NamedTuple state: an optimizer's (:class:`AdamWState`, :class:`SGDState`,
-              :class:`MuonState`, the combinators' :class:`ScaleByAdamState`, ..., or your
-              own transformation's), saved field by field: its trees as above, host scalars
-              (a ``count``) as they are, None left out. A NamedTuple is taken for a state
+            * a NamedTuple state: an optimizer's (:class:`ScaleByAdamState` of ``adamw``,
+              :class:`SGDState`, :class:`MuonState`, ..., or your own transformation's),
+              saved field by field: its trees as above, host scalars (a ``count``) as they
+              are, None left out. A NamedTuple is taken for a state
               if a field holds a host value (bool, int, float, str) or it has no field
               (inside a :class:`ChainState` or :class:`PartitionState`: any NamedTuple);
               otherwise (a NamedTuple of tensors: params) it is a tree;
             * a value whose type has the checkpoint protocol (``__fh_state_dict__``; see
               below): a :class:`PartitionState` (each label's state; its trees'
-              :class:`Masked` leaves are another label's, saved there), a
+              :class:`MaskedNode` leaves are another label's, saved there), a
               :class:`ChainState` (each transformation's state), a :class:`DiLoCoState` (at
               any step: its anchor, outer state, count, due steps, the averaged syncs in
               flight and, with ``compress=``, the error feedback's residual, each rank's
@@ -216,7 +216,7 @@ def _load(state: Any, spec: Any, like: Any, *, name: str, member: bool) -> Any:
 def _by_fields(x: Any, *, member: bool) -> bool:
     """Saved field by field: a NamedTuple state, one with a field of a host value (a step
     count) or with no field, or (a combinator's ``member``) any NamedTuple; not a
-    :class:`Masked` leaf. A NamedTuple of trees of tensors elsewhere is a tree (params)."""
+    :class:`MaskedNode` leaf. A NamedTuple of trees of tensors elsewhere is a tree (params)."""
     if not (isinstance(x, tuple) and hasattr(type(x), "_fields")) or is_masked(x):
         return False
     return member or not x or any(_is_scalar(v) for v in x)
@@ -416,7 +416,7 @@ def _flat_buckets(plan: Plan, role: str) -> list[int]:
 
 
 def _tree_state(tree: Any, spec: Any, like: Any) -> dict[str, DTensor]:
-    # Masked leaves (another label's, in a PartitionState) stand in as zeros: not saved
+    # MaskedNode leaves (another label's, in a PartitionState) stand in as zeros: not saved
     leaves, present, treedef, paths = unmask(tree, "tree")
     if not any(present):
         return {}
@@ -436,7 +436,7 @@ def _tree_state(tree: Any, spec: Any, like: Any) -> dict[str, DTensor]:
 
 
 def _with_stand_ins(tree: Any) -> Any:
-    """``tree`` with its Masked leaves as zero stand-ins (see :func:`unmask`)."""
+    """``tree`` with its MaskedNode leaves as zero stand-ins (see :func:`unmask`)."""
     leaves, _, treedef, _ = unmask(tree, "tree")
     return optree.tree_unflatten(treedef, leaves)
 
@@ -604,14 +604,14 @@ def _own_local(x: DTensor) -> torch.Tensor:
 
 def load_tree(state: dict, spec: Any, like: Any, *, name: str, kinds: tuple | None = None) -> Any:
     """A tree of local shards at ``spec``'s optimizer placement from ``state`` (``{key:
-    DTensor}``), laid out as ``like``'s full shapes and dtypes (its :class:`Masked` leaves
-    loaded as Masked at their local shapes); ``kinds``: which leaves may share a bucket, as
+    DTensor}``), laid out as ``like``'s full shapes and dtypes (its :class:`MaskedNode` leaves
+    loaded as MaskedNode at their local shapes); ``kinds``: which leaves may share a bucket, as
     :class:`TreeMeta`'s (default the dtypes). Tagged as weights, so the optimizers and
     ``gather`` find its layout. Collective."""
     _, present, treedef, _ = unmask(like, "like")
     if not any(present):
         return like
-    like = _with_stand_ins(like)  # Masked leaves: loaded as Masked at their local shapes
+    like = _with_stand_ins(like)  # MaskedNode leaves: loaded as such, at their local shapes
     with agreement(spec, "load_state_dict") as agreed:
         plan, paths = _like_plan(like, spec, kinds=kinds)
         shapes = forms(plan)

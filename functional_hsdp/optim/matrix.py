@@ -1,21 +1,12 @@
-"""Matrix optimizers on sharded trees: ``per_matrix``, ``muon`` and ``partition``.
+"""Whole matrices from sharded trees: :func:`per_matrix` runs a function on each whole leaf
+at its owner (:mod:`functional_hsdp.plan.owner`) and hands the results back at the optimizer
+placement; matrix optimizers (:func:`~functional_hsdp.muon`, Shampoo's preconditioners) are
+built on it, since a Flat shard splits a matrix across ranks.
 
-Elementwise optimizers (SGD, AdamW, anything written with ``tree_map``) run on any local
-shards; a matrix optimizer (Muon's Newton-Schulz iteration, Shampoo's preconditioners) needs
-whole matrices, which a Flat shard splits across ranks. :func:`per_matrix` runs a function
-on whole leaves at the owner placement (:mod:`functional_hsdp.plan.owner`), exactly once per leaf
-over the whole data-parallel mesh, and hands the results back at the optimizer placement:
-
-* on an Owner spec (:func:`~functional_hsdp.owned`), where the leaves already are: no
-  communication;
-* on any other spec, one all-to-all per bucket per Flat or ``Shard(d)`` axis (and per
-  Replicate axis a local selection) to the owners, and back the reverse all-to-alls and one
-  all-gather per Replicate axis (a ``Shard(d)`` leaf's chunks are joined along d at its
-  owner, and its result split back).
-
-:func:`muon` is ``torch.optim.Muon``'s math as a :class:`GradientTransformation` built on it;
-:func:`partition` (optax's ``multi_transform``) gives each leaf its own transformation (Muon
-for hidden matrices, AdamW for the rest).
+Invariant: the function runs exactly once per leaf over the whole data-parallel mesh (outer
+replicas included). On an Owner spec (:func:`~functional_hsdp.owned`) no communication; on
+another, one all-to-all per bucket per Flat or ``Shard(d)`` axis (a local selection per
+Replicate axis) to the owners, and back (plus one all-gather per Replicate axis).
 """
 
 from __future__ import annotations
@@ -23,43 +14,22 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import einops
 import numpy as np
 import optree
 import torch
 
-from ..base.tree import Masked, format_path, is_masked, masked, refuse_tracked, refuse_vmap, unmask
-from ..io.checkpoint import empty_member, load_members, save_member
+from ..base.tree import is_masked, refuse_tracked, refuse_vmap, unmask
 from ..plan.buckets import shard_dims, unpack_full
 from ..plan.lookup import find_plan_at
 from ..plan.owner import BucketRoute, chunk_rows, local_items, owner_of_slot, route
 from ..plan.recipe import Plan
 from ..runtime.agreement import agreement
 from ..runtime.scheduler import run
-from .schedules import Schedule, check_lr
-from .transforms import (
-    ChainState,
-    EmptyState,
-    GradientTransformation,
-    ScaleByLearningRateState,
-    add_decayed_weights,
-    chain,
-    scale_by_learning_rate,
-)
 
-__all__ = [
-    "MuonState",
-    "PartitionState",
-    "muon",
-    "newton_schulz",
-    "partition",
-    "per_matrix",
-]
-
-
-# -- per_matrix ---------------------------------------------------------------------------------
+__all__ = ["per_matrix"]
 
 
 def per_matrix(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any, spec: Any) -> Any:
@@ -79,7 +49,7 @@ def per_matrix(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any, spec: Any)
         fn: a function of a batch of matrices ``(..., M, N)`` returning the same shape.
         tree: local shards at ``spec``'s optimizer placement (a final ``reduce_grads``
             result, ``shard``-ed weights, elementwise functions of those); leaves may be
-            :class:`Masked` (left as they are).
+            :class:`MaskedNode` s (left as they are).
         spec: the :class:`~functional_hsdp.Spec` or spec tree the shards were made with.
 
     Returns:
@@ -264,348 +234,3 @@ class _Chunks:
         rows = einops.rearrange(x, f"{self.pre} c {self.post} -> ({self.pre}) c ({self.post})")
         for view, part in zip(self.views, rows.split(self.rows, dim=1)):
             view.copy_(part)
-
-
-# -- Newton-Schulz and Muon ---------------------------------------------------------------------
-
-
-def newton_schulz(
-    x: torch.Tensor,
-    *,
-    coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
-    steps: int = 5,
-    eps: float = 1e-7,
-    dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """Muon's quintic Newton-Schulz iteration on a batch of matrices ``(..., M, N)``.
-
-    ``torch.optim.Muon``'s orthogonalization, batched: in ``dtype``, each matrix transposed
-    if it has more rows than columns, divided by its Frobenius norm (at least ``eps``), then
-    ``steps`` times ``X <- a X + (b A + c A²) X`` with ``A = X Xᵀ``.
-
-    Args:
-        x: matrices, ``(..., M, N)``.
-        coefficients: ``(a, b, c)``.
-        steps: iterations.
-        eps: the smallest norm divided by.
-        dtype: the dtype of the iteration (bf16 as torch's; float32 for fp32 accuracy).
-
-    Returns:
-        The orthogonalized matrices, shape of ``x``, in ``dtype``.
-
-    Example:
-        >>> import torch, functional_hsdp as fh
-        >>> q = fh.newton_schulz(torch.randn(2, 8, 4), dtype=torch.float32)
-        >>> s = torch.linalg.svdvals(q)
-        >>> bool(((s > 0.6) & (s < 1.3)).all())
-        True
-    """
-    a, b, c = coefficients
-    y = x.to(dtype)
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:
-        y = y.mT
-    y = y / y.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    shape = y.shape
-    y = y.reshape(-1, *shape[-2:])
-    for _ in range(steps):
-        gram = torch.bmm(y, y.mT)
-        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        y = torch.baddbmm(y, update, y, beta=a)
-    y = y.reshape(shape)
-    return y.mT if tall else y
-
-
-class MuonState(NamedTuple):
-    """State of :func:`muon`.
-
-    Attributes:
-        count: number of updates so far (a host int, the same on every rank).
-        momentum: tree like the params (local shards at the optimizer placement): torch's
-            ``momentum_buffer``.
-    """
-
-    count: int
-    momentum: Any
-
-
-_ADJUST = (None, "original", "match_rms_adamw")
-
-
-def _lr_ratio(adjust_lr_fn: str | None, m: int, n: int) -> float:
-    """``torch.optim.Muon``'s learning-rate adjustment for an ``m x n`` matrix."""
-    if adjust_lr_fn == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(m, n))
-    return math.sqrt(max(1, m / n))
-
-
-def _orthogonalized(x: torch.Tensor, *, ns: dict, adjust_lr_fn: str | None) -> torch.Tensor:
-    ratio = _lr_ratio(adjust_lr_fn, x.shape[-2], x.shape[-1])
-    return newton_schulz(x, **ns).to(x.dtype) * ratio
-
-
-def _check_muon(*, lr, weight_decay, momentum, ns_coefficients, eps, ns_steps, adjust_lr_fn):
-    check_lr(lr, "muon: lr")
-    for name, value in (
-        ("weight_decay", weight_decay),
-        ("momentum", momentum),
-        ("eps", eps),
-    ):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"muon: {name} must be a number >= 0; got {value!r}")
-    if len(tuple(ns_coefficients)) != 3:
-        raise ValueError(f"muon: ns_coefficients must be 3 numbers; got {ns_coefficients!r}")
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
-        raise ValueError(f"muon: ns_steps must be an int in [0, 100); got {ns_steps!r}")
-    if adjust_lr_fn not in _ADJUST:
-        raise ValueError(f"muon: adjust_lr_fn must be one of {_ADJUST}; got {adjust_lr_fn!r}")
-
-
-def muon(
-    spec: Any,
-    lr: float | Schedule = 1e-3,
-    *,
-    weight_decay: float = 0.1,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
-    eps: float = 1e-7,
-    ns_steps: int = 5,
-    adjust_lr_fn: str | None = None,
-    ns_dtype: torch.dtype = torch.bfloat16,
-) -> GradientTransformation:
-    """Muon with ``torch.optim.Muon``'s math, on local shards, each matrix orthogonalized
-    once over the whole mesh (:func:`per_matrix`).
-
-    With ``B`` the momentum buffer: ``B <- lerp(B, g, 1 - momentum)``; the direction is
-    ``lerp(g, B, momentum)`` with ``nesterov``, else ``B``; ``O`` its Newton-Schulz
-    orthogonalization (:func:`newton_schulz` in ``ns_dtype``); the update is
-    ``-lr * weight_decay * p - lr * ratio * O``, ``ratio`` torch's ``adjust_lr_fn`` of the
-    matrix's last two dims ``(M, N)``: ``sqrt(max(1, M / N))`` (None, ``"original"``) or
-    ``0.2 * sqrt(max(M, N))`` (``"match_rms_adamw"``). The momentum lives at the optimizer
-    placement (a tree like the params; checkpointed as AdamW's moments are).
-
-    It is a chain (:func:`~functional_hsdp.chain`): the orthogonalized momentum ``ratio * O``,
-    then :func:`~functional_hsdp.add_decayed_weights` and
-    :func:`~functional_hsdp.scale_by_learning_rate`, its state kept as one :class:`MuonState`.
-
-    Args:
-        spec: the Spec (or spec tree) of the params; :func:`~functional_hsdp.owned` specs
-            orthogonalize where the leaves are, others move them (see :func:`per_matrix`).
-        lr: learning rate: a number, or a schedule ``step -> lr``
-            (:mod:`~functional_hsdp.optim.schedules`; step counted from 0).
-        weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
-            as ``torch.optim.Muon``.
-        ns_dtype: the dtype of the Newton-Schulz iteration (torch's is bf16; float32 gives
-            fp32 accuracy).
-
-    Returns:
-        A :class:`~functional_hsdp.GradientTransformation`; its state is a
-        :class:`MuonState`. Every leaf must have 2 or more dims (use :func:`partition` for
-        the others); a 3-D leaf is a stack of matrices.
-
-    Example:
-        >>> import torch, functional_hsdp as fh
-        >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
-        >>> spec = fh.owned(fh.hsdp(mesh, "dp_outer", "dp_inner"))
-        >>> params = fh.shard({"w": torch.eye(4)}, spec)
-        >>> opt = fh.muon(spec, lr=0.1, ns_dtype=torch.float32)
-        >>> g = fh.reduce_grads({"w": torch.randn(2, 2, 4, 4)}, spec, last=True)
-        >>> updates, state = opt.update(g, opt.init(params), params)
-        >>> new = fh.apply_updates(params, updates)
-        >>> fh.gather(new, spec)["w"].shape, isinstance(state, fh.MuonState), state.count
-        (torch.Size([2, 2, 4, 4]), True, 1)
-    """
-    _check_muon(
-        lr=lr,
-        weight_decay=weight_decay,
-        momentum=momentum,
-        ns_coefficients=ns_coefficients,
-        eps=eps,
-        ns_steps=ns_steps,
-        adjust_lr_fn=adjust_lr_fn,
-    )
-    ns = dict(coefficients=tuple(ns_coefficients), steps=ns_steps, eps=eps, dtype=ns_dtype)
-    orthogonalize = functools.partial(_orthogonalized, ns=ns, adjust_lr_fn=adjust_lr_fn)
-    parts = chain(
-        _scale_by_muon(spec, momentum=momentum, nesterov=nesterov, orthogonalize=orthogonalize),
-        add_decayed_weights(weight_decay),
-        scale_by_learning_rate(lr),
-    )
-
-    def init(params: Any) -> MuonState:
-        return parts.init(params).inner[0]
-
-    def update(grads: Any, state: MuonState, params: Any) -> tuple[Any, MuonState]:
-        if not isinstance(state, MuonState):
-            raise TypeError(f"state: expected a MuonState (from init); got {type(state).__name__}")
-        inner = (state, EmptyState(), ScaleByLearningRateState(state.count))
-        updates, new = parts.update(grads, ChainState(inner), params)
-        return updates, new.inner[0]
-
-    return GradientTransformation(init, update)
-
-
-def _scale_by_muon(
-    spec: Any, *, momentum: float, nesterov: bool, orthogonalize: Callable
-) -> GradientTransformation:
-    """Muon's direction before the learning rate: ``ratio * O`` (see :func:`muon`)."""
-
-    def init(params: Any) -> MuonState:
-        return MuonState(0, optree.tree_map(torch.zeros_like, params))
-
-    def update(grads: Any, state: MuonState, params: Any) -> tuple[Any, MuonState]:
-        _same_layout(grads, params, "grads")
-        _same_layout(state.momentum, params, "state.momentum")
-        g = optree.tree_map(lambda g, p: g.to(p.dtype), grads, params)
-        buf = optree.tree_map(lambda b, g: b.lerp(g, 1 - momentum), state.momentum, g)
-        direction = optree.tree_map(lambda g, b: g.lerp(b, momentum), g, buf) if nesterov else buf
-        return per_matrix(orthogonalize, direction, spec), MuonState(state.count + 1, buf)
-
-    return GradientTransformation(init, update)
-
-
-def _same_layout(tree: Any, params: Any, name: str) -> None:
-    """``tree`` has the structure and local shapes of ``params`` (errors name the path)."""
-    if optree.tree_structure(tree) != optree.tree_structure(params):
-        raise ValueError(
-            f"{name}: has structure {optree.tree_structure(tree)}, but params has "
-            f"{optree.tree_structure(params)}"
-        )
-    for path, x, p in zip(
-        optree.tree_paths(tree), optree.tree_leaves(tree), optree.tree_leaves(params)
-    ):
-        if x.shape != p.shape:
-            raise ValueError(
-                f"{name}{format_path(path)}: expected local shape {tuple(p.shape)} (as the "
-                f"params'); got {tuple(x.shape)}: local shards at the params' placement?"
-            )
-
-
-# -- partition ----------------------------------------------------------------------------------
-
-
-class PartitionState(NamedTuple):
-    """State of :func:`partition`.
-
-    Attributes:
-        inner: ``{label: that transformation's state}`` (its trees hold :class:`Masked`
-            leaves where other labels' leaves are).
-    """
-
-    inner: dict
-
-    # checkpoints (functional_hsdp.io.checkpoint's protocol): each label's state under its label
-
-    def __fh_state_dict__(self, spec: Any, *, like: Any = None) -> dict[str, Any]:
-        """``{label: ...}``: each label's state as ``fh.state_dict`` saves it (its trees'
-        Masked leaves are another label's, saved there)."""
-        likes = like.inner if isinstance(like, PartitionState) else {}
-        return {k: save_member(x, spec, like=likes.get(k)) for k, x in self.inner.items()}
-
-    def __fh_empty_state_dict__(self, spec: Any) -> dict[str, Any]:
-        """Placeholders for ``dcp.load``, one entry per label."""
-        return {k: empty_member(x, spec) for k, x in self.inner.items()}
-
-    def __fh_load_state_dict__(self, state: dict, spec: Any, *, name: str) -> PartitionState:
-        """Each label's state loaded (this state the like)."""
-        inner = dict(self.inner)
-        return PartitionState(load_members(state, spec, inner, name=name, owner="PartitionState"))
-
-
-def partition(transforms: dict[str, GradientTransformation], labels: Any) -> GradientTransformation:
-    """A transformation per leaf, by label (optax's ``multi_transform``).
-
-    Each transformation sees the params, gradients and its state with the other labels'
-    leaves :class:`Masked` (empty subtrees: ``tree_map`` passes them by), and its updates
-    fill its own leaves of the result.
-
-    Args:
-        transforms: ``{label: GradientTransformation}``.
-        labels: a tree of labels with the params' structure (or a pytree prefix of it), or a
-            callable ``(path, leaf) -> label``, ``path`` the tuple of keys to the leaf
-            (``("layers", 0, "w")``) and ``leaf`` the params' leaf (a local shard: on a Flat
-            placement 1-D, so decide by path, or by full shapes you hold).
-
-    Returns:
-        A :class:`~functional_hsdp.GradientTransformation`; its state is a
-        :class:`PartitionState`.
-
-    Example:
-        >>> import torch, functional_hsdp as fh
-        >>> mesh = fh.SimMesh({"dp": 2})
-        >>> spec = fh.ddp(mesh)
-        >>> params = fh.shard({"w": torch.eye(3), "b": torch.zeros(3)}, spec)
-        >>> opt = fh.partition({"muon": fh.muon(spec, lr=0.1), "adamw": fh.adamw(lr=0.1)},
-        ...                    lambda path, leaf: "muon" if path[0] == "w" else "adamw")
-        >>> g = fh.reduce_grads({"w": torch.ones(2, 3, 3), "b": torch.ones(2, 3)}, spec,
-        ...                     last=True)
-        >>> updates, state = opt.update(g, opt.init(params), params)
-        >>> isinstance(state, fh.PartitionState), sorted(state.inner), updates["b"][0]
-        (True, ['adamw', 'muon'], tensor([-0.1000, -0.1000, -0.1000]))
-    """
-    if not isinstance(transforms, dict) or not transforms:
-        raise TypeError("partition: transforms must be a non-empty dict {label: transformation}")
-    for label, tx in transforms.items():
-        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-            raise TypeError(f"partition: transforms[{label!r}] is not a GradientTransformation")
-
-    def init(params: Any) -> PartitionState:
-        of = _labels(labels, params, transforms)
-        marks = [masked(x) for x in optree.tree_leaves(params)]
-        inner = {k: tx.init(_mask(params, of, keep=k, marks=marks)) for k, tx in transforms.items()}
-        return PartitionState(inner)
-
-    def update(grads: Any, state: PartitionState, params: Any) -> tuple[Any, PartitionState]:
-        if not isinstance(state, PartitionState) or set(state.inner) != set(transforms):
-            raise TypeError("state: expected the PartitionState this partition's init made")
-        of = _labels(labels, params, transforms)
-        leaves, treedef = optree.tree_flatten(params)
-        marks = [masked(x) for x in leaves]  # the params' metadata: one tree structure for all
-        out, inner = list(leaves), {}
-        for k, tx in transforms.items():
-            masked_grads, masked_params = (
-                _mask(grads, of, keep=k, marks=marks),
-                _mask(params, of, keep=k, marks=marks),
-            )
-            u, inner[k] = tx.update(masked_grads, state.inner[k], masked_params)
-            for i, x in enumerate(optree.tree_flatten(u, is_leaf=is_masked)[0]):
-                if of[i] == k:
-                    out[i] = x
-        return optree.tree_unflatten(treedef, out), PartitionState(inner)
-
-    return GradientTransformation(init, update)
-
-
-def _labels(labels: Any, params: Any, transforms: dict) -> list[str]:
-    """Every leaf's label, checked."""
-    leaves, treedef = optree.tree_flatten(params)
-    paths = treedef.paths()
-    if callable(labels):
-        out = [labels(path, leaf) for path, leaf in zip(paths, leaves)]
-    else:
-        try:
-            out = optree.tree_leaves(optree.tree_broadcast_prefix(labels, params))
-        except ValueError as e:
-            raise ValueError(f"partition: labels is not a prefix of the params' tree: {e}") from e
-    for path, label in zip(paths, out):
-        if label not in transforms:
-            raise ValueError(
-                f"params{format_path(path)}: label {label!r} has no transformation; the labels "
-                f"are {sorted(transforms)}"
-            )
-    return out
-
-
-def _mask(tree: Any, of: list[str], *, keep: str, marks: list[Masked]) -> Any:
-    """``tree`` with the leaves of other labels than ``keep`` replaced by ``marks`` (the
-    params', so that the params, gradients and states of one label have one structure)."""
-    leaves, treedef = optree.tree_flatten(tree, is_leaf=is_masked)
-    if len(leaves) != len(of):
-        raise ValueError(
-            f"partition: a tree of {len(leaves)} leaves where the params have {len(of)}"
-        )
-    kept = [
-        x if label == keep or is_masked(x) else mark for x, label, mark in zip(leaves, of, marks)
-    ]
-    return optree.tree_unflatten(treedef, kept)

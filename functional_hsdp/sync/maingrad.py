@@ -35,6 +35,7 @@ import functools
 import math
 import os
 import sys
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -231,7 +232,7 @@ class MainGrad:
         """The error feedback of a compressed outer reduction (``outer_compress`` with
         ``error_feedback=True``): what rounding lost, per rank, as a tree like :attr:`grads`
         at the gradient placement (fp32), added into the next step's reduction. Kept by
-        ``zero_grad()``, saved by :meth:`state_dict` and ``fh.state_dict``. None without
+        ``zero_grad()``, saved by :meth:`local_state_dict` and ``fh.state_dict``. None without
         error feedback."""
         if self._residuals is None:
             return None
@@ -447,8 +448,10 @@ class MainGrad:
             self._empty = False
         self._state = "accumulating"
 
-    def state_dict(self) -> dict[str, Any]:
-        """A copy of the buffers and state, valid mid-accumulation (resume loses nothing)."""
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's copy of the buffers and state, valid mid-accumulation (resume loses
+        nothing): for ``torch.save`` per rank and :meth:`load_local_state_dict` on the same
+        mesh and spec. ``fh.state_dict(mg)`` is the mesh-independent checkpoint."""
         self._deferred.land_all()
         return {
             "layout": self.layout(),
@@ -462,15 +465,15 @@ class MainGrad:
             "residuals": None if self._residuals is None else [r.clone() for r in self._residuals],
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` into this MainGrad's buffers (same storage).
+    def load_local_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`local_state_dict` into this MainGrad's buffers (same storage).
 
         Raises ValueError if it was saved from another spec, tree, mesh or dtype.
         """
         mine = self.layout()
         theirs = state_dict.get("layout")
         if not isinstance(theirs, dict) or theirs.keys() != mine.keys():
-            raise ValueError("load_state_dict: not a MainGrad state_dict")
+            raise ValueError("load_local_state_dict: not a MainGrad local_state_dict")
         for key in mine:
             if theirs[key] != mine[key]:
                 raise ValueError(
@@ -491,10 +494,12 @@ class MainGrad:
         if residuals is not None:
             self._residuals[:] = residuals
         if state_dict["state"] not in ("accumulating", "final"):
-            raise ValueError(f"load_state_dict: unknown state {state_dict['state']!r}")
+            raise ValueError(f"load_local_state_dict: unknown state {state_dict['state']!r}")
         fresh = state_dict.get("fresh")
         if not (isinstance(fresh, list) and len(fresh) == len(self._buffers)):
-            raise ValueError("load_state_dict: not a MainGrad state_dict (no per-bucket 'fresh')")
+            raise ValueError(
+                "load_local_state_dict: not a MainGrad local_state_dict (no per-bucket 'fresh')"
+            )
         self._state, self._fresh = state_dict["state"], [bool(f) for f in fresh]
         self._empty = bool(state_dict.get("empty", all(self._fresh)))
 
@@ -504,8 +509,8 @@ class MainGrad:
             return None
         if saved is None:  # a state dict of a MainGrad without error feedback
             raise ValueError(
-                "load_state_dict: this MainGrad feeds back a compressed reduction's error; "
-                "the state_dict holds no 'residuals'"
+                "load_local_state_dict: this MainGrad feeds back a compressed reduction's "
+                "error; the state_dict holds no 'residuals'"
             )
         for b, (mine, r) in enumerate(zip(self._residuals, saved)):
             if r.shape != mine.shape:
@@ -514,6 +519,17 @@ class MainGrad:
                     f"{tuple(mine.shape)}"
                 )
         return [r.detach().to(torch.float32, copy=True) for r in saved]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Deprecated: :meth:`local_state_dict` (this rank's copy; ``fh.state_dict(mg)`` is
+        the mesh-independent checkpoint)."""
+        _deprecated("state_dict", "local_state_dict")
+        return self.local_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Deprecated: :meth:`load_local_state_dict`."""
+        _deprecated("load_state_dict", "load_local_state_dict")
+        self.load_local_state_dict(state_dict)
 
     # -- checkpoints: functional_hsdp.io.checkpoint's protocol ------------------------------
 
@@ -526,7 +542,7 @@ class MainGrad:
     def __fh_empty_state_dict__(self, spec: Any = None) -> dict[str, Any]:
         """Placeholders for ``dcp.load`` (``fh.empty_state_dict(mg)``): a final state."""
         _check_checkpoint_spec(self, spec)
-        residual = _residual_state(self, self.state_dict()["residuals"])
+        residual = _residual_state(self, self.local_state_dict()["residuals"])
         return {"state": "final", "grads": placeholders(self.plan), **residual}
 
     def __fh_load_state_dict__(self, state: dict, spec: Any = None, *, name: str) -> MainGrad:
@@ -945,7 +961,7 @@ def _checkpoint_state(mg: MainGrad, spec: Any) -> dict[str, Any]:
             raise ValueError(_MID_ACCUMULATION.format(axes=_deferred_axes(mg.plan)))
         paths = paths_of(mg.plan.treedef, "grads")
         agreed.check(mg.plan, paths, options=(f"MainGrad {mg.state}",))
-    residual = _residual_state(mg, mg.state_dict()["residuals"])
+    residual = _residual_state(mg, mg.local_state_dict()["residuals"])
     if grads is None:  # zeroed: nothing to gather
         holders = placeholders(mg.plan)
         return {"state": "empty", "grads": {k: _zero(v) for k, v in holders.items()}, **residual}
@@ -975,7 +991,7 @@ def _residual_state(mg: MainGrad, residuals: list | None) -> dict[str, Any]:
 
 def _load_residual(state: dict, mg: MainGrad, *, name: str) -> None:
     """Restore what :func:`_residual_state` saved into ``mg`` (nothing to do without one)."""
-    mine = mg.state_dict()
+    mine = mg.local_state_dict()
     if mine["residuals"] is None:
         return
     saved = state.get("residual")
@@ -986,7 +1002,16 @@ def _load_residual(state: dict, mg: MainGrad, *, name: str) -> None:
             "MainGrad with the same spec, on the same mesh)"
         )
     local = [saved[str(b)].to_local().reshape(-1) for b in range(len(saved))]
-    mg.load_state_dict({**mine, "residuals": local})
+    mg.load_local_state_dict({**mine, "residuals": local})
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"MainGrad.{old} is deprecated: use mg.{new}() (this rank's copy; fh.state_dict(mg) "
+        "and fh.load_state_dict are the mesh-independent checkpoint)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 _MID_ACCUMULATION = (
@@ -994,8 +1019,8 @@ _MID_ACCUMULATION = (
     "{axes}: each replica holds its own partial sum), which no mesh-independent checkpoint "
     "can hold. Save after the step's last microbatch (accumulate(..., last=True) or "
     "mg.finish()) or after mg.zero_grad(); to resume mid-accumulation on this same mesh, "
-    "save mg.state_dict() per rank (torch.save; bit-exact) and restore it with "
-    "mg.load_state_dict()"
+    "save mg.local_state_dict() per rank (torch.save; bit-exact) and restore it with "
+    "mg.load_local_state_dict()"
 )
 
 
@@ -1032,14 +1057,14 @@ def _load_checkpoint(state: dict, spec: Any, mg: MainGrad, *, name: str) -> Main
         packed = plan.pack(b, pieces, ROLE)
         buf[..., : packed.shape[-1]].copy_(packed)
     n = len(plan.buckets)
-    mg.load_state_dict(
+    mg.load_local_state_dict(
         {
             "layout": mg.layout(),
             "state": "final",
             "fresh": [False] * n,
             "empty": False,
             "buffers": mg.buffers,
-            "residuals": mg.state_dict()["residuals"],
+            "residuals": mg.local_state_dict()["residuals"],
         }
     )
     _load_residual(state, mg, name=name)
