@@ -35,10 +35,10 @@ memory before the variant was built). Syncs and memory are CUDA only.
 Then the same four phases for the path users run with a model they did not write: a Hugging
 Face ``LlamaForCausalLM`` through ``fh.shard_module`` + ``fh.functional_call(..., into=mg)``
 (with and without ``recompute``) against FSDP2 ``fully_shard`` per decoder layer and the model
-alone, all with bf16 mixed precision (:mod:`bench.gpu_hf`; its correctness reference is
+alone, all with bf16 mixed precision (:mod:`bench.device.gpu_hf`; its correctness reference is
 FSDP2-bf16). Skipped, with a note, where ``transformers`` cannot be imported.
 
-Then Muon (:mod:`bench.gpu_muon`): ``fh.muon`` on the owner placements against
+Then Muon (:mod:`bench.device.gpu_muon`): ``fh.muon`` on the owner placements against
 ``torch.optim.Muon`` + ``torch.optim.AdamW`` (correctness, Newton-Schulz in fp32 on both
 sides), its step beside ``fh.adamw``'s (time, syncs, memory as above), and Newton-Schulz's time
 per step (CUDA events around every call).
@@ -60,7 +60,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from . import common as C
+from .. import common as C
 from . import gpu_hf, gpu_muon
 
 # Per device: CUDA sizes a model worth timing on an H200 (8 x 4096^2 fp32: 537 MB of weights);
@@ -469,7 +469,7 @@ def _phases(res: dict, pb, cfg: dict, device, dm, variants, phases: dict, t0: fl
 
 
 def _hf_phases(hf: dict, device, dm) -> None:
-    """The Llama's four phases (bench/gpu_hf.py), into ``hf``."""
+    """The Llama's four phases (bench/device/gpu_hf.py), into ``hf``."""
     t0 = time.perf_counter()
     phases = hf["phase_s"] = {}
     cfg = hf["cfg"]
@@ -485,7 +485,7 @@ def _hf_phases(hf: dict, device, dm) -> None:
 
 
 def _muon_phases(mu: dict, device, dm) -> None:
-    """Muon's phases (bench/gpu_muon.py), into ``mu``: correctness, time, syncs and memory
+    """Muon's phases (bench/device/gpu_muon.py), into ``mu``: correctness, time, syncs and memory
     as the MLP's, then Newton-Schulz time."""
     t0 = time.perf_counter()
     phases = mu["phase_s"] = {}
@@ -572,7 +572,7 @@ def report(res: dict, command: str, when: str) -> str:
         f"{cfg['L']} x (Linear({cfg['D']}, {cfg['D']}) + Tanh), {res['numel']:,} parameters, "
         f"fp32 ({C.mib(4 * res['numel'])} MiB); M = {cfg['M']} microbatches of {cfg['B']} x "
         f"{cfg['D']}; MSE loss / M; SGD lr {LR}; the same initial weights and data in every "
-        "variant (bench/gpu.py has the exact loops). "
+        "variant (bench/device/gpu.py has the exact loops). "
         f"{cfg['warmup']} warm-up and {cfg['reps']} timed steps per variant, interleaved; "
         "median. *Step*: "
         + (

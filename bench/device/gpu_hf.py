@@ -1,7 +1,7 @@
 """(B11, existing model) A Hugging Face Llama at world size 1: ``fh.shard_module`` +
 ``fh.functional_call(..., into=MainGrad)`` against FSDP2, with bf16 mixed precision.
 
-The part of ``python -m bench gpu`` (:mod:`bench.gpu`) that runs the path users run on GPUs
+The part of ``python -m bench gpu`` (:mod:`bench.device.gpu`) that runs the path users run on GPUs
 with a model they did not write (README, "Your existing model"). A random-init
 ``transformers`` ``LlamaForCausalLM`` (sdpa attention, ``use_cache=False``, untied head; the
 same initial weights in every variant), next-token loss through its own ``labels``, loss / M
@@ -23,7 +23,7 @@ equivalent:
 - ``hf_fh_bf16_recompute``: ``hf_fh_bf16`` with ``recompute=True`` (per-unit activation
   checkpointing: one more forward of each decoder layer in backward).
 
-``bench.gpu`` runs the phases (correctness here; time, syncs and memory with its own
+``bench.device.gpu`` runs the phases (correctness here; time, syncs and memory with its own
 helpers, as for the MLP). If ``transformers`` cannot be imported the phase is skipped with a
 note and the rest of the benchmark runs.
 """
@@ -36,7 +36,7 @@ import gc
 import optree
 import torch
 
-from . import common as C
+from .. import common as C
 
 # CUDA: a TinyLlama-shaped model (hidden 2048, 32 heads, 4 key-value heads, MLP 5632, vocab
 # 32000, untied) with 16 layers: 836M parameters (3.1 GiB fp32), M = 2 microbatches of 4 x 2048
@@ -329,7 +329,7 @@ def report_lines(hf: dict, cuda: bool) -> list[str]:
     )
     lines.append(
         "\n".join(f"- `{v}`: {LABEL[v]}." for v in VARIANTS)
-        + "\n- bench/gpu_hf.py has the exact loops.\n"
+        + "\n- bench/device/gpu_hf.py has the exact loops.\n"
     )
     med, enq = hf["median"], hf["median_enqueue"]
     mem, syncs = hf.get("memory", {}), hf.get("syncs", {})

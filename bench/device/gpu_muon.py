@@ -1,12 +1,12 @@
 """(B11, matrix optimizers) Muon at world size 1: ``fh.muon`` on the owner placement against
 ``torch.optim.Muon`` + ``torch.optim.AdamW``, and ``fh.adamw``'s step beside it.
 
-The part of ``python -m bench gpu`` (:mod:`bench.gpu`) that runs the matrix-optimizer path
-(README, "Matrix optimizers") on the device: B16's loop (``bench/muon.py``) on one rank. An MLP
-of L x (Linear(D, D) + Tanh) blocks (each block one unit), MSE loss / M per microbatch; the
-Linear weights take Muon (lr ``MUON_LR``, torch's other defaults, Newton-Schulz in bf16 as
-torch's), the biases AdamW (lr ``LR``, weight decay ``WEIGHT_DECAY``). The same initial weights
-and data in every variant:
+The part of ``python -m bench gpu`` (:mod:`bench.device.gpu`) that runs the matrix-optimizer path
+(README, "Matrix optimizers") on the device: B16's loop (``bench/optim/muon.py``) on one rank. An
+MLP of L x (Linear(D, D) + Tanh) blocks (each block one unit), MSE loss / M per microbatch; the
+Linear weights take Muon (lr ``MUON_LR``, torch's other defaults, Newton-Schulz in bf16 as torch's),
+the biases AdamW (lr ``LR``, weight decay ``WEIGHT_DECAY``). The same initial weights and data in
+every variant:
 
 - ``muon_torch``: the model alone, ``loss.backward()``, ``torch.optim.Muon`` (weights) +
   ``torch.optim.AdamW`` (biases), ``zero_grad(set_to_none=True)``: no library. The reference.
@@ -40,9 +40,9 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from . import common as C
+from .. import common as C
 
-# The model and data sizes are bench/gpu.py's MLP (CUDA: 8 x Linear(4096), fp32, 537 MB of
+# The model and data sizes are bench/device/gpu.py's MLP (CUDA: 8 x Linear(4096), fp32, 537 MB of
 # weights; Newton-Schulz of its 8 matrices is 5 x 3 bf16 products of 4096^3 each: 16.5 TFLOP
 # per step. CPU: 8 x Linear(1024)); this part times fewer steps of it (full size only).
 TIMING = {
@@ -62,7 +62,7 @@ BASELINE = "adamw_fh"  # the step the issue's ratio is taken against
 LR, MUON_LR, WEIGHT_DECAY = 1e-3, 0.02, 0.01
 CORRECT_STEPS = 3
 DATASETS = 3  # distinct steps' data, cycled
-# The same math in fp32 (Newton-Schulz in float32 on both sides; bench/gpu.py's tolerance):
+# The same math in fp32 (Newton-Schulz in float32 on both sides; bench/device/gpu.py's tolerance):
 # other summation orders only
 TOLERANCE = 1e-4
 RANKS = (4, 8)  # the arithmetic's world sizes
@@ -354,7 +354,7 @@ def report_lines(mu: dict, cuda: bool) -> list[str]:
         "",
         "### Muon: fh.muon on the owner placement against torch.optim.Muon, and fh.adamw",
         "",
-        f"`bench/gpu_muon.py`: {cfg['L']} x (Linear({cfg['D']}, {cfg['D']}) + Tanh) blocks "
+        f"`bench/device/gpu_muon.py`: {cfg['L']} x (Linear({cfg['D']}, {cfg['D']}) + Tanh) blocks "
         f"({mu['numel']:,} parameters, fp32), each block a unit; M = {cfg['M']} microbatches of "
         f"{cfg['B']} x {cfg['D']}, MSE loss / M; Muon (lr {MUON_LR}, torch's other defaults, "
         f"Newton-Schulz in bf16) on the Linear weights, AdamW (lr {LR}, weight decay "

@@ -33,7 +33,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from . import common as C
+from .. import common as C
 
 AXES = ("dp_outer", "dp_inner")
 INNER = -1  # a variant's ``every`` for the inner loop alone: replicas that never meet

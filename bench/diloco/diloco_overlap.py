@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {"n": 40_000, "steps": 4, "reps": 1, "warmup": 1, "probes": 2},

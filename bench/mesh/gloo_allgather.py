@@ -8,8 +8,8 @@ rounds through c10d ``all_gather_into_tensor(async_op=True)`` (what ``DistMesh.a
 issues on gloo in eager mode) have not crashed. Each round issues ``--inflight``
 all-gathers of a few hundred elements over all ranks and waits for them after the round::
 
-    python -m bench.gloo_allgather --impl funcol --runs 4   # crashes in some runs
-    python -m bench.gloo_allgather --impl c10d --runs 4     # clean
+    python -m bench.mesh.gloo_allgather --impl funcol --runs 4   # crashes in some runs
+    python -m bench.mesh.gloo_allgather --impl c10d --runs 4     # clean
 
 Each run starts 4 fresh gloo ranks; a run ends "ok" or with the error of the rank that died.
 """
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # the task by its module's name (run as ``-m``, this module is ``__main__``, which the
     # ranks do not have)
-    from bench.gloo_allgather import _rounds
+    from bench.mesh.gloo_allgather import _rounds
 
     crashed = 0
     for run in range(args.runs):

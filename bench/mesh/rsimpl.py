@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {"sizes": [100_000], "reps": 1, "warmup": 1, "groups": ["dp_inner"]},

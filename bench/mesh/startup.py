@@ -1,6 +1,6 @@
 """What it costs to get 4 gloo ranks to run a task (not a registered benchmark)::
 
-    python -m bench.startup
+    python -m bench.mesh.startup
 
 times each way, each part in a fresh process (so that the first start also starts the
 forkserver): the one-shot :func:`functional_hsdp.mesh.launch.run` (torch's ``elastic_launch``,
@@ -71,7 +71,7 @@ import torch
 from functional_hsdp.mesh import launch
 from functional_hsdp.tools.testing import GlooPool
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # What the forkserver imports: the launcher's default, as the test suite's (which adds only
 # pytest). Not this module, whose import would bring the library into the forkserver and
@@ -174,7 +174,7 @@ def main() -> int:
         f"load average {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs; torch {torch.__version__}"
     )
     for part in ("run", "pool"):  # each in a fresh process; tasks pickled by module name
-        code = f"from bench import startup; startup._measure({part!r})"
+        code = f"from bench.mesh import startup; startup._measure({part!r})"
         subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
     return 0
 

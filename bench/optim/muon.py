@@ -1,10 +1,10 @@
 """(B16) Matrix optimizers: ``fh.muon`` on the owner placement versus ``fh.adamw`` and the naive
 route, on an MLP and a Hugging Face Llama through ``fh.shard_module`` + ``fh.functional_call``.
 
-4 gloo processes, 2x2 mesh (dp_outer, dp_inner); B13's models, loop and data (``bench/module.py``),
-the MLP's blocks grouped into units of 4 (an owner layout puts whole matrices in a unit's
-buckets: a unit of one matrix would pad its bucket to 4 chunks, one of them used):
-gradients land in a ``MainGrad`` (``into=mg``, microbatches declared) under
+4 gloo processes, 2x2 mesh (dp_outer, dp_inner); B13's models, loop and data
+(``bench/units/module.py``), the MLP's blocks grouped into units of 4 (an owner layout puts whole
+matrices in a unit's buckets: a unit of one matrix would pad its bucket to 4 chunks, one of them
+used): gradients land in a ``MainGrad`` (``into=mg``, microbatches declared) under
 ``fh.grad_and_value``, M microbatches, the loss scaled by 1/M; then the optimizer, applied in
 place to the main weights (``torch._foreach_add_``). Variants:
 
@@ -43,9 +43,9 @@ import time
 import optree
 import torch
 
-from . import common as C
-from . import module as B13
-from .module import _data, _loss, _warm_modules
+from .. import common as C
+from ..units import module as B13
+from ..units.module import _data, _loss, _warm_modules
 
 # B13's sizes; the MLP tiny with 8 blocks (two units of 4), full with batch 256 (tokens per
 # step for Newton-Schulz to be amortized over, as in training); 5 timed repetitions
@@ -387,7 +387,7 @@ def _intro(res: dict) -> str:
         f"{cfg['mlp_b1024']['B']} (the same Newton-Schulz work per step, 4x the tokens). "
         f"M = {cfg['M']}; AdamW lr "
         f"{LR}, Muon lr {MUON_LR} (torch's other defaults, Newton-Schulz in bf16). Variants as "
-        "in `bench/muon.py`'s docstring. "
+        "in `bench/optim/muon.py`'s docstring. "
         + C.timing_note(cfg, f"all {len(MODELS) * len(VARIANTS)} variants")
         + " Newton-Schulz: seconds per step in `fh.newton_schulz` on each rank (median over "
         "the timed steps); *dense* is the naive route's (every rank orthogonalizes every "

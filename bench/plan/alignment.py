@@ -24,7 +24,7 @@ import torch
 import functional_hsdp as fh
 from functional_hsdp.plan.buckets import ALIGN, build_buckets
 
-from . import common as C
+from .. import common as C
 
 PROCESSES = 1
 MESH = {"dp_outer": 2, "dp_inner": 4}

@@ -21,7 +21,7 @@ the theoretical total of all ranks: what gloo actually sends.
 
 from __future__ import annotations
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {"n": 60_000, "M": 2, "cap": 0.05},
@@ -144,7 +144,7 @@ def report(res: dict, command: str, when: str) -> str:
         f"{cfg['M']} x `reduce_grads`. *Wire (comm_log)*: bytes one rank sends for the logged "
         "collectives with the bandwidth-optimal algorithm (reduce-scatter (n-1)/n·in, "
         "all-reduce 2(n-1)/n·in, all-gather (n-1)·in, in = the logged input, padding "
-        "included). *Theory*: the preset's minimum from the unpadded S (see `bench/wire.py`). "
+        "included). *Theory*: the preset's minimum from the unpadded S (see `bench/plan/wire.py`). "
         "*Loopback*: bytes that went through `lo` during the step, all 4 processes, versus 4 x "
         "the per-rank theory (gloo's own algorithms; includes TCP/IP headers).\n"
     )

@@ -15,7 +15,7 @@ gradient collective (README, "Reliability"). 4 gloo processes, 2x2 mesh, ``hsdp`
   a protocol that gathers every rank's row pays at least.
 - **scaling**: the per-call cost at 4, 8 and 16 gloo ranks (mesh 2 x n/2, ``hsdp``):
   ``reduce_grads(last=True)`` on a small tree, on and off, and the agreement alone
-  (:mod:`bench.agreement_scaling`). Each world size runs in fresh ranks started by a fresh
+  (:mod:`bench.runtime.agreement_scaling`). Each world size runs in fresh ranks started by a fresh
   Python process whose ``functional_hsdp`` is a checkout's (a link to its package in an
   empty folder, the process's working directory). With ``BENCH_BASELINE=<checkout>`` in the
   environment, the same job measures that checkout's library first (the baseline), then
@@ -33,8 +33,8 @@ from functools import partial
 
 import torch
 
+from .. import common as C
 from . import agreement_scaling as S
-from . import common as C
 
 SIZES = {
     "tiny": {
@@ -111,7 +111,7 @@ def _scaling_of(checkout: str, size: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="fh_agreement_") as tmp:
         links = {
             "functional_hsdp": os.path.join(os.path.abspath(checkout), "functional_hsdp"),
-            "fh_agreement_scaling.py": os.path.join(C.BENCH_DIR, "agreement_scaling.py"),
+            "fh_agreement_scaling.py": os.path.abspath(S.__file__),
         }
         for name, target in links.items():
             os.symlink(target, os.path.join(tmp, name))

@@ -1,9 +1,9 @@
 """(B10, scaling) The per-call cost of the agreement on n gloo ranks, of one library checkout.
 
-The ranks' task for ``bench/agreement.py``'s scaling part. It runs on the library that its
+The ranks' task for ``bench/runtime/agreement.py``'s scaling part. It runs on the library that its
 process imports, which may be an older checkout than the benchmarks' (the baseline), so it
 imports nothing of the ``bench`` package, whose ``__init__`` imports every benchmark, some
-of them needing the newest library: ``bench/agreement.py`` links this file into an empty
+of them needing the newest library: ``bench/runtime/agreement.py`` links this file into an empty
 directory as the top-level module ``fh_agreement_scaling``, beside a link to the checkout's
 ``functional_hsdp``, and runs :func:`main` there. ``bench/common.py`` (which imports only
 ``functional_hsdp.mesh.launch`` of the library) is loaded from its file.
@@ -26,7 +26,8 @@ TREE = {"leaves": 4, "numel": 256}
 
 
 def _load_common():
-    path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "common.py")
+    bench = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # bench/runtime/..
+    path = os.path.join(bench, "common.py")
     spec = importlib.util.spec_from_file_location("fh_bench_common", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,7 +1,7 @@
 """(B19) Compressed outer reductions: HSDP with ``outer_compress`` (bf16, fp8 e4m3, int8, int4;
 each with and without error feedback) versus the uncompressed fp32 outer all-reduce, on B18's
-language model and data (``bench/diloco.py``: a small transformers ``LlamaForCausalLM`` on the
-Python stdlib's ``.py`` files as byte tokens, the first 90 % for training, the last 10 % held
+language model and data (``bench/diloco/diloco.py``: a small transformers ``LlamaForCausalLM``
+on the Python stdlib's ``.py`` files as byte tokens, the first 90 % for training, the last 10 % held
 out) through ``fh.shard_module`` + ``fh.functional_call(into=MainGrad)``.
 
 4 gloo processes, 2x2 mesh (dp_outer, dp_inner). Units = the decoder layers, M microbatches
@@ -25,7 +25,7 @@ gradient shard, 2,491,520 elements), its codec time against the whole call and a
 plain fp32 all-reduce of the same bucket (fh.psum).
 
 DiLoCo (``fh.diloco(..., compress=)``: the pseudo-gradient compressed) on B18's language model
-and data (``bench/diloco.py``: a Llama on the stdlib's ``.py`` bytes, inner ``fh.adamw``,
+and data (``bench/diloco/diloco.py``: a Llama on the stdlib's ``.py`` bytes, inner ``fh.adamw``,
 outer ``fh.sgd(0.7, 0.9, nesterov)``, every H = 5 steps) through ``shard_module`` +
 ``functional_call(into=MainGrad)``, 2x2 gloo: uncompressed against int8, fp8 and int4 with
 error feedback, variants interleaved step by step on the same tokens. Reported: bytes each
@@ -43,8 +43,8 @@ import time
 import optree
 import torch
 
-from . import common as C
-from . import diloco as B18
+from .. import common as C
+from ..diloco import diloco as B18
 
 SIZES = {
     "tiny": {
@@ -481,9 +481,9 @@ def report(res: dict, command: str, when: str) -> str:
             command,
             when,
         ),
-        f"Model and data: B18's (`bench/diloco.py`): transformers `LlamaForCausalLM` (hidden "
-        f"{hc['hidden']}, {hc['layers']} layers, vocab 256, {res['numel']:,} parameters) on "
-        f"the Python stdlib's `.py` files as bytes (first 90 % train, last 10 % held out), "
+        "Model and data: B18's (`bench/diloco/diloco.py`): transformers `LlamaForCausalLM` "
+        f"(hidden {hc['hidden']}, {hc['layers']} layers, vocab 256, {res['numel']:,} parameters) "
+        f"on the Python stdlib's `.py` files as bytes (first 90 % train, last 10 % held out), "
         f"through `fh.shard_module` + `fh.functional_call(into=MainGrad)`, units = the decoder "
         f"layers, M={hc['M']} microbatches of {hc['batch']} x {hc['seq']} tokens per rank, "
         f"fh.adamw({hc['lr']:g}) (constant, the same for every variant), {hc['steps']} steps, "

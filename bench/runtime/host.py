@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {"leaves": [100, 300], "reps": 3},

@@ -36,7 +36,7 @@ from functools import partial
 
 import torch
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {

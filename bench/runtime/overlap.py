@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {"n": 40_000, "caps": [0.04, 0.01], "reps": 2, "warmup": 1},

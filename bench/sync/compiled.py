@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {
@@ -195,8 +195,8 @@ def report(res: dict, command: str, when: str) -> str:
         f"traced): eager {st['median']['eager']:.4f} s, compiled {st['median']['compiled']:.4f} "
         f"s, compiled / eager **{st['ratio']:.2f}**; compile time {st['compile_s']:.1f} s; "
         f"parameters after the step within a relative {st['max_rel_diff']:.1e} of eager's "
-        "(inductor's kernels round differently; `aot_eager` is bit-equal, tests/test_compile.py)."
-        "\n"
+        "(inductor's kernels round differently; `aot_eager` is bit-equal, "
+        "tests/sync/test_compile.py).\n"
     )
     return (
         f"{head}\n{desc}\n{t}\n\nCompiled / eager ranges from {min(ratios):.2f} to "

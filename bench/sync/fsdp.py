@@ -28,7 +28,7 @@ from functools import partial
 import optree
 import torch
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {"D": 32, "L": 8, "B": 4, "M": 2, "warmup": 1, "steps": 1},

@@ -28,7 +28,7 @@ from functools import partial
 
 import torch
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {"sizes": [20_000, 80_000], "reps": 2, "warmup": 1, "cap": 0.05},

@@ -31,7 +31,7 @@ import torch
 
 from functional_hsdp.sync.maingrad import DEPTH
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {"n": 300_000, "M": 2, "cap": 0.25},
@@ -143,7 +143,7 @@ def _sim_cmd(path: str, cfg: dict) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "bench.memory",
+        "bench.sync.memory",
         "--child",
         "sim",
         path,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {

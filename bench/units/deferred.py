@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from . import common as C
+from .. import common as C
 from . import layerwise
 
 SIZES = {

@@ -33,7 +33,7 @@ import gc
 import optree
 import torch
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {"D": 64, "L": 3, "B": 4, "chunk": 2, "warmup": 1, "reps": 1, "fresh": False},
@@ -303,7 +303,7 @@ def report(res: dict, command: str, when: str) -> str:
         f"{cfg['B']} examples per rank, MSE (the mean over examples, as Opacus), SGD lr {LR}; "
         f"clip norm {CLIP}, no noise (the "
         f"same cost in every variant); `per_example_grad_norms` with chunk_size "
-        f"{cfg['chunk']}. Variants as in `bench/dpsgd.py`'s docstring. "
+        f"{cfg['chunk']}. Variants as in `bench/units/dpsgd.py`'s docstring. "
         + C.timing_note(cfg, "the 4 variants")
         + " Memory: each variant in a fresh group of 4 ranks, glibc told to mmap allocations "
         ">= 64 KiB; *peak* = `VmHWM` of one step minus the idle RSS (read after the variant's "

@@ -52,7 +52,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {
@@ -540,7 +540,7 @@ def report(res: dict, command: str, when: str) -> str:
         "`grad` of the whole model + `reduce_grads` (the README quickstart); `ddp_nosync` = "
         "torch DDP with `no_sync()` on all but the last microbatch; `compute` = the same "
         "step as a plain `nn.Module` with no communication, run on every rank at once "
-        "(bench/layerwise.py has the exact loops).\n\n"
+        "(bench/units/layerwise.py has the exact loops).\n\n"
         "**Memory** (*peak above idle*): each variant in "
         + (
             "a fresh group of 4 ranks (one-shot launch)"

@@ -44,7 +44,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from . import common as C
+from .. import common as C
 
 SIZES = {
     "tiny": {
@@ -88,7 +88,7 @@ def _model(kind: str, cfg: dict) -> torch.nn.Module:
     """The initial model, the same on every rank (seeded)."""
     torch.manual_seed(0)
     c = cfg[kind]
-    if kind.startswith("mlp"):  # bench/muon.py's mlp_b1024 too
+    if kind.startswith("mlp"):  # bench/optim/muon.py's mlp_b1024 too
         return torch.nn.Sequential(
             *(
                 torch.nn.Sequential(torch.nn.Linear(c["D"], c["D"]), torch.nn.Tanh())
@@ -420,7 +420,7 @@ def report(res: dict, command: str, when: str) -> str:
         f"{ll['B']} x {ll['T']} tokens per microbatch, units = the decoder layers; `mlp` = "
         f"{mlp['L']} x (Linear({mlp['D']}, {mlp['D']}) + Tanh) ({res['numel']['mlp']:,} "
         f"parameters), batch {mlp['B']}, units = the blocks. M = {cfg['M']} microbatches, SGD "
-        f"lr {LR}. Variants as in `bench/module.py`'s docstring. "
+        f"lr {LR}. Variants as in `bench/units/module.py`'s docstring. "
         + C.timing_note(cfg, f"all {len(MODELS) * len(VARIANTS)} variants")
         + " Memory: each variant in a fresh group of 4 ranks, glibc told to mmap allocations "
         ">= 64 KiB (`MALLOC_MMAP_THRESHOLD_=65536` / `mallopt`); *peak* = `VmHWM` of one step "

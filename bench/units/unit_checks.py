@@ -4,7 +4,7 @@ microbatch's ``begin_microbatch(last=True)`` and at ``MainGrad.finish``) and "st
 one agreement before each unit collective, its all-gathers and its reduce-scatter, and each
 ``begin_microbatch``).
 
-B13's ``fh`` variant (``bench/module.py``: ``fh.functional_call(into=MainGrad)`` under
+B13's ``fh`` variant (``bench/units/module.py``: ``fh.functional_call(into=MainGrad)`` under
 ``fh.grad_and_value``, ``fh.microbatches(..., into=mg)``, ``mg.finish()``, SGD in place) for
 both of its models, built once per mode in one group of 4 gloo ranks (2x2 mesh), the steps of
 the three modes interleaved. Also timed alone, per step, with less noise: the default mode's
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from . import common as C
+from .. import common as C
 from . import module as B13
 
 SIZES = {

@@ -92,7 +92,7 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
         ``dcp.save``. Collective: every rank calls it (Flat trees all-gather one bucket at a
         time).
 
-    Example (every rank; tested in tests/test_checkpoint.py)::
+    Example (every rank; tested in tests/io/test_checkpoint.py)::
 
         import torch.distributed.checkpoint as dcp
         dcp.save({"params": fh.state_dict(params, spec),

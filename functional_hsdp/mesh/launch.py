@@ -15,7 +15,7 @@ In a worker, a task can call :func:`rank`, :func:`world_size` and :func:`device_
 Workers that stay up across tasks are :class:`functional_hsdp.tools.testing.GlooPool`'s, for the
 test suite and the benchmarks, which run many short tasks: a one-shot run costs about 0.9 s
 of start-up and teardown, a pool task about 3 ms after a 0.6 s start (``python -m
-bench.startup`` measures both). The pool shares this module's worker set-up, serialization
+bench.mesh.startup`` measures both). The pool shares this module's worker set-up, serialization
 and :class:`WorkerError`; this module does not import it.
 
 Workers come from the multiprocessing *forkserver*, a fresh interpreter that imports
@@ -30,12 +30,13 @@ Tasks
 (tensors travel by value, as ``torch.save`` bytes of a detached CPU clone; no shared memory),
 so ``fn`` must be a module-level function of a module the workers can import by the same
 name. Workers get the caller's ``sys.path`` as of their start. Under pytest's default
-``prepend`` import mode ``tests/`` is on it and ``tests/test_foo.py`` is the top-level module
-``test_foo``, so test modules and helper modules beside them can hold tasks (importing one in a
-worker runs its top level: keep that free of side effects; ``--import-mode=importlib`` is not
-supported). Lambdas, closures and nested functions cannot be tasks. Workers see the
-environment of the forkserver (the caller's when it started), run one thread each
-(``torch.set_num_threads(1)``) and share the caller's stdout and stderr.
+``prepend`` import mode ``tests/<layer>/`` and ``tests/`` are on it and
+``tests/<layer>/test_foo.py`` is the top-level module ``test_foo``, so test modules and the
+helper modules in ``tests/`` can hold tasks (importing one in a worker runs its top level: keep
+that free of side effects; ``--import-mode=importlib`` is not supported). Lambdas, closures
+and nested functions cannot be tasks. Workers see the environment of the forkserver (the
+caller's when it started), run one thread each (``torch.set_num_threads(1)``) and share the
+caller's stdout and stderr.
 """
 
 from __future__ import annotations

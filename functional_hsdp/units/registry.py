@@ -4,7 +4,7 @@ extend, the wait nodes ``prefetch`` made ahead, and the composable path's last u
 This is the package's one per-thread state (``_FORWARD``, a ``threading.local``). Backward
 never reads it: a backward may run on another thread (autograd's device threads), so
 everything a backward needs is on the call record and its chain. The static check in
-``tests/test_device_threads.py`` pins that no backward, jvp or vmap rule reaches a read of
+``tests/units/test_device_threads.py`` pins that no backward, jvp or vmap rule reaches a read of
 it; every read of ``_FORWARD`` is in this module.
 
 State and its release: per thread, the last chain (whose last unit keeps its gathered

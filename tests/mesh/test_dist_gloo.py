@@ -4,7 +4,7 @@ The reference parity test (as in Megatron-LM PR 5743): a small MLP trained 5 ste
 through torch.func matches a single-rank baseline; DistMesh gives SimMesh's outputs and logs;
 comm_log's counts agree with torch.profiler's c10d events; overlap on and off, by the order of
 issues and waits; no collective on a size-1 axis. (Bad input on every rank:
-tests/test_reliability_gloo.py.)
+tests/runtime/test_reliability_gloo.py.)
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def test_overlap_issues_every_bucket_before_waiting_and_overlap_off_waits_each(p
     """With overlap (the default) bucket b+1's reduce-scatter is issued before bucket b's is
     waited, and each bucket's dp_outer all-reduce while later buckets' reduce-scatters are in
     flight; DistMesh(overlap=False) waits for each collective as it issues it. Recorded by
-    wrapping the mesh's collectives and wait (tests/test_comm_counts.py: the same on a
+    wrapping the mesh's collectives and wait (tests/runtime/test_comm_counts.py: the same on a
     SimMesh)."""
     step_major = [
         f"{RS} #0", f"{RS} #1", f"{RS} #2",
@@ -349,7 +349,7 @@ def _events_on_rank(shape: tuple[int, int], strategy: str):
 
 @pytest.mark.parametrize("shape", [(1, 4), (4, 1)], ids=["outer-1", "inner-1"])
 def test_no_collective_on_a_size_1_axis(pool, shape):
-    """A size-1 axis of a DistMesh moves nothing (tests/test_comm_counts.py: SimMesh)."""
+    """A size-1 axis of a DistMesh moves nothing (tests/runtime/test_comm_counts.py: SimMesh)."""
     wide = AXES[shape.index(4)]
     for strategy in STRATEGIES:
         assert pool.run(_events_on_rank, shape, strategy) == [[wide]] * WORLD, strategy

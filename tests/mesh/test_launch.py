@@ -2,7 +2,8 @@
 ``functional_hsdp.tools.testing.GlooPool``.
 
 Task functions are module-level (``_task_*``) so the workers can import them from this module
-(pytest imports it as ``test_launch``; tests/ is on sys.path and is not a package).
+(pytest imports it as ``test_launch``: tests/mesh/ is on sys.path, and neither it nor tests/ is
+a package).
 """
 
 from __future__ import annotations

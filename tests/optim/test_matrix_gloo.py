@@ -17,7 +17,9 @@ import torch.distributed.checkpoint as dcp
 from reference import (
     AXES,
     MUON_SHAPES,
+    NCCL_STYLE,
     accumulate,
+    carried_as,
     dense_reduce,
     dist_mesh,
     fh_muon_adamw,
@@ -28,7 +30,6 @@ from reference import (
     torch_muon_adamw,
     torch_muon_in,
 )
-from test_field_gloo import NCCL_STYLE, carried_as
 from test_matrix import _llama_layer
 
 import functional_hsdp as fh

@@ -1,7 +1,8 @@
 """Smoke test of the benchmark suite (bench/): every benchmark at its tiny size, in seconds.
 
 The full benchmark (``python -m bench all``) is not part of the test suite; this keeps its
-code working. One pool of 4 gloo processes is shared by all benchmarks here.
+code working. One pool of 4 gloo processes is shared by all benchmarks here. (The hostile
+matrix, a correctness matrix rather than a benchmark, is tests/units/test_hostile.py's.)
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from pathlib import Path
 
 import pytest
 
-from bench import BENCHMARKS, common, gpu_hf
+from bench import BENCHMARKS, LAYERS, common
 from bench.__main__ import run_one
+from bench.device import gpu_hf
 
 # module, layerwise and memory last: they switch the shared workers' malloc to mmap-everything
 ORDER = [
@@ -31,7 +34,6 @@ ORDER = [
     "fsdp",
     "deferred",
     "unit_checks",
-    "hostile",
     "diloco",
     "diloco_overlap",
     "compress",
@@ -61,6 +63,23 @@ def results(tmp_path_factory):
 
 def test_every_benchmark_is_in_the_smoke_test():
     assert sorted(ORDER) == sorted(BENCHMARKS)
+
+
+def test_every_benchmark_is_in_the_folder_of_its_layer():
+    """``bench/<layer>/<name>.py``: a layer of the package's table, or ``device`` (the one-GPU
+    check); the other files in those folders are the scripts bench/README.md describes (not
+    registered benchmarks) and the parts of ``gpu``."""
+    from functional_hsdp.layers import LAYERS as PACKAGE_LAYERS
+
+    for name, mod in BENCHMARKS.items():
+        assert mod.__name__ == f"bench.{LAYERS[name]}.{name}", (name, mod.__name__)
+        assert LAYERS[name] in (*PACKAGE_LAYERS, "device"), name
+    bench = Path(common.BENCH_DIR)
+    files = {p.relative_to(bench).as_posix() for p in bench.glob("*/*.py")}
+    scripts = {"mesh/gloo_allgather.py", "mesh/startup.py", "runtime/agreement_scaling.py"}
+    helpers = {"device/gpu_hf.py", "device/gpu_muon.py"}
+    inits = {f"{layer}/__init__.py" for layer in set(LAYERS.values())}
+    assert files == {f"{LAYERS[n]}/{n}.py" for n in BENCHMARKS} | scripts | helpers | inits
 
 
 @pytest.mark.parametrize("name", ORDER)
@@ -139,12 +158,6 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
     if name == "muon":  # Muon on the owners is the naive route's math; adamw trains too
         assert all(x < 1e-3 for x in res["agree"].values()), res["losses"]
         assert all(x == x for x in res["median"].values()) and "(B16)" in md
-    if name == "hostile":  # each tiny case's outcome is the contract's, with no leak
-        assert res["cases"], res
-        for case, entry in res["cases"].items():
-            for key, run in entry["runs"].items():
-                assert run["expected"] and not run["leak"], (case, key, run)
-                assert run["checked_leak"], (case, key, run)
     if name in ("limit", "overhead", "rsimpl"):
         assert "nan" not in md and not any(
             isinstance(v, float) and math.isnan(v) for v in res.get("median", {}).values()
@@ -179,7 +192,7 @@ def test_diloco_memory_pairs_the_frees_the_profiler_misses():
     reported, or that is still live at the end of the profile (a free the profiler missed),
     counts as freed at the end of its step, not to the end of the profile; the step that
     made it is flagged; a free of an allocation made before the profile is dropped."""
-    from bench import diloco
+    from bench.diloco import diloco
 
     steps = [(10, 20), (30, 40)]
     events = [

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import functional_hsdp as fh
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"  # parents[2]: the repository root
 
 
 def _groups():

@@ -32,7 +32,7 @@ from torch.func import grad
 import functional_hsdp as fh
 from functional_hsdp.mesh import launch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/project/ -> the repository root
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 GENERATED = ("_build", "api", "notebooks")  # docs/conf.py writes these at build time
@@ -239,7 +239,7 @@ def _check_checkpoint(ns: dict, printed: str) -> dict:
 
 def _check_compile(ns: dict, printed: str) -> dict:
     """The block makes ``step`` with torch.compile. (Calling it here would compile in 4 fresh
-    processes, 15-25 s measured on 2 cores; tests/test_compile.py checks such a compiled
+    processes, 15-25 s measured on 2 cores; tests/sync/test_compile.py checks such a compiled
     reduce_grads on gloo, inductor included, against eager bit for bit.)"""
     _, losses = _quickstart_reference(ns)
     compiled = getattr(ns["step"], "_torchdynamo_orig_callable", None) is not None

@@ -10,7 +10,7 @@ from pathlib import Path
 import functional_hsdp as fh
 from functional_hsdp.base import torch_releases
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/project/ -> the repository root
 LANE = ROOT / ".ci" / "torch-lane"
 
 

@@ -152,7 +152,7 @@ def test_shard_is_communication_free_and_gather_undoes_splits_in_reverse_order()
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_no_collective_on_a_size_1_axis(strategy, shape):
     """A size-1 axis moves nothing: no public call issues a collective over it (the other
-    axis still communicates). DistMesh on gloo: tests/test_dist_gloo.py."""
+    axis still communicates). DistMesh on gloo: tests/mesh/test_dist_gloo.py."""
     mesh = fh.SimMesh(dict(zip(AXES, shape)))
     with fh.comm_log() as log:
         every_call(preset(strategy, mesh, bucket_cap_mb=CAP_40))
@@ -188,7 +188,8 @@ TWO_DEEP_OUTER = [f"{AR} #3", f"{AR} #4", "wait #3", f"{AR} #5", "wait #4", "wai
 def test_every_bucket_is_issued_before_any_is_waited():
     """Overlap (README "Overlap"): reduce_grads issues bucket b+1's collective before it waits
     for bucket b's, and MainGrad.accumulate runs two buckets deep. Recorded by wrapping the
-    mesh's collectives and wait (the mesh protocol); DistMesh on gloo: tests/test_dist_gloo.py."""
+    mesh's collectives and wait (the mesh protocol); DistMesh on gloo:
+    tests/mesh/test_dist_gloo.py."""
     mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
     spec = fh.hsdp(mesh, "dp_outer", "dp_inner", bucket_cap_mb=CAP_40)
     g = {k: torch.randn(2, 2, 40) for k in "abc"}  # a bucket each

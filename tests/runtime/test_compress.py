@@ -2,7 +2,7 @@
 on a SimMesh: the codec's round-trip bounds, NaN/Inf and all-zero blocks, error feedback's
 conservation and its worth, the bytes on the wire, and every path (whole tree, MainGrad, units
 with and without ``into=``) against the uncompressed one within the quantization bound. The same
-on 4 gloo ranks, and shard_module/functional_call: tests/test_compress_gloo.py."""
+on 4 gloo ranks, and shard_module/functional_call: tests/runtime/test_compress_gloo.py."""
 
 from __future__ import annotations
 

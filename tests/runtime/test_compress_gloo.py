@@ -1,5 +1,5 @@
 """Compressed outer reductions on 4 gloo ranks (2x2 mesh): the same results, bit for bit, and
-the same comm_log events as a SimMesh (tests/test_compress.py pins the rest there); and
+the same comm_log events as a SimMesh (tests/runtime/test_compress.py pins the rest there); and
 shard_module/functional_call with ``into=`` a MainGrad under ``outer_compress``. One process
 group for the module."""
 

@@ -10,7 +10,7 @@ import torch
 import functional_hsdp as fh
 
 # ``mesh`` (a 2x2 SimMesh) and ``spec`` (hsdp on it) are conftest.py's fixtures. The refusal of
-# sparse and meta leaves, and of an acc of the wrong dtype, is in tests/test_reliability.py.
+# sparse and meta leaves, and of an acc of the wrong dtype, is in tests/runtime/test_reliability.py.
 
 
 def grads(**extra):

@@ -5,7 +5,6 @@ divide where a backend lacks it."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 
@@ -13,30 +12,23 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
-from reference import AXES, STRATEGIES, accumulate, dist_mesh, preset, random_tree
+from reference import (
+    AXES,
+    NCCL_STYLE,
+    STRATEGIES,
+    accumulate,
+    carried_as,
+    dist_mesh,
+    preset,
+    random_tree,
+)
 
 import functional_hsdp as fh
-from functional_hsdp.mesh import dist as dist_module
 from functional_hsdp.mesh.dist import Carriage
 from functional_hsdp.units import registry as units_module
 
 WORLD = 4
 
-
-@contextlib.contextmanager
-def carried_as(carriage: Carriage):
-    """In a worker: gloo groups carried as another backend would be (a test seam on the
-    library's own table, not a mock of torch.distributed)."""
-    saved = dict(dist_module.BACKENDS)
-    dist_module.BACKENDS["gloo"] = carriage
-    try:
-        yield
-    finally:
-        dist_module.BACKENDS.clear()
-        dist_module.BACKENDS.update(saved)
-
-
-NCCL_STYLE = dist_module.BACKENDS["nccl"]  # functional collectives, native AVG
 NO_AVG = Carriage(native_avg=False, in_place=False, c10d_gather=False)
 
 

@@ -1,7 +1,7 @@
 """Reliability in one process: the bad-input matrix, check_finite, the fingerprint protocol.
 
-The bad-input matrix, and where each case is tested (E: tests/test_errors.py, R: here,
-G: tests/test_reliability_gloo.py on 4 gloo ranks, D: tests/test_dist_gloo.py):
+The bad-input matrix, and where each case is tested (E: tests/runtime/test_errors.py, R: here,
+G: tests/runtime/test_reliability_gloo.py on 4 gloo ranks, D: tests/mesh/test_dist_gloo.py):
 
 ====================================================  =========================  ==========
 case                                                  outcome                    tests

@@ -16,8 +16,8 @@ also run on real ``"cuda"`` tensors (values included).
 
 What this cannot cover: the cross-rank agreement on a SimMesh (its rows are compared in
 process, so it runs with ``validation("off")`` here; on a DistMesh its rows are CPU data by
-construction, tested in ``test_field_gloo.py``), collectives on a real device (a one-rank
-DistMesh issues none), streams, and the speed of anything (``python -m bench gpu``).
+construction, tested in ``tests/runtime/test_field_gloo.py``), collectives on a real device (a
+one-rank DistMesh issues none), streams, and the speed of anything (``python -m bench gpu``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Every preset on SimMesh against the dense reference: mean over ranks of sum over microbatches.
 
-(Empty trees, zero-size and scalar leaves: tests/test_reliability.py.)
+(Empty trees, zero-size and scalar leaves: tests/runtime/test_reliability.py.)
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import functional_hsdp as fh
 from functional_hsdp.__main__ import build_parser, main
 from functional_hsdp.tools import demo
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROW = re.compile(r"^\s+(\w+)\s+(dp_\w+)\s+(\w+)\s+(\d+)\s+(\d+)\s+\w", re.M)
 SHARDED = {"ddp": (), "fsdp": demo.AXES, "hsdp": ("dp_inner",), "hfsdp": ("dp_inner",)}
 DEFERRED = {"ddp": demo.AXES, "fsdp": (), "hsdp": ("dp_outer",), "hfsdp": ("dp_outer",)}

@@ -40,8 +40,11 @@ gloo group (the rendezvous store is this process's) and answer through a pipe. A
 answered stays alive until the case ends (so that a peer still in a collective is not let off
 by a closed connection), and the outer limit ends it. ``functional_hsdp.mesh.launch.run`` is not
 used: its agent stops every rank as soon as one raises or dies, which would hide what the
-others do. (The smoke test's tiny size runs its one gloo case, which every rank answers, on
-the test's pool of ranks instead.)
+others do. (The tiny size, which the default test suite runs, runs its one gloo case, which
+every rank answers, on the test module's pool of ranks instead.)
+
+A test helper, imported by name (``hostile``: its gloo ranks import it so); its tests, the tiny
+size by default and the whole matrix as an opt-in long run, are tests/units/test_hostile.py's.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from typing import Any
 import optree
 import torch
 
-from . import common as C
+from bench import common as C
 
 # the mesh's timeout: every wait of the library is bounded by it
 MESH_TIMEOUT = 6.0
@@ -80,7 +83,7 @@ ODD = 1  # the rank that differs in the cases where ranks disagree
 OUTCOMES = ("ok", "clear error", "CollectiveError", "silent wrong", "hang", "crash", "other")
 
 SIZES = {
-    # the smoke test's: valid cases on a SimMesh (one an issue-36 sequence, checked against
+    # the default test suite's: valid cases on a SimMesh (one an issue-36 sequence, checked against
     # its clean step), ranks that disagree on gloo (seconds)
     "tiny": {
         "cases": [
@@ -953,7 +956,8 @@ def _(ctx):
 # ---- calls with other options on one model (issue 36): each sequence equals the same ---------
 # ---- steps and probes made clean (fresh shards, a fresh MainGrad, nothing run before) ---------
 
-# the sequences of functional_hsdp/tools/testing/into_problem.py (shared with tests/test_into*.py)
+# the sequences of functional_hsdp/tools/testing/into_problem.py (shared with
+# tests/units/test_into*.py)
 INTO_SEQUENCES = {
     "probe_before_first_step": "a gradient without into= (a probe), then a step into mg",
     "probe_between_steps": "a step, zero_grad, a probe without into=, a step",
@@ -1459,7 +1463,7 @@ def _gloo(c: Case, mode: str) -> dict:
     logs = tempfile.mkdtemp(prefix="fh_hostile_")
     C._note_worker_library()
     try:
-        with launch.starting_workers((*C.PRELOAD, "bench.hostile")):
+        with launch.starting_workers((*C.PRELOAD, "hostile")):
             for r in range(WORLD):
                 here, there = mp.Pipe()
                 p = mp.Process(
@@ -1620,7 +1624,7 @@ def violations(mode: str, res: dict) -> list[str]:
     return bad
 
 
-# -- the benchmark's interface ------------------------------------------------------------------
+# -- the matrix's interface (tests/units/test_hostile.py) ---------------------------------------
 
 
 def select(patterns: list[str] | None) -> list[Case]:
@@ -1633,7 +1637,7 @@ def select(patterns: list[str] | None) -> list[Case]:
 
 
 def _pool_task(name: str, mode: str) -> dict:
-    """A pool rank of one case (the smoke test's tiny cases, which every rank answers): run
+    """A pool rank of one case (the tiny size's cases, which every rank answers): run
     it, and again for the leak check where this rank's outcome leaves the ranks in step."""
     import functional_hsdp as fh
     from functional_hsdp.mesh import launch
@@ -1649,7 +1653,7 @@ def _pool_task(name: str, mode: str) -> dict:
 
 
 def _pooled(c: Case, mode: str, pool) -> dict:
-    """The case on ``pool``'s ranks (not fresh ones: for the smoke test's tiny size)."""
+    """The case on ``pool``'s ranks (not fresh ones: for the tiny size)."""
     per_rank = pool.run(_pool_task, c.name, mode, timeout=DEADLINE)
     return {
         "replies": {r: x["first"] for r, x in enumerate(per_rank)},
@@ -1661,7 +1665,7 @@ def _pooled(c: Case, mode: str, pool) -> dict:
 
 def run(size: str = "full", pool=None, cases: list[str] | None = None) -> dict:
     """Every selected case, on a SimMesh (where it applies) and on 4 fresh gloo ranks, in
-    each mode. ``pool`` (the smoke test's) is used at the tiny size only, whose cases every
+    each mode. ``pool`` (the test module's) is used at the tiny size only, whose cases every
     rank answers: a fresh set of ranks per case would cost seconds each."""
     chosen = select(cases if cases else SIZES[size]["cases"])
     pooled = pool is not None and size == "tiny" and not cases
@@ -1739,8 +1743,8 @@ def report(res: dict, command: str, when: str) -> str:
         "default validation mode (`on`) and under `fh.validation('strict')`. A case that ends "
         "with every rank answering and no `CollectiveError` runs twice more, and the live "
         "tensors (`gc.get_objects()`) and the models `shard_module` remembers must not grow. "
-        "Outcomes: see `bench/hostile.py`'s docstring. Cases: `python -m bench hostile "
-        "--cases 'units/diverge/*'` runs some (globs).",
+        "Outcomes: see `tests/units/hostile.py`'s docstring. Cases: `FH_HOSTILE='units/diverge/*' "
+        "python -m pytest -s tests/units/test_hostile.py` runs some (globs).",
         "",
         "### Counts per mesh and mode",
         "",

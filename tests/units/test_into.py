@@ -1,10 +1,10 @@
 """Each call's ``into=`` (and ``recompute=``, ``reshard_after_forward=``) on a SimMesh: blocks
 made with different ``into=`` alternate freely on one model, and every sequence of issue 36
 gives what the same step, or the same probe without ``into=``, gives made clean
-(functional_hsdp/tools/testing/into_problem.py, which bench/hostile.py runs too): a probe before the
-first step or between two steps, a new MainGrad, two MainGrads in one step, an eval forward
-between steps, options that change every call.
-The module path (``fh.functional_call``) is tested on gloo ranks (tests/test_into_gloo.py)."""
+(functional_hsdp/tools/testing/into_problem.py, which tests/units/hostile.py runs too): a probe
+before the first step or between two steps, a new MainGrad, two MainGrads in one step, an eval
+forward between steps, options that change every call.
+The module path (``fh.functional_call``) is tested on gloo ranks (tests/units/test_into_gloo.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ hsdp): through ``fh.functional_call`` on an ``nn.Module`` (an ``nn.Embedding`` r
 tied to it or not, or every parameter in a unit) and through ``fh.gathered`` blocks made
 with different ``into=``, every sequence of issue 36 gives what the same step, or the same
 probe without ``into=``, gives made clean (functional_hsdp/tools/testing/into_problem.py, which
-bench/hostile.py runs too), on every rank."""
+tests/units/hostile.py runs too), on every rank."""
 
 from __future__ import annotations
 

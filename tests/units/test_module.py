@@ -1,6 +1,6 @@
 """fh.shard_module / fh.functional_call: what is refused before anything is sharded (no
 process group needed). Training through them is tested on gloo ranks
-(tests/test_module_gloo.py)."""
+(tests/units/test_module_gloo.py)."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def test_every_transform_matches_dense_torch_func_on_gloo(pool, strategy):
 
 def _module_per_sample_task() -> tuple[float, list]:
     """Per-sample gradients through fh.functional_call of a nested module with tied weights
-    (tests/test_module_gloo.py's), against dense autograd on every rank's sample."""
+    (tests/units/test_module_gloo.py's), against dense autograd on every rank's sample."""
     import test_module_gloo as problem
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -2,7 +2,7 @@
 unit calls (default mode) and the agreement before each unit collective (strict mode) never
 change a healthy result, are taken at the step's checks, and strict mode is read in forward
 and carried into backward (which may run on another thread). The ranks that differ are in
-tests/test_unit_divergence_gloo.py (a SimMesh runs every rank's calls alike)."""
+tests/units/test_unit_divergence_gloo.py (a SimMesh runs every rank's calls alike)."""
 
 from __future__ import annotations
 

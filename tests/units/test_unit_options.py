@@ -157,7 +157,7 @@ def test_bf16_policy_gathers_in_bf16_reduces_in_fp32_and_keeps_fp32_masters(mode
     error = max_rel_error(got, ref, mesh.batch_shape)
     assert max_rel_error(fp32_run, ref, mesh.batch_shape) <= 1e-5
     # bf16 compute changed the result, within bf16's precision. (Exact parity with a bf16
-    # reference is shown on gloo against FSDP2's same policy, tests/test_module_gloo.py: on
+    # reference is shown on gloo against FSDP2's same policy, tests/units/test_module_gloo.py: on
     # a SimMesh the per-rank ops run under vmap, whose bf16 kernels round differently from
     # a plain dense run's, by 1-2 % on these gradients.)
     assert 1e-5 < error <= 5e-2

@@ -4,10 +4,10 @@
 :func:`torch_muon_in` runs ``torch.optim.Muon`` with its Newton-Schulz in float32
 (:mod:`functional_hsdp.tools.testing.muon_reference`);
 :mod:`functional_hsdp.tools.testing.into_problem`
-runs issue 36's sequences of calls with other ``into=`` on one model (tests/test_into*.py and
-bench/hostile.py's ``*/into/*`` cases).
+runs issue 36's sequences of calls with other ``into=`` on one model (tests/units/test_into*.py and
+tests/units/hostile.py's ``*/into/*`` cases).
 It lives in the package, not in ``tests/``, because ``bench/`` uses it too and its worker
-processes import it by module name; ``tests/test_runtime_imports.py`` checks that no other
+processes import it by module name; ``tests/project/test_runtime_imports.py`` checks that no other
 module of the package imports this subpackage, so the library runs without it.
 """
 

@@ -3,7 +3,7 @@
 :class:`GlooPool` starts ``world_size`` workers that join one gloo process group and then wait
 for tasks, so that every ``pool.run(fn, ...)`` after the first costs a round trip (about 3 ms)
 instead of a start (about 0.9 s with :func:`functional_hsdp.mesh.launch.run`; ``python -m
-bench.startup`` measures both). The test modules that run on gloo ranks keep one pool each
+bench.mesh.startup`` measures both). The test modules that run on gloo ranks keep one pool each
 (``tests/conftest.py``'s ``pool`` fixture, or their own); the benchmarks' smoke test keeps one
 for all benchmarks, and a benchmark whose variants share a group makes one for its run
 (``bench/common.py``).

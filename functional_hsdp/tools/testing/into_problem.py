@@ -1,6 +1,6 @@
 """Calls with other ``into=`` / ``recompute=`` / ``reshard_after_forward=`` alternating on one
-model, shared by the SimMesh tests (tests/test_into.py) and the gloo tests
-(tests/test_into_gloo.py), and by ``bench/hostile.py``.
+model, shared by the SimMesh tests (tests/units/test_into.py) and the gloo tests
+(tests/units/test_into_gloo.py), and by ``tests/units/hostile.py``.
 
 Two ways to run the same small language model (an embedding, ``L`` tanh layers, a head tied
 to the embedding or not):
@@ -278,7 +278,7 @@ class _Checks:
 
     def __init__(self, make: Callable[[], Model], mesh, *, grad: str, recompute: bool):
         # nothing runs here (a constructor that trains would be reachable, for the static
-        # checks of tests/test_device_threads.py, from every super().__init__)
+        # checks of tests/units/test_device_threads.py, from every super().__init__)
         self.make, self.mesh, self.grad = make, mesh, grad
         self.opts = {"recompute": recompute, "reshard": True}
         self.out: dict[str, float] = {}
