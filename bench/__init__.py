@@ -1,58 +1,39 @@
 """Benchmarks of functional_hsdp: ``python -m bench all`` (see bench/README.md).
 
-Each module has ``SIZES`` (``tiny`` for the smoke test, ``full`` for the figures),
+Each benchmark is ``bench/<layer>/<name>.py``, in the folder of the package's layer whose work
+it measures (``bench/device/``: the one-GPU check, every path at world size 1); ``LAYERS``
+names each one's folder, and ``python -m bench <name>`` runs it by its name alone. Each module
+has ``SIZES`` (``tiny`` for the smoke test, ``full`` for the figures),
 ``run(size, pool=None) -> dict`` and ``report(result, command, date) -> str`` (a markdown
 section for ``bench/RESULTS.md``).
 """
 
-from . import (
-    agreement,
-    alignment,
-    compiled,
-    compress,
-    deferred,
-    diloco,
-    diloco_overlap,
-    dpsgd,
-    fsdp,
-    gpu,
-    host,
-    hostile,
-    layerwise,
-    limit,
-    memory,
-    module,
-    muon,
-    overhead,
-    overlap,
-    rsimpl,
-    scaling,
-    unit_checks,
-    wire,
-)
+from importlib import import_module
 
-BENCHMARKS = {
-    "fsdp": fsdp,
-    "limit": limit,
-    "overlap": overlap,
-    "overhead": overhead,
-    "host": host,
-    "wire": wire,
-    "scaling": scaling,
-    "rsimpl": rsimpl,
-    "memory": memory,
-    "compiled": compiled,
-    "layerwise": layerwise,
-    "module": module,
-    "agreement": agreement,
-    "gpu": gpu,
-    "deferred": deferred,
-    "dpsgd": dpsgd,
-    "alignment": alignment,
-    "unit_checks": unit_checks,
-    "muon": muon,
-    "hostile": hostile,
-    "diloco": diloco,
-    "diloco_overlap": diloco_overlap,
-    "compress": compress,
+# name -> its folder, in the order ``python -m bench all`` runs them
+LAYERS = {
+    "fsdp": "sync",
+    "limit": "sync",
+    "overlap": "runtime",
+    "overhead": "runtime",
+    "host": "runtime",
+    "wire": "plan",
+    "scaling": "sync",
+    "rsimpl": "mesh",
+    "memory": "sync",
+    "compiled": "sync",
+    "layerwise": "units",
+    "module": "units",
+    "agreement": "runtime",
+    "gpu": "device",
+    "deferred": "units",
+    "dpsgd": "units",
+    "alignment": "plan",
+    "unit_checks": "units",
+    "muon": "optim",
+    "diloco": "diloco",
+    "diloco_overlap": "diloco",
+    "compress": "runtime",
 }
+
+BENCHMARKS = {name: import_module(f"{__name__}.{layer}.{name}") for name, layer in LAYERS.items()}

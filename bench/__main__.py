@@ -1,8 +1,5 @@
 """``python -m bench <name> [<name> ...] [--size tiny|full]``; ``python -m bench all``.
 
-``python -m bench hostile --cases 'units/diverge/*'`` runs some of the hostile matrix's cases
-(globs; a selection is printed, not written into ``bench/RESULTS.md`` unless ``--results``).
-
 Runs the benchmarks, prints each section and writes it into ``bench/RESULTS.md`` (replacing
 that section only; everything else in the file is kept), with the raw figures in
 ``bench/raw/<name>.json``.
@@ -35,7 +32,6 @@ def run_one(
     raw_dir: str | None,
     pool=None,
     png: str | None = None,
-    cases: list[str] | None = None,
 ) -> tuple[dict, str]:
     """Run benchmark ``name``; returns (raw result, markdown section)."""
     mod = BENCHMARKS[name]
@@ -44,8 +40,6 @@ def run_one(
     t0 = time.perf_counter()
     if name == "scaling":
         res = mod.run(size, pool=pool, png=png if png is not None else mod.PNG)
-    elif name == "hostile":
-        res = mod.run(size, pool=pool, cases=cases)
     else:
         res = mod.run(size, pool=pool)
     wall = time.perf_counter() - t0
@@ -98,23 +92,17 @@ def main(argv: list[str] | None = None) -> int:
         help="markdown file to update (default: bench/RESULTS.md for --size full, none for tiny)",
     )
     ap.add_argument("--no-write", action="store_true", help="print only")
-    ap.add_argument(
-        "--cases",
-        default=None,
-        help="hostile: comma-separated case names or globs (default: every case)",
-    )
     a = ap.parse_args(argv)
-    cases = a.cases.split(",") if a.cases else None
     names = list(BENCHMARKS) if "all" in a.names else a.names
     command = "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    default = common.RESULTS if a.size == "full" and cases is None else None
+    default = common.RESULTS if a.size == "full" else None
     results = None if a.no_write else (a.results or default)
     raw_dir = os.path.join(common.BENCH_DIR, "raw") if results == common.RESULTS else None
     png = None if results == common.RESULTS or a.size == "full" else ""
     t0 = time.perf_counter()
     for name in names:
         print(f"== {name} ({a.size})", flush=True)
-        _, md = run_one(name, a.size, command, results, raw_dir, png=png, cases=cases)
+        _, md = run_one(name, a.size, command, results, raw_dir, png=png)
         print(md, flush=True)
     print(f"== done in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0

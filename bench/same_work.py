@@ -65,23 +65,29 @@ LIBRARY = {
 COMPRESS_STEPS = 2  # B19's HSDP variants: the second step has the error feedback's residual
 
 
+def _bench(name: str):
+    """Benchmark ``name``'s module in this side's checkout, wherever its ``bench`` keeps it
+    (``bench/<layer>/<name>.py``; ``bench/<name>.py`` in a checkout from before the layers):
+    its ``BENCHMARKS``."""
+    import bench
+
+    return bench.BENCHMARKS[name]
+
+
 def library(name: str, cfg: dict) -> tuple[str, ...]:
     """The library variants of benchmark ``name`` at its config ``cfg`` (every variant of
     B18 and B19 is the library's; B19's DiLoCo ones are ``diloco/<variant>``)."""
     if name == "diloco":
         return tuple(v[0] for v in cfg["variants"])
     if name == "compress":
-        from bench import compress as B19
-
+        B19 = _bench("compress")
         return (*B19.VARIANTS, *(f"diloco/{v}" for v in B19.DILOCO))
     return LIBRARY[name]
 
 
 def _runner(name: str, variant: str, cfg: dict, dm: Any):
     """``(runner, data(step))`` of one library variant of benchmark ``name``."""
-    import importlib
-
-    mod = importlib.import_module(f"bench.{name}")
+    mod = _bench(name)
     if name == "layerwise":
         base = mod._base(cfg)
         return mod._build(variant, cfg, base, dm), lambda k: mod._data(cfg, k)
@@ -136,9 +142,7 @@ def _trace_task(name: str, cfg: dict) -> dict:
 
 def _split(mb: float) -> tuple:
     """B18's text: (training bytes, held-out bytes), as its benchmarks split it."""
-    from bench import diloco as B18
-
-    text = B18._text(mb)
+    text = _bench("diloco")._text(mb)
     split = int(0.9 * len(text))
     return text[:split], text[split:]
 
@@ -151,8 +155,8 @@ def _trace_diloco(cfg: dict) -> dict:
 
     import functional_hsdp as fh
     from bench import common as C
-    from bench import diloco as B18
 
+    B18 = _bench("diloco")
     train, held = _split(cfg["data_mb"])
     eval_gen = torch.Generator().manual_seed(7)
     evals = [B18._batch(held, eval_gen, cfg) for _ in range(cfg["eval_batches"])]
@@ -182,9 +186,8 @@ def _trace_compress(cfg: dict) -> dict:
 
     import functional_hsdp as fh
     from bench import common as C
-    from bench import compress as B19
-    from bench import diloco as B18
 
+    B18, B19 = _bench("diloco"), _bench("compress")
     dm = C.device_mesh((2, 2))
     out = _trace_compress_hsdp(cfg["hsdp"], dm)
     dc = cfg["diloco"]
@@ -212,9 +215,8 @@ def _trace_compress_hsdp(hc: dict, dm) -> dict:
 
     import functional_hsdp as fh
     from bench import common as C
-    from bench import compress as B19
-    from bench import diloco as B18
 
+    B18, B19 = _bench("diloco"), _bench("compress")
     train, held = _split(hc["data_mb"])
     eval_gen = torch.Generator().manual_seed(7 + C.rank())
     evals = [B18._batch(held, eval_gen, hc) for _ in range(hc["eval_batches"])]
@@ -236,14 +238,12 @@ def _trace_compress_hsdp(hc: dict, dm) -> dict:
 def side(names: list[str], size: str, out: str, trace_only: bool = False) -> None:
     """In a checkout: the traces, then (unless ``trace_only``) each benchmark's own run;
     written to ``out``."""
-    import importlib
-
     import functional_hsdp
     from bench import common as C
 
     res: dict = {"library": functional_hsdp.__file__, "trace": {}, "bench": {}, "variants": {}}
     for name in names:
-        mod = importlib.import_module(f"bench.{name}")
+        mod = _bench(name)
         cfg = mod.SIZES[size]
         res["variants"][name] = library(name, cfg)
         t0 = time.perf_counter()

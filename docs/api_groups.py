@@ -1,8 +1,8 @@
 """The API reference's groups: every name of ``functional_hsdp.__all__`` in exactly one.
 
 The reference pages are generated from this mapping (``docs/conf.py``), and
-``tests/test_docs.py`` fails while a public name is in no group, or in two: a name added to
-``__all__`` gets its page by being added here, under the group a reader would look in.
+``tests/project/test_docs.py`` fails while a public name is in no group, or in two: a name
+added to ``__all__`` gets its page by being added here, under the group a reader would look in.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The package's layers, bottom up: a module imports only from its own layer or below.
 
-Each layer is a subpackage, ``functional_hsdp/<layer>/``; ``tests/test_code_shape.py`` reads
+Each layer is a subpackage, ``functional_hsdp/<layer>/``; ``tests/project/test_code_shape.py`` reads
 this table (by parsing it, not importing it) and checks every import against it, imports
 inside functions and under ``if TYPE_CHECKING:`` included. The modules directly in the
 package (``__init__.py``: the public surface ``fh.X``; ``__main__.py``; this file) are the

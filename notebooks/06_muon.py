@@ -127,7 +127,7 @@ def train(spec, opt, steps=STEPS):
 # (Over more steps of training the weights' last bits differ, since the update is rounded in
 # another order than torch's in-place `mul_` and `add_`; they change the next gradients' last
 # bits, and the bf16 iteration can round an input to the next bf16 value. The tests,
-# `tests/test_matrix.py`, check several steps on fixed gradients, in bf16 and in fp32.)
+# `tests/optim/test_matrix.py`, check several steps on fixed gradients, in bf16 and in fp32.)
 
 # %%
 def dense_run(steps):
@@ -221,7 +221,7 @@ assert sum(c[0] for c in calls) == 4 * LAYERS  # each matrix exactly once
 # all-to-all, a rank sends what it sends to the others (`Event.sent`, per rank); "sent" is
 # the bytes of the rank that sends the most.
 # Its training matches the others' (the first cell of section 1 checks hsdp and owned against
-# torch; `tests/test_matrix.py` checks all three).
+# torch; `tests/optim/test_matrix.py` checks all three).
 
 # %%
 def ring(op, n):

@@ -3,6 +3,14 @@
 Gloo worker processes import task functions by module name, so what a task needs lives in
 importable modules: the test modules themselves and ``reference.py`` (this file is pytest's,
 not imported by tests).
+
+The tests sit in folders that mirror the package's layers (``tests/<layer>/test_*.py``;
+``tests/project/``: checks of the whole project), none of them a package: pytest's default
+``prepend`` import mode puts each test module's folder on ``sys.path`` and imports it by its
+own name (``test_launch``, never ``mesh.test_launch``), so test module names are unique across
+the folders. ``tests/`` itself is on ``sys.path`` too (pyproject's ``pythonpath``), for the
+helper modules here (``reference``, ``lw_problem``, ...). Workers get the caller's ``sys.path``,
+so they import both by the same names.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 inner ranks' gradients averaged by hand), the replicas' deltas averaged by hand, and
 ``torch.optim.SGD(nesterov=True)`` as the outer optimizer. With ``compress=``, each rank's
 part of the deltas goes through the policy's codec round trip and is averaged by hand, with
-error feedback (:func:`compressed_mean`). Shared by tests/test_diloco.py (SimMesh) and
-tests/test_diloco_gloo.py (4 gloo ranks), whose workers import it by name."""
+error feedback (:func:`compressed_mean`). Shared by tests/diloco/test_diloco.py (SimMesh) and
+tests/diloco/test_diloco_gloo.py (4 gloo ranks), whose workers import it by name."""
 
 from __future__ import annotations
 

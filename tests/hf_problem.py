@@ -1,6 +1,6 @@
 """A Hugging Face model trained on gloo ranks through ``fh.shard_module`` /
 ``fh.functional_call`` and through FSDP2 (``fully_shard`` per decoder layer + root, HSDP), with
-the same initial weights and data: the tasks of tests/test_module_gloo.py.
+the same initial weights and data: the tasks of tests/units/test_module_gloo.py.
 
 The model is a tiny random-init ``LlamaForCausalLM`` from a config (no download). Every rank
 r gets its own microbatches; the loss is the mean next-token cross-entropy / M.

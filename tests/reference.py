@@ -15,6 +15,7 @@ import torch
 from torch.func import functional_call
 
 import functional_hsdp as fh
+from functional_hsdp.mesh import dist as dist_module
 from functional_hsdp.plan import recipe as plan_module
 from functional_hsdp.tools.testing import torch_muon_in  # noqa: F401 - torch's Muon, fp32 Newton-Schulz
 
@@ -213,6 +214,22 @@ def dist_mesh(**kw) -> fh.DistMesh:
 def dist_preset(strategy: str, **kw) -> fh.Spec:
     """``preset(strategy)`` on :func:`dist_mesh`."""
     return preset(strategy, dist_mesh(), **kw)
+
+
+@contextlib.contextmanager
+def carried_as(carriage: dist_module.Carriage):
+    """In a worker: gloo groups carried as another backend would be (a test seam on the
+    library's own table, not a mock of torch.distributed)."""
+    saved = dict(dist_module.BACKENDS)
+    dist_module.BACKENDS["gloo"] = carriage
+    try:
+        yield
+    finally:
+        dist_module.BACKENDS.clear()
+        dist_module.BACKENDS.update(saved)
+
+
+NCCL_STYLE = dist_module.BACKENDS["nccl"]  # functional collectives, native AVG
 
 
 def coords() -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """Every torch.func transform through layer-wise units: the problems and their dense
-references, shared by the SimMesh tests (tests/test_transforms.py) and the gloo tests
-(tests/test_transforms_gloo.py).
+references, shared by the SimMesh tests (tests/units/test_transforms.py) and the gloo tests
+(tests/units/test_transforms_gloo.py).
 
 The model: ``LAYERS`` gathered units ``h = tanh(h @ w + b)``, each a unit of the spec tree;
 the loss of a rank is ``sum(h ** 2)`` of its own data. In the library's convention a rank's

@@ -89,7 +89,7 @@ def state_dict(tree: Any, spec: Any = None, *, like: Any = None) -> dict[str, An
         def __fh_empty_state_dict__(self, spec) -> dict  # placeholders for dcp.load
         def __fh_load_state_dict__(self, state, spec, *, name) -> value  # on the like; name: errors
 
-    Example (every rank; tested in tests/test_checkpoint.py)::
+    Example (every rank; tested in tests/io/test_checkpoint.py)::
 
         import torch.distributed.checkpoint as dcp
         dcp.save({"params": fh.state_dict(params, spec),

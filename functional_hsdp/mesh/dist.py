@@ -61,7 +61,7 @@ class Carriage:
 # then (torch 2.13, CPU): 4 ranks of 3,000 rounds of 6 functional all-gathers each, waited
 # after the round, crashed (SIGSEGV, "malloc(): unaligned tcache chunk detected") in 6 of 8
 # runs; the same rounds with c10d async all-gathers in none of 6 (``python -m
-# bench.gloo_allgather`` reproduces it). Traced by torch.compile, collectives on gloo stay
+# bench.mesh.gloo_allgather`` reproduces it). Traced by torch.compile, collectives on gloo stay
 # functional and an all-gather is waited at issue.
 #
 # nccl, and every backend under torch.compile: the functional collectives (a real

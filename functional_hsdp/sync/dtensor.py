@@ -48,7 +48,7 @@ def to_dtensor(tree: Any, spec: Any, *, per: str = "leaf", source: str | None = 
     Returns:
         A tree of DTensors (``per="leaf"``) or a list of bucket DTensors (``per="bucket"``).
 
-    Example (on every rank of a DistMesh; tested in tests/test_dist_gloo.py)::
+    Example (on every rank of a DistMesh; tested in tests/mesh/test_dist_gloo.py)::
 
         import torch.distributed.checkpoint as dcp
         state = {"main": fh.to_dtensor(fh.shard(params, spec), spec, per="bucket")}

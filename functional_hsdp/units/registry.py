@@ -5,7 +5,7 @@ path's last unit: the package's one per-thread state (``_FORWARD``, a ``threadin
 what it holds and when it is released: :class:`_Forward`). Invariant: backward never reads
 it; a backward may run on another thread (autograd's device threads), so everything a
 backward needs is on the call record and its chain. The static check in
-``tests/test_device_threads.py`` pins that no backward, jvp or vmap rule reaches a read of
+``tests/units/test_device_threads.py`` pins that no backward, jvp or vmap rule reaches a read of
 it; every read of ``_FORWARD`` is in this module.
 """
 

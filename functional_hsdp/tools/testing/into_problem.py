@@ -1,7 +1,7 @@
 """Calls alternating ``into=`` / ``recompute=`` / ``reshard_after_forward=`` on one model.
 
-Shared by the SimMesh tests (tests/test_into.py), the gloo tests (tests/test_into_gloo.py) and
-``bench/hostile.py``. One small language model (an embedding, ``L`` tanh layers, a head tied
+Shared by the SimMesh tests (tests/units/test_into.py), the gloo tests (tests/units/test_into_gloo.py) and
+``tests/units/hostile.py``. One small language model (an embedding, ``L`` tanh layers, a head tied
 to the embedding or not), run two ways: as ``fh.gathered`` blocks (:func:`blocks_model`) or as
 an ``nn.Module`` through ``fh.shard_module`` (:func:`module_model`). A :func:`step` goes into a
 ``MainGrad``, a :func:`probe` is one gradient without ``into=``; :func:`run` compares every
@@ -276,7 +276,7 @@ class _Checks:
 
     def __init__(self, make: Callable[[], Model], mesh, *, grad: str, recompute: bool):
         # nothing runs here (a constructor that trains would be reachable, for the static
-        # checks of tests/test_device_threads.py, from every super().__init__)
+        # checks of tests/units/test_device_threads.py, from every super().__init__)
         self.make, self.mesh, self.grad = make, mesh, grad
         self.opts = {"recompute": recompute, "reshard": True}
         self.out: dict[str, float] = {}

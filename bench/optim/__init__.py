@@ -1,0 +1,1 @@
+"""Benchmarks of the optim layer: matrix optimizers, Muon on the owner placement (``muon``)."""

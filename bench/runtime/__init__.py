@@ -1,0 +1,3 @@
+"""Benchmarks of the runtime layer: host overhead (``overhead``, ``host``), asynchronous buckets
+(``overlap``), the cross-rank agreement (``agreement``) and compressed outer reductions
+(``compress``)."""
