@@ -1,12 +1,13 @@
 """Calls alternating ``into=`` / ``recompute=`` / ``reshard_after_forward=`` on one model.
 
-Shared by the SimMesh tests (tests/units/test_into.py), the gloo tests (tests/units/test_into_gloo.py) and
-``tests/units/hostile.py``. One small language model (an embedding, ``L`` tanh layers, a head tied
-to the embedding or not), run two ways: as ``fh.gathered`` blocks (:func:`blocks_model`) or as
-an ``nn.Module`` through ``fh.shard_module`` (:func:`module_model`). A :func:`step` goes into a
-``MainGrad``, a :func:`probe` is one gradient without ``into=``; :func:`run` compares every
-sequence (``SEQUENCES``) with the same step, or the same probe, made clean: on fresh shards of
-the same weights, a fresh ``MainGrad``, nothing run before.
+Shared by the SimMesh tests (tests/units/test_into.py), the gloo tests
+(tests/units/test_into_gloo.py) and ``tests/units/hostile.py``. One small language model (an
+embedding, ``L`` tanh layers, a head tied to the embedding or not), run two ways: as ``fh.gathered``
+blocks (:func:`blocks_model`) or as an ``nn.Module`` through ``fh.shard_module``
+(:func:`module_model`). A :func:`step` goes into a ``MainGrad``, a :func:`probe` is one gradient
+without ``into=``; :func:`run` compares every sequence (``SEQUENCES``) with the same step, or the
+same probe, made clean: on fresh shards of the same weights, a fresh ``MainGrad``, nothing run
+before.
 """
 
 from __future__ import annotations
