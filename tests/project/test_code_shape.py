@@ -1012,3 +1012,28 @@ def test_the_state_type_check_can_fail():
             "pkg/io/save.py:9: names state type Later",
         ]
     }
+
+
+def _layer_folders(root: Path, extra: set[str]) -> dict[str, bool]:
+    """Each folder of ``root`` holding Python files -> whether it is a layer of the package's
+    table (read from ``functional_hsdp/layers.py``'s source) or one of ``extra``."""
+    table = layer_table(_package())
+    return {
+        d.name: d.name in table or d.name in extra
+        for d in sorted(root.iterdir())
+        if d.is_dir() and any(d.glob("*.py"))
+    }
+
+
+def test_tests_and_bench_mirror_the_layers():
+    """tests/ and bench/ are cut like the package: a folder per layer (tests/project/ for the
+    checks of the whole project, bench/device/ for the run on one GPU), no test or benchmark
+    left at their top."""
+    for root, extra in ((ROOT / "tests", {"project"}), (ROOT / "bench", {"device"})):
+        folders = _layer_folders(root, extra)
+        assert folders and all(folders.values()), (root.name, folders)
+    assert not sorted((ROOT / "tests").glob("test_*.py"))
+    import bench
+
+    top = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert not top & set(bench.LAYERS), sorted(top & set(bench.LAYERS))
