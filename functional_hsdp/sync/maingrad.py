@@ -1,32 +1,20 @@
-"""MainGrad: persistent main-gradient buffers, the zero-allocation path for real training.
+"""MainGrad: persistent main-gradient buffers that microbatches reduce into, finished in place.
 
-The pure :func:`~functional_hsdp.reduce_grads` returns a new tree on every call. A ``MainGrad``
-instead keeps state the caller owns (Megatron-FSDP's persistent ``main_grad``): flat bucket
-buffers allocated once at the gradient placement, that every microbatch reduces into and the
-last microbatch finishes in place. The bucket layout is the parameters' own, so ``mg.grads``
-lines up leaf by leaf with ``shard(params, spec)``. It runs on the same scheduler as
-``reduce_grads``, two buckets deep.
+Unlike the pure :func:`~functional_hsdp.reduce_grads`, a ``MainGrad`` keeps state the caller
+owns (Megatron-FSDP's ``main_grad``): flat buffers at the gradient placement, laid out as the
+parameters' own buckets (``mg.grads`` lines up leaf by leaf with ``shard(params, spec)``),
+reduced into ``DEPTH`` buckets deep on ``reduce_grads``' scheduler. Its other rooms: the
+deferred outer reduction (:mod:`~functional_hsdp.sync.deferred`), what gathered units may do to
+it (:mod:`~functional_hsdp.sync.unit_sink`, reached by :func:`units_of`), how it is saved and
+loaded (:mod:`~functional_hsdp.sync.maingrad_state`).
 
-Mixed precision: gradients may arrive in bf16/fp16 and accumulate in the buffers' dtype
-(fp32 by default); ``reduce_dtype`` is the dtype on the wire (default: the buffers' dtype).
-
-Gathered units with ``into=mg`` (:mod:`functional_hsdp.units`) add each unit's reduced
-gradient into the buffers during backward, and on the declared last microbatch start the
-unit's deferred reduction (the ``dp_outer`` all-reduce of HSDP) as soon as its gradient is
-complete. They do so through a private interface, ``units_of(mg)`` (:class:`_Units`), not the
-public methods; the deferred reduction has one owner, :class:`_Deferred`.
-
-State, all of it on the MainGrad object (it goes with the object, by garbage collection;
-``fh.clear_caches()`` does not touch it): the buffers (their memory given back at
-``zero_grad()`` with ``persistent=False``), two packing buffers per device (made by the first
-``accumulate`` of raw gradients), the step's state (``accumulating``/``final``, per bucket
-whether it holds anything of this step), the metadata of the last gradient tree checked, and
-the deferred reduction's bookkeeping (:class:`_Deferred`). The library's other state is
-elsewhere (``DESIGN.md`` lists it): bounded plan and check caches, result tags, per model
-given to ``shard_module`` its record (whose cached blocks of the last
-``functional_call(into=mg)`` refer to that MainGrad until :func:`~functional_hsdp.clear_caches`
-or the model goes), per mesh the log of its unit calls, and per thread the units' forward
-state (:mod:`functional_hsdp.units.registry`).
+Invariant: ``state`` is ``"accumulating"`` (Partial on the deferred axes) until the step's last
+microbatch or ``finish()``, then ``"final"`` (the optimizer placement) until ``zero_grad()``.
+State, all on the object (garbage collection frees it, ``fh.clear_caches()`` does not touch
+it): the buffers (released by ``zero_grad()`` with ``persistent=False``), ``DEPTH`` packing
+buffers per device, the step's state (per bucket whether it holds anything of this step), the
+metadata of the last gradient tree checked, and the deferred reduction's bookkeeping. The
+library's other state: ``DESIGN.md`` ("Elsewhere").
 """
 
 from __future__ import annotations
@@ -36,13 +24,11 @@ import math
 import os
 import sys
 import warnings
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor, Shard
 
 from ..base.tags import result_state, tag
 from ..base.tree import (
@@ -54,24 +40,16 @@ from ..base.tree import (
     refuse_vmap,
     structure_error,
 )
-from ..io.checkpoint import (
-    ROLE,
-    dtensor_mesh,
-    forms,
-    from_checkpoint,
-    leaf_keys,
-    loaded_chunks,
-    placeholders,
-    to_checkpoint,
-)
 from ..plan.buckets import pack_shard_full, spaced
 from ..plan.recipe import Plan, TreeMeta, get_plan
 from ..runtime import engine, validate
 from ..runtime.agreement import agree_on_unit_collective, agreement
 from ..runtime.fingerprints import nonfinite_index
-from ..runtime.flight import InFlight
 from ..runtime.unit_calls import unit_log
 from ..spec.specs import resolve_specs
+from . import maingrad_state
+from .deferred import Deferred
+from .unit_sink import UnitSink
 
 __all__ = ["DEPTH", "MainGrad", "microbatches"]
 
@@ -167,7 +145,7 @@ class MainGrad:
         self._checked: tuple | None = None  # metadata of the last gradient tree that passed
         self._deferred = self._start_deferred()
 
-    def _start_deferred(self) -> _Deferred:
+    def _start_deferred(self) -> Deferred:
         """The deferred reductions that gathered units start in backward (begin_microbatch),
         and their error feedback where a spec compresses with it: per bucket, what rounding
         lost (fp32 at the gradient placement, zeros at first), kept across steps in
@@ -179,11 +157,12 @@ class MainGrad:
                 torch.zeros((*batch, p["gradient"].length), device=bucket.device)
                 for bucket, p in zip(self.plan.buckets, self.plan.placed)
             ]
-        return _Deferred(
+        return Deferred(
             self.plan,
             self._buffers,
             reduce_dtype=self.reduce_dtype,
             mesh=self.mesh,
+            depth=DEPTH,
             residual=None if self._residuals is None else engine.Residual(self._residuals),
         )
 
@@ -454,7 +433,7 @@ class MainGrad:
         mesh and spec. ``fh.state_dict(mg)`` is the mesh-independent checkpoint."""
         self._deferred.land_all()
         return {
-            "layout": self.layout(),
+            "layout": self.buffer_signature(),  # the key's old name: saved copies have it
             "state": self._state,
             "fresh": list(self._fresh),
             "empty": self._empty,
@@ -470,7 +449,7 @@ class MainGrad:
 
         Raises ValueError if it was saved from another spec, tree, mesh or dtype.
         """
-        mine = self.layout()
+        mine = self.buffer_signature()
         theirs = state_dict.get("layout")
         if not isinstance(theirs, dict) or theirs.keys() != mine.keys():
             raise ValueError("load_local_state_dict: not a MainGrad local_state_dict")
@@ -531,24 +510,28 @@ class MainGrad:
         _deprecated("load_state_dict", "load_local_state_dict")
         self.load_local_state_dict(state_dict)
 
-    # -- checkpoints: functional_hsdp.io.checkpoint's protocol ------------------------------
+    def layout(self) -> dict[str, Any]:
+        """Deprecated: :meth:`buffer_signature` (elsewhere "layout" is where leaves sit in
+        the buckets; this is what the buffers depend on)."""
+        _deprecated("layout", "buffer_signature", why=_SIGNATURE)
+        return self.buffer_signature()
+
+    # -- checkpoints: functional_hsdp.io.checkpoint's protocol, its bodies in maingrad_state --
 
     def __fh_state_dict__(self, spec: Any = None, *, like: Any = None) -> dict[str, Any]:
         """This MainGrad in a mesh-independent checkpoint (``fh.state_dict(mg)``): ``{"state":
         "final" | "empty", "grads": {key: DTensor}}`` (and ``"residual"``, per rank, with
         error feedback). Mid-accumulation it is refused. ``like`` is not needed."""
-        return _checkpoint_state(self, spec)
+        return maingrad_state.checkpoint_state(self, spec)
 
     def __fh_empty_state_dict__(self, spec: Any = None) -> dict[str, Any]:
         """Placeholders for ``dcp.load`` (``fh.empty_state_dict(mg)``): a final state."""
-        _check_checkpoint_spec(self, spec)
-        residual = _residual_state(self, self.local_state_dict()["residuals"])
-        return {"state": "final", "grads": placeholders(self.plan), **residual}
+        return maingrad_state.empty_checkpoint_state(self, spec)
 
     def __fh_load_state_dict__(self, state: dict, spec: Any = None, *, name: str) -> MainGrad:
         """Load what :meth:`__fh_state_dict__` saved into this MainGrad (``fh.load_state_dict(
         state, spec, mg)``), on any mesh: its final gradients (or zeroed), and returns it."""
-        return _load_checkpoint(state, spec, self, name=name)
+        return maingrad_state.load_checkpoint(state, spec, self, name=name)
 
     def __repr__(self) -> str:
         n = sum(buf.numel() for buf in self._buffers)
@@ -597,6 +580,16 @@ class MainGrad:
                 self._buffers[b].zero_()
                 self._fresh[b] = False
 
+    def _add_chunks(self, buckets: list[int], chunks: list[torch.Tensor]) -> None:
+        """Add a unit's reduced chunks (at the gradient placement) into ``buckets``, through
+        the ``accumulate_`` custom op (``UnitSink.add``'s write, checked there): a bucket
+        that holds nothing of this step is overwritten."""
+        for b, chunk in zip(buckets, chunks):
+            self._hold(b)
+            _accumulate(self._buffers[b], chunk, self._fresh[b])
+            self._fresh[b] = False
+        self._empty = False
+
     def _hold(self, b: int) -> None:
         """Bucket ``b``'s memory, taken again if released (its content is then written
         whole: a released bucket is always fresh)."""
@@ -624,9 +617,11 @@ class MainGrad:
         self._state = "final"
         self._deferred.reset()
 
-    def layout(self) -> dict[str, Any]:
+    def buffer_signature(self) -> dict[str, Any]:
         """What this MainGrad's buffers depend on (mesh, tree, shapes, dtypes, specs, buffer
-        shapes), as plain data: a state dict made elsewhere loads only if it agrees."""
+        shapes), as plain data: a :meth:`local_state_dict` made elsewhere loads only if it
+        agrees (it is saved there under the key ``"layout"``, its old name, kept so that saved
+        copies still load)."""
         plan = self.plan
         return {  # in the order a mismatch is reported: the most telling first
             "mesh": list(zip(self.mesh.axis_names, self.mesh.sizes)),
@@ -654,212 +649,11 @@ def _full_shapes(leaves: list, paths: tuple[str, ...], *, treedef: Any, specs: t
     return tuple(tuple(x.shape) for x in leaves)
 
 
-class DeferredReduction(InFlight[torch.Tensor]):
-    """One bucket's deferred reduction (to the optimizer placement: the ``dp_outer``
-    all-reduce of HSDP) issued in backward, once every gathered unit holding the bucket has
-    added its gradient of the step; its ``result()``
-    (:class:`~functional_hsdp.runtime.flight.InFlight`'s, once) is the bucket's reduced buffer.
-
-    Invariant: at most DEPTH are in flight; each lands in its bucket's buffer, in the order
-    issued, before the buffers are read (``grads``), zeroed, saved or finished; a bucket's
-    reduction is issued once per step.
-    """
-
-    __slots__ = ("bucket", "_mesh", "_pending")
-
-    def __init__(self, bucket: int, pending: Any, *, mesh: Any):
-        super().__init__()
-        self.bucket, self._mesh = bucket, mesh
-        self._pending = pending  # the mesh's collective in flight (Mesh.wait gives the result)
-
-    def _wait(self) -> torch.Tensor:
-        out = self._mesh.wait(self._pending)
-        self._pending = None
-        return out
-
-    def _release(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._mesh.abandon(pending)
-
-
-class _Deferred:
-    """The deferred reduction of a MainGrad's buckets, its one owner: when it is issued for
-    each bucket (in backward, as soon as the bucket's gradient of the step is complete, or
-    by ``finish`` for the rest) and what of it is in flight.
-
-    It shares the MainGrad's buffer list and plan, and refers to no MainGrad (so none refers
-    to itself through it).
-    """
-
-    #: the role change of the deferred reduction
-    LEG = ("gradient", "optimizer")
-
-    def __init__(
-        self,
-        plan: Plan,
-        buffers: list,
-        *,
-        reduce_dtype: torch.dtype,
-        mesh: Any,
-        residual: engine.Residual | None = None,
-    ):
-        self.plan, self.buffers, self.reduce_dtype, self.mesh = plan, buffers, reduce_dtype, mesh
-        self.residual = residual  # the MainGrad's residuals, if it compresses with feedback
-        self.last = False  # the next backward is the step's last (begin_microbatch)
-        self.uses: dict[tuple[int, ...], int] = {}  # per unit: calls whose gradient is due
-        self.issued: set[int] = set()  # buckets whose deferred reduction was issued
-        self.inflight: deque[DeferredReduction] = deque()
-
-    def begin(self, last: bool) -> None:
-        """A microbatch begins; ``last``: it is the step's last."""
-        self.last, self.uses = last, {}
-
-    def reset(self) -> None:
-        """The step is finished or started again: nothing declared, nothing issued."""
-        self.last, self.uses = False, {}
-        self.issued.clear()
-
-    def called(self, buckets: list[int]) -> None:
-        """A unit holding ``buckets`` was called (forward): on the declared last microbatch,
-        one more gradient of it is due in this backward."""
-        key = tuple(buckets)
-        if self.last and not self.issued.intersection(key):
-            self.uses[key] = self.uses.get(key, 0) + 1
-
-    def done(self, buckets: list[int]) -> None:
-        """A call of the unit holding ``buckets`` added its gradient (backward): its
-        deferred reduction starts once none is due."""
-        key = tuple(buckets)
-        if key not in self.uses:
-            return
-        self.uses[key] -= 1
-        if not self.uses[key]:
-            del self.uses[key]
-            # In a backward under torch.func: the buffers are plain tensors of the library's,
-            # reduced and written as such, not as values of the transform being run
-            with torch._C._DisableFuncTorch(), torch.no_grad():
-                self._issue(buckets)
-
-    def _issue(self, buckets: list[int]) -> None:
-        """Issue the deferred reduction of ``buckets`` now (their gradient of the step is
-        complete); at most DEPTH stay in flight, so the memory bound of ``finish`` holds (a
-        reduction that is not in place holds a bucket-sized result)."""
-        self.issued.update(buckets)
-        todo = [b for b in buckets if self.plan.program(b, *self.LEG)]
-        if not todo:
-            return
-        pending = engine.start(
-            self.plan,
-            self._source,
-            [self.LEG],
-            wire=self.reduce_dtype,
-            buckets=todo,
-            residual=self.residual,
-        )
-        self.inflight.extend(DeferredReduction(b, p, mesh=self.mesh) for b, p in zip(todo, pending))
-        while len(self.inflight) > DEPTH:
-            self._land_oldest()
-
-    def _source(self, b: int) -> torch.Tensor:
-        # nothing deferred: the buffer is final as it is (no rounding to the wire dtype); else
-        # the buffer itself when the wire dtype is its own
-        buf = self.buffers[b]
-        return buf.to(self.reduce_dtype) if self.plan.program(b, *self.LEG) else buf
-
-    def _landed(self, b: int, result: torch.Tensor) -> None:
-        """Bucket ``b``'s deferred reduction finished with ``result``: into its buffer."""
-        buf = self.buffers[b]
-        if result.data_ptr() != buf.data_ptr():  # else the result is in place already
-            buf.narrow(-1, 0, result.shape[-1]).copy_(result)
-
-    def _land_oldest(self) -> None:
-        reduction = self.inflight.popleft()
-        self._landed(reduction.bucket, reduction.result())
-
-    def land_all(self) -> None:
-        """Wait for every reduction in flight, each into its buffer."""
-        while self.inflight:
-            self._land_oldest()
-
-    def finish(self) -> None:
-        """The reduction of every bucket not issued in backward, DEPTH at a time (those in
-        flight landed first, by the caller)."""
-        rest = [b for b in range(len(self.buffers)) if b not in self.issued]
-        engine.start(
-            self.plan,
-            self._source,
-            [self.LEG],
-            depth=DEPTH,
-            wire=self.reduce_dtype,
-            sink=self._landed,
-            buckets=rest,
-            residual=self.residual,
-        )
-
-
-class _Units:
-    """The private interface of gathered units (``gathered(..., into=mg)``, in
-    :mod:`functional_hsdp.units`) to a MainGrad: what they do to it and nothing else. Made
-    per use by :func:`units_of`."""
-
-    __slots__ = ("_mg",)
-
-    def __init__(self, mg: MainGrad):
-        self._mg = mg
-
-    def buckets_of(self, unit: int) -> list[int]:
-        """The buckets of ``unit`` (a leaf of the spec prefix, numbered in prefix order)."""
-        return [b for b, bucket in enumerate(self._mg.plan.buckets) if bucket.unit == unit]
-
-    def called(self, buckets: list[int]) -> None:
-        """A unit holding ``buckets`` was called (forward)."""
-        self._mg._deferred.called(buckets)
-
-    def add(self, buckets: list[int], chunks: list[torch.Tensor], *, by: str) -> None:
-        """Add reduced chunks at the gradient placement into ``buckets`` (overwriting a
-        bucket that holds nothing of this step). Safe inside a backward under ``torch.func``:
-        the add is a custom op that declares its mutation. ``by``: the call adding, for
-        errors."""
-        mg = self._mg
-        mg._check_accumulating("gradients", by)
-        issued = mg._deferred.issued.intersection(buckets)
-        if issued:
-            raise ValueError(
-                f"gradients: MainGrad buckets {sorted(issued)} were reduced over the deferred "
-                "axes already in this step (their unit's backward ran after "
-                "begin_microbatch(last=True)); a unit's gradient cannot arrive after that: "
-                "declare last=True only before the step's final microbatch, and call finish() "
-                "and zero_grad() before the next step"
-            )
-        for b, chunk in zip(buckets, chunks):
-            mg._hold(b)
-            _accumulate(mg._buffers[b], chunk, mg._fresh[b])
-            mg._fresh[b] = False
-        mg._empty = False
-
-    def done(self, buckets: list[int]) -> None:
-        """A call of the unit holding ``buckets`` added its gradient (backward): on the
-        declared last microbatch, its deferred reduction may start."""
-        self._mg._deferred.done(buckets)
-
-    def agree(self, where: str, *, local: Callable[[], None] | None = None) -> None:
-        """Check now that every rank ran the same gathered units since the last check (the
-        same order and options), as ``finish`` does; raise on every rank otherwise, the
-        error starting with ``where``. ``local``: this rank's own checks, run first inside
-        the agreement (a rank whose checks fail tells the others). Every rank must call it."""
-        mg = self._mg
-        with agreement(mg.plan.specs, where) as agreed:
-            if local is not None:
-                local()
-            agreed.check(mg.plan, paths_of(mg.plan.treedef, "grads"), units=True)
-
-
-def units_of(mg: MainGrad) -> _Units:
+def units_of(mg: MainGrad) -> UnitSink:
     """What gathered units with ``into=mg`` may do to ``mg``: its private interface for
-    :mod:`functional_hsdp.units` (not the public API), made per use (it holds the MainGrad,
-    which does not hold it)."""
-    return _Units(mg)
+    :mod:`functional_hsdp.units` (not the public API; :class:`UnitSink`), made per use (it
+    holds the MainGrad's parts, and the MainGrad does not hold it)."""
+    return UnitSink(mg.plan, mg._deferred, check=mg._check_accumulating, write=mg._add_chunks)
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package root
@@ -939,133 +733,15 @@ def microbatches(
     yield current, True
 
 
-# -- checkpoints ------------------------------------------------------------------------------
+_LOCAL_COPY = (
+    "this rank's copy; fh.state_dict(mg) and fh.load_state_dict are the mesh-independent checkpoint"
+)
+_SIGNATURE = "what the buffers depend on; local_state_dict keeps it under the key 'layout'"
 
 
-def _check_checkpoint_spec(mg: MainGrad, spec: Any) -> None:
-    if spec is None:
-        return
-    specs, _ = resolve_specs(spec, mg.plan.treedef, "MainGrad's like tree")
-    if specs != mg.plan.specs:
-        raise ValueError(
-            "spec: is not the spec this MainGrad was made with; pass that spec, or none"
-        )
-
-
-def _checkpoint_state(mg: MainGrad, spec: Any) -> dict[str, Any]:
-    with agreement(mg.plan.specs, "state_dict") as agreed:
-        _check_checkpoint_spec(mg, spec)
-        dtensor_mesh(mg.mesh)
-        grads = mg.grads
-        if grads is not None and mg.state != "final":
-            raise ValueError(_MID_ACCUMULATION.format(axes=_deferred_axes(mg.plan)))
-        paths = paths_of(mg.plan.treedef, "grads")
-        agreed.check(mg.plan, paths, options=(f"MainGrad {mg.state}",))
-    residual = _residual_state(mg, mg.local_state_dict()["residuals"])
-    if grads is None:  # zeroed: nothing to gather
-        holders = placeholders(mg.plan)
-        return {"state": "empty", "grads": {k: _zero(v) for k, v in holders.items()}, **residual}
-    leaves = optree.tree_leaves(grads)
-    keys = leaf_keys(mg.plan.treedef, paths)
-    grads = dict(zip(keys, to_checkpoint(mg.plan, leaves)))
-    return {"state": "final", "grads": grads, **residual}
-
-
-def _residual_state(mg: MainGrad, residuals: list | None) -> dict[str, Any]:
-    """``{"residual": {bucket: DTensor}}`` for a MainGrad that feeds back a compressed
-    reduction's error (else ``{}``): each rank's residual of a bucket as its block of one
-    DTensor ``(*mesh shape, L)`` sharded over every mesh dim. It is per-rank state (each
-    replica's own rounding loss, at the gradient placement), so it loads on the same mesh
-    and layout only."""
-    if residuals is None:
-        return {}
-    dm = dtensor_mesh(mg.mesh)
-    place, ones = [Shard(d) for d in range(dm.ndim)], (1,) * dm.ndim
-    return {
-        "residual": {
-            str(b): DTensor.from_local(r.reshape(*ones, -1), dm, place, run_check=False)
-            for b, r in enumerate(residuals)
-        }
-    }
-
-
-def _load_residual(state: dict, mg: MainGrad, *, name: str) -> None:
-    """Restore what :func:`_residual_state` saved into ``mg`` (nothing to do without one)."""
-    mine = mg.local_state_dict()
-    if mine["residuals"] is None:
-        return
-    saved = state.get("residual")
-    if not isinstance(saved, dict) or len(saved) != len(mine["residuals"]):
-        raise ValueError(
-            f"{name}['residual']: this MainGrad feeds back a compressed reduction's error; the "
-            "state has no residual of each of its buckets (saved by fh.state_dict of a "
-            "MainGrad with the same spec, on the same mesh)"
-        )
-    local = [saved[str(b)].to_local().reshape(-1) for b in range(len(saved))]
-    mg.load_local_state_dict({**mine, "residuals": local})
-
-
-def _deprecated(old: str, new: str) -> None:
+def _deprecated(old: str, new: str, *, why: str = _LOCAL_COPY) -> None:
     warnings.warn(
-        f"MainGrad.{old} is deprecated: use mg.{new}() (this rank's copy; fh.state_dict(mg) "
-        "and fh.load_state_dict are the mesh-independent checkpoint)",
+        f"MainGrad.{old} is deprecated: use mg.{new}() ({why})",
         DeprecationWarning,
         stacklevel=3,
     )
-
-
-_MID_ACCUMULATION = (
-    "MainGrad is mid-accumulation: its buffers are at the gradient placement (Partial over "
-    "{axes}: each replica holds its own partial sum), which no mesh-independent checkpoint "
-    "can hold. Save after the step's last microbatch (accumulate(..., last=True) or "
-    "mg.finish()) or after mg.zero_grad(); to resume mid-accumulation on this same mesh, "
-    "save mg.local_state_dict() per rank (torch.save; bit-exact) and restore it with "
-    "mg.load_local_state_dict()"
-)
-
-
-def _deferred_axes(plan: Plan) -> tuple[str, ...]:
-    axes = {a for spec in plan.specs for a in spec.deferred_axes}
-    return tuple(a for a in plan.mesh.axis_names if a in axes) or "no axis"
-
-
-def _zero(x: DTensor) -> DTensor:
-    x.to_local().zero_()
-    return x
-
-
-def _load_checkpoint(state: dict, spec: Any, mg: MainGrad, *, name: str) -> MainGrad:
-    saved = state.get("state")
-    if saved not in ("final", "empty"):
-        raise ValueError(
-            f"{name}['state']: expected 'final' or 'empty' (a MainGrad saved by "
-            f"fh.state_dict); got {saved!r}"
-        )
-    if saved == "empty":
-        _check_checkpoint_spec(mg, spec)
-        mg.zero_grad(set_to_none=True)
-        _load_residual(state, mg, name=name)
-        return mg
-    plan = mg.plan
-    with agreement(mg.plan.specs, "load_state_dict") as agreed:
-        _check_checkpoint_spec(mg, spec)
-        shapes = forms(plan)
-        local = loaded_chunks(state.get("grads", {}), plan, shapes, name=f"{name}['grads']")
-        agreed.check(plan, paths_of(plan.treedef, "grads"), options=("MainGrad",))
-    pieces = from_checkpoint(plan, local, shapes)
-    for b, buf in enumerate(mg.buffers):
-        packed = plan.pack(b, pieces, ROLE)
-        buf[..., : packed.shape[-1]].copy_(packed)
-    n = len(plan.buckets)
-    mg.load_local_state_dict(
-        {
-            "layout": mg.layout(),
-            "state": "final",
-            "fresh": [False] * n,
-            "empty": False,
-            "buffers": mg.buffers,
-            "residuals": mg.local_state_dict()["residuals"],
-        }
-    )
-    _load_residual(state, mg, name=name)
-    return mg

@@ -9,7 +9,7 @@ import pytest
 from functional_hsdp.diloco import SyncInFlight
 from functional_hsdp.runtime import compressed, engine
 from functional_hsdp.runtime.flight import InFlight
-from functional_hsdp.sync import maingrad
+from functional_hsdp.sync import deferred
 from functional_hsdp.units.transfers import AllGather, ReduceScatter
 
 
@@ -77,7 +77,7 @@ def test_every_in_flight_type_is_an_in_flight():
         engine.ReduceInFlight,
         compressed.CompressedInFlight,
         SyncInFlight,
-        maingrad.DeferredReduction,
+        deferred.DeferredReduction,
         AllGather,
         ReduceScatter,
     ]

@@ -202,6 +202,19 @@ def test_the_old_state_dict_spellings_warn_and_are_the_local_ones():
     assert all(torch.equal(a, b) for a, b in zip(resumed.buffers, mg.buffers))
 
 
+def test_the_old_layout_spelling_warns_and_the_saved_key_is_kept():
+    """``mg.layout()`` is the deprecated name of ``mg.buffer_signature()``; a per-rank copy
+    keeps it under the key ``"layout"``, so copies saved before the rename still load."""
+    mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+    spec = fh.hsdp(mesh, "dp_outer", "dp_inner")
+    mg = fh.MainGrad(spec, like=like())
+    with pytest.warns(DeprecationWarning, match=r"MainGrad\.layout is deprecated: use mg\.buf"):
+        old = mg.layout()
+    assert old == mg.buffer_signature() == mg.local_state_dict()["layout"]
+    keys = ["mesh", "tree", "shapes", "kinds", "specs", "dtype", "reduce_dtype", "buffers"]
+    assert list(old) == keys
+
+
 def test_accumulate_bad_input_names_the_path():
     mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
     mg = fh.MainGrad(fh.hsdp(mesh, "dp_outer", "dp_inner"), like=like())
