@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import optree
+import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from ..base.tree import paths_of
@@ -148,7 +149,10 @@ def load_checkpoint(state: dict, spec: Any, mg: Any, *, name: str) -> Any:
         local = loaded_chunks(state.get("grads", {}), plan, shapes, name=f"{name}['grads']")
         agreed.check(plan, paths_of(plan.treedef, "grads"), options=("MainGrad",))
     pieces = from_checkpoint(plan, local, shapes)
-    for b, buf in enumerate(mg.buffers):
+    # packed into buffers of their own, not into mg's: with persistent=False a zeroed MainGrad
+    # has given its buckets' memory back, and load_local_state_dict takes it back first
+    buffers = [torch.zeros_like(buf) for buf in mg.buffers]
+    for b, buf in enumerate(buffers):
         packed = plan.pack(b, pieces, ROLE)
         buf[..., : packed.shape[-1]].copy_(packed)
     n = len(plan.buckets)
@@ -158,7 +162,7 @@ def load_checkpoint(state: dict, spec: Any, mg: Any, *, name: str) -> Any:
             "state": "final",
             "fresh": [False] * n,
             "empty": False,
-            "buffers": mg.buffers,
+            "buffers": buffers,
             "residuals": mg.local_state_dict()["residuals"],
         }
     )

@@ -413,6 +413,14 @@ def _maingrad(path: str):
     dcp.load(state, checkpoint_id=path)
     fh.load_state_dict(state["mg"], spec2, mg2)
     moved = mg2.state == "final" and _equal(fh.gather(mg2.grads, spec2), fh.gather(mg.grads, spec))
+    # into a MainGrad whose buckets' memory is given back (persistent=False, zeroed): it loaded
+    # into the released storage before taking it back (a segfault)
+    mg3 = fh.MainGrad(spec2, like=full0, persistent=False)
+    mg3.zero_grad()
+    state = {"mg": fh.empty_state_dict(mg3, spec2)}
+    dcp.load(state, checkpoint_id=path)
+    fh.load_state_dict(state["mg"], spec2, mg3)
+    moved = moved and _equal(fh.gather(mg3.grads, spec2), fh.gather(mg.grads, spec))
     mg.zero_grad()
     empty = fh.state_dict(mg)["state"] == "empty"
     mg.accumulate(grad(loss)(full0, x[rank, 0], y[rank, 0]), last=False)
