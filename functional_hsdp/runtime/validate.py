@@ -29,31 +29,23 @@ def validation(mode: str) -> Iterator[None]:
 
     What the agreement turns each failure into:
 
-    =====================================  ===============================================
-    failure                                what happens
-    =====================================  ===============================================
-    ranks make different calls, or pass    every call's agreement compares the ranks' rows
-    different trees, shapes, dtypes,       before any gradient collective; every rank
-    specs, ``last`` or options             raises the same ``ValueError``, naming the
-                                           first differing field or leaf path and the ranks
-    a rank's own checks fail (a wrong      it raises its error, and the others raise one
-    ``acc``, a meta leaf, a bad flag)      that names it, in the same agreement: nobody
-                                           waits
-    ranks run their gathered units in      the step's running fingerprint of unit calls and
-    another order, or with other options   ``begin_microbatch`` declarations (``UnitLog``)
-    or dtypes, or declare another last     rides in the summary of ``begin_microbatch(last=
-    microbatch                             True)``, ``MainGrad.finish`` and the last
-                                           ``reduce_grads(at="gradient")``: every rank
-                                           raises, naming the first call that differs and
-                                           how; ``validation("strict")`` agrees before each
-                                           unit collective and declaration (no mismatched
-                                           one)
-    NaN/Inf in gradients                   ``check_finite=True``: every rank raises a
-                                           ``ValueError`` naming the first such leaf and
-                                           ranks
-    a peer dies, hangs or issues another   the collective fails or times out and raises
-    collective                             ``CollectiveError`` naming it and its mesh axis
-    =====================================  ===============================================
+    * **Ranks make different calls**, or pass different trees, shapes, dtypes, specs,
+      ``last`` or options: every call's agreement compares the ranks' rows before any
+      gradient collective; every rank raises the same ``ValueError``, naming the first
+      differing field or leaf path and the ranks.
+    * **A rank's own checks fail** (a wrong ``acc``, a meta leaf, a bad flag): it raises its
+      error, and the others raise one that names it, in the same agreement: nobody waits.
+    * **Ranks run their gathered units** in another order, or with other options or dtypes,
+      or declare another last microbatch: the step's running fingerprint of unit calls and
+      ``begin_microbatch`` declarations (``UnitLog``) rides in the summary of
+      ``begin_microbatch(last=True)``, ``MainGrad.finish`` and the last
+      ``reduce_grads(at="gradient")``: every rank raises, naming the first call that differs
+      and how; ``validation("strict")`` agrees before each unit collective and declaration
+      (no mismatched one).
+    * **NaN/Inf in gradients**: with ``check_finite=True`` every rank raises a ``ValueError``
+      naming the first such leaf and ranks.
+    * **A peer dies, hangs or issues another collective**: the collective fails or times out
+      and raises ``CollectiveError`` naming it and its mesh axis.
 
     Limits:
 
