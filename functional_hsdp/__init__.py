@@ -3,6 +3,9 @@
 HSDP with deferred DP-outer reduction (Megatron-LM PR 5743) for ``torch.func`` training loops:
 ``reduce_grads(grads, spec, last=...)`` reduce-scatters over the inner axis every microbatch and
 reduces the outer axis only on the last one.
+
+This module is the public surface, ``fh.X``: every name is re-exported from a layer package
+(the layers, bottom up: :mod:`functional_hsdp.layers`).
 """
 
 from .base.cache import clear_caches

@@ -18,7 +18,7 @@ LAYERS: tuple[str, ...] = (
     "units",  # layer-wise units (gathered) and existing nn.Modules (functional_call)
     "optim",  # optax's building blocks, the schedules, per_matrix and Muon
     "diloco",  # the semi-synchronous outer loop over a replica axis
-    "tools",  # the demo and what tests and benchmarks run on (testing/)
+    "tools",  # the demo and what tests and benchmarks run on (tools/testing/)
 )
 
 # Layers that use the package as its users do (``import functional_hsdp as fh``): they sit above

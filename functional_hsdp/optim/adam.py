@@ -152,6 +152,26 @@ def adamw(
         >>> updates, state = opt.update({"w": torch.tensor([1.0, -3.0])}, opt.init(params), params)
         >>> updates["w"]
         tensor([-0.1000,  0.1000])
+
+        On a sharded tree, after the global-norm clip (the one step that communicates),
+        ``torch.optim.AdamW`` on the local shards gives the same weights:
+
+        >>> import optree
+        >>> mesh = fh.SimMesh({"dp_outer": 2, "dp_inner": 2})
+        >>> spec = fh.hfsdp(mesh, "dp_outer", "dp_inner")
+        >>> params = fh.shard({"w": torch.linspace(-1, 1, 6), "b": torch.ones(3)}, spec)
+        >>> g = {"w": torch.randn(2, 2, 6), "b": torch.randn(2, 2, 3)}     # 4 ranks' gradients
+        >>> grads, norm = fh.clip_by_global_norm(fh.reduce_grads(g, spec, last=True), spec, 0.5)
+        >>> opt = fh.adamw(lr=0.1)
+        >>> updates, state = opt.update(grads, opt.init(params), params)
+        >>> new = fh.apply_updates(params, updates)
+        >>> local = [p.clone().requires_grad_() for p in optree.tree_leaves(params)]
+        >>> torch_opt = torch.optim.AdamW(local, lr=0.1)                  # the same, by torch.optim
+        >>> for p, g in zip(local, optree.tree_leaves(grads)):
+        ...     p.grad = g
+        >>> torch_opt.step()
+        >>> all(torch.allclose(p, q) for p, q in zip(local, optree.tree_leaves(new)))
+        True
     """
     check_lr(lr)
     parts = chain(

@@ -5,20 +5,8 @@ it: the first update uses ``schedule(0)``. Every ``lr`` of the library's optimiz
 (:func:`~functional_hsdp.sgd`, :func:`~functional_hsdp.adamw`, :func:`~functional_hsdp.muon`,
 :func:`~functional_hsdp.scale_by_learning_rate`) takes a number or a schedule; the step count
 lives in the optimizer state (a host int), so a checkpointed state resumes the schedule where
-it stopped.
-
-The values are host floats computed from host ints (no tensor, no device synchronization):
-
-============================  ===========================================================
-``constant(v)``               ``v``
-``linear(I, E, T, B=0)``      ``I`` before ``B``, ``I + (E - I) (t - B) / T`` until ``B + T``,
-                              then ``E``
-``cosine_decay(I, T, a, p)``  ``I ((1 - a) c^p + a)``, ``c = (1 + cos(pi min(t, T) / T)) / 2``
-``warmup_cosine_decay``       ``linear`` from ``init_value`` to ``peak_value`` over
-                              ``warmup_steps``, then ``cosine_decay`` of ``peak_value`` over
-                              ``decay_steps - warmup_steps`` down to ``end_value``
-``join(schedules, bounds)``   ``schedules[i](t - bounds[i - 1])`` between the boundaries
-============================  ===========================================================
+it stopped. The values are host floats computed from host ints (no tensor, no device
+synchronization); each function below gives its formula.
 """
 
 from __future__ import annotations

@@ -3,65 +3,11 @@ before any gradient collective, and all raise together.
 
 Invariant: every rank decides alike, from the same summary or the same exchanged tables, so
 either every rank passes or every rank raises (its own error, or one naming the rank that
-failed); no rank is left waiting in a collective the others do not issue. Whether a call
-agrees is the policy's (:mod:`~functional_hsdp.runtime.validate`); what it compares, its
-fingerprint's (:mod:`~functional_hsdp.runtime.fingerprints`).
-
-The protocol, on every call
----------------------------
-Every call that communicates (``reduce_grads``, ``gather``, ``sync_params``, the per-axis
-collectives, ``MainGrad.accumulate`` / ``finish``, the checkpoint functions) describes
-itself: a header (operation, ``last``, options, mesh, data-parallel axes, tree structure) and
-one line per leaf (path, shape, dtype, device type, spec, bucket slot), hashed into a row of
-int64 ``[error flag, first non-finite leaf, call digest, whole digest, leaf count, one digest
-per header field]``. Digests are 62-bit blake2b hashes, stable across processes (Python's
-``hash`` is salted per process); a plan's fingerprint is computed once and cached, so a
-call's row costs a list copy.
-
-1. The row is summarized over **every** axis of the mesh (not only the spec's data-parallel
-   axes: ranks naming different axes would otherwise wait in different groups) by **one**
-   elementwise maximum of ``[row, -row]`` (``Diagnostics.start_max``), which gives every
-   rank each field's maximum and minimum over all ranks. It is host data, reduced over a CPU
-   (gloo) group, so the agreement never touches device memory and never makes the host wait
-   for the device. On a ``DistMesh`` it is recursive doubling in point-to-point messages:
-   log2(ranks) rounds (two more where the count is not a power of two), each one 24-integer
-   row each way, so a rank's messages and wait grow with log2 of the mesh's size (the
-   all-gather of every rank's row that it replaces moved a row per rank in as many ring
-   steps as ranks; bench B10, "Scaling with the number of ranks"). It is *issued* (its first
-   round) when the call's local checks have passed and *waited* (the later rounds, which
-   need the first one's result) just before the call's first gradient collective
-   (``Agreement.settle``, called by the scheduler), so packing the first bucket overlaps
-   the first round. A call that issues no collective (``ddp`` before the last microbatch)
-   settles before it returns, and before it changes any persistent state (``MainGrad``'s
-   buffers).
-2. Every rank decides alike from the summary. No error row, no non-finite leaf, and every
-   field the same on every rank (maximum = minimum): the call passes. That is a healthy
-   run's only communication for the agreement. Otherwise, and only then, every rank's row is
-   exchanged (one all-gather over the whole mesh, ``Diagnostics.exchange``) and every rank
-   decides from the same table, exactly as :func:`agree` does: the call digest must agree
-   over the whole mesh, the whole digest within each data-parallel group (so data-parallel
-   groups that hold different trees pass, after the exchange). On a mismatch more
-   exchanges follow, all ranks alike: the first differing header field, or the first leaf
-   whose per-leaf digests differ (padded to the longest tree), and its text, from which every
-   rank builds the same message and raises it.
-3. A rank whose local checks raise (``ValueError``/``TypeError``/``NotImplementedError``)
-   before its row is issued sends an error row instead, in the same summary (its error flag
-   sends every rank to the exchange); the others raise the failing rank's error type and
-   text, naming it.
-
-**Replicas.** A call on a :func:`~functional_hsdp.replicas` spec (every Spec of it with
-replica axes) agrees within its replica only: the summary and every exchange above span the
-mesh's other axes (:mod:`~functional_hsdp.runtime.span`). A call that crosses the replica
-axis (DiLoCo's sync, a collective over it) agrees over the whole mesh.
-
-Neither the summary nor the exchange is a gradient collective:
-:func:`~functional_hsdp.comm_log` does not record them, and they are plain
-``torch.distributed`` point-to-point messages and all-gathers (not functional collectives),
-so profiles of the gradient communication stay exact. On a one-rank mesh nothing is
-exchanged (unless ``check_finite=True``).
-
-``check_finite=True`` is the one exception to "never touches device data": the non-finite
-scan reads every bucket (a host-device synchronization), and its result rides in the row.
+failed); no rank is left waiting in a collective the others do not issue. The protocol, step
+by step: :class:`Agreement`. Whether a call agrees is the policy's
+(:mod:`~functional_hsdp.runtime.validate`); what it compares, its fingerprint's
+(:mod:`~functional_hsdp.runtime.fingerprints`); the part of the mesh it spans,
+:mod:`~functional_hsdp.runtime.span`'s. What users are promised: ``docs/guides/reliability.md``.
 """
 
 from __future__ import annotations
@@ -99,13 +45,53 @@ _WIDTH = _UNITS + 1
 
 
 class Agreement:
-    """One call's cross-rank agreement (see the module docstring): every rank takes part in
-    one small summary per call, before any gradient collective, and all raise together.
+    """One call's cross-rank agreement: every rank takes part in one small summary per call,
+    before any gradient collective, and all raise together.
 
     ``mode``: the validation mode for this call (see
     :func:`~functional_hsdp.runtime.validate.validation`), read by the caller
     (:func:`~functional_hsdp.runtime.validate.current_mode`): nothing here reads the context,
-    which may not be the caller's (a backward on autograd's device thread)."""
+    which may not be the caller's (a backward on autograd's device thread).
+
+    What a call says of itself: every call that communicates (``reduce_grads``, ``gather``,
+    ``sync_params``, the per-axis collectives, ``MainGrad.accumulate`` / ``finish``, the
+    checkpoint functions) describes itself: a header (operation, ``last``, options, mesh,
+    data-parallel axes, tree structure) and one line per leaf (path, shape, dtype, device
+    type, spec, bucket slot), hashed into a row of int64 ``[error flag, first non-finite
+    leaf, call digest, whole digest, leaf count, one digest per header field, the digest of
+    the unit calls it checks (or 0)]``. Digests are 62-bit blake2b hashes, stable across
+    processes (Python's ``hash`` is salted per process); a plan's fingerprint is computed
+    once and cached, so a call's row costs a list copy.
+
+    The protocol, on every call:
+
+    1. **The summary** (:meth:`check`; how it travels: :func:`_start_summary`). The row is
+       summarized over **every** axis of the mesh (not only the spec's data-parallel axes:
+       ranks naming different axes would otherwise wait in different groups) by **one**
+       elementwise maximum of ``[row, -row]``, which gives every rank each field's maximum
+       and minimum over all ranks. It is *issued* (its first round) when the call's local
+       checks have passed and *waited* (the later rounds, which need the first one's
+       result) just before the call's first gradient collective (:meth:`settle`, called by
+       the scheduler), so packing the first bucket overlaps the first round. A call that
+       issues no collective (``ddp`` before the last microbatch) settles before it returns,
+       and before it changes any persistent state (``MainGrad``'s buffers).
+    2. **The decision**, alike on every rank: from the summary when it shows nothing to
+       decide (:func:`_healthy`), else from every rank's row (:func:`_exact`).
+    3. **A rank whose local checks raise** sends an error row instead (:meth:`fail`).
+
+    **Replicas.** A call on a :func:`~functional_hsdp.replicas` spec (every Spec of it with
+    replica axes) agrees within its replica only: the summary and every exchange span the
+    mesh's other axes (:mod:`~functional_hsdp.runtime.span`). A call that crosses the
+    replica axis (DiLoCo's sync, a collective over it) agrees over the whole mesh.
+
+    Neither the summary nor the exchange is a gradient collective:
+    :func:`~functional_hsdp.comm_log` does not record them, and they are plain
+    ``torch.distributed`` point-to-point messages and all-gathers (not functional
+    collectives), so profiles of the gradient communication stay exact. On a one-rank mesh
+    nothing is exchanged (unless ``check_finite=True``). ``check_finite=True`` is the one
+    exception to "never touches device data": the non-finite scan reads every bucket (a
+    host-device synchronization), and its result rides in the row.
+    """
 
     def __init__(self, mesh: Any, call: str, mode: str):
         self.mesh, self.call, self.done = mesh, call, False
@@ -164,7 +150,12 @@ class Agreement:
             _exact(self.mesh, dp, fp, paths=paths, local=local, log=log)
 
     def fail(self, exc: BaseException) -> None:
-        """This rank's local checks raised ``exc``: tell the others (who raise too)."""
+        """This rank's local checks raised ``exc``: tell the others (who raise too).
+
+        A rank whose local checks raise (``ValueError``/``TypeError``/``NotImplementedError``)
+        before its row is issued sends an error row instead, in the same summary (its error
+        flag sends every rank to the exchange); the others raise the failing rank's error
+        type and text, naming it."""
         self.done = True
         row = torch.full((_WIDTH,), -1, dtype=torch.int64)
         row[_ERROR] = 1
@@ -263,14 +254,24 @@ def _local_row(fp: Fingerprint, mesh: Any, nonfinite: torch.Tensor | None) -> to
 
 def _start_summary(mesh: Any, local: torch.Tensor) -> Any:
     """Issue the maximum over every rank of ``[row, -row]``: each field's maximum and
-    (negated) minimum."""
+    (negated) minimum (``Diagnostics.start_max``).
+
+    It is host data, reduced over a CPU (gloo) group, so the agreement never touches device
+    memory and never makes the host wait for the device. On a ``DistMesh`` it is recursive
+    doubling in point-to-point messages: log2(ranks) rounds (two more where the count is not
+    a power of two), each one 24-integer row each way, so a rank's messages and wait grow
+    with log2 of the mesh's size (the all-gather of every rank's row that it replaces moved a
+    row per rank in as many ring steps as ranks; bench B10, "Scaling with the number of
+    ranks")."""
     return mesh.diagnostics.start_max(torch.cat([local, -local], -1))
 
 
 def _healthy(summary: torch.Tensor) -> bool:
     """Whether the summary shows nothing to decide: no error row, no non-finite leaf, and
-    every field alike on every rank. Stricter than :func:`_decide` (which asks the whole
-    digest to agree only within each data-parallel group), which decides the rest."""
+    every field alike on every rank (maximum = minimum): the call passes, and that is a
+    healthy run's only communication for the agreement. Stricter than :func:`_decide` (which
+    asks the whole digest to agree only within each data-parallel group), which decides the
+    rest."""
     width = summary.shape[-1] // 2
     high, low = summary[..., :width], -summary[..., width:]
     return not bool(
@@ -284,7 +285,16 @@ def _exact(
     mesh: Any, dp: tuple[str, ...], fp: Fingerprint, *, paths, local: torch.Tensor, log=None
 ) -> None:
     """Every rank's row, and the exact decision from them. What it raises, every rank raises
-    here alike: the step stops, so :func:`_stopped` forgets its unit calls on every rank."""
+    here alike: the step stops, so :func:`_stopped` forgets its unit calls on every rank.
+
+    Only when the summary shows a difference, an error or a non-finite leaf: every rank's row
+    is exchanged (one all-gather over the whole mesh, ``Diagnostics.exchange``) and every
+    rank decides from the same table, exactly as :func:`agree` does: the call digest must
+    agree over the whole mesh, the whole digest within each data-parallel group (so
+    data-parallel groups that hold different trees pass, after the exchange). On a mismatch
+    more exchanges follow, all ranks alike: the first differing header field, or the first
+    leaf whose per-leaf digests differ (padded to the longest tree), and its text, from which
+    every rank builds the same message and raises it (:mod:`~functional_hsdp.runtime.messages`)."""
     try:
         tables = messages.gather(mesh, mesh.axis_names, local)
         _decide(mesh, dp, fp, paths=paths, local=local, tables=tables, log=log)

@@ -1,15 +1,14 @@
 """The compressed reduction: quantize, all-to-all, sum in fp32, quantize, all-gather.
 
-The one route to a compressed reduction over an axis: the engine's for ``outer_compress`` (a
-plan bucket's deferred reduction, ``engine.start``) and DiLoCo's for ``compress=`` (a
-fragment's pieces side by side in a :class:`Packing`, :func:`start_packed`) both run the
-scheduler items of :func:`program`, which say what each leg does; :func:`start` lets the
-first leg fly (a :class:`CompressedInFlight`).
+The one route to a compressed reduction over an axis, for the engine's ``outer_compress`` (a
+plan bucket's deferred reduction, ``engine.start``) and DiLoCo's ``compress=`` (a fragment's
+pieces side by side in a :class:`Packing`, :func:`start_packed`): both run the scheduler
+items of :func:`program` (what each leg does); :func:`start` lets the first leg fly.
 
-Invariant: the sum is in fp32, in source order, so every mesh gives the same bits; with
-error feedback, what rounding lost stays with the rank that rounded it (the residual), so
-``result + mean(new residual) == mean(x)`` (``sum`` alike). The residual goes in and out as
-an argument: this room keeps no state.
+Invariant: the sum is in fp32, in source order, so every mesh gives the same bits; with error
+feedback, what rounding lost stays with the rank that rounded it (the residual), so ``result +
+mean(new residual) == mean(x)`` (``sum`` alike). The residual goes in and out as an argument:
+this room keeps no state.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """The engine under every public function: pack -> run -> wait -> unpack.
 
-Each operation is a composition of role changes (see :mod:`functional_hsdp.plan.recipe`) run
-bucket by bucket by the one scheduler (:mod:`functional_hsdp.runtime.scheduler`):
-
-=====================  ============================================================
-operation              role changes per bucket
-=====================  ============================================================
-reduce (at="input")    input -> gradient, + acc, [gradient -> optimizer if last]
-reduce (at="gradient") + acc, [gradient -> optimizer if last]
-shard                  full -> optimizer (or parameter): local slices only
-gather                 optimizer (or parameter) -> full
-sync_params            optimizer -> parameter
-=====================  ============================================================
-
-Inputs are never mutated: buffers are packed anew, and only buffers the call made are reduced
-or added into in place. Results are new trees of plain tensors, tagged with their state. A
-reduction that outlives its call (``reduce(wait=False)``) is a :class:`ReduceInFlight`, waited
-for once (:mod:`functional_hsdp.runtime.flight`).
+Each operation (reduce, shard, gather, sync_params) is a composition of role changes (see
+:mod:`functional_hsdp.plan.recipe`; each operation's, in :func:`start`) run bucket by bucket
+by the one scheduler (:mod:`functional_hsdp.runtime.scheduler`). Invariant: inputs are never
+mutated: buffers are packed anew, and only buffers the call made are reduced or added into
+in place. Results are new trees of plain tensors, tagged with their state. A reduction that
+outlives its call (``reduce(wait=False)``) is a :class:`ReduceInFlight`, waited for once
+(:mod:`functional_hsdp.runtime.flight`).
 """
 
 from __future__ import annotations
@@ -89,6 +79,18 @@ def start(
 ) -> list[Any]:
     """Issue every bucket's role changes ``legs``; returns per bucket its result, the last
     collective possibly in flight (:func:`finish` waits and unpacks).
+
+    Each operation's role changes, per bucket:
+
+    =====================  ============================================================
+    operation              role changes per bucket
+    =====================  ============================================================
+    reduce (at="input")    input -> gradient, + acc, [gradient -> optimizer if last]
+    reduce (at="gradient") + acc, [gradient -> optimizer if last]
+    shard                  full -> optimizer (or parameter): local slices only
+    gather                 optimizer (or parameter) -> full
+    sync_params            optimizer -> parameter
+    =====================  ============================================================
 
     A bucket whose spec has ``outer_compress`` runs its deferred reduction (the leg
     ``gradient -> optimizer``) on that axis compressed (:mod:`functional_hsdp.runtime.compressed`).

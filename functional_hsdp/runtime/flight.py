@@ -6,15 +6,9 @@ MainGrad's deferred reduction, a gathered unit's all-gather issued ahead and its
 reduce-scatter. A subclass says how to wait (``_wait``) and what to let go of (``_release``);
 :meth:`InFlight.result` is written once, here.
 
-Invariant: :meth:`~InFlight.result` waits at most once. It keeps what it got, the value or the
-error (an ``Exception``: what was still in flight is let go, and every later call raises it
-again); an interrupt (a ``BaseException`` that is not an ``Exception``, say
-``KeyboardInterrupt``) keeps nothing, and the next call waits again. :meth:`~InFlight.abandon`
-lets go of what is still in flight when the result will never be read.
-
-Not an :class:`InFlight`: a mesh's :class:`~functional_hsdp.mesh.Flight`, the backend's handle
-of one collective, which the mesh that issued it waits (``Mesh.wait``) and which keeps no result
-or error of its own; the :class:`InFlight` holding it does.
+Invariant: :meth:`~InFlight.result` waits at most once and keeps what it got, the value or the
+error (an interrupt keeps nothing: see there); :meth:`~InFlight.abandon` lets go of what is
+still in flight when the result will never be read.
 """
 
 from __future__ import annotations
@@ -33,6 +27,10 @@ class InFlight(Generic[T]):
     holds anything in flight, ``_release()`` (let go of it: what is still in flight is
     abandoned, never waited). ``waited=True`` makes one already waited for, whose result is
     ``result`` (nothing to wait for: a tree without leaves, a result unpickled).
+
+    Not an :class:`InFlight`: a mesh's :class:`~functional_hsdp.mesh.Flight`, the backend's
+    handle of one collective, which the mesh that issued it waits (``Mesh.wait``) and which
+    keeps no result or error of its own; the :class:`InFlight` holding it does.
     """
 
     __slots__ = ("_value", "_error", "_waited")
@@ -48,9 +46,11 @@ class InFlight(Generic[T]):
         return self._waited or self._error is not None
 
     def result(self) -> T:
-        """The value, waited for on the first call and kept. An error is kept too and raised
-        again by every later call (from here, not growing its first traceback); an interrupt
-        keeps nothing: the next call waits again."""
+        """The value, waited for on the first call and kept. An error (an ``Exception``) is
+        kept too: what was still in flight is let go, and every later call raises it again
+        (from here, not growing its first traceback). An interrupt (a ``BaseException`` that
+        is not an ``Exception``, say ``KeyboardInterrupt``) keeps nothing: the next call
+        waits again."""
         if self._error is not None:
             raise self._error.with_traceback(None)
         if not self._waited:

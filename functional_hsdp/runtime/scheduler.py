@@ -2,15 +2,9 @@
 
 A bucket's *program* is a sequence of :class:`~functional_hsdp.plan.recipe.Step` s (collectives, or
 local slices) and local functions ``(bucket index, buffer) -> buffer`` (adding the running
-accumulation, say). :func:`run` moves every bucket through its program with at most ``depth``
-buckets in flight: a bucket is packed (``source``) just before its first collective, and
-collectives are issued step-major across the buckets in flight: every bucket's first
-collective before any bucket's second, and so on. So packing overlaps communication, buckets
-overlap each other, and the second axis's collective of one bucket runs while the first
-axis's collectives of later buckets are in flight. With a bounded ``depth`` (MainGrad's two)
-the oldest bucket is finished before a new one starts, so the extra memory stays within
-``depth`` buckets however large the model.
-
+accumulation, say). Invariant: at most ``depth`` buckets in flight, each packed just before
+its first collective, collectives issued step-major across them (the order and why:
+:func:`run`), so the extra memory stays within ``depth`` buckets however large the model.
 fp16 on the wire is pre- and post-divided (:func:`divide_factors`), the one place where
 divide factors are chosen.
 """
@@ -136,6 +130,14 @@ def run(
     gate: Callable[[], None] | None = None,
 ) -> list[Any]:
     """Move bucket ``b``'s buffer ``source(b)`` through ``programs[b]``, every bucket.
+
+    At most ``depth`` buckets are in flight: a bucket is packed (``source``) just before its
+    first collective, and collectives are issued step-major across the buckets in flight:
+    every bucket's first collective before any bucket's second, and so on. So packing
+    overlaps communication, buckets overlap each other, and the second axis's collective of
+    one bucket runs while the first axis's collectives of later buckets are in flight. With a
+    bounded ``depth`` (MainGrad's two) the oldest bucket is finished before a new one starts,
+    so the extra memory stays within ``depth`` buckets however large the model.
 
     Args:
         mesh: the mesh.

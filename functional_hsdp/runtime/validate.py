@@ -3,48 +3,9 @@
 In data-parallel training the worst failures are silent wrong gradients and hangs, where one
 rank issues a collective that the others do not; the agreement turns both into clear errors.
 This room holds the mode only. Invariant: a call reads the mode once, when it starts, in
-the caller's context (:func:`current_mode`), and every rank must use the same mode.
-
-=====================================  ===================================================
-failure                                what happens
-=====================================  ===================================================
-ranks make different calls, or pass    every call's agreement compares the ranks' rows
-different trees, shapes, dtypes,       before any gradient collective; every rank raises
-specs, ``last`` or options             the same ``ValueError``, naming the first differing
-                                       field or leaf path and the ranks
-a rank's own checks fail (a wrong      it raises its error, and the others raise one that
-``acc``, a meta leaf, a bad flag)      names it, in the same agreement: nobody waits
-ranks run their gathered units in      the step's running fingerprint of unit calls and
-another order, or with other options   ``begin_microbatch`` declarations (``UnitLog``)
-or dtypes, or declare another last     rides in the summary of ``begin_microbatch(last=
-microbatch                             True)``, ``MainGrad.finish`` and the last
-                                       ``reduce_grads(at="gradient")``: every rank raises,
-                                       naming the first call that differs and how;
-                                       ``validation("strict")`` agrees before each unit
-                                       collective and declaration (no mismatched one)
-NaN/Inf in gradients                   ``check_finite=True``: every rank raises a
-                                       ``ValueError`` naming the first such leaf and ranks
-a peer dies, hangs or issues another   the collective fails or times out and raises
-collective                             ``CollectiveError`` naming it and its mesh axis
-=====================================  ===================================================
-
-The rooms: ``agreement`` (one call's agreement: the summary, the exact decision),
-``fingerprints`` (what a call says of itself, the non-finite scan), ``span`` (the part of
-the mesh a call agrees over), ``unit_calls`` (the gathered units' running record) and
-``messages`` (the texts every rank raises alike).
-
-Limits
-------
-* ``validation("off")`` exchanges nothing (the checks above are off), except for a call with
-  ``check_finite=True``, whose row still carries its non-finite flags; every rank must use
-  the same mode, or the ranks that exchange wait (bounded by the mesh's timeout). A call
-  reads the mode when it starts, in the caller's context; the backward of ``psum`` and
-  ``pmean`` (a call too) uses the mode their forward read, since autograd may run a backward
-  on another thread (its device threads on CUDA), which does not see the caller's context.
-* Under ``torch.compile`` nothing is exchanged (a ``reduce_grads(check_finite=True)`` there
-  runs eagerly, at a graph break, agreement included).
-* A failure after the agreement (out of memory while packing, a peer dying mid-collective)
-  raises ``CollectiveError`` on the survivors within the timeout, not at once.
+the caller's context (:func:`current_mode`), and every rank must use the same mode. What
+each failure becomes, and the limits: :func:`validation`; the agreement itself:
+:mod:`~functional_hsdp.runtime.agreement`; the whole story: ``docs/guides/reliability.md``.
 """
 
 from __future__ import annotations
@@ -65,6 +26,40 @@ _MODE: contextvars.ContextVar[str] = contextvars.ContextVar("fh_validation", def
 @contextlib.contextmanager
 def validation(mode: str) -> Iterator[None]:
     """Turn the cross-rank agreement on or off inside the ``with`` block.
+
+    What the agreement turns each failure into:
+
+    * **Ranks make different calls**, or pass different trees, shapes, dtypes, specs,
+      ``last`` or options: every call's agreement compares the ranks' rows before any
+      gradient collective; every rank raises the same ``ValueError``, naming the first
+      differing field or leaf path and the ranks.
+    * **A rank's own checks fail** (a wrong ``acc``, a meta leaf, a bad flag): it raises its
+      error, and the others raise one that names it, in the same agreement: nobody waits.
+    * **Ranks run their gathered units** in another order, or with other options or dtypes,
+      or declare another last microbatch: the step's running fingerprint of unit calls and
+      ``begin_microbatch`` declarations (``UnitLog``) rides in the summary of
+      ``begin_microbatch(last=True)``, ``MainGrad.finish`` and the last
+      ``reduce_grads(at="gradient")``: every rank raises, naming the first call that differs
+      and how; ``validation("strict")`` agrees before each unit collective and declaration
+      (no mismatched one).
+    * **NaN/Inf in gradients**: with ``check_finite=True`` every rank raises a ``ValueError``
+      naming the first such leaf and ranks.
+    * **A peer dies, hangs or issues another collective**: the collective fails or times out
+      and raises ``CollectiveError`` naming it and its mesh axis.
+
+    Limits:
+
+    * ``validation("off")`` exchanges nothing (the checks above are off), except for a call
+      with ``check_finite=True``, whose row still carries its non-finite flags. A call reads
+      the mode when it starts, in the caller's context; the backward of ``psum`` and
+      ``pmean`` (a call too) uses the mode their forward read, since autograd may run a
+      backward on another thread (its device threads on CUDA), which does not see the
+      caller's context.
+    * Under ``torch.compile`` nothing is exchanged (a ``reduce_grads(check_finite=True)``
+      there runs eagerly, at a graph break, agreement included).
+    * A failure after the agreement (out of memory while packing, a peer dying
+      mid-collective) raises ``CollectiveError`` on the survivors within the timeout, not at
+      once.
 
     Args:
         mode: ``"on"`` (the default: every call takes part in one small summary over the
@@ -99,8 +94,8 @@ def current_mode() -> str:
     """The mode :func:`validation` set in this context (``"on"`` by default), for a call to
     pass to :func:`~functional_hsdp.runtime.agreement.agreement_in_mode`. A function whose
     backward makes a call reads it in its forward and hands it to the backward: autograd may
-    run a backward on another thread, which does not see this context (see this module's
-    docstring, "Limits"). While ``torch.compile`` traces, ``"on"`` (nothing is exchanged
+    run a backward on another thread, which does not see this context (see
+    :func:`validation`, "Limits"). While ``torch.compile`` traces, ``"on"`` (nothing is exchanged
     there, and dynamo cannot read a ContextVar)."""
     if torch.compiler.is_compiling():
         return "on"

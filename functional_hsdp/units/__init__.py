@@ -3,13 +3,11 @@
 ``gathered(fn, spec)(unit_shards, *args) == fn(gather(unit_shards, spec), *args)``,
 differentiable under ``torch.func`` and plain autograd: the gradient with respect to
 ``unit_shards`` is the unit's gradient *at the gradient placement* (JAX's rule: the transpose
-of an all-gather is a reduce-scatter). FSDP2's memory, in a ``torch.func`` loop. How a call
-runs: :mod:`~functional_hsdp.units.functions` (first order) and
-:mod:`~functional_hsdp.units.composable` (``vmap``, forward mode, a second derivative).
+of an all-gather is a reduce-scatter). FSDP2's memory, in a ``torch.func`` loop.
 
-Rooms, one concern each: ``block`` (the call, and which path it takes), ``call`` (the call
-record's phases), ``functions``, ``composable``, ``transfers`` (the unit's all-gather and
-reduce-scatter, each in flight a typed record), ``storage`` (the gathered weights between
+Rooms: ``block`` (the call, and which path it takes: ``functions``, first order, or
+``composable``: ``vmap``, forward mode, a second derivative), ``call`` (the call record's
+phases), ``transfers`` (its collectives in flight), ``storage`` (the gathered weights between
 forward and backward), ``replay`` (RNG and autocast for a recompute), ``chain`` (what one
 forward pass's calls share), ``registry`` (the only per-thread state), ``checks`` (the unit's
 plan, place and description) and ``module`` (``shard_module``, ``functional_call``).

@@ -1,19 +1,14 @@
-"""A unit's collectives, through the library's engine (:mod:`functional_hsdp.runtime.engine`): the
-all-gather of its weights (parameter placement -> Replicate, in ``mp_policy.param_dtype``
+"""A unit's collectives, through the library's engine (:mod:`functional_hsdp.runtime.engine`).
+
+The all-gather of its weights (parameter placement -> Replicate, in ``mp_policy.param_dtype``
 when one is given: the shards are cast before it, so the wire and the compute are in it),
-issued when needed or ahead of its use, and the reduce-scatter of its gradient (in
-``mp_policy.reduce_dtype``), issued in backward and waited by the unit's wait node.
+issued when needed or ahead of its use (:func:`issue_ahead`), and the reduce-scatter of its
+gradient (in ``mp_policy.reduce_dtype``), issued in backward and waited by the unit's wait
+node. Each in flight is an :class:`~functional_hsdp.runtime.flight.InFlight` on the call
+(:class:`AllGather`, :class:`ReduceScatter`), whose docstring states its invariant.
 
-Each collective in flight is an :class:`~functional_hsdp.runtime.flight.InFlight` on the call
-(:class:`AllGather`, :class:`ReduceScatter`), whose docstring states its invariant. Every
-rank issues the same collectives in the same order; under ``validation("strict")`` the ranks
-agree on each before it is issued (:func:`_agree_before`).
-
-An all-gather issued ahead (``prefetch``, or the backward prefetch of the unit before) is used
-by whichever block runs those shards next, as long as it gathers them the same way (spec,
-``into``, ``param_dtype``: :func:`~functional_hsdp.units.checks.adopts`); else it is
-abandoned unused.
-
+Invariant: every rank issues the same collectives in the same order; under
+``validation("strict")`` the ranks agree on each before it is issued (:func:`_agree_before`).
 State: none of its own; what is in flight lives on the call records.
 """
 
@@ -110,7 +105,12 @@ class ReduceScatter(InFlight[list]):
 
 def issue_ahead(call: Call, when: str, pieces: Sequence[torch.Tensor]) -> None:
     """Issue ``call``'s all-gather ahead of its use (``when``: its forward or backward); one
-    issued before and not used is abandoned."""
+    issued before and not used is abandoned.
+
+    An all-gather issued ahead (``prefetch``, or the backward prefetch of the unit before) is
+    used by whichever block runs those shards next, as long as it gathers them the same way
+    (spec, ``into``, ``param_dtype``: :func:`~functional_hsdp.units.checks.adopts`); else it
+    is abandoned unused."""
     abandon_ahead(call)
     # in forward, ahead of its call: the record is still the prefetching block's
     call.ahead = _start_all_gather(call, when, pieces, ahead=when == "forward")

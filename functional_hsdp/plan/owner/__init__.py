@@ -1,19 +1,18 @@
 """The owner placement: each leaf whole on one rank, and the moves to and from it.
 
-A tree reaches it in one of three ways, each in its own room (none keeps state but the
-routes' bounded cache; each module's docstring says more):
+A tree reaches it in one of three ways, each in its own room (each docstring says more):
 
-* :mod:`.major`: an Owner spec (:func:`owned`) lays its buckets out *owner-major*, balanced
-  by size (:func:`balance`), so its Flat chunks are the owners' leaves and it moves as a
-  Flat spec (Partial -> Owner a reduce-scatter, Owner -> Replicate an all-gather);
+* :mod:`.major`: an Owner spec (:func:`owned`) lays its buckets out *owner-major*, balanced by
+  size (:func:`balance`), and moves as a Flat spec (Partial -> Owner a reduce-scatter, Owner
+  -> Replicate an all-gather);
 * :mod:`.routes`: any other spec keeps its layout; :func:`route` moves each bucket from the
   optimizer placement to the owners and back by uneven all-to-alls;
-* :mod:`.keep`: an Owner spec on some data-parallel axes only (``owned(spec, axes)``) keeps
-  its layout, each rank keeping the pieces of its chunk its coordinate owns;
-* :mod:`.pieces`: what the routes and the keep moves are made of.
+* :mod:`.keep`: an Owner spec on some data-parallel axes only (``owned(spec, axes)``) keeps its
+  layout, each rank keeping the pieces of its chunk its coordinate owns.
 
-Dependencies go one way: ``plan.buckets`` and ``spec.placement`` -> this package ->
-``plan.recipe`` (a route reads a finished plan without importing it).
+:mod:`.pieces` is what the routes and the keep moves are made of. No state but the routes'
+bounded cache. Dependencies go one way: ``plan.buckets`` and ``spec.placement`` -> this package
+-> ``plan.recipe`` (a route reads a finished plan without importing it).
 """
 
 from .keep import KeptPieces, keep_items, keep_owners
