@@ -8,6 +8,8 @@ This module is the public surface, ``fh.X``: every name is re-exported from a la
 (the layers, bottom up: :mod:`functional_hsdp.layers`).
 """
 
+import sys as _sys
+
 from .base.cache import clear_caches
 from .base.errors import CollectiveError
 from .base.trace import CommLog, Event, comm_log
@@ -136,6 +138,11 @@ _DEPRECATED = {
     "Masked": ("MaskedNode", MaskedNode),
     "masked": ("masked_node", masked_node),
 }
+
+
+# ``fh.schedules`` is a public submodule: ``import functional_hsdp.schedules`` and ``from
+# functional_hsdp.schedules import ...`` keep working where it lives now, in the optim layer
+_sys.modules[f"{__name__}.schedules"] = schedules
 
 
 def __getattr__(name: str):

@@ -194,7 +194,7 @@ def _variant(cfg: dict, every: int, fragments: int, delay: int, text: torch.Tens
         kept = _nbytes(run.state.anchor)
         for s in run.state.outer.inner.values():
             kept += _nbytes(s.momentum)
-        if run.state.pending is not None:  # held (Masked leaves have none) and in flight
+        if run.state.pending is not None:  # held (MaskedNode leaves have none) and in flight
             pending = _nbytes(run.state.pending)
             pending += sum(_nbytes(s.result()) for s in run.state.flight if s is not None)
     return dict(curve=curve, outer_bytes=outer_bytes, times=times, kept=kept, pending=pending,

@@ -10,7 +10,7 @@ a 2x2 ``DeviceMesh`` (cached in a pool's workers) and runs one functional all-re
 typical test.
 
 Measured 2026-12-03 on a 2-core CPU, torch 2.13 (CPU), load average about 6 (other jobs were
-running), by this code when it was ``python -m functional_hsdp.mesh.launch``:
+running), by this code when it was ``python -m functional_hsdp.launch``:
 
 =================================================  ==========
 what (4 ranks)                                      seconds
@@ -27,7 +27,7 @@ what (4 ranks)                                      seconds
 =================================================  ==========
 
 Rerun 2026-12-05, same machine and torch, load average 5-6, in one job: before the move
-(``python -m functional_hsdp.mesh.launch`` at ed35a9b) and after (this module). The two agree
+(``python -m functional_hsdp.launch`` at ed35a9b) and after (this module). The two agree
 within the load's noise, except the pool's first mesh task: its workers now import this module
 (and with it the ``bench`` package) for it, about 0.07 s each, where the task used to live in
 the module they had imported already:

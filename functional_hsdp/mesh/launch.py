@@ -295,20 +295,20 @@ def run(
     ``world_size`` workers, which rendezvous on a free port (``c10d``, as ``torchrun
     --standalone``), join the process group, run the task once and exit. A one-shot run costs
     about 0.9 s of start-up and teardown; a :class:`functional_hsdp.tools.testing.GlooPool`
-    task about 3 ms after a 0.6 s start (``python -m bench.startup`` measures both), which is
+    task about 3 ms after a 0.6 s start (``python -m bench.mesh.startup`` measures both), which is
     why the test suite and the benchmarks, which run many short tasks, use the pool.
 
-    Tasks: ``fn``, its arguments and its return values are pickled with the standard pickle
-    module (tensors travel by value, as ``torch.save`` bytes of a detached CPU clone; no shared
-    memory), so ``fn`` must be a module-level function of a module the workers can import by
-    the same name. Workers get the caller's ``sys.path`` as of their start. Under pytest's
-    default ``prepend`` import mode ``tests/`` is on it and ``tests/test_foo.py`` is the
-    top-level module ``test_foo``, so test modules and helper modules beside them can hold
-    tasks (importing one in a worker runs its top level: keep that free of side effects;
-    ``--import-mode=importlib`` is not supported). Lambdas, closures and nested functions
-    cannot be tasks. Workers see the environment of the forkserver (the caller's when it
-    started), run one thread each (``torch.set_num_threads(1)``) and share the caller's stdout
-    and stderr.
+    Tasks: ``fn``, its arguments and its return values are pickled with the standard pickle module
+    (tensors travel by value, as ``torch.save`` bytes of a detached CPU clone; no shared memory), so
+    ``fn`` must be a module-level function of a module the workers can import by the same name.
+    Workers get the caller's ``sys.path`` as of their start. Under pytest's default ``prepend``
+    import mode a test's folder (``tests/<layer>/``) and ``tests/`` are on it and
+    ``tests/<layer>/test_foo.py`` is the top-level module ``test_foo``, so test modules and helper
+    modules beside them can hold tasks (importing one in a worker runs its top level: keep that free
+    of side effects; ``--import-mode=importlib`` is not supported). Lambdas, closures and nested
+    functions cannot be tasks. Workers see the environment of the forkserver (the caller's when it
+    started), run one thread each (``torch.set_num_threads(1)``) and share the caller's stdout and
+    stderr.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch

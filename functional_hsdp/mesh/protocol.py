@@ -40,8 +40,8 @@ class Flight:
     Attributes:
         op: the collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``,
             ``"all_to_all"``).
-        axis: the mesh axis. buffer: the tensor the collective writes (the result, or for a
-        reduce-scatter done as
+        axis: the mesh axis.
+        buffer: the tensor the collective writes (the result, or for a reduce-scatter done as
             an in-place all-reduce, the whole buffer whose chunk is the result).
         work: the backend's handle (a c10d ``Work``), or None when ``buffer`` waits itself
             (a functional collective's result).

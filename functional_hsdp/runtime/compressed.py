@@ -459,7 +459,7 @@ class Packing:
         """The packing of the leaves ``members`` (tree indices) of ``leaves``, local values at
         ``role`` of ``plan``: which elements of each piece are this rank's (its mesh's fill
         is not) comes from packing ones and unpacking them; the longest row from the plan,
-        for every rank of the mesh (:meth:`~functional_hsdp.plan.Plan.held`)."""
+        for every rank of the mesh (:meth:`~functional_hsdp.plan.recipe.Plan.held`)."""
         with torch.no_grad():
             ones = [torch.ones_like(x) for x in leaves]
             bufs = [plan.pack(b, ones, role) for b in range(len(plan.buckets))]

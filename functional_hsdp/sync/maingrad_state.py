@@ -149,9 +149,12 @@ def load_checkpoint(state: dict, spec: Any, mg: Any, *, name: str) -> Any:
         local = loaded_chunks(state.get("grads", {}), plan, shapes, name=f"{name}['grads']")
         agreed.check(plan, paths_of(plan.treedef, "grads"), options=("MainGrad",))
     pieces = from_checkpoint(plan, local, shapes)
-    # packed into buffers of their own, not into mg's: with persistent=False a zeroed MainGrad
-    # has given its buckets' memory back, and load_local_state_dict takes it back first
-    buffers = [torch.zeros_like(buf) for buf in mg.buffers]
+    # packed in place, but for a bucket whose memory was given back (persistent=False, zeroed):
+    # that one into a buffer of its own, which load_local_state_dict copies after taking back
+    # the memory
+    buffers = [
+        torch.zeros_like(buf) if buf.untyped_storage().nbytes() == 0 else buf for buf in mg.buffers
+    ]
     for b, buf in enumerate(buffers):
         packed = plan.pack(b, pieces, ROLE)
         buf[..., : packed.shape[-1]].copy_(packed)

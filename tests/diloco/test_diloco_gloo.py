@@ -613,7 +613,7 @@ def test_replicas_that_issue_different_syncs_raise_before_the_collectives(pool, 
 def _packings(placements) -> list:
     """Per placement: whether every fragment's packing on this rank is the whole-pieces
     layout (``whole``), and its index is the pieces' positions in order, then the padding
-    slot: what ``_Packing.whole`` copies instead of gathering (a DistMesh's pieces hold no
+    slot: what ``Packing.whole`` copies instead of gathering (a DistMesh's pieces hold no
     fill). Also that both ways give the same row and pieces, on random values."""
     mesh = _mesh()
     spec = fh.hsdp(mesh, *AXES)  # (Owner on some axes needs a third axis: SimMesh tests it)

@@ -428,3 +428,12 @@ def test_bad_chains_states_and_arguments_are_refused():
         S.warmup_cosine_decay(0.0, 1.0, warmup_steps=10, decay_steps=10)
     with pytest.raises(TypeError, match="linear: transition_steps must be an int"):
         S.linear(0.0, 1.0, 2.5)
+
+
+def test_schedules_is_a_submodule_path_too():
+    """``fh.schedules`` lives in the optim layer; its old module path still imports it."""
+    import importlib
+
+    module = importlib.import_module("functional_hsdp.schedules")
+    assert module is fh.schedules
+    assert module.cosine_decay is fh.schedules.cosine_decay

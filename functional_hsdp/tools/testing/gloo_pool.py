@@ -3,7 +3,7 @@
 :class:`GlooPool` starts ``world_size`` workers that join one gloo process group and then wait
 for tasks, so that every ``pool.run(fn, ...)`` after the first costs a round trip (about 3 ms)
 instead of a start (about 0.9 s with :func:`functional_hsdp.mesh.launch.run`; ``python -m
-bench.startup`` measures both). Tasks and workers follow
+bench.mesh.startup`` measures both). Tasks and workers follow
 :func:`~functional_hsdp.mesh.launch.run`'s rules (module-level functions, pickled by name;
 tensors by value; forked from the forkserver; one thread each; ``rank``, ``world_size`` and
 ``device_mesh`` of :mod:`functional_hsdp.mesh.launch` usable in a task). Who keeps a pool:
