@@ -34,6 +34,7 @@ LAYERS = {
     "diloco": "diloco",
     "diloco_overlap": "diloco",
     "compress": "runtime",
+    "wan": "diloco",
 }
 
 BENCHMARKS = {name: import_module(f"{__name__}.{layer}.{name}") for name, layer in LAYERS.items()}

@@ -76,7 +76,9 @@ def _task_unlimited_then_limited(numel: int, rate_mbit: float):
 def _task_inner_then_outer(numel: int):
     """2 sites x 2 ranks: the bytes each site sent on the link and on loopback during an
     all-reduce within each site (ranks {0, 1} and {2, 3}), then one across them ({0, 2} and
-    {1, 3}); read by each site's first rank between barriers."""
+    {1, 3}); read by each site's first rank between two barriers, so that no rank starts the
+    next all-reduce before the counters are read (one did, and 64 KiB of its site's outer bytes
+    fell in the inner window)."""
     r, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
     inner = [dist.new_group([0, 1]), dist.new_group([2, 3])][r // 2]
     outer = [dist.new_group([0, 2]), dist.new_group([1, 3])][local]
@@ -84,6 +86,7 @@ def _task_inner_then_outer(numel: int):
     for group in (inner, outer):
         dist.barrier()
         counts.append((sites.link_counters()["tx_bytes"], sites.link_counters("lo")["tx_bytes"]))
+        dist.barrier()
         t = torch.full((numel,), float(r))
         dist.all_reduce(t, group=group)
         sums.append(t[0].item())
