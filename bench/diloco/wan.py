@@ -337,7 +337,62 @@ def report(res: dict, command: str, when: str) -> str:
         f"{cfg['outer_momentum']:g}, nesterov=True). Run time {res['wall_s']:.0f} s; load "
         f"(1-min average, start/end of each phase): {res['load']}; tbf drops {res['drops']}.\n"
     )
-    return head + _steps_table(res) + _curves_table(res) + _goals(res)
+    return head + _steps_table(res) + _curves_table(res) + _estimated_table(res) + _goals(res)
+
+
+def _medians_at(res: dict, rate: str, name: str) -> dict | None:
+    """A variant's median step of each kind at ``rate``; H = ``long_every``'s from H = ``every``'s
+    (its sync is the same bytes) where the step-time phase left it out."""
+    vs = res["rates"][rate]
+    cfg = res["cfg"]
+    if name not in vs:
+        name = name.replace(f"H={cfg['long_every']}", f"H={cfg['every']}")
+    return vs[name]["median"] if name in vs else None
+
+
+def estimated_time_to_loss(res: dict) -> dict[str, dict[str, float | None]]:
+    """``{rate: {variant: seconds to HSDP's final loss}}`` at every rate of the step-time phase:
+    the curves' eval loss at each step (the same at any rate: the same batches and arithmetic),
+    each step taking that rate's measured median step of its kind (None: never reached)."""
+    curves = res["rates"][res["curve_rate"]]
+    target = curves["HSDP"]["curve"][-1][1]
+    out: dict[str, dict[str, float | None]] = {}
+    for rate in res["rates"]:
+        if rate == res["curve_rate"]:
+            continue
+        out[rate] = {}
+        for name, x in curves.items():
+            med = _medians_at(res, rate, name)
+            if med is None:
+                continue
+            walls = [0.0]
+            for kind in x["kinds"]:
+                walls.append(walls[-1] + med.get(kind, med.get("quiet", 0.0)))
+            hit = next((s for s, loss, _ in x["curve"] if loss <= target), None)
+            out[rate][name] = None if hit is None else walls[hit]
+    return out
+
+
+def _estimated_table(res: dict) -> str:
+    est = estimated_time_to_loss(res)
+    if not est:
+        return ""
+    rates = list(est)
+    rows = []
+    for name in res["rates"][res["curve_rate"]]:
+        row = [name]
+        for rate in rates:
+            t, base = est[rate].get(name), est[rate].get("HSDP")
+            row.append("never" if t is None else f"{t:.1f} s ({t / base:.2f}x)")
+        rows.append(row)
+    return (
+        "\n### Time-to-loss at the other rates (estimated)\n\nThe curves' loss at each step (the "
+        "same at any rate: the same batches and arithmetic), each step taking the rate's measured "
+        "median step of its kind (H = 50 at H = 20's: the same sync); seconds to HSDP's final "
+        "loss, and against HSDP's at that rate:\n\n"
+        + C.table(["variant", *(r if r == "unlimited" else f"{r} Mbit/s" for r in rates)], rows)
+        + "\n"
+    )
 
 
 def _ms(x: float | None) -> str:

@@ -37,6 +37,7 @@ ORDER = [
     "diloco",
     "diloco_overlap",
     "compress",
+    "wan",
     "module",
     "muon",
     "dpsgd",
@@ -124,6 +125,19 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
         assert all(mu["ns"][v]["calls"] > 0 and mu["ns"][v]["seconds"] > 0 for v in mu["ns"])
         assert all(x < 1e-2 for x in mu["loss_maxrel"].values()), mu["losses"]
         assert "### Muon" in md and "Arithmetic, not a measurement" in md
+    if name == "wan":  # two sites where this machine can make them (root, tc, tbf)
+        if "skipped" in res:
+            assert "Skipped: " in md
+        else:
+            v = res["rates"]["100"]
+            assert set(v) == set(res["cfg"]["only"])
+            for x in v.values():  # the link carries at least what comm_log counts
+                assert x["link_bytes"] >= x["comm_bytes"], x
+            assert 0 < v["HSDP int8"]["comm_bytes"] < v["HSDP"]["comm_bytes"] / 3
+            assert v["HSDP int8"]["codec"] > 0 and v["HSDP"]["codec"] == 0
+            assert v["DiLoCo H=4"]["comm_bytes"] < v["HSDP"]["comm_bytes"] / 4
+            assert all(len(x["curve"]) >= 2 for x in v.values())
+            assert "### Goals (issue 46)" in md
     if name == "diloco":  # H=2: half HSDP's outer bytes, none on steps without a sync
         h2 = res["variants"]["H=2"]
         assert h2["quiet_nonzero"] == 0 and h2["syncs"] == res["cfg"]["steps"] // 2
