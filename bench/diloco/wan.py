@@ -16,14 +16,18 @@ momentum=0.9, nesterov=True)``); Streaming DiLoCo (H = 20, F = 4, delay 1 and 2)
 Two phases, each one :meth:`Sites.call` (4 fresh ranks) at one link rate:
 
 - **curves** at the rate the goals name (100 Mbit/s): every variant trains ``steps`` steps on
-  the same batches; eval loss on fixed held-out bytes every ``eval_every`` steps (not timed),
-  each step timed (a barrier inside the site before it: none crosses the link, so no barrier
-  waits behind a sync's bytes queued in the ``tbf``), the bytes each site's interface sent on
+  the same batches; eval loss on fixed held-out bytes every ``eval_every`` steps (of a copy of
+  the params taken then and evaluated after the run, so that no sync flies during an untimed
+  eval; with DiLoCo the mean of the two replicas' own losses), each step timed (a barrier
+  inside the site before it: none crosses the link, so no barrier waits behind a sync's bytes
+  queued in the ``tbf``; a site's step is its slower rank's, a step the slower site's, or
+  where the sites meet, a sync, the later one's), the bytes each site's interface sent on
   the link over the variant (``/sys/class/net/wan0/statistics``, read between barriers) beside
   ``comm_log``'s outer bytes (:meth:`CommLog.sent_bytes`, the payload a bandwidth-optimal
   algorithm moves), and for the compressed HSDP variants the codec's seconds (B19's seam on the
-  compressed reduction's local items). Time-to-loss: the wall-clock (the slowest rank's summed
-  step times) at the first eval whose loss is at most HSDP's final one.
+  compressed reduction's local items). Time-to-loss: the wall-clock (the slower site's summed
+  step times) at the first eval whose loss is at most HSDP's final one (HSDP's own too).
+  Step-time statistics leave out the first step (its warm-up).
 - **step times** at the other rates (unlimited, 1 Gbit/s): each variant of H = 20 over
   ``every + delay + 2`` steps, a sync in them (H = 50's sync step is H = 20's: the same bytes).
 """
@@ -149,10 +153,12 @@ class _Run:
                 sync.result()
 
     @torch.no_grad()
-    def evaluate(self, evals: list) -> float:
+    def evaluate(self, evals: list, shards: Any = None) -> float:
+        """The mean eval loss of this replica's params (``shards``: a copy taken earlier)."""
         import functional_hsdp as fh
 
-        logits = (fh.functional_call(self.model, self.shards, (ids,)).logits for ids in evals)
+        shards = self.shards if shards is None else shards
+        logits = (fh.functional_call(self.model, shards, (ids,)).logits for ids in evals)
         return statistics.mean(B18._loss(x, ids).item() for x, ids in zip(logits, evals))
 
 
@@ -179,8 +185,12 @@ def _variant(cfg: dict, v: Variant, steps: int, text: torch.Tensor, evaluate: bo
     gen = torch.Generator().manual_seed(1000 + C.rank())
     eval_gen = torch.Generator().manual_seed(7)
     evals = [B18._batch(held, eval_gen, cfg) for _ in range(cfg["eval_batches"])]
+    import functional_hsdp as fh
+
     run = _Run(cfg, v, dm)
-    curve = [(0, run.evaluate(evals))] if evaluate else []
+    # Params are copied at each eval step and evaluated after the run: an eval between steps
+    # would give a delayed sync in flight time on the link that no step pays for.
+    copies = [(0, optree.tree_map(torch.clone, run.shards))] if evaluate else []
     times, sent = [], []
     B19._CODEC["seconds"] = 0.0
     start = _link_tx(inner)
@@ -192,11 +202,14 @@ def _variant(cfg: dict, v: Variant, steps: int, text: torch.Tensor, evaluate: bo
             sent.append(run.step(ids))
             times.append(time.perf_counter() - t0)
             if evaluate and (step % cfg["eval_every"] == 0 or step == steps):
-                curve.append((step, run.evaluate(evals)))
-        run.drain()
+                copies.append((step, optree.tree_map(torch.clone, run.shards)))
+        with fh.comm_log() as log:  # a delayed compressed sync's last leg runs when collected
+            run.drain()
+        sent[-1] += log.sent_bytes(AXES[0], 2)
     codec = B19._CODEC["seconds"]
     end = _link_tx(inner)
     link = None if start is None else end - start
+    curve = [(step, run.evaluate(evals, shards)) for step, shards in copies]
     return dict(times=times, sent=sent, curve=curve, link=link, codec=codec)
 
 
@@ -224,6 +237,8 @@ def _synced(v: Variant, steps: int) -> list[str]:
     out = ["quiet"] * steps
     for t in range(steps):
         if issued[t]:
+            if out[t] != "quiet":
+                raise ValueError(f"{v.name}: a sync issued while another lands ({t + 1})")
             out[t] = "sync" if v.delay == 0 else "issue"
             for k in range(t + 1, min(t + v.delay + 1, steps)):
                 out[k] = "land" if k == t + v.delay else "flight"
@@ -234,17 +249,24 @@ def _summarize(per_rank: list[dict], vlist: list[Variant], curves: bool) -> dict
     out = {}
     for v in vlist:
         runs = [r[v.name] for r in per_rank]
-        times = [max(ts) for ts in zip(*(r["times"] for r in runs))]  # the slowest rank
-        kinds = _synced(v, len(times))
-        by_kind = {k: [t for t, kk in zip(times, kinds) if kk == k] for k in set(kinds)}
-        # the wall-clock after k steps: the slowest rank's own steps summed (the sites run
+        # A site's step: its slower rank's (the two meet at a barrier before each step).
+        sites = [[max(a, b) for a, b in zip(runs[i]["times"], runs[i + 1]["times"])]
+                 for i in (0, 2)]  # fmt: skip
+        kinds = _synced(v, len(sites[0]))
+        # A step's time: the slower site's; where the sites meet (a sync, a landing), the
+        # site that came last's, since the other one's also holds the wait for it.
+        times = [min(a, b) if k in ("sync", "land") else max(a, b)
+                 for a, b, k in zip(*sites, kinds)]  # fmt: skip
+        # the statistics leave out step 1 (the first step's warm-up)
+        by_kind = {k: [t for t, kk in zip(times[1:], kinds[1:]) if kk == k] for k in set(kinds)}
+        # the wall-clock after k steps: the slower site's own steps summed (the sites run
         # apart between syncs, so the per-step maxima would overstate it)
-        wall = [max(sum(r["times"][:k]) for r in runs) for k in range(len(times) + 1)]
+        wall = [max(sum(site[:k]) for site in sites) for k in range(len(times) + 1)]
         x = dict(
             every=v.every, fragments=v.fragments, delay=v.delay, compress=v.compress,
-            steps=len(times), times=times, kinds=kinds,
-            median={k: statistics.median(ts) for k, ts in by_kind.items()},
-            largest=max(times), wall=wall[-1],
+            steps=len(times), times=times, kinds=kinds, rank_times=[r["times"] for r in runs],
+            median={k: statistics.median(ts) for k, ts in by_kind.items() if ts},
+            largest=max(times[1:]), wall=wall[-1],
             comm_bytes=sum(sum(r["sent"]) for r in runs),
             link_bytes=sum(r["link"] for r in runs if r["link"] is not None),
             codec=max(r["codec"] for r in runs),
@@ -285,7 +307,7 @@ def run(size: str = "full", pool: Any = None) -> dict:
             key = "unlimited" if rate is None else f"{rate:g}"
             res["rates"][key] = _summarize(per_rank, variants(cfg, curves=curves), curves)
             res["load"][key] = [start, C.loadavg()]
-            res["drops"] = [s.drops(i) for i in range(2)]
+            res.setdefault("drops", {})[key] = [s.drops(i) for i in range(2)]
     res["curve_rate"] = f"{cfg['curve_rate']:g}"
     res["params"] = sum(p.numel() for p in B18._model(cfg).parameters())
     res["wall_s"] = time.perf_counter() - t0
@@ -334,7 +356,8 @@ def report(res: dict, command: str, when: str) -> str:
         f"Llama hidden {cfg['hidden']}, {cfg['layers']} layers ({res['params'] / 1e6:.1f} M "
         f"parameters), {cfg['batch']}x{cfg['seq']} tokens per rank and step, inner "
         f"fh.adamw({cfg['inner_lr']:g}), DiLoCo's outer fh.sgd({cfg['outer_lr']:g}, momentum="
-        f"{cfg['outer_momentum']:g}, nesterov=True). Run time {res['wall_s']:.0f} s; load "
+        f"{cfg['outer_momentum']:g}, nesterov=True); a DiLoCo eval loss is the mean of the two "
+        f"replicas' own. Run time {res['wall_s']:.0f} s; load "
         f"(1-min average, start/end of each phase): {res['load']}; tbf drops {res['drops']}.\n"
     )
     return head + _steps_table(res) + _curves_table(res) + _estimated_table(res) + _goals(res)
@@ -402,7 +425,7 @@ def _ms(x: float | None) -> str:
 def _steps_table(res: dict) -> str:
     rows = []
     for rate, vs in res["rates"].items():
-        base = vs["HSDP"]["median"]["sync"]
+        base = vs["HSDP"]["wall"] / vs["HSDP"]["steps"]  # HSDP's mean step
         for name, x in vs.items():
             m = x["median"]
             sync = m.get("sync") or m.get("land")
@@ -418,14 +441,16 @@ def _steps_table(res: dict) -> str:
               "mean step vs HSDP's", "link MB (both sites)", "comm_log outer MB",
               "link / comm_log"]  # fmt: skip
     return (
-        "\n### Step times (medians of the slowest rank per step)\n\n" + C.table(header, rows) + "\n"
+        "\n### Step times (medians of each kind of step, the first left out)\n\n"
+        + C.table(header, rows)
+        + "\n"
     )
 
 
 def _curves_table(res: dict) -> str:
     vs = res["rates"][res["curve_rate"]]
     target = vs["HSDP"]["curve"][-1][1]
-    hsdp_wall = vs["HSDP"]["wall"]
+    hsdp_wall = _time_to_loss(vs["HSDP"], target)[0]  # its first eval at its final loss
     rows = []
     for name, x in vs.items():
         t, reached = _time_to_loss(x, target)
@@ -479,7 +504,8 @@ def goals(res: dict) -> dict[str, tuple[float, float, bool]]:
                 extra <= whole / f,
             )
     target = vs["HSDP"]["curve"][-1][1]
-    best = min(((_time_to_loss(x, target)[0] or float("inf")) / vs["HSDP"]["wall"])
+    hsdp_wall = _time_to_loss(vs["HSDP"], target)[0]
+    best = min(((_time_to_loss(x, target)[0] or float("inf")) / hsdp_wall)
                for n, x in vs.items() if x["every"])  # fmt: skip
     out["best DiLoCo time-to-loss <= 1/5 of HSDP's"] = (best, 0.2, best <= 0.2)
     return out
