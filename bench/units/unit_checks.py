@@ -22,7 +22,7 @@ from .. import common as C
 from . import module as B13
 
 SIZES = {
-    "tiny": {**B13.SIZES["tiny"], "warmup": 1, "reps": 2, "calls": 5},
+    "tiny": {**B13.SIZES["tiny"], "warmup": 1, "reps": 1, "calls": 5},
     "full": {**B13.SIZES["full"], "warmup": 2, "reps": 15, "calls": 200},
 }
 MODES = ("off", "on", "strict")
