@@ -33,6 +33,12 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The frozen heap back in the collector's sight before the interpreter's shutdown, which
+    otherwise leaves those objects alive (triton's bindings then report them as leaks)."""
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="module")
 def pool():
     """4 gloo ranks (``functional_hsdp.tools.testing.GlooPool``) shared by one module's tests."""
