@@ -241,8 +241,7 @@ def frozen():
     (torch's import leaves a large heap of objects). A heap frozen before the block (by
     :func:`freeze_heap`) stays frozen after it."""
     outer = gc.get_freeze_count() > 0
-    gc.collect()
-    gc.freeze()
+    freeze_heap()
     try:
         yield
     finally:

@@ -511,16 +511,20 @@ def goals(res: dict) -> dict[str, tuple[float, float, bool]]:
     return out
 
 
+def _plain_diloco(vs: dict) -> dict:
+    """The first DiLoCo variant that syncs the whole model, uncompressed, at once (H=every's)."""
+    return next(x for x in vs.values() if x["every"] and x["fragments"] == 1
+                and x["delay"] == 0 and x["compress"] == "none")  # fmt: skip
+
+
 def _quiet_compute(vs: dict) -> float:
-    """A step's compute alone: the median step of DiLoCo H=every without a sync."""
-    name = next(n for n in vs if n.startswith("DiLoCo") and " " not in n[len("DiLoCo ") :])
-    return vs[name]["median"]["quiet"]
+    """A step's compute alone: the median step of that DiLoCo variant without a sync."""
+    return _plain_diloco(vs)["median"]["quiet"]
 
 
 def _whole_sync(vs: dict) -> float:
     """A whole (F = 1, uncompressed) DiLoCo sync's time: its sync step less a quiet one."""
-    name = next(n for n in vs if n.startswith("DiLoCo") and " " not in n[len("DiLoCo ") :])
-    m = vs[name]["median"]
+    m = _plain_diloco(vs)["median"]
     return m["sync"] - m["quiet"]
 
 

@@ -56,14 +56,6 @@ def pool():
 
 
 @pytest.fixture(scope="module")
-def frozen_here():
-    """This process's heap out of the collector's sight while the benchmarks that run here
-    (gpu, host) call gc.collect() (each a walk of pytest's and torch's objects otherwise)."""
-    with common.frozen():
-        yield
-
-
-@pytest.fixture(scope="module")
 def results(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "RESULTS.md"
     path.write_text("# results\n\n## validation cost\n\nsomeone else's text\n")
@@ -92,10 +84,11 @@ def test_every_benchmark_is_in_the_folder_of_its_layer():
 
 
 @pytest.mark.parametrize("name", ORDER)
-def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path, frozen_here):
+def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
     command = f"python -m bench {name} --size tiny"
     png = str(tmp_path / "scaling.png")
-    # the workers' long-lived heaps out of the collector's sight (as this process's, above):
+    # the workers' long-lived heaps out of the collector's sight (as tests/conftest.py does
+    # this process's):
     # the benchmarks' many gc.collect() calls then walk what they made, not torch's and
     # transformers' objects (half this test's time otherwise)
     pool.run(common.freeze_heap)
@@ -190,7 +183,7 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path, frozen_here)
         )
 
 
-def test_gpu_without_transformers_skips_the_llama_with_a_note(monkeypatch, frozen_here):
+def test_gpu_without_transformers_skips_the_llama_with_a_note(monkeypatch):
     """Where transformers cannot be imported, bench gpu runs its MLP and says why the Llama
     part did not run (it does not fail)."""
     why = "ModuleNotFoundError: No module named 'transformers'"

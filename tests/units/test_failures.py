@@ -113,7 +113,7 @@ def test_a_raising_pass_keeps_nothing_and_the_next_step_is_clean(api, where, sin
     pb = _Problem(sink)
     want = _Problem(sink).step(api)
     before = None
-    for k in range(3):
+    for k in range(4):
         with pytest.raises(RuntimeError, match=f"boom in {where}"):
             _differentiate(api, pb.fails(where), pb.shards)
         if pb.mg is not None:
