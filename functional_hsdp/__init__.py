@@ -18,7 +18,7 @@ from .diloco.outer import DiLoCo, diloco
 from .diloco.schedule import balanced_fragments, sync_steps
 from .diloco.state import DiLoCoState
 from .io.checkpoint import empty_state_dict, load_state_dict, state_dict
-from .mesh import DistMesh, Mesh, SimMesh, per_rank
+from .mesh import DistMesh, Mesh, SimMesh, fault_tolerant, per_rank, simulated_quorum
 from .optim import schedules
 from .optim.adam import ScaleByAdamState, adamw, scale_by_adam
 from .optim.clipping import clip_by_global_norm, clip_global_norm, global_norm
@@ -91,6 +91,7 @@ __all__ = [
     "balanced_fragments",
     "diloco",
     "empty_state_dict",
+    "fault_tolerant",
     "fsdp",
     "functional_call",
     "gather",
@@ -123,6 +124,7 @@ __all__ = [
     "sgd",
     "shard",
     "shard_module",
+    "simulated_quorum",
     "state_dict",
     "sync_params",
     "sync_steps",

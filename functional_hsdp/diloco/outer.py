@@ -10,6 +10,7 @@ caller's; this room keeps per params tree its cut only (``cut.TreeCuts``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import optree
@@ -17,6 +18,7 @@ import torch
 
 from ..base.tree import MaskedNode, masked_node
 from ..mesh import Mesh
+from ..mesh.replicas import replica_quorum
 from ..optim.combine import PartitionState
 from ..optim.transformation import GradientTransformation, apply_updates
 from ..runtime.compressed import start_packed
@@ -50,6 +52,8 @@ class DiLoCo(NamedTuple):
         delay: tau, steps between a sync's issue and its merge.
         mix: the merge factor.
         compress: the pseudo-gradient's compression policy, or None.
+        sync_due: ``sync_due(state) -> bool``: whether the next ``update`` issues a sync (on
+            a fault-tolerant axis the loop starts a quorum, ``ft.quorum``, on those steps).
     """
 
     inner: Any
@@ -61,6 +65,7 @@ class DiLoCo(NamedTuple):
     delay: int
     mix: float
     compress: Compress | None = None
+    sync_due: Any = None
 
 
 def _mesh(spec: Any) -> Mesh:
@@ -185,7 +190,14 @@ def diloco(
         check_int("fragments", fragments, 1)
     options = dict(axis=axis, every=every, fragments=fragments, delay=delay, mix=float(mix))
     run = _Outer(replicas(spec, axis), mesh, outer=outer, compress=compress, **options)
-    return DiLoCo(inner=run.inner, init=run.init, update=run.advance, compress=compress, **options)
+    return DiLoCo(
+        inner=run.inner,
+        init=run.init,
+        update=run.advance,
+        compress=compress,
+        sync_due=run.sync_due,
+        **options,
+    )
 
 
 def _check_options(mesh: Mesh, *, axis: Any, every: Any, outer: Any, delay: Any, mix: Any):
@@ -246,6 +258,21 @@ class _Outer:
         self.outer, self.delay, self.mix = outer, delay, mix
         self.compress = compress
         self.cuts = TreeCuts(inner, axis=axis, fragments=fragments)
+        self.ft = replica_quorum(mesh, axis)  # a fault-tolerant replica axis, or None
+        if self.ft is not None:
+            if compress is not None and not hasattr(self.ft, "manager"):
+                raise ValueError(
+                    f"diloco: compress= on the simulated quorum's axis {axis!r}: a simulated "
+                    "axis carries all-reduces only (compress runs on a torchft axis)"
+                )
+            if isinstance(fragments, int):
+                check_gaps(every=every, fragments=fragments, delay=delay, axis=axis)
+
+    def sync_due(self, state: DiLoCoState) -> bool:
+        """Whether the next ``update`` issues a sync (after step ``state.count + 1``)."""
+        if not isinstance(state, DiLoCoState):
+            raise TypeError(f"sync_due: state must be a DiLoCoState (dl.init's); got {state!r}")
+        return bool(syncs_after(state.count + 1, every=self.every, fragments=len(state.due)))
 
     def init(self, params: Any) -> DiLoCoState:
         leaves, treedef, of, n = self.cuts.cut(params)
@@ -273,11 +300,16 @@ class _Outer:
             residual=residual,
         )
 
-    def advance(self, params: Any, state: DiLoCoState) -> tuple[Any, DiLoCoState]:
+    def advance(
+        self, params: Any, state: DiLoCoState, *, weight: Any = None
+    ) -> tuple[Any, DiLoCoState]:
         leaves, treedef, of, n = self.cuts.cut(params)
         feedback = self.compress is not None and self.compress.error_feedback
         check_state(state, treedef, leaves=leaves, n=n, delay=self.delay, feedback=feedback)
+        if self.ft is not None:
+            check_gaps(every=self.every, fragments=n, delay=self.delay, axis=self.axis)
         t, step = state.count + 1, _Step(leaves, state, treedef)
+        step.weight = check_weight(weight, self.mesh)
         for p in (q for q in range(n) if step.due[q] == t):  # syncs issued tau steps ago land
             if step.flight[p] is not None:
                 self._land(step, of=of, sync=step.flight[p])
@@ -299,6 +331,12 @@ class _Outer:
         return params, state
 
     def _issue(self, step: _Step, *, of: list[int], p: int, t: int) -> None:
+        if self.ft is not None and not self.ft.open:
+            raise ValueError(
+                f"dl.update: fragment {p}'s sync is due after step {t} on the fault-tolerant "
+                f"axis {self.axis!r}, but no quorum is open: start one when dl.sync_due(state) "
+                "says so, trees = ft.quorum(trees), before this update"
+            )
         step.touched = True
         sync = self._start(step, of=of, p=p)
         if not self.delay:
@@ -311,13 +349,21 @@ class _Outer:
         compressed, every bucket's first leg (after an agreement of its own)."""
         idx = tuple(i for i, f in enumerate(of) if f == p)
         local = [(step.anchor[i] - step.new[i]).detach() for i in idx]
+        weight = self._weight(step)  # None: the plain mean
+        if weight is not None:
+            local = [x * _along(weight, x, self.mesh) for x in local]
         keys = tuple(self.cuts[step.treedef].paths[i] for i in idx)  # named in errors
         named = dict(zip(keys, local))
+        total = None
+        if step.weight is not None:  # the weights' mean: the pseudo-gradients' divisor
+            total = start_pmean(
+                {"weight": _row(weight, self.mesh)}, self.axis, self.mesh, name="weight"
+            )
         if self.compress is None:
             reduction = start_pmean(
                 named, self.axis, self.mesh, bucket_cap_mb=_CAP_MB, name="pseudo_gradient"
             )
-            return SyncInFlight(p, idx, keys=keys, reduction=reduction)
+            return SyncInFlight(p, idx, keys=keys, reduction=reduction, total=total)
         agree_pmean(  # before the compressed legs: ranks that differ raise, all alike
             named,
             self.axis,
@@ -335,11 +381,39 @@ class _Outer:
             cap=max(1, int(_CAP_MB * 2**20) // 4),  # in fp32 elements
             residual=None if step.residual is None else [step.residual[i] for i in idx],
         )
-        return SyncInFlight(p, idx, keys=keys, reduction=reduction)
+        return SyncInFlight(p, idx, keys=keys, reduction=reduction, total=total)
+
+    def _weight(self, step: _Step) -> Any:
+        """This replica's weight in the merge (None: equal weights, no healed group): the
+        caller's ``weight=``, times 0 for a group that healed at this quorum (its progress is
+        a peer's copy)."""
+        healed = self.ft.contributes() if self.ft is not None else None
+        if step.weight is None:
+            if healed is None or (isinstance(healed, float) and healed == 1.0):
+                return None
+            return healed  # a healed group sends zeros; the mean stays over the participants
+        if healed is None:
+            return step.weight
+        return step.weight * healed
 
     def _land(self, step: _Step, *, of: list[int], sync: SyncInFlight) -> None:
-        """A sync lands: the outer step and merge with its result, and its new residual."""
-        self._merge(step, of=of, p=sync.fragment, delta=sync.result())
+        """A sync lands: the outer step and merge with its result, and its new residual. On a
+        fault-tolerant axis only if it commits: a failed sync changes nothing (the anchor, the
+        outer state, the residual and the params stay; the fragment's next sync carries its
+        progress)."""
+        delta = sync.result()
+        if self.ft is not None:
+            if not self.ft.open:
+                raise RuntimeError(
+                    f"dl.update: fragment {sync.fragment}'s sync lands, but its quorum was "
+                    "committed already (DiLoCo commits its own syncs: do not call ft.commit() "
+                    "on a DiLoCo loop's quorums)"
+                )
+            if not self.ft.commit():
+                return
+        if sync.empty:  # every weight was 0: nothing to merge
+            return
+        self._merge(step, of=of, p=sync.fragment, delta=delta)
         new = sync.residual()
         for i, r in zip(sync.leaves, new or ()):
             step.residual[i] = r
@@ -387,3 +461,56 @@ def _held(step: _Step, *, of: list[int], p: int, t: int) -> list[torch.Tensor]:
             "checkpoint holds it in pending; build states with init, update and load_state_dict)"
         )
     return held
+
+
+def check_weight(weight: Any, mesh: Mesh) -> Any:
+    """``update``'s ``weight=``: None, or a finite number >= 0 (a tensor of the mesh's batch
+    shape on a SimMesh: one per rank), as a float or a float64 tensor."""
+    if weight is None:
+        return None
+    if isinstance(weight, torch.Tensor):
+        batch = tuple(mesh.batch_shape)
+        if weight.dim() and tuple(weight.shape) != batch:
+            raise ValueError(
+                f"dl.update: weight must be a number (or a tensor of the mesh's batch shape "
+                f"{batch}); got a tensor of shape {tuple(weight.shape)}"
+            )
+        w = weight.detach().to("cpu", torch.float64)
+        if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+            raise ValueError(f"dl.update: weight must be finite and >= 0; got {weight!r}")
+        return w
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise TypeError(f"dl.update: weight must be a number (tokens since the last sync); got {weight!r}")
+    if not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"dl.update: weight must be finite and >= 0; got {weight!r}")
+    return float(weight)
+
+
+def _along(weight: Any, x: torch.Tensor, mesh: Mesh) -> Any:
+    """``weight`` shaped to multiply ``x`` (a local value: the mesh's batch dims in front)."""
+    if not isinstance(weight, torch.Tensor) or not weight.dim():
+        return float(weight)
+    batch = tuple(mesh.batch_shape)
+    w = weight.expand(batch) if tuple(weight.shape) != batch else weight
+    return w.reshape(*batch, *([1] * (x.dim() - len(batch)))).to(x.device, x.dtype)
+
+
+def _row(weight: Any, mesh: Mesh) -> torch.Tensor:
+    """``weight`` as the one-element local value the weights' all-reduce carries (fp64)."""
+    batch = tuple(mesh.batch_shape)
+    w = torch.as_tensor(weight, dtype=torch.float64)
+    return w.expand(batch).reshape(*batch, 1).clone() if batch else w.reshape(1).clone()
+
+
+def check_gaps(*, every: int, fragments: int, delay: int, axis: str) -> None:
+    """On a fault-tolerant axis, a sync is committed before the next one's quorum: every sync
+    must land before (or at the step where) no other is issued while it flies."""
+    issued = [t for t in range(1, 3 * every + 1) if syncs_after(t, every=every, fragments=fragments)]
+    gaps = [b - a for a, b in zip(issued, issued[1:])]
+    if gaps and delay >= min(gaps):
+        raise ValueError(
+            f"diloco: delay={delay} on the fault-tolerant axis {axis!r}: a sync must land before "
+            f"the next is issued (each sync's quorum commits when it lands), and two syncs are "
+            f"{min(gaps)} steps apart here (every={every}, fragments={fragments}); use "
+            f"delay < {min(gaps)}"
+        )

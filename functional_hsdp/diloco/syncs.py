@@ -28,7 +28,7 @@ class SyncInFlight(InFlight[list]):
         leaves: the fragment's leaves (indices in the params' tree order).
     """
 
-    __slots__ = ("fragment", "leaves", "_keys", "_reduction", "_residual")
+    __slots__ = ("fragment", "leaves", "_keys", "_reduction", "_residual", "_total", "empty")
 
     def __init__(
         self,
@@ -40,21 +40,32 @@ class SyncInFlight(InFlight[list]):
         waited: bool = False,
         result: list | None = None,
         residual: list | None = None,
+        total: InFlight | None = None,
+        empty: bool = False,
     ):
         super().__init__(waited=waited, result=result)
         self.fragment, self.leaves, self._keys, self._reduction = fragment, leaves, keys, reduction
-        self._residual = residual
+        self._residual, self._total, self.empty = residual, total, empty
 
     def _wait(self) -> list[torch.Tensor]:
         got = self._reduction.result()
         if isinstance(got, dict):  # start_pmean's tree, by key
-            return [got[k] for k in self._keys]
-        out, self._residual = got  # the compressed route's pieces and their new residual
+            out = [got[k] for k in self._keys]
+        else:
+            out, self._residual = got  # the compressed route's pieces and their new residual
+        if self._total is not None:  # weighted: mean(w * delta) / mean(w)
+            w = self._total.result()["weight"]
+            if not bool((w > 0).all()):
+                self.empty = True  # no weight anywhere: nothing to merge
+                return out
+            out = [x / w.reshape(*w.shape[:-1], *([1] * (x.dim() - w.dim() + 1))).to(x.dtype) for x in out]
         return out
 
     def _release(self) -> None:
         if self._reduction is not None:
             self._reduction.abandon()
+        if self._total is not None:
+            self._total.abandon()
 
     def residual(self) -> list[torch.Tensor] | None:
         """A compressed sync with error feedback: the fragment's new residual (fp32, one
@@ -68,7 +79,7 @@ class SyncInFlight(InFlight[list]):
         out = [x.clone() for x in self.result()]
         new = self.residual()
         new = None if new is None else [x.clone() for x in new]
-        return (_waited_sync, (self.fragment, self.leaves, self._keys, out, new))
+        return (_waited_sync, (self.fragment, self.leaves, self._keys, out, new, self.empty))
 
     def __repr__(self) -> str:
         how = "waited" if self.done else "in flight"
@@ -76,9 +87,14 @@ class SyncInFlight(InFlight[list]):
 
 
 def _waited_sync(
-    fragment: int, leaves: tuple, keys: tuple, out: list, residual: list | None = None
+    fragment: int,
+    leaves: tuple,
+    keys: tuple,
+    out: list,
+    residual: list | None = None,
+    empty: bool = False,
 ) -> SyncInFlight:
     """A :class:`SyncInFlight` whose result, ``out`` (and ``residual``), is already there
     (unpickled)."""
-    done = dict(waited=True, result=out, residual=residual)
+    done = dict(waited=True, result=out, residual=residual, empty=empty)
     return SyncInFlight(fragment, leaves, keys=keys, reduction=None, **done)

@@ -136,6 +136,10 @@ class DistMesh(MeshAxes):
             the identity on one rank, where AVG would divide by 1), so that one GPU runs the
             whole communication path: NCCL's streams, the waits, the buffers' lifetimes.
             For checking a device, not for training (it only adds work).
+        replicas: a fault-tolerant replica axis (:func:`~functional_hsdp.fault_tolerant`):
+            the mesh is then a :class:`~functional_hsdp.mesh.replicas.ReplicaMesh`, that axis
+            first (its size the quorum's participants), then ``device_mesh``'s axes, which
+            span this replica group only.
 
     Example:
         >>> import functional_hsdp as fh
@@ -147,6 +151,13 @@ class DistMesh(MeshAxes):
 
     batch_shape: tuple[int, ...] = ()
 
+    def __new__(cls, device_mesh: Any = None, *, replicas: Any = None, **options: Any) -> Any:
+        if replicas is not None:  # the replica axis of fh.fault_tolerant first, then the group's
+            from .replicas import ReplicaMesh
+
+            return ReplicaMesh(device_mesh, replicas=replicas, **options)
+        return super().__new__(cls)
+
     def __init__(
         self,
         device_mesh: Any,
@@ -154,6 +165,7 @@ class DistMesh(MeshAxes):
         overlap: bool = True,
         timeout: Any = None,
         issue_size_one: bool = False,
+        replicas: Any = None,
     ):
         for name, flag in (("overlap", overlap), ("issue_size_one", issue_size_one)):
             if not isinstance(flag, bool):

@@ -28,6 +28,8 @@ class SimMesh(MeshAxes):
 
     Args:
         shape: ``{axis name: size}``, ordered outer to inner (like ``DeviceMesh`` dims).
+        replicas: a simulated quorum (:func:`~functional_hsdp.simulated_quorum`) for one
+            axis: a mean over that axis is over the current quorum's participants.
 
     Example:
         >>> import torch, functional_hsdp as fh
@@ -38,7 +40,7 @@ class SimMesh(MeshAxes):
                 [5., 5.]])
     """
 
-    def __init__(self, shape: dict[str, int]):
+    def __init__(self, shape: dict[str, int], *, replicas: Any = None):
         if not isinstance(shape, dict) or not shape:
             raise TypeError(f"SimMesh expects a non-empty dict {{axis name: size}}; got {shape!r}")
         for name, n in shape.items():
@@ -53,9 +55,32 @@ class SimMesh(MeshAxes):
         self._coords = {a: _coordinates(self.sizes, d) for d, a in enumerate(self.axis_names)}
         self.geometry = SimGeometry(self)
         self.diagnostics = SimDiagnostics(self)
+        self.replicas = replicas
+        if replicas is not None:
+            from .replicas import SimQuorum
+
+            if not isinstance(replicas, SimQuorum):
+                raise TypeError(
+                    "SimMesh: replicas must be fh.simulated_quorum(axis=..., alive=...); got "
+                    f"{replicas!r}"
+                )
+            replicas._bind(self)
 
     def __repr__(self) -> str:
-        return f"SimMesh({self.shape})"
+        more = f", replicas={self.replicas!r}" if self.replicas is not None else ""
+        return f"SimMesh({self.shape}{more})"
+
+    @property
+    def apart_axes(self) -> tuple[str, ...]:
+        """Axes no cross-rank check crosses: a simulated quorum's replica axis."""
+        return (self.replicas.axis,) if self.replicas is not None else ()
+
+    def _only_reduce(self, op: str, axis: str) -> None:
+        if self.replicas is not None and axis == self.replicas.axis:
+            raise ValueError(
+                f"{op} over the simulated fault-tolerant axis {axis!r}: only all-reduces run "
+                "over a simulated quorum's axis (nothing sharded over it, no compressed route)"
+            )
 
     def _pattern(self, dim: int, repl: str) -> str:
         return " ".join(repl if k == dim else n for k, n in enumerate(self._names))
@@ -67,6 +92,8 @@ class SimMesh(MeshAxes):
 
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         """Every rank gets the reduction over its group along ``axis``."""
+        if self.replicas is not None and axis == self.replicas.axis:
+            return self.replicas.all_reduce(self, buf, op)
         d, all_ = self._dim(axis), " ".join(self._names)
         kept = self._pattern(d, "1")
         red = einops.reduce(buf, f"{all_} l -> {kept} l", _EINOPS_REDUCE[op])
@@ -75,6 +102,7 @@ class SimMesh(MeshAxes):
 
     def reduce_scatter(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         """Every rank gets its chunk of the reduction over its group along ``axis``."""
+        self._only_reduce("reduce_scatter", axis)
         d, all_ = self._dim(axis), " ".join(self._names)
         return einops.reduce(
             buf,
@@ -85,6 +113,7 @@ class SimMesh(MeshAxes):
 
     def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor:
         """Every rank gets its group's chunks along ``axis``, concatenated."""
+        self._only_reduce("all_gather", axis)
         d, all_ = self._dim(axis), " ".join(self._names)
         out = einops.repeat(
             buf, f"{all_} c -> {self._pattern(d, 'r')} ({self._names[d]} c)", r=self.sizes[d]
@@ -94,6 +123,7 @@ class SimMesh(MeshAxes):
     def all_to_all(self, buf: torch.Tensor, axis: str, *, counts: Any, length: int) -> torch.Tensor:
         """Every rank gets the blocks its group's members send it (``counts``), in order.
         Python ints only (no numpy): a traced program runs it."""
+        self._only_reduce("all_to_all", axis)
         d, n = self._dim(axis), self.sizes[self._dim(axis)]
         parts = []
         for rank in itertools.product(*(range(size) for size in self.sizes)):

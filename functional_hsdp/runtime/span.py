@@ -48,12 +48,14 @@ def within(spec: Any) -> Any:
     even be at different steps), so their calls agree within a replica, and no message of
     it crosses a replica axis."""
     if hasattr(spec, "diagnostics"):
-        return spec
-    specs = _specs(spec)
-    if not specs:
-        return None
-    mesh = specs[0].mesh
-    apart = set.intersection(*(set(x.replica_axes) for x in specs))
+        mesh, apart = spec, set()
+    else:
+        specs = _specs(spec)
+        if not specs:
+            return None
+        mesh = specs[0].mesh
+        apart = set.intersection(*(set(x.replica_axes) for x in specs))
+    apart |= set(getattr(mesh, "apart_axes", ()))  # a fault-tolerant replica axis: never crossed
     if not apart:
         return mesh
     axes = tuple(a for a in mesh.axis_names if a not in apart)
