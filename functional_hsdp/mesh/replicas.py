@@ -142,7 +142,7 @@ class FaultTolerant(_Quorums):
         self._open = False
         self._sending: tuple[tuple[str, ...], list] | None = None
         self._received: Any = None
-        self._key: tuple[int, int] | None = None
+        self._key = (1, 0)  # the axis as plans saw it so far: (size, this group's place)
         manager.register_state_dict_fn(STATE_KEY, self._load, self._save)
 
     def __repr__(self) -> str:
@@ -209,19 +209,21 @@ class FaultTolerant(_Quorums):
         if healed:
             trees = optree.tree_unflatten(treedef, _healed(paths, leaves, received))
         self._open = True
+        size = max(int(self.manager.num_participants()), 1)
+        rank = self.manager.participating_rank()
+        rank = 0 if rank is None else int(rank)
         self.log.append(
             QuorumRecord(
                 index=len(self.log),
                 step=int(self.manager.current_step()),
-                participants=self.size,
-                rank=self.rank,
+                participants=size,
+                rank=rank,
                 healed=healed,
             )
         )
-        key = (self.size, self.rank)
-        if self._key is not None and key != self._key:
+        if (size, rank) != self._key:
             clear_caches()  # plans read the axis's size and this group's place once
-        self._key = key
+        self._key = (size, rank)
         return trees
 
     def commit(self) -> bool:

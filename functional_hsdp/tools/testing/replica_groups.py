@@ -1,0 +1,189 @@
+"""Replica groups on one machine: a torchft lighthouse and one job per group, killed by pid.
+
+What the fault-tolerance tests and ``python -m bench faults`` run on. :class:`Lighthouse` starts
+``torchft_lighthouse`` (shipped in the torchft wheel) on a free port; :class:`Group` starts one
+replica group's ranks as separate processes with the environment ``torchrun`` gives them
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) plus what torchft
+reads (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``): the same program runs under ``torchrun``
+unchanged (:func:`manager_from_env` makes its ``Manager``). :meth:`Group.kill` sends SIGKILL to
+every rank of the group by pid; everything started is stopped on exit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Group", "Lighthouse", "free_port", "lighthouse_command", "manager_from_env"]
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lighthouse_command(
+    port: int, *, min_replicas: int = 1, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 2000
+) -> list[str]:
+    """The lighthouse's command line (``torchft_lighthouse``, from the torchft wheel)."""
+    exe = shutil.which("torchft_lighthouse")
+    if exe is None:
+        raise RuntimeError("torchft_lighthouse is not on PATH: pip install -e '.[ft]'")
+    return [
+        exe,
+        "--min_replicas", str(min_replicas),
+        "--bind", f"[::]:{port}",
+        "--join_timeout_ms", str(join_timeout_ms),
+        "--quorum_tick_ms", "100",
+        "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
+    ]  # fmt: skip
+
+
+class Lighthouse:
+    """``torchft_lighthouse`` on a free port, for the ``with`` block; ``.addr`` is what
+    ``TORCHFT_LIGHTHOUSE`` holds."""
+
+    def __init__(
+        self,
+        *,
+        min_replicas: int = 1,
+        join_timeout_ms: int = 1000,
+        heartbeat_timeout_ms: int = 2000,
+        log: Any = None,
+    ):
+        self.port = free_port()
+        self.addr = f"http://localhost:{self.port}"
+        self.heartbeat_timeout_ms = heartbeat_timeout_ms
+        argv = lighthouse_command(
+            self.port,
+            min_replicas=min_replicas,
+            join_timeout_ms=join_timeout_ms,
+            heartbeat_timeout_ms=heartbeat_timeout_ms,
+        )
+        out = open(log, "wb") if log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"torchft_lighthouse did not start (exit {self.proc.poll()})")
+            time.sleep(0.05)
+
+    def __enter__(self) -> Lighthouse:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+class Group:
+    """One replica group's ranks: ``argv`` run ``n`` times with torchrun's environment and
+    torchft's (``lighthouse``'s address, ``REPLICA_GROUP_ID`` = ``gid``). Output of rank r goes
+    to ``log_dir/g{gid}r{r}.log`` (a restarted group appends)."""
+
+    def __init__(
+        self,
+        gid: int,
+        n: int,
+        argv: Sequence[str],
+        *,
+        lighthouse: str,
+        log_dir: str | Path,
+        env: dict[str, str] | None = None,
+    ):
+        self.gid, self.n = gid, n
+        port = free_port()
+        base = {
+            **os.environ,
+            **(env or {}),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(n),
+            "LOCAL_WORLD_SIZE": str(n),
+            "TORCHFT_LIGHTHOUSE": lighthouse,
+            "REPLICA_GROUP_ID": str(gid),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.procs: list[subprocess.Popen] = []
+        for r in range(n):
+            log = open(Path(log_dir) / f"g{gid}r{r}.log", "ab")
+            env_r = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
+            self.procs.append(
+                subprocess.Popen(list(argv), env=env_r, stdout=log, stderr=subprocess.STDOUT)
+            )
+            log.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def kill(self) -> None:
+        """SIGKILL every rank of the group (by pid), and reap them."""
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+    def wait(self, timeout: float) -> list[int | None]:
+        """Each rank's exit code, waiting up to ``timeout`` seconds in all (None: still running)."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.poll() for p in self.procs]
+
+
+def manager_from_env(
+    *,
+    timeout: float = 10.0,
+    quorum_timeout: float = 60.0,
+    connect_timeout: float = 10.0,
+    min_replica_size: int = 1,
+) -> Any:
+    """A ``torchft.Manager`` for fh, from the environment a replica group's ``torchrun`` (and
+    torchft) gives: ``REPLICA_GROUP_ID`` names the group, ``TORCHFT_LIGHTHOUSE`` the
+    lighthouse, ``MASTER_ADDR``/``MASTER_PORT`` the group's store (the default process group's:
+    call ``init_process_group`` first), ``RANK``/``WORLD_SIZE`` the rank in the group. A gloo
+    process group for the replica axis, a synchronous quorum, no initial sync, no state-dict
+    callbacks (``fh.fault_tolerant`` registers its own)."""
+    from torchft import Manager, ProcessGroupGloo
+
+    return Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout)),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=min_replica_size,
+        use_async_quorum=False,
+        init_sync=False,
+        replica_id=f"group_{os.environ['REPLICA_GROUP_ID']}",
+        timeout=timedelta(seconds=timeout),
+        quorum_timeout=timedelta(seconds=quorum_timeout),
+        connect_timeout=timedelta(seconds=connect_timeout),
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover - python -m ... lighthouse PORT
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 29510
+    os.execv(lighthouse_command(port)[0], lighthouse_command(port))
