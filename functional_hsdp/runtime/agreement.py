@@ -295,6 +295,7 @@ def _exact(
     more exchanges follow, all ranks alike: the first differing header field, or the first
     leaf whose per-leaf digests differ (padded to the longest tree), and its text, from which
     every rank builds the same message and raises it (:mod:`~functional_hsdp.runtime.messages`)."""
+    dp = tuple(a for a in dp if a in mesh.axis_names)  # a replicas mesh spans its group only
     try:
         tables = messages.gather(mesh, mesh.axis_names, local)
         _decide(mesh, dp, fp, paths=paths, local=local, tables=tables, log=log)

@@ -10,11 +10,15 @@ log. Modes: ``hsdp`` (a quorum and a commit per step) and ``diloco`` (a quorum p
 
 The log (JSON lines, ``CONFIG['out']/g{gid}r{rank}.jsonl``): one line per quorum with its
 record, the data position used, and the full params after the step; ``{"done": ...}`` at the
-end. Failure points (``CONFIG['die']``: ``{"group": g, "step": s, "phase": p}``, for the first
-start of that group only): the group's ranks write ``CONFIG['out']/dying.g{g}`` and sleep (the
-test kills them by pid) at ``phase`` = ``"before_quorum"`` (between steps),
-``"after_quorum"`` (mid-step) or ``"before_sync"`` (just before the outer collective: the
-survivors are in it when the group dies).
+end. The run ends after ``CONFIG['steps']`` at the first committed quorum of every group
+(``CONFIG['groups']``), so that a restarted group is back before the end. Failure points
+(``CONFIG['die']``: a list of ``{"group": g, "step": s, "phase": p, "life": k}``, for the
+k-th start of that group, from 0, ``FH_RESTART``): at the first point at or after step ``s``
+where the quorum has every group (and before the step budget), the group's ranks write ``CONFIG['out']/dying.g{g}.{k}``
+and sleep (the test kills them by pid), at ``phase`` = ``"before_quorum"`` (between steps),
+``"after_quorum"`` (mid-step), ``"before_sync"`` (just before the outer collective: the
+survivors are in it when the group dies) or, for DiLoCo, ``"in_flight"`` (a delayed sync
+issued and not landed).
 """
 
 from __future__ import annotations
@@ -54,12 +58,17 @@ def main(path: str) -> None:
     lr, steps = cfg.get("lr", 0.1), cfg["steps"]
     out = Path(cfg["out"])
     log = open(out / f"g{gid}r{rank}.jsonl", "a")
-    die = cfg.get("die") or {}
-    doomed = die.get("group") == gid and not restart
+    dies = [d for d in cfg.get("die", []) if d["group"] == gid and d.get("life", 0) == restart]
+
+    everyone = cfg.get("groups", 1)
+
+    def whole() -> bool:  # the last quorum had every group
+        return bool(ft.log) and ft.log[-1].participants == everyone
 
     def maybe_die(step: int, phase: str) -> None:
-        if doomed and die["step"] == step and die["phase"] == phase:
-            (out / f"dying.g{gid}").write_text(str(os.getpid()))
+        # at the first such point at or after ``step`` with every group in the quorum
+        if whole() and step < steps and any(step >= d["step"] and d["phase"] == phase for d in dies):
+            (out / f"dying.g{gid}.{restart}").write_text(str(os.getpid()))
             time.sleep(600)
 
     def write(**kw) -> None:
@@ -75,7 +84,8 @@ def main(path: str) -> None:
     if cfg["mode"] == "hsdp":
         params = fh.shard(full, spec)
         pos = 0
-        while pos < steps:
+        # the job's end: its step budget, at a committed quorum of every group (capped)
+        while not (pos >= steps and whole() and ft.log[-1].committed) and pos < 3 * steps:
             maybe_die(pos, "before_quorum")
             params, pos = ft.quorum((params, pos))
             rec = ft.log[-1]
@@ -99,34 +109,45 @@ def main(path: str) -> None:
                        compress=fh.compress(torch.int8) if cfg.get("compress") else None)
         params = fh.shard(full, dl.inner)
         state = dl.init(params)
-        pos = 0
+        pos, written = 0, 0
+
+        def log_syncs() -> None:  # every quorum decided so far, once
+            nonlocal written
+            for rec in ft.log[written:]:
+                if rec.committed is None:
+                    break
+                write(q=rec.index, step=rec.step, n=rec.participants, rank=rec.rank,
+                      healed=rec.healed, commit=rec.committed, t=syncs[rec.index],
+                      pos=positions[rec.index],
+                      params={k: v.tolist() for k, v in fh.gather(params, dl.inner).items()})
+                written += 1
+
+        syncs, positions = [], []
         if restart:  # join at the survivors' next sync, healed there
             params, state, pos = ft.quorum((params, state, pos))
+            syncs.append(state.count + 1)
+            positions.append(pos)
             if dl.sync_due(state):
-                rec = ft.log[-1]
                 params, state = dl.update(params, state)
-                write(q=rec.index, step=rec.step, n=rec.participants, rank=rec.rank,
-                      healed=rec.healed, commit=ft.log[-1].committed, pos=pos, t=state.count,
-                      params={k: v.tolist() for k, v in fh.gather(params, dl.inner).items()})
             else:
                 ft.commit()
-        while state.count < steps:
+            log_syncs()
+        while not (state.count >= steps and whole() and ft.log[-1].committed) and state.count < 3 * steps:
             t = state.count + 1
             grads = grad_of(gid, rank, pos, shapes)
             g = fh.reduce_grads(grads, dl.inner, last=True)  # over dp_inner only
             params = {k: params[k] - lr * g[k] for k in params}
             pos += 1
-            rec = None
             if dl.sync_due(state):
                 maybe_die(t, "before_quorum")
                 params, state, pos = ft.quorum((params, state, pos))
-                rec = ft.log[-1]
+                syncs.append(t)
+                positions.append(pos)
                 maybe_die(t, "before_sync")
             params, state = dl.update(params, state)
-            if rec is not None and not dl.delay:
-                write(q=rec.index, step=rec.step, n=rec.participants, rank=rec.rank,
-                      healed=rec.healed, commit=ft.log[-1].committed, pos=pos, t=t,
-                      params={k: v.tolist() for k, v in fh.gather(params, dl.inner).items()})
+            if state.flight:
+                maybe_die(t, "in_flight")
+            log_syncs()
             time.sleep(pace)
     write(done=True, params={k: v.tolist() for k, v in fh.gather(params, spec if cfg["mode"] == "hsdp" else dl.inner).items()})
     log.close()

@@ -1,0 +1,188 @@
+"""The fault-tolerant replica axis on real processes: a torchft lighthouse, 3 replica groups of 2
+gloo ranks each (``init_device_mesh`` over the group, ``fh.DistMesh(dm, replicas=ft)``), whole
+groups killed by pid (SIGKILL) at chosen points and restarted.
+
+Per-step HSDP: a group killed during the outer collective, one killed after the quorum and one
+killed between steps; each restarted group heals from a live peer with no checkpoint. DiLoCo
+(delayed syncs): a group killed during a sync and one killed with its sync in flight. In every
+run the survivors finish every step, nothing hangs, and every group's weights equal the
+reference recomputed from the logged quorums: per-step, the mean over each committed step's
+participants of their gradients; DiLoCo, the same run replayed on a SimMesh with a simulated
+quorum of the logged participants (itself checked against a naive reference in
+``test_replicas_sim.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason="the fault-tolerance extra: pip install -e '.[ft]'")
+
+import functional_hsdp as fh  # noqa: E402
+from functional_hsdp.tools.testing.ft_train import grad_of  # noqa: E402
+from functional_hsdp.tools.testing.replica_groups import Group, Lighthouse  # noqa: E402
+
+G, I = 3, 2  # noqa: E741 - groups x ranks per group
+SHAPES = {"w": 10, "b": 3}
+LR = 0.1
+PROGRAM = [sys.executable, "-m", "functional_hsdp.tools.testing.ft_train"]
+
+
+def run_groups(tmp: Path, cfg: dict, *, deadline: float = 150.0) -> dict:
+    """Start the lighthouse and the groups, kill each group named in ``cfg['die']`` by pid when
+    it reaches its failure point, restart it after a pause, and wait for every group to end.
+    Returns each group's records (rank 0's log; every rank's 'done' params)."""
+    cfg = {**cfg, "out": str(tmp), "groups": G}
+    (tmp / "cfg.json").write_text(json.dumps(cfg))
+    argv = [*PROGRAM, str(tmp / "cfg.json")]
+    pending = sorted(cfg["die"], key=lambda d: (d.get("life", 0), d["step"]))
+    groups: list[Group] = []
+    lives = [0] * G
+    start = time.monotonic()
+    with Lighthouse(min_replicas=2, log=tmp / "lighthouse.log") as lh:
+        try:
+            groups = [Group(g, I, argv, lighthouse=lh.addr, log_dir=tmp) for g in range(G)]
+            while pending:
+                d = pending[0]
+                marker = tmp / f"dying.g{d['group']}.{d.get('life', 0)}"
+                while not marker.exists():
+                    assert time.monotonic() - start < deadline, f"never reached {d}"
+                    ended = all(p.poll() is not None for g in groups for p in g.procs)
+                    assert not ended, f"every group ended before {d}: see {tmp}"
+                    time.sleep(0.02)
+                time.sleep(0.2)  # the survivors are in the step (or the collective) now
+                groups[d["group"]].kill()
+                time.sleep(0.5)  # the pause before the restart
+                lives[d["group"]] += 1
+                env = {"FH_RESTART": str(lives[d["group"]])}
+                groups[d["group"]] = Group(d["group"], I, argv, lighthouse=lh.addr, log_dir=tmp, env=env)
+                pending.pop(0)
+            for g in groups:
+                codes = g.wait(max(deadline - (time.monotonic() - start), 1.0))
+                assert codes == [0] * I, f"group {g.gid} ended with {codes}: see {tmp}"
+        finally:
+            for g in groups:
+                g.kill()
+    out = {}
+    for g in range(G):
+        lines = [json.loads(x) for x in (tmp / f"g{g}r0.jsonl").read_text().splitlines()]
+        dones = []
+        for r in range(I):
+            dones += [json.loads(x) for x in (tmp / f"g{g}r{r}.jsonl").read_text().splitlines() if '"done"' in x]
+        out[g] = {"records": [x for x in lines if "done" not in x], "done": dones}
+    return out
+
+
+def _tensors(params: dict) -> dict:
+    return {k: torch.tensor(v) for k, v in params.items()}
+
+
+@pytest.mark.timeout(240)
+def test_hsdp_survivors_never_stop_and_a_restarted_group_heals(tmp_path):
+    die = [
+        {"group": 1, "step": 3, "phase": "before_sync"},  # during the outer collective
+        {"group": 2, "step": 8, "phase": "after_quorum"},  # mid-step
+        {"group": 0, "step": 13, "phase": "before_quorum"},  # between steps
+    ]
+    logs = run_groups(tmp_path, {"mode": "hsdp", "steps": 30, "die": die, "pace": 0.15, "quorum_timeout": 30})
+    # the reference: per committed torchft step, the participants and their data positions
+    steps: dict[int, dict[int, int]] = {}
+    sizes: dict[int, set] = {}
+    for g, log in logs.items():
+        for rec in log["records"]:
+            sizes.setdefault(rec["step"], set()).add((rec["commit"], rec["n"]))
+            if rec["commit"]:
+                steps.setdefault(rec["step"], {})[g] = rec["pos"]
+    assert sorted(steps) == list(range(len(steps))) and len(steps) >= 30
+    w = {k: torch.zeros(n) for k, n in SHAPES.items()}
+    for s in sorted(steps):
+        who = steps[s]
+        assert (True, len(who)) in sizes[s], (s, who, sizes[s])
+        mean = {
+            k: torch.stack([grad_of(g, i, p, SHAPES)[k] for g, p in who.items() for i in range(I)]).mean(0)
+            for k in SHAPES
+        }
+        w = {k: w[k] - LR * mean[k] for k in SHAPES}
+    for g, log in logs.items():
+        assert len(log["done"]) == I  # every rank of the last incarnation finished
+        for done in log["done"]:
+            for k in SHAPES:
+                torch.testing.assert_close(_tensors(done["params"])[k], w[k], rtol=0, atol=1e-6)
+    # failures cost commits, never a stop: each failure left one uncommitted step behind
+    failed = {rec["step"] for log in logs.values() for rec in log["records"] if not rec["commit"]}
+    assert 1 <= len(failed) <= 3
+    healed = [rec for log in logs.values() for rec in log["records"] if rec["healed"]]
+    assert {r["rank"] >= 0 for r in healed} and len(healed) == 3  # every restart healed
+    assert min(len(steps[s]) for s in steps) == 2 and max(len(steps[s]) for s in steps) == 3
+
+
+@pytest.mark.timeout(240)
+def test_diloco_survivors_never_stop_and_match_the_simulated_quorum(tmp_path):
+    every, steps = 2, 40
+    die = [
+        {"group": 1, "step": 4, "phase": "before_sync"},  # its sync's peers are in the all-reduce
+        {"group": 2, "step": 8, "phase": "in_flight"},  # its delayed sync issued, not landed
+    ]
+    cfg = {"mode": "diloco", "steps": steps, "every": every, "delay": 1, "die": die, "pace": 0.15}
+    logs = run_groups(tmp_path, cfg)
+    # the syncs as logged: who took part at each issue step t, and whether it committed
+    syncs: dict[int, dict] = {}
+    for g, log in logs.items():
+        for rec in log["records"]:
+            entry = syncs.setdefault(rec["t"], {"alive": set(), "commit": set(), "n": set()})
+            entry["alive"].add(g)
+            entry["commit"].add(rec["commit"])
+            entry["n"].add(rec["n"])
+    assert all(len(e["commit"]) == 1 and len(e["n"]) == 1 for e in syncs.values()), syncs
+    for e in syncs.values():  # a group killed with its sync in flight took part, unlogged
+        (n,) = e["n"]
+        assert n == len(e["alive"]) or n == G, e
+        e["alive"] = set(range(G)) if n == G else e["alive"]
+    order = sorted(syncs)
+    assert order == list(range(every, order[-1] + 1, every)) and order[-1] >= steps  # none skipped
+    fails = [k for k, t in enumerate(order) if syncs[t]["commit"] == {False}]
+    assert 1 <= len(fails) <= 2
+    alive = [tuple(sorted(syncs[t]["alive"])) for t in order]
+    want = replay(alive, fails, steps=order[-1] + 1, every=every, delay=1)  # the last lands
+    for g, log in logs.items():
+        for done in log["done"]:
+            for k in SHAPES:
+                torch.testing.assert_close(_tensors(done["params"])[k], want[k], rtol=1e-6, atol=1e-6)
+    assert sum(1 for log in logs.values() for rec in log["records"] if rec["healed"]) == 2
+
+
+def replay(alive: list, fails: list, *, steps: int, every: int, delay: int) -> dict:
+    """The DiLoCo run on a SimMesh with the logged quorums: the final weights (every replica's
+    are equal at the end)."""
+    sim = fh.simulated_quorum(axis="replica", alive=alive, fail=fails)
+    mesh = fh.SimMesh({"replica": G, "dp_inner": I}, replicas=sim)
+    dl = fh.diloco(
+        fh.hsdp(mesh, "replica", "dp_inner"), axis="replica", every=every, delay=delay,
+        outer=fh.sgd(0.7, momentum=0.9, nesterov=True),
+    )  # fmt: skip
+    params = fh.shard({k: torch.zeros(n) for k, n in SHAPES.items()}, dl.inner)
+    state = dl.init(params)
+    pos = torch.zeros(G, I, dtype=torch.int64)
+    while state.count < steps:
+        grads = {
+            k: torch.stack(
+                [torch.stack([grad_of(g, i, int(pos[g, i]), SHAPES)[k] for i in range(I)]) for g in range(G)]
+            )
+            for k in SHAPES
+        }
+        g = fh.reduce_grads(grads, dl.inner, last=True)
+        params = {k: params[k] - LR * g[k] for k in params}
+        pos = pos + 1
+        if dl.sync_due(state):
+            params, state, pos = sim.quorum((params, state, pos))
+        params, state = dl.update(params, state)
+    full = fh.gather(params, dl.inner)
+    last = sim.log[-1].alive
+    return {k: full[k][last[0], 0] for k in SHAPES}
