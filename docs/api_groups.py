@@ -19,8 +19,9 @@ GROUPS: dict[str, tuple[str, str, list[str]]] = {
     ),
     "Meshes": (
         "meshes",
-        "Named data-parallel axes: simulated in one process, or real ranks.",
-        ["Mesh", "SimMesh", "DistMesh", "per_rank"],
+        "Named data-parallel axes: simulated in one process, or real ranks; a replica axis "
+        "whose groups may fail (torchft's quorums, or a simulated schedule).",
+        ["Mesh", "SimMesh", "DistMesh", "per_rank", "fault_tolerant", "simulated_quorum"],
     ),
     "Collectives": (
         "collectives",
