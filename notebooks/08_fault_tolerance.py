@@ -123,10 +123,10 @@ def picture(sim):
 # ## Per-step HSDP on the fault-tolerant axis
 #
 # The loop of a real run, on the simulated quorum: every tree the loop keeps goes through
-# `sim.quorum(...)` (a group behind gets a peer's copy in its slots), the gradient's mean over
-# `"replica"` is over the quorum's participants, and the optimizer steps only where
-# `sim.commit()` says so. The reference recomputes it in dense torch: per step, the mean of
-# the participants' gradients, a step that failed dropped.
+# `sim.quorum(...)` (a group behind, or back after an absence, gets a peer's copy in its
+# slots), the gradient's mean over `"replica"` is over the quorum's participants, and the
+# optimizer steps only where `sim.commit()` says so. The reference recomputes it in dense
+# torch: per step, the mean of the participants' gradients, a step that failed dropped.
 
 
 # %%
@@ -225,6 +225,7 @@ def diloco_reference(sim, weighted):
     mom = {k: torch.zeros_like(v) for k, v in FULL.items()}
     steps = [0] * R  # commits each group took part in
     quorum = iter(sim.log)
+    before = tuple(range(R))  # who took part in the last quorum
     for t in range(STEPS):
         g = per_group(p, X[t], Y[t])  # [group, rank, ...]
         for k in FULL:
@@ -233,7 +234,14 @@ def diloco_reference(sim, weighted):
         if t not in DILOCO_AT:
             continue
         rec = next(quorum)
+        for r in set(rec.alive) - set(before):  # back after an absence: a restarted process
+            steps[r] = -1
+        before = rec.alive
         top = max(steps[r] for r in rec.alive)
+        if top < 0:  # every participant restarted: they start afresh together
+            top = 0
+            for r in rec.alive:
+                steps[r] = 0
         src = next(r for r in rec.alive if steps[r] == top)
         healed = [r for r in rec.alive if steps[r] < top]
         for r in healed:

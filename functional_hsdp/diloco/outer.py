@@ -332,10 +332,17 @@ class _Outer:
 
     def _issue(self, step: _Step, *, of: list[int], p: int, t: int) -> None:
         if self.ft is not None and not self.ft.open:
+            late = bool(self.ft.log) and self.ft.log[-1].committed is not None
             raise ValueError(
                 f"dl.update: fragment {p}'s sync is due after step {t} on the fault-tolerant "
                 f"axis {self.axis!r}, but no quorum is open: start one when dl.sync_due(state) "
                 "says so, trees = ft.quorum(trees), before this update"
+                + (
+                    " (the last quorum was committed already: a DiLoCo update commits its own "
+                    "syncs, so do not call ft.commit() on a DiLoCo loop's quorums)"
+                    if late
+                    else ""
+                )
             )
         step.touched = True
         sync = self._start(step, of=of, p=p)
@@ -480,7 +487,9 @@ def check_weight(weight: Any, mesh: Mesh) -> Any:
             raise ValueError(f"dl.update: weight must be finite and >= 0; got {weight!r}")
         return w
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise TypeError(f"dl.update: weight must be a number (tokens since the last sync); got {weight!r}")
+        raise TypeError(
+            f"dl.update: weight must be a number (tokens since the last sync); got {weight!r}"
+        )
     if not math.isfinite(weight) or weight < 0:
         raise ValueError(f"dl.update: weight must be finite and >= 0; got {weight!r}")
     return float(weight)
@@ -505,7 +514,9 @@ def _row(weight: Any, mesh: Mesh) -> torch.Tensor:
 def check_gaps(*, every: int, fragments: int, delay: int, axis: str) -> None:
     """On a fault-tolerant axis, a sync is committed before the next one's quorum: every sync
     must land before (or at the step where) no other is issued while it flies."""
-    issued = [t for t in range(1, 3 * every + 1) if syncs_after(t, every=every, fragments=fragments)]
+    issued = [
+        t for t in range(1, 3 * every + 1) if syncs_after(t, every=every, fragments=fragments)
+    ]
     gaps = [b - a for a, b in zip(issued, issued[1:])]
     if gaps and delay >= min(gaps):
         raise ValueError(

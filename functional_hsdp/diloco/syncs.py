@@ -58,7 +58,10 @@ class SyncInFlight(InFlight[list]):
             if not bool((w > 0).all()):
                 self.empty = True  # no weight anywhere: nothing to merge
                 return out
-            out = [x / w.reshape(*w.shape[:-1], *([1] * (x.dim() - w.dim() + 1))).to(x.dtype) for x in out]
+            out = [
+                x / w.reshape(*w.shape[:-1], *([1] * (x.dim() - w.dim() + 1))).to(x.dtype)
+                for x in out
+            ]
         return out
 
     def _release(self) -> None:

@@ -30,6 +30,10 @@ from .protocol import Flight, MeshAxes
 
 __all__ = ["DistMesh", "backend_of"]
 
+#: the mesh ``DistMesh(device_mesh, replicas=ft)`` makes: :class:`~.replicas.ReplicaMesh`, which
+#: registers itself here when :mod:`functional_hsdp.mesh` is imported (it builds on this module)
+REPLICA_MESH: list = []
+
 
 @dataclass(frozen=True)
 class Carriage:
@@ -153,9 +157,7 @@ class DistMesh(MeshAxes):
 
     def __new__(cls, device_mesh: Any = None, *, replicas: Any = None, **options: Any) -> Any:
         if replicas is not None:  # the replica axis of fh.fault_tolerant first, then the group's
-            from .replicas import ReplicaMesh
-
-            return ReplicaMesh(device_mesh, replicas=replicas, **options)
+            return REPLICA_MESH[0](device_mesh, replicas=replicas, **options)
         return super().__new__(cls)
 
     def __init__(

@@ -35,6 +35,7 @@ import torch
 
 from ..base.cache import clear_caches
 from ..base.tree import format_path
+from .dist import REPLICA_MESH, DistMesh, RankGeometry
 from .protocol import Flight, MeshAxes
 
 __all__ = [
@@ -100,7 +101,7 @@ class _Quorums:
         """Whether a quorum started and its step has not committed yet."""
         return self._open
 
-    def _committed(self, ok: bool) -> bool:
+    def _committed(self, *, ok: bool) -> bool:
         self._open = False
         self.log[-1] = _replace(self.log[-1], committed=bool(ok))
         return bool(ok)
@@ -190,9 +191,7 @@ class FaultTolerant(_Quorums):
         receives ``trees`` from a live peer and gets them back (see :func:`fault_tolerant`)."""
         self._start_check("ft.quorum")
         leaves, treedef = optree.tree_flatten(trees, none_is_leaf=True)
-        paths = tuple(
-            "trees" + format_path(p) for p in optree.tree_paths(trees, none_is_leaf=True)
-        )
+        paths = tuple("trees" + format_path(p) for p in optree.tree_paths(trees, none_is_leaf=True))
         for path, x in zip(paths, leaves):
             if getattr(x, "done", True) is False:  # an InFlight: a delayed sync in flight
                 raise ValueError(
@@ -234,9 +233,9 @@ class FaultTolerant(_Quorums):
         try:
             ok = self.manager.should_commit()
         except BaseException:
-            self._committed(False)
+            self._committed(ok=False)
             raise
-        return self._committed(ok)
+        return self._committed(ok=ok)
 
     # torchft's state-dict callbacks (its quorum thread) -----------------------------------
 
@@ -316,7 +315,8 @@ def _healed(paths: tuple[str, ...], leaves: list, received: Any) -> list:
     theirs = tuple(received["paths"])
     if theirs != paths:
         first = next(
-            (k for k, (a, b) in enumerate(zip(paths, theirs)) if a != b), min(len(paths), len(theirs))
+            (k for k, (a, b) in enumerate(zip(paths, theirs)) if a != b),
+            min(len(paths), len(theirs)),
         )
         mine = paths[first] if first < len(paths) else "(nothing)"
         peer = theirs[first] if first < len(theirs) else "(nothing)"
@@ -328,9 +328,15 @@ def _healed(paths: tuple[str, ...], leaves: list, received: Any) -> list:
     with torch.no_grad():
         for path, mine, got in zip(paths, leaves, received["leaves"]):
             if isinstance(mine, torch.Tensor):
-                if not isinstance(got, torch.Tensor) or got.shape != mine.shape or got.dtype != mine.dtype:
+                if (
+                    not isinstance(got, torch.Tensor)
+                    or got.shape != mine.shape
+                    or got.dtype != mine.dtype
+                ):
                     what = (
-                        f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else repr(got)
+                        f"{tuple(got.shape)} {got.dtype}"
+                        if isinstance(got, torch.Tensor)
+                        else repr(got)
                     )
                     raise ValueError(
                         f"ft.quorum: {path} is {tuple(mine.shape)} {mine.dtype} here and {what} "
@@ -389,8 +395,6 @@ class ReplicaMesh(MeshAxes):
     batch_shape: tuple[int, ...] = ()
 
     def __init__(self, device_mesh: Any, *, replicas: FaultTolerant, **options: Any):
-        from .dist import DistMesh
-
         if not isinstance(replicas, FaultTolerant):
             raise TypeError(
                 f"DistMesh: replicas must be fh.fault_tolerant(manager, axis=...); got {replicas!r}"
@@ -490,9 +494,7 @@ class ReplicaMesh(MeshAxes):
         out = buf.new_zeros(length)
 
         def issue(pg: Any) -> Any:
-            return pg.alltoall_base(
-                out.narrow(0, 0, sum(recv)), src, recv, send, AllToAllOptions()
-            )
+            return pg.alltoall_base(out.narrow(0, 0, sum(recv)), src, recv, send, AllToAllOptions())
 
         return self._issue(Flight("all_to_all", axis, buffer=out, source=src), issue)
 
@@ -543,8 +545,6 @@ class _ReplicaGeometry:
     """A DistMesh's geometry, with the coordinates of the replica mesh."""
 
     def __init__(self, mesh: ReplicaMesh):
-        from .dist import RankGeometry
-
         self._inner = RankGeometry(mesh)  # type: ignore[arg-type]
         self.views = self._inner.views
 
@@ -605,7 +605,9 @@ class SimQuorum(_Quorums):
             )
         fail = tuple(fail)
         if any(isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0 for k in fail):
-            raise ValueError(f"simulated_quorum: fail must hold quorum indices (ints >= 0); got {fail!r}")
+            raise ValueError(
+                f"simulated_quorum: fail must hold quorum indices (ints >= 0); got {fail!r}"
+            )
         self.axis, self._alive, self.fail = axis, alive, frozenset(int(k) for k in fail)
         self.log: list[QuorumRecord] = []
         self._open = False
@@ -617,7 +619,8 @@ class SimQuorum(_Quorums):
     def __repr__(self) -> str:
         return f"simulated_quorum(axis={self.axis!r})"
 
-    def _bind(self, mesh: Any) -> None:
+    def bind(self, mesh: Any) -> None:
+        """Drive ``mesh``'s replica axis (the SimMesh made with ``replicas=self``)."""
         if self._mesh is not None and self._mesh is not mesh:
             raise ValueError("simulated_quorum: this quorum already drives another SimMesh")
         self._mesh = mesh
@@ -677,8 +680,11 @@ class SimQuorum(_Quorums):
 
     def quorum(self, trees: Any) -> Any:
         """Start the next quorum: the replicas the schedule says are alive take part; those
-        behind (they missed a commit) receive the trees of the first up-to-date participant,
-        copied into their slots along the axis (in place)."""
+        behind (they missed a commit, or they were absent from the last quorum: a restarted
+        process, whose state died with it) receive the trees of the first up-to-date
+        participant, copied into their slots along the axis (in place). Only tensors with
+        the mesh's batch dims travel: a Python int in the trees is one value for every
+        replica already."""
         if self._mesh is None:
             raise RuntimeError(
                 "simulated_quorum: make the mesh first, fh.SimMesh(shape, replicas=sim)"
@@ -686,8 +692,13 @@ class SimQuorum(_Quorums):
         self._start_check("sim.quorum")
         k = len(self.log)
         alive = self.alive_at(k)
+        for r in set(alive) - set(self.alive):  # restarted: a process that died lost its state
+            self._steps[r] = -1
         steps = self._steps[list(alive)]
         top = int(steps.max())
+        if top < 0:  # every participant restarted: they start afresh together
+            self._steps[list(alive)] = top = 0
+            steps = self._steps[list(alive)]
         behind = tuple(r for r, s in zip(alive, steps) if s < top)
         if behind:
             src = next(r for r, s in zip(alive, steps) if s == top)
@@ -723,7 +734,7 @@ class SimQuorum(_Quorums):
         ok = self.log[-1].index not in self.fail
         if ok:
             self._steps[list(self._now)] += 1
-        return self._committed(ok)
+        return self._committed(ok=ok)
 
     # the SimMesh's collectives over the axis ----------------------------------------------
 
@@ -777,3 +788,6 @@ def replica_quorum(mesh: Any, axis: str) -> Any:
     """The quorum driving ``axis`` of ``mesh`` (a FaultTolerant or SimQuorum), or None."""
     ft = getattr(mesh, "replicas", None)
     return ft if ft is not None and ft.axis == axis else None
+
+
+REPLICA_MESH.append(ReplicaMesh)

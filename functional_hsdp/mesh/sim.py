@@ -64,7 +64,7 @@ class SimMesh(MeshAxes):
                     "SimMesh: replicas must be fh.simulated_quorum(axis=..., alive=...); got "
                     f"{replicas!r}"
                 )
-            replicas._bind(self)
+            replicas.bind(self)
 
     def __repr__(self) -> str:
         more = f", replicas={self.replicas!r}" if self.replicas is not None else ""

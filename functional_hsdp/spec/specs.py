@@ -133,6 +133,22 @@ class Spec:
         self._check_owner()
         self._check_split()
         self._check_compress()
+        self._check_apart()
+
+    def _check_apart(self) -> None:
+        """Nothing is sharded over a fault-tolerant replica axis (``mesh.apart_axes``): a group
+        that dies would take its shard with it."""
+        names = self.mesh.axis_names
+        for axis in getattr(self.mesh, "apart_axes", ()):
+            k = names.index(axis)
+            for role in ("parameter", "gradient", "optimizer"):
+                x = getattr(self, role)[k]
+                if not isinstance(x, (Replicate, Partial)):
+                    raise ValueError(
+                        f"Spec.{role}: {x!r} on the fault-tolerant replica axis {axis!r}: nothing "
+                        "can be sharded over replica groups that may fail (keep that axis "
+                        "Replicate/Partial, e.g. fh.hsdp(mesh, outer, inner), not fh.hfsdp)"
+                    )
 
     def _check_compress(self) -> None:
         policy = self.outer_compress

@@ -15,7 +15,6 @@ quorum of the logged participants (itself checked against a naive reference in
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -49,21 +48,23 @@ def run_groups(tmp: Path, cfg: dict, *, deadline: float = 150.0) -> dict:
     with Lighthouse(min_replicas=2, log=tmp / "lighthouse.log") as lh:
         try:
             groups = [Group(g, I, argv, lighthouse=lh.addr, log_dir=tmp) for g in range(G)]
-            while pending:
-                d = pending[0]
-                marker = tmp / f"dying.g{d['group']}.{d.get('life', 0)}"
-                while not marker.exists():
-                    assert time.monotonic() - start < deadline, f"never reached {d}"
+            while pending:  # whichever failure point is reached first
+                marker = {tmp / f"dying.g{d['group']}.{d.get('life', 0)}": d for d in pending}
+                while not (reached := [d for m, d in marker.items() if m.exists()]):
+                    assert time.monotonic() - start < deadline, f"never reached {pending}"
                     ended = all(p.poll() is not None for g in groups for p in g.procs)
-                    assert not ended, f"every group ended before {d}: see {tmp}"
+                    assert not ended, f"every group ended before {pending}: see {tmp}"
                     time.sleep(0.02)
+                d = reached[0]
                 time.sleep(0.2)  # the survivors are in the step (or the collective) now
                 groups[d["group"]].kill()
                 time.sleep(0.5)  # the pause before the restart
                 lives[d["group"]] += 1
                 env = {"FH_RESTART": str(lives[d["group"]])}
-                groups[d["group"]] = Group(d["group"], I, argv, lighthouse=lh.addr, log_dir=tmp, env=env)
-                pending.pop(0)
+                groups[d["group"]] = Group(
+                    d["group"], I, argv, lighthouse=lh.addr, log_dir=tmp, env=env
+                )
+                pending.remove(d)
             for g in groups:
                 codes = g.wait(max(deadline - (time.monotonic() - start), 1.0))
                 assert codes == [0] * I, f"group {g.gid} ended with {codes}: see {tmp}"
@@ -75,7 +76,11 @@ def run_groups(tmp: Path, cfg: dict, *, deadline: float = 150.0) -> dict:
         lines = [json.loads(x) for x in (tmp / f"g{g}r0.jsonl").read_text().splitlines()]
         dones = []
         for r in range(I):
-            dones += [json.loads(x) for x in (tmp / f"g{g}r{r}.jsonl").read_text().splitlines() if '"done"' in x]
+            dones += [
+                json.loads(x)
+                for x in (tmp / f"g{g}r{r}.jsonl").read_text().splitlines()
+                if '"done"' in x
+            ]
         out[g] = {"records": [x for x in lines if "done" not in x], "done": dones}
     return out
 
@@ -91,7 +96,9 @@ def test_hsdp_survivors_never_stop_and_a_restarted_group_heals(tmp_path):
         {"group": 2, "step": 8, "phase": "after_quorum"},  # mid-step
         {"group": 0, "step": 13, "phase": "before_quorum"},  # between steps
     ]
-    logs = run_groups(tmp_path, {"mode": "hsdp", "steps": 30, "die": die, "pace": 0.15, "quorum_timeout": 30})
+    logs = run_groups(
+        tmp_path, {"mode": "hsdp", "steps": 30, "die": die, "pace": 0.15, "quorum_timeout": 30}
+    )
     # the reference: per committed torchft step, the participants and their data positions
     steps: dict[int, dict[int, int]] = {}
     sizes: dict[int, set] = {}
@@ -106,11 +113,13 @@ def test_hsdp_survivors_never_stop_and_a_restarted_group_heals(tmp_path):
         who = steps[s]
         assert (True, len(who)) in sizes[s], (s, who, sizes[s])
         mean = {
-            k: torch.stack([grad_of(g, i, p, SHAPES)[k] for g, p in who.items() for i in range(I)]).mean(0)
+            k: torch.stack(
+                [grad_of(g, i, p, shapes=SHAPES)[k] for g, p in who.items() for i in range(I)]
+            ).mean(0)
             for k in SHAPES
         }
         w = {k: w[k] - LR * mean[k] for k in SHAPES}
-    for g, log in logs.items():
+    for log in logs.values():
         assert len(log["done"]) == I  # every rank of the last incarnation finished
         for done in log["done"]:
             for k in SHAPES:
@@ -151,10 +160,12 @@ def test_diloco_survivors_never_stop_and_match_the_simulated_quorum(tmp_path):
     assert 1 <= len(fails) <= 2
     alive = [tuple(sorted(syncs[t]["alive"])) for t in order]
     want = replay(alive, fails, steps=order[-1] + 1, every=every, delay=1)  # the last lands
-    for g, log in logs.items():
+    for log in logs.values():
         for done in log["done"]:
             for k in SHAPES:
-                torch.testing.assert_close(_tensors(done["params"])[k], want[k], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(
+                    _tensors(done["params"])[k], want[k], rtol=1e-6, atol=1e-6
+                )
     assert sum(1 for log in logs.values() for rec in log["records"] if rec["healed"]) == 2
 
 
@@ -173,7 +184,10 @@ def replay(alive: list, fails: list, *, steps: int, every: int, delay: int) -> d
     while state.count < steps:
         grads = {
             k: torch.stack(
-                [torch.stack([grad_of(g, i, int(pos[g, i]), SHAPES)[k] for i in range(I)]) for g in range(G)]
+                [
+                    torch.stack([grad_of(g, i, int(pos[g, i]), shapes=SHAPES)[k] for i in range(I)])
+                    for g in range(G)
+                ]
             )
             for k in SHAPES
         }

@@ -46,7 +46,7 @@ def test_hsdp_per_step_matches_the_naive_reference():
     pos = torch.zeros(R, I, dtype=torch.int64)
     ref = {r: {k: torch.zeros(n, dtype=torch.float64) for k, n in SHAPES.items()} for r in range(R)}
     ref_pos, done = dict.fromkeys(range(R), 0), dict.fromkeys(range(R), 0)
-    for k in range(len(ALIVE) + 2):
+    for _ in range(len(ALIVE) + 2):
         params, pos = sim.quorum((params, pos))
         alive = sim.alive
         # naive: a replica behind the others takes the first up-to-date one's weights
@@ -59,13 +59,18 @@ def test_hsdp_per_step_matches_the_naive_reference():
         assert set(sim.healed) == {r for r in alive if r != src and sim.healed and r in sim.healed}
         grads = {
             key: torch.stack(
-                [torch.stack([grad_of(r, i, int(pos[r, i]))[key] for i in range(I)]) for r in range(R)]
+                [
+                    torch.stack([grad_of(r, i, int(pos[r, i]))[key] for i in range(I)])
+                    for r in range(R)
+                ]
             )
             for key in SHAPES
         }
         g = fh.reduce_grads(grads, spec, last=True)
         mean = {
-            key: torch.stack([grad_of(r, i, ref_pos[r])[key] for r in alive for i in range(I)]).mean(0)
+            key: torch.stack(
+                [grad_of(r, i, ref_pos[r])[key] for r in alive for i in range(I)]
+            ).mean(0)
             for key in SHAPES
         }
         if sim.commit():
@@ -87,12 +92,16 @@ def _diloco_reference(weighted: bool, steps: int, every: int):
     """DiLoCo by hand: per replica params and anchor; outer sgd(0.5) on the merged
     pseudo-gradient; a quorum at each sync."""
     lr_out = 0.5
-    params = {r: {k: torch.zeros(n, dtype=torch.float64) for k, n in SHAPES.items()} for r in range(R)}
+    params = {
+        r: {k: torch.zeros(n, dtype=torch.float64) for k, n in SHAPES.items()} for r in range(R)
+    }
     anchor = {r: {k: v.clone() for k, v in params[r].items()} for r in range(R)}
     pos, done, q = dict.fromkeys(range(R), 0), dict.fromkeys(range(R), 0), 0
     for t in range(1, steps + 1):
         for r in range(R):
-            g = {k: torch.stack([grad_of(r, i, pos[r])[k] for i in range(I)]).mean(0) for k in SHAPES}
+            g = {
+                k: torch.stack([grad_of(r, i, pos[r])[k] for i in range(I)]).mean(0) for k in SHAPES
+            }
             params[r] = {k: params[r][k] - LR * g[k] for k in SHAPES}
             pos[r] += 1
         if t % every:
@@ -140,7 +149,10 @@ def test_diloco_matches_the_naive_reference(weighted):
     for _ in range(steps):
         grads = {
             key: torch.stack(
-                [torch.stack([grad_of(r, i, int(pos[r, i]))[key] for i in range(I)]) for r in range(R)]
+                [
+                    torch.stack([grad_of(r, i, int(pos[r, i]))[key] for i in range(I)])
+                    for r in range(R)
+                ]
             )
             for key in SHAPES
         }
@@ -206,10 +218,16 @@ def test_errors_name_the_argument():
     with pytest.raises(TypeError, match="weight must be a number"):
         dl.update(params, state, weight="10")
     with pytest.raises(ValueError, match="on the fault-tolerant axis 'r'"):
-        fh.diloco(fh.hsdp(mesh, "r", "dp"), axis="r", every=4, fragments=2, delay=2, outer=fh.sgd(1.0))
+        fh.diloco(
+            fh.hsdp(mesh, "r", "dp"), axis="r", every=4, fragments=2, delay=2, outer=fh.sgd(1.0)
+        )
     with pytest.raises(ValueError, match="compress= on the simulated quorum's axis"):
         fh.diloco(
-            fh.hsdp(mesh, "r", "dp"), axis="r", every=2, outer=fh.sgd(1.0), compress=fh.compress(torch.int8)
+            fh.hsdp(mesh, "r", "dp"),
+            axis="r",
+            every=2,
+            outer=fh.sgd(1.0),
+            compress=fh.compress(torch.int8),
         )
     with pytest.raises(ValueError, match="only all-reduces run over a simulated quorum's axis"):
         mesh.all_gather(torch.zeros(2, 1, 2), "r")
@@ -218,13 +236,20 @@ def test_errors_name_the_argument():
 def test_healing_refuses_trees_that_differ_from_the_peers():
     paths = ("trees[0]['w']", "trees[1]")
     mine = [torch.zeros(3), 4]
-    sent = {"paths": list(paths), "leaves": [_sendable(p, x) for p, x in zip(paths, [torch.ones(3), 9])]}
+    sent = {
+        "paths": list(paths),
+        "leaves": [_sendable(p, x) for p, x in zip(paths, [torch.ones(3), 9])],
+    }
     got = _healed(paths, mine, sent)
     assert got[0] is mine[0] and torch.equal(mine[0], torch.ones(3)) and got[1] == 9
     other = {"paths": ["trees[0]['v']", "trees[1]"], "leaves": sent["leaves"]}
-    with pytest.raises(ValueError, match=r"leaf 0 is trees\[0\]\['w'\] here and trees\[0\]\['v'\] on the peer"):
+    with pytest.raises(
+        ValueError, match=r"leaf 0 is trees\[0\]\['w'\] here and trees\[0\]\['v'\] on the peer"
+    ):
         _healed(paths, [torch.zeros(3), 4], other)
-    with pytest.raises(ValueError, match=r"trees\[0\]\['w'\] is \(3,\) torch.float32 here and \(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"trees\[0\]\['w'\] is \(3,\) torch.float32 here and \(2,\)"
+    ):
         _healed(paths, [torch.zeros(3), 4], {"paths": list(paths), "leaves": [torch.ones(2), 1]})
     masked = fh.masked_node(torch.zeros(2))
     assert isinstance(_sendable("p", masked), _Kept)

@@ -34,7 +34,11 @@ def free_port() -> int:
 
 
 def lighthouse_command(
-    port: int, *, min_replicas: int = 1, join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 2000
+    port: int,
+    *,
+    min_replicas: int = 1,
+    join_timeout_ms: int = 1000,
+    heartbeat_timeout_ms: int = 2000,
 ) -> list[str]:
     """The lighthouse's command line (``torchft_lighthouse``, from the torchft wheel)."""
     exe = shutil.which("torchft_lighthouse")
