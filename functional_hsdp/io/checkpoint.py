@@ -13,6 +13,7 @@ field, anything else as a tree of local shards (the guide: ``docs/guides/checkpo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -317,10 +318,18 @@ def forms(plan: Plan, role: str = ROLE) -> list[Form]:
     leading dim, of one row per replica (a checkpoint loads on the same number of replicas)."""
     out = _forms(plan, role)
     mesh = plan.mesh
-    return [
-        f.replicated_over(mesh, spec.replica_axes, tuple(shape)) if spec.replica_axes else f
+    # a fault-tolerant replica axis (``apart_axes``) is no DeviceMesh dim: each replica group
+    # saves its own checkpoint on its own device mesh, its values as they are
+    apart = tuple(getattr(mesh, "apart_axes", ()))
+    out = [
+        f.replicated_over(mesh, rows, tuple(shape)) if rows else f
         for f, spec, shape in zip(out, plan.specs, plan.shapes)
+        for rows in (tuple(a for a in spec.replica_axes if a not in apart),)
     ]
+    if not apart:
+        return out
+    kept = [k for k, a in enumerate(mesh.axis_names) if a not in apart]
+    return [dataclasses.replace(f, placements=tuple(f.placements[k] for k in kept)) for f in out]
 
 
 def _forms(plan: Plan, role: str) -> list[Form]:

@@ -442,7 +442,7 @@ class ReplicaMesh(MeshAxes):
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor | Flight:
         if not self._ft(axis):
             return self.group_mesh.all_reduce(buf, axis, op)
-        from torch.distributed import AllreduceOptions, ReduceOp
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
         n = self.size(axis)
 
@@ -466,7 +466,7 @@ class ReplicaMesh(MeshAxes):
     def all_gather(self, buf: torch.Tensor, axis: str) -> torch.Tensor | Flight:
         if not self._ft(axis):
             return self.group_mesh.all_gather(buf, axis)
-        from torch.distributed import AllgatherOptions
+        from torch.distributed.distributed_c10d import AllgatherOptions
 
         n = self.size(axis)
         out = buf.new_empty(n * buf.shape[0], *buf.shape[1:])
@@ -483,9 +483,11 @@ class ReplicaMesh(MeshAxes):
     def all_to_all(
         self, buf: torch.Tensor, axis: str, *, counts: Any, length: int
     ) -> torch.Tensor | Flight:
-        if not self._ft(axis):
-            return self.group_mesh.all_to_all(buf, axis, counts=counts, length=length)
-        from torch.distributed import AllToAllOptions
+        if not self._ft(axis):  # the counts of this group's ranks, by their group coordinates
+            mine = self.replicas.rank
+            own = {r[1:]: row for r, row in counts.items() if r[0] == mine}
+            return self.group_mesh.all_to_all(buf, axis, counts=own, length=length)
+        from torch.distributed.distributed_c10d import AllToAllOptions
 
         d, me = self._dim(axis), self._coords
         send = [int(c) for c in counts[me]]

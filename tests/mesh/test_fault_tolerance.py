@@ -34,20 +34,20 @@ LR = 0.1
 PROGRAM = [sys.executable, "-m", "functional_hsdp.tools.testing.ft_train"]
 
 
-def run_groups(tmp: Path, cfg: dict, *, deadline: float = 150.0) -> dict:
+def run_groups(tmp: Path, cfg: dict, *, deadline: float = 150.0, n: int = G) -> dict:
     """Start the lighthouse and the groups, kill each group named in ``cfg['die']`` by pid when
     it reaches its failure point, restart it after a pause, and wait for every group to end.
     Returns each group's records (rank 0's log; every rank's 'done' params)."""
-    cfg = {**cfg, "out": str(tmp), "groups": G}
+    cfg = {**cfg, "out": str(tmp), "groups": n}
     (tmp / "cfg.json").write_text(json.dumps(cfg))
     argv = [*PROGRAM, str(tmp / "cfg.json")]
     pending = sorted(cfg["die"], key=lambda d: (d.get("life", 0), d["step"]))
     groups: list[Group] = []
-    lives = [0] * G
+    lives = [0] * n
     start = time.monotonic()
     with Lighthouse(min_replicas=2, log=tmp / "lighthouse.log") as lh:
         try:
-            groups = [Group(g, I, argv, lighthouse=lh.addr, log_dir=tmp) for g in range(G)]
+            groups = [Group(g, I, argv, lighthouse=lh.addr, log_dir=tmp) for g in range(n)]
             while pending:  # whichever failure point is reached first
                 marker = {tmp / f"dying.g{d['group']}.{d.get('life', 0)}": d for d in pending}
                 while not (reached := [d for m, d in marker.items() if m.exists()]):
@@ -72,7 +72,7 @@ def run_groups(tmp: Path, cfg: dict, *, deadline: float = 150.0) -> dict:
             for g in groups:
                 g.kill()
     out = {}
-    for g in range(G):
+    for g in range(n):
         lines = [json.loads(x) for x in (tmp / f"g{g}r0.jsonl").read_text().splitlines()]
         dones = []
         for r in range(I):
@@ -81,7 +81,11 @@ def run_groups(tmp: Path, cfg: dict, *, deadline: float = 150.0) -> dict:
                 for x in (tmp / f"g{g}r{r}.jsonl").read_text().splitlines()
                 if '"done"' in x
             ]
-        out[g] = {"records": [x for x in lines if "done" not in x], "done": dones}
+        paths = []
+        for r in range(I):
+            text = (tmp / f"g{g}r{r}.jsonl").read_text().splitlines()
+            paths += [json.loads(x) for x in text if '"paths"' in x]
+        out[g] = {"records": [x for x in lines if "done" not in x], "done": dones, "paths": paths}
     return out
 
 
@@ -200,3 +204,85 @@ def replay(alive: list, fails: list, *, steps: int, every: int, delay: int) -> d
     full = fh.gather(params, dl.inner)
     last = sim.log[-1].alive
     return {k: full[k][last[0], 0] for k in SHAPES}
+
+
+@pytest.mark.timeout(120)
+def test_with_no_failure_every_path_equals_a_simmesh_bit_for_bit(tmp_path):
+    """2 groups, no failure: a compressed reduction, MainGrad, Muon and compressed DiLoCo with
+    fragments give a plain SimMesh's results bit for bit, with the same collectives
+    (comm_log); a checkpoint saved and loaded on the fault-tolerant mesh gives its values
+    back."""
+    from functional_hsdp.tools.testing.ft_train import exercise
+
+    logs = run_groups(tmp_path, {"mode": "paths", "steps": 1, "die": []}, n=2)
+    mesh = fh.SimMesh({"replica": 2, "dp_inner": I})  # the plain mesh: no quorum at all
+
+    class Plain:  # a plain mesh's loop: no quorum, every step commits
+        def quorum(self, trees):
+            return trees
+
+        def commit(self):
+            return True
+
+    shapes = {"w": 10, "b": 3, "m": 24}
+
+    def grads_at(k: int) -> dict:
+        per = [[grad_of(g, i, k, shapes=shapes) for i in range(I)] for g in range(2)]
+        out = {
+            key: torch.stack([torch.stack([p[key] for p in row]) for row in per]) for key in shapes
+        }
+        return {**out, "m": out["m"].view(2, I, 4, 6)}
+
+    want, events = exercise(fh, Plain(), mesh=mesh, grads_at=grads_at)
+    for g in range(2):
+        assert len(logs[g]["paths"]) == I
+        for i, got in enumerate(logs[g]["paths"]):
+            assert [tuple(e) for e in got["events"]] == events
+            assert got["paths"]["checkpoint"] == got["paths"]["muon"]  # saved and loaded back
+            for name, tree in want.items():
+                for k, v in tree.items():
+                    assert torch.equal(torch.tensor(got["paths"][name][k]), v[g, i]), (
+                        name,
+                        k,
+                        g,
+                        i,
+                    )
+
+
+def test_bad_input_is_refused_with_a_clear_error():
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+
+    from functional_hsdp.tools.testing.replica_groups import free_port
+
+    with pytest.raises(TypeError, match="manager must be a torchft.Manager"):
+        fh.fault_tolerant(object(), axis="replica")
+    with pytest.raises(TypeError, match="replicas must be fh.fault_tolerant"):
+        fh.DistMesh(None, replicas=object())
+    with Lighthouse() as lh:
+        port = free_port()
+        store = TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+        manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=1,
+            use_async_quorum=True,
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=port,
+            lighthouse_addr=lh.addr,
+            replica_id="group_0",
+            timeout=timedelta(seconds=5),
+        )
+        try:
+            with pytest.raises(ValueError, match="use_async_quorum=True; fh needs"):
+                fh.fault_tolerant(manager, axis="replica")
+            with pytest.raises(TypeError, match="axis must be the replica axis's name"):
+                fh.fault_tolerant(manager, axis=0)
+        finally:
+            manager.shutdown(wait=False)
+            del store

@@ -182,11 +182,73 @@ class Run:
         return params, dl.inner
 
 
+def exercise(fh, quorum, *, mesh, grads_at) -> tuple[dict, list]:
+    """Every path over the replica axis once, with no failure, on ``mesh`` (a replicas
+    DistMesh, or a SimMesh with a simulated quorum): a compressed HSDP reduction (the
+    all-to-all and all-gather over the axis), MainGrad over 3 microbatches, Muon on a matrix,
+    DiLoCo with 2 fragments and compressed syncs. ``quorum``
+    is the axis's quorum; ``grads_at(k)`` the k-th gradient tree of this rank (every rank's,
+    stacked, on a SimMesh). Returns the full results and ``comm_log``'s events; on a DistMesh
+    also the Muon result after a checkpoint's round trip (``checkpoint``, not logged)."""
+    out = {}
+    like = {"w": torch.zeros(10), "b": torch.zeros(3), "m": torch.zeros(4, 6)}
+    with fh.comm_log() as log:
+        quorum.quorum(None)
+        int8 = fh.compress(torch.int8, error_feedback=False)
+        spec = fh.hsdp(mesh, "replica", "dp_inner", outer_compress=int8)
+        g, _ = fh.reduce_grads(grads_at(0), spec, last=True)  # (grads, residual)
+        out["compressed"] = fh.gather(g, spec)
+        spec = fh.hsdp(mesh, "replica", "dp_inner")
+        mg = fh.MainGrad(spec, like=like)
+        for m in range(3):
+            mg.accumulate(grads_at(1 + m), last=m == 2)
+        out["maingrad"] = fh.gather(mg.grads, spec)
+        opt = fh.muon(spec, lr=0.02)
+        params = fh.shard({"m": like["m"] + 1.0}, spec)
+        g = fh.reduce_grads({"m": grads_at(4)["m"]}, spec, last=True)
+        updates, _ = opt.update(g, opt.init(params), params)
+        params = fh.apply_updates(params, updates)
+        out["muon"] = fh.gather(params, spec)
+        muon = params
+        assert quorum.commit()
+        dl = fh.diloco(
+            spec, axis="replica", every=2, fragments=2, outer=fh.sgd(0.7, momentum=0.9),
+            compress=fh.compress(torch.int8),
+        )  # fmt: skip
+        params = fh.shard(like, dl.inner)
+        state = dl.init(params)
+        for t in range(4):
+            g = fh.reduce_grads(grads_at(5 + t), dl.inner, last=True)
+            params = {k: params[k] - 0.1 * g[k] for k in params}
+            if dl.sync_due(state):
+                params, state = quorum.quorum((params, state))
+            params, state = dl.update(params, state)
+        out["diloco"] = fh.gather(params, dl.inner)
+    events = [(e.op, e.axis, str(e.dtype), e.numel) for e in log.events]
+    if hasattr(mesh, "device_mesh"):  # checkpoints live on a real DeviceMesh: a round trip
+        back = fh.load_state_dict(fh.state_dict(muon, spec), spec, {"m": like["m"]})
+        out["checkpoint"] = fh.gather(back, spec)
+    return out, events
+
+
 def main(path: str) -> None:
     run = Run(json.loads(Path(path).read_text()))
     run.barrier()
-    params, spec = run.hsdp() if run.cfg["mode"] == "hsdp" else run.diloco()
-    run.write(done=True, params={k: v.tolist() for k, v in run.fh.gather(params, spec).items()})
+    if run.cfg["mode"] == "paths":
+        shapes = {"w": 10, "b": 3, "m": 24}
+
+        def grads_at(k: int) -> dict:
+            g = grad_of(run.gid, run.rank, k, shapes=shapes)
+            return {**g, "m": g["m"].view(4, 6)}
+
+        got, events = exercise(run.fh, run.ft, mesh=run.spec.mesh, grads_at=grads_at)
+        full = {name: {k: v.tolist() for k, v in tree.items()} for name, tree in got.items()}
+        run.write(paths=full, events=events)
+        run.write(done=True, params={})
+    else:
+        params, spec = run.hsdp() if run.cfg["mode"] == "hsdp" else run.diloco()
+        done = {k: v.tolist() for k, v in run.fh.gather(params, spec).items()}
+        run.write(done=True, params=done)
     run.log.close()
     run.manager.shutdown(wait=False)
     dist.destroy_process_group()
