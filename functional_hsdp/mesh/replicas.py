@@ -33,7 +33,6 @@ import numpy as np
 import optree
 import torch
 
-from ..base.cache import clear_caches
 from ..base.tree import format_path
 from .dist import REPLICA_MESH, DistMesh, RankGeometry
 from .protocol import Flight, MeshAxes
@@ -142,8 +141,8 @@ class FaultTolerant(_Quorums):
         self.log: list[QuorumRecord] = []
         self._open = False
         self._sending: tuple[tuple[str, ...], list] | None = None
+        self._group: Any = None  # the group's own mesh (set by the ReplicaMesh made on it)
         self._received: Any = None
-        self._key = (1, 0)  # the axis as plans saw it so far: (size, this group's place)
         manager.register_state_dict_fn(STATE_KEY, self._load, self._save)
 
     def __repr__(self) -> str:
@@ -204,7 +203,7 @@ class FaultTolerant(_Quorums):
         finally:
             self._sending = None
         received, self._received = self._received, None
-        healed = received is not None
+        healed = self._agree_healed(received is not None)
         if healed:
             trees = optree.tree_unflatten(treedef, _healed(paths, leaves, received))
         self._open = True
@@ -220,10 +219,27 @@ class FaultTolerant(_Quorums):
                 healed=healed,
             )
         )
-        if (size, rank) != self._key:
-            clear_caches()  # plans read the axis's size and this group's place once
-        self._key = (size, rank)
         return trees
+
+    def _agree_healed(self, got: bool) -> bool:
+        """Whether every rank of this group received its trees at this quorum (a host
+        exchange over the group's ranks, when the mesh was made). A heal is per rank (each
+        rank from the same coordinates of a peer group); where some ranks of the group got
+        theirs and others did not, none takes them: the group stays consistent, the failure
+        is reported (this step does not commit) and the group heals at its next quorum."""
+        group = self._group
+        if group is None or all(n == 1 for n in group.sizes):
+            return got
+        failed = not got and self.manager.errored() is not None
+        row = torch.tensor([int(got), int(failed)], dtype=torch.int64)
+        mine = torch.cat([row, -row])
+        both = group.diagnostics.start_max(mine)()
+        anyone, everyone = bool(both[0] > 0), bool(-both[2] > 0)
+        if anyone and not everyone:
+            if self.manager.errored() is None:
+                self.report(RuntimeError("ft.quorum: a rank of this group failed to heal"))
+            return False
+        return everyone
 
     def commit(self) -> bool:
         """torchft's ``should_commit``: True when every collective of this step succeeded on
@@ -406,6 +422,7 @@ class ReplicaMesh(MeshAxes):
                 f"{self.group_mesh.axis_names}; the device mesh spans one replica group only"
             )
         self.replicas = replicas
+        replicas._group = self.group_mesh  # a heal is agreed within the group
         self.device_mesh = device_mesh
         self.axis_names = (replicas.axis, *self.group_mesh.axis_names)
         self.overlap = self.group_mesh.overlap
@@ -432,6 +449,12 @@ class ReplicaMesh(MeshAxes):
 
     def coordinate(self, axis: str) -> int:
         return self._coords[self._dim(axis)]
+
+    def moves(self, axis: str) -> bool:
+        """The replica axis always carries its collectives (a plan is made once, and the
+        quorum's size changes: one participant all-reduces with itself); the group's axes as
+        the group's mesh says."""
+        return self._ft(axis) or self.group_mesh.moves(axis)
 
     def _ft(self, axis: str) -> bool:
         self._dim(axis)  # names the mesh's axes if it has no such axis

@@ -41,7 +41,7 @@ def run_groups(tmp: Path, cfg: dict, *, deadline: float = 150.0, n: int = G) -> 
     cfg = {**cfg, "out": str(tmp), "groups": n}
     (tmp / "cfg.json").write_text(json.dumps(cfg))
     argv = [*PROGRAM, str(tmp / "cfg.json")]
-    pending = sorted(cfg["die"], key=lambda d: (d.get("life", 0), d["step"]))
+    pending = list(cfg["die"])
     groups: list[Group] = []
     lives = [0] * n
     start = time.monotonic()
@@ -49,13 +49,18 @@ def run_groups(tmp: Path, cfg: dict, *, deadline: float = 150.0, n: int = G) -> 
         try:
             groups = [Group(g, I, argv, lighthouse=lh.addr, log_dir=tmp) for g in range(n)]
             while pending:  # whichever failure point is reached first
-                marker = {tmp / f"dying.g{d['group']}.{d.get('life', 0)}": d for d in pending}
+                marker = {_marker(tmp, d): d for d in pending}
                 while not (reached := [d for m, d in marker.items() if m.exists()]):
                     assert time.monotonic() - start < deadline, f"never reached {pending}"
                     ended = all(p.poll() is not None for g in groups for p in g.procs)
                     assert not ended, f"every group ended before {pending}: see {tmp}"
                     time.sleep(0.02)
                 d = reached[0]
+                if d["group"] is None:  # the sender of a heal: whichever group it was
+                    pending.remove(d)
+                    gid, life = map(int, _marker(tmp, d).read_text().split())
+                    d = {**d, "group": gid, "life": life}
+                    pending.append(d)
                 time.sleep(0.2)  # the survivors are in the step (or the collective) now
                 groups[d["group"]].kill()
                 time.sleep(0.5)  # the pause before the restart
@@ -87,6 +92,12 @@ def run_groups(tmp: Path, cfg: dict, *, deadline: float = 150.0, n: int = G) -> 
             paths += [json.loads(x) for x in text if '"paths"' in x]
         out[g] = {"records": [x for x in lines if "done" not in x], "done": dones, "paths": paths}
     return out
+
+
+def _marker(tmp: Path, d: dict) -> Path:
+    if d["group"] is None:
+        return tmp / "dying.any.sending"
+    return tmp / f"dying.g{d['group']}.{d.get('life', 0)}"
 
 
 def _tensors(params: dict) -> dict:
@@ -286,3 +297,26 @@ def test_bad_input_is_refused_with_a_clear_error():
         finally:
             manager.shutdown(wait=False)
             del store
+
+
+@pytest.mark.timeout(240)
+def test_compressed_diloco_survives_a_death_mid_sync_and_a_sender_killed_while_healing(tmp_path):
+    """int8-compressed DiLoCo syncs (an all-to-all and an all-gather over the replica axis): a
+    group killed inside a sync (its peers are in the all-to-all), then the group that sends
+    the restarted one its state killed while sending it. The healing group's step fails and
+    heals at the next quorum from the other peer; every group ends with the same weights."""
+    die = [
+        {"group": 1, "step": 4, "phase": "before_sync"},
+        {"group": None, "phase": "sending"},
+    ]
+    cfg = {"mode": "diloco", "steps": 30, "every": 2, "compress": True, "die": die, "pace": 0.15}
+    logs = run_groups(tmp_path, cfg)
+    finals = [_tensors(done["params"]) for log in logs.values() for done in log["done"]]
+    assert len(finals) == G * I
+    for other in finals[1:]:
+        for k in SHAPES:
+            assert torch.equal(other[k], finals[0][k])
+    records = [rec for log in logs.values() for rec in log["records"]]
+    assert any(not rec["commit"] for rec in records)  # the syncs the deaths broke
+    assert sum(rec["healed"] for rec in records) >= 2  # both restarted groups healed
+    assert (tmp_path / "sending.claimed").exists()

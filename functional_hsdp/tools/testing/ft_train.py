@@ -18,7 +18,8 @@ where the quorum has every group (and before the step budget), the group's ranks
 ``CONFIG['out']/dying.g{g}.{k}`` and sleep (the test kills them by pid), at ``phase`` =
 ``"before_quorum"`` (between steps), ``"after_quorum"`` (mid-step), ``"before_sync"`` (just
 before the outer collective: the survivors are in it when the group dies) or, for DiLoCo,
-``"in_flight"`` (a delayed sync issued and not landed).
+``"in_flight"`` (a delayed sync issued and not landed). ``{"group": null, "phase":
+"sending"}``: the first group that sends its state to a healing peer dies while sending it.
 """
 
 from __future__ import annotations
@@ -68,6 +69,26 @@ class Run:
             if d["group"] == self.gid and d.get("life", 0) == self.restart
         ]
         self.everyone = cfg.get("groups", 1)
+        if not self.restart and any(d["phase"] == "sending" for d in cfg.get("die", [])):
+            self._die_sending()
+
+    def _die_sending(self) -> None:
+        """The first group asked for its state by a healing peer dies while sending it (in
+        torchft's quorum thread, inside fh's state-dict callback): marker
+        ``dying.any.sending`` (holding ``gid life``), then sleep until killed."""
+        fns = self.manager._user_state_dicts  # torchft's registered callbacks (failure injection)
+        save = fns["functional_hsdp"]
+
+        def dying_save():
+            try:
+                fd = os.open(self.out / "sending.claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return save()
+            os.close(fd)
+            (self.out / "dying.any.sending").write_text(f"{self.gid} {self.restart}")
+            time.sleep(600)
+
+        fns["functional_hsdp"] = dying_save
 
     def whole(self) -> bool:
         """Whether the last quorum had every group."""
