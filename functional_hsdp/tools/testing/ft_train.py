@@ -10,11 +10,12 @@ log. Modes: ``hsdp`` (a quorum and a commit per step) and ``diloco`` (a quorum p
 
 The log (JSON lines, ``CONFIG['out']/g{gid}r{rank}.jsonl``): one line per quorum with its
 record, the data position used, and the full params after the step; ``{"done": ...}`` at the
-end. The run ends after ``CONFIG['steps']`` at the first committed quorum of every group
-(``CONFIG['groups']``), so that a restarted group is back before the end. Failure points
+end. The run ends after ``CONFIG['steps']``, once every failure of the schedule has happened,
+at the first committed quorum of every group (``CONFIG['groups']``), so that a restarted group
+is back before the end. Failure points
 (``CONFIG['die']``: a list of ``{"group": g, "step": s, "phase": p, "life": k}``, for the
 k-th start of that group, from 0, ``FH_RESTART``): at the first point at or after step ``s``
-where the quorum has every group (and before the step budget), the group's ranks write
+where the quorum has every group, the group's ranks write
 ``CONFIG['out']/dying.g{g}.{k}`` and sleep (the test kills them by pid), at ``phase`` =
 ``"before_quorum"`` (between steps), ``"after_quorum"`` (mid-step), ``"before_sync"`` (just
 before the outer collective: the survivors are in it when the group dies) or, for DiLoCo,
@@ -95,15 +96,30 @@ class Run:
         return bool(self.ft.log) and self.ft.log[-1].participants == self.everyone
 
     def ended(self, count: int) -> bool:
-        """The job's end: its step budget, at a committed quorum of every group (capped)."""
-        return (count >= self.steps and self.whole() and self.ft.log[-1].committed) or (
-            count >= 3 * self.steps
-        )
+        """The job's end: its step budget, every failure of the schedule done, at a committed
+        quorum of every group (capped at 20 times the budget)."""
+        done = self.whole() and self.ft.log[-1].committed and self.all_died()
+        return (count >= self.steps and done) or count >= 20 * self.steps
+
+    def all_died(self) -> bool:
+        """Whether every failure of the schedule (any group's) has happened and the group it
+        killed is back: healed after its restart (its marker ``back.g{g}.{life}``)."""
+        for d in self.cfg.get("die", []):
+            if d["group"] is None:
+                marker = self.out / "dying.any.sending"
+                if not marker.exists():
+                    return False
+                gid, life = map(int, marker.read_text().split())
+            else:
+                gid, life = d["group"], d.get("life", 0)
+            if not (self.out / f"back.g{gid}.{life + 1}").exists():
+                return False
+        return True
 
     def maybe_die(self, step: int, phase: str) -> None:
         """At the first such point at or after a failure's step with every group in the
-        quorum (and before the budget): the marker, then sleep until killed."""
-        if self.whole() and step < self.steps:
+        quorum: the marker, then sleep until killed."""
+        if self.whole():
             if any(step >= d["step"] and d["phase"] == phase for d in self.dies):
                 (self.out / f"dying.g{self.gid}.{self.restart}").write_text(str(os.getpid()))
                 time.sleep(600)
@@ -113,6 +129,10 @@ class Run:
         self.log.flush()
 
     def record(self, rec, params, spec, **kw) -> None:
+        """One decided quorum in the log; a restarted group that healed and committed marks
+        itself back (the end of the run waits for it)."""
+        if self.restart and rec.healed and rec.committed:
+            (self.out / f"back.g{self.gid}.{self.restart}").write_text("")
         full = self.fh.gather(params, spec)
         self.write(q=rec.index, step=rec.step, n=rec.participants, rank=rec.rank,
                    healed=rec.healed, commit=rec.committed,

@@ -1,5 +1,8 @@
 """Replica groups on one machine: a torchft lighthouse and one job per group, killed by pid.
 
+A group is its ranks started directly with torchrun's environment (fast: what the failure
+tests use) or one real ``torchrun`` job (``Group(..., torchrun=True)``, as users start it).
+
 What the fault-tolerance tests and ``python -m bench faults`` run on. :class:`Lighthouse` starts
 ``torchft_lighthouse`` (shipped in the torchft wheel) on a free port; :class:`Group` starts one
 replica group's ranks as separate processes with the environment ``torchrun`` gives them
@@ -113,9 +116,13 @@ class Group:
         lighthouse: str,
         log_dir: str | Path,
         env: dict[str, str] | None = None,
+        torchrun: bool = False,
     ):
         self.gid, self.n = gid, n
         port = free_port()
+        if torchrun:  # one torchrun job for the group, as users start it
+            self._torchrun(argv, port=port, lighthouse=lighthouse, log_dir=log_dir, env=env)
+            return
         base = {
             **os.environ,
             **(env or {}),
@@ -136,15 +143,38 @@ class Group:
             )
             log.close()
 
+    def _torchrun(self, argv, *, port: int, lighthouse: str, log_dir, env) -> None:
+        """``argv`` (``python -m module ...``) under ``torchrun``: its agent starts the ranks
+        (in a process group of their own, so that :meth:`kill` reaches them all)."""
+        if list(argv[1:2]) != ["-m"]:
+            raise ValueError(f"Group(torchrun=True) runs 'python -m module ...'; got {argv!r}")
+        run = [
+            argv[0], "-m", "torch.distributed.run", "--nnodes", "1",
+            "--nproc_per_node", str(self.n), "--master_addr", "127.0.0.1",
+            "--master_port", str(port), "-m", *argv[2:],
+        ]  # fmt: skip
+        extra = {"TORCHFT_LIGHTHOUSE": lighthouse, "REPLICA_GROUP_ID": str(self.gid)}
+        full = {**os.environ, **(env or {}), **extra, "PYTHONUNBUFFERED": "1"}
+        log = open(Path(log_dir) / f"g{self.gid}.torchrun.log", "ab")
+        proc = subprocess.Popen(
+            run, env=full, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        self.procs = [proc]
+
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
     def kill(self) -> None:
-        """SIGKILL every rank of the group (by pid), and reap them."""
+        """SIGKILL every rank of the group (by pid; under torchrun its whole process group),
+        and reap them."""
         for p in self.procs:
             if p.poll() is None:
-                os.kill(p.pid, signal.SIGKILL)
+                if len(self.procs) == 1 and self.n > 1:  # a torchrun agent and its ranks
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    os.kill(p.pid, signal.SIGKILL)
         for p in self.procs:
             p.wait()
 
