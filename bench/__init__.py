@@ -35,6 +35,7 @@ LAYERS = {
     "diloco_overlap": "diloco",
     "compress": "runtime",
     "wan": "diloco",
+    "faults": "diloco",
 }
 
 BENCHMARKS = {name: import_module(f"{__name__}.{layer}.{name}") for name, layer in LAYERS.items()}

@@ -38,6 +38,7 @@ ORDER = [
     "diloco_overlap",
     "compress",
     "wan",
+    "faults",
     "module",
     "muon",
     "dpsgd",
@@ -78,13 +79,15 @@ def test_every_benchmark_is_in_the_folder_of_its_layer():
     bench = Path(common.BENCH_DIR)
     files = {p.relative_to(bench).as_posix() for p in bench.glob("*/*.py")}
     scripts = {"mesh/gloo_allgather.py", "mesh/startup.py", "runtime/agreement_scaling.py"}
-    helpers = {"device/gpu_hf.py", "device/gpu_muon.py"}
+    helpers = {"device/gpu_hf.py", "device/gpu_muon.py", "diloco/faults_worker.py"}
     inits = {f"{layer}/__init__.py" for layer in set(LAYERS.values())}
     assert files == {f"{LAYERS[n]}/{n}.py" for n in BENCHMARKS} | scripts | helpers | inits
 
 
 @pytest.mark.parametrize("name", ORDER)
 def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
+    if name == "faults":  # B22 runs torchft's lighthouse and Manager
+        pytest.importorskip("torchft", reason="B22 needs the [ft] extra: pip install -e '.[ft]'")
     command = f"python -m bench {name} --size tiny"
     png = str(tmp_path / "scaling.png")
     # the workers' long-lived heaps out of the collector's sight (as tests/conftest.py does
@@ -143,6 +146,17 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
             assert v["DiLoCo H=4"]["comm_bytes"] < v["HSDP"]["comm_bytes"] / 4
             assert all(len(x["curve"]) >= 2 for x in v.values())
             assert "### Goals (issue 46)" in md
+    if name == "faults":  # a kill and a heal per mode; no failure = plain DistMesh, bit for bit
+        for mode, x in res["modes"].items():
+            assert len(x["failures"]) == len(res["cfg"]["die"][mode]) and not x["missed"], x
+            for f in x["failures"]:
+                assert f["heal"] and f["heal"]["healed"] and f["heal"]["equal"], f
+                assert f["detection"] is not None and f["cost"] is not None, f
+            bits = x["bits"]
+            assert all(b["compared"] > 0 and b["differ"] == 0 for b in bits.values()), bits
+        ref = res["modes"]["hsdp"]["reference"]
+        assert ref["fail"]["max_abs"] < 1e-5 and ref["none"]["max_abs"] < 1e-5, ref
+        assert "### Goals (issue 47)" in md
     if name == "diloco":  # H=2: half HSDP's outer bytes, none on steps without a sync
         h2 = res["variants"]["H=2"]
         assert h2["quiet_nonzero"] == 0 and h2["syncs"] == res["cfg"]["steps"] // 2
