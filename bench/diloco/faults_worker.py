@@ -111,10 +111,6 @@ def _marker(d: dict) -> str:
     return f"g{d['group']}.{d.get('life', 0)}"
 
 
-def _empty(shape, dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
-
-
 class Model:
     """B18's Llama on ``mesh`` for one mode: its shards, MainGrad, inner AdamW, DiLoCo."""
 
@@ -151,34 +147,6 @@ class Model:
         if self.hook is not None:  # after the forward, before the backward's reductions
             self.hook()
         return loss
-
-    def relearn(self) -> None:
-        """After a quorum that changed the replica axis (its size or this group's place), two
-        things the library as of fd35baa does not do itself (bench/README.md, B22; aa7badf
-        makes both unneeded):
-
-        - ``ft.quorum`` empties the library's caches on such a quorum (``fh.clear_caches``),
-          which forgets which tensors ``shard_module`` made and their layout: the next
-          ``functional_call(into=MainGrad)`` raises ("these shards are not known as a unit of
-          the tree the MainGrad was made for"). The shards are made anew by ``fh.shard`` (of
-          uninitialized full-shape tensors: no collective but the group's agreement) and the
-          current values copied in.
-        - A ``MainGrad`` plans its reductions when it is made, and a plan leaves out the axes
-          of size 1: one made before the first quorum (the replica axis has size 1 then) never
-          reduces over the replica axis. It is made anew here, on the new shards.
-        """
-        import functional_hsdp as fh
-
-        empty = {
-            key: {k: _empty(*self.full[f"{key}.{k}" if key else k]) for k in sub}
-            for key, sub in self.shards.items()
-        }
-        new = fh.shard(empty, self.tree_spec)
-        with torch.no_grad():
-            for p, q in zip(optree.tree_leaves(new), self.leaves):
-                p.copy_(q)
-        self.shards, self.leaves = new, optree.tree_leaves(new)
-        self.mg = fh.MainGrad(self.tree_spec, like=self.shards)
 
     def grads(self, ids: torch.Tensor, before_reduce=None) -> None:
         """The step's gradient into MainGrad; ``before_reduce()`` runs between the forward and
@@ -287,19 +255,12 @@ class Worker:
 
     def quorum(self, m: Model, trees: tuple, count):
         """``ft.quorum(trees)`` (``trees[0]``: ``m``'s shards), timed and noted;
-        ``count(trees)``: the step count it is for. After a quorum that changed the axis,
-        :meth:`Model.relearn`."""
+        ``count(trees)``: the step count it is for."""
         t = time.time()
         trees = self.ft.quorum(trees)
         m.shards, m.leaves = trees[0], optree.tree_leaves(trees[0])
         ret = time.time()
         rec = self.ft.log[-1]
-        before = self.ft.log[-2] if len(self.ft.log) > 1 else None
-        key = (rec.participants, rec.rank)
-        changed = key != ((before.participants, before.rank) if before else (1, 0))
-        if changed:
-            m.relearn()
-            trees = (m.shards, *trees[1:])
         self.quorums[rec.index] = dict(
             t_request=t, t_return=ret, count=count(trees),
             trees=digest(optree.tree_leaves(trees, none_is_leaf=True)),
