@@ -465,6 +465,12 @@ class ReplicaMesh(MeshAxes):
     def all_reduce(self, buf: torch.Tensor, axis: str, op: str) -> torch.Tensor | Flight:
         if not self._ft(axis):
             return self.group_mesh.all_reduce(buf, axis, op)
+        if buf.dtype == torch.float16:
+            raise ValueError(
+                f"all_reduce over the fault-tolerant axis {axis!r} in float16: an fp16 "
+                "reduction is scaled by the axis size the plan was made with, and a quorum "
+                "changes it; reduce in bfloat16 or float32 over this axis"
+            )
         from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
         n = self.size(axis)
