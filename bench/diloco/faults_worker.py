@@ -298,7 +298,9 @@ class Worker:
         ]  # fmt: skip
         if due:
             marker = self.out / f"dying.{self.mode}.{_marker(due[0])}"
-            marker.write_text(json.dumps({"t": time.time(), "step": step, "phase": phase}))
+            tmp = marker.with_name(f"{marker.name}.{self.rank}.tmp")  # both ranks write it:
+            tmp.write_text(json.dumps({"t": time.time(), "step": step, "phase": phase}))
+            os.replace(tmp, marker)  # atomically, so that the harness reads a whole one
             time.sleep(3600)
 
     def ended(self, count: int, state=None) -> bool:

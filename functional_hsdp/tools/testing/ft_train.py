@@ -86,7 +86,9 @@ class Run:
             except FileExistsError:
                 return save()
             os.close(fd)
-            (self.out / "dying.any.sending").write_text(f"{self.gid} {self.restart}")
+            tmp = self.out / f"sending.{self.rank}.tmp"  # whole when the harness reads it
+            tmp.write_text(f"{self.gid} {self.restart}")
+            os.replace(tmp, self.out / "dying.any.sending")
             time.sleep(600)
 
         fns["functional_hsdp"] = dying_save
