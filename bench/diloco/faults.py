@@ -765,8 +765,7 @@ def report(res: dict, command: str, when: str) -> str:
         "run before the fault-tolerant runs (the ratios compare runs one after the other, on "
         "a machine whose load is given below). Eval: copies of the parameters taken every "
         f"{cfg['eval_every']} steps, {cfg['eval_batches']} held-out batch(es), evaluated after "
-        "each run (not timed). After every quorum that changes the replica axis the workers "
-        "make their shards and MainGrad anew (bench/README.md says why). "
+        "each run (not timed). "
         f"Run time {res['wall_s']:.0f} s; load (1-min average) {res['load']}.\n"
     )
     return (
