@@ -295,8 +295,8 @@ def fault_tolerant(manager: Any, *, axis: str) -> FaultTolerant:
         axis: the replica axis's name.
 
     Returns:
-        A :class:`FaultTolerant`: ``quorum(trees)``, ``commit()``, ``log`` (one
-        :class:`QuorumRecord` per quorum).
+        A ``FaultTolerant``: ``quorum(trees)``, ``commit()``, ``log`` (one
+        ``QuorumRecord`` per quorum).
 
     ``ft.quorum(trees)``: starts this step's quorum. If this group is behind, it receives
     ``trees`` from the live peer group (each rank from the rank with its coordinates on the

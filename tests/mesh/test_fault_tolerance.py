@@ -1,6 +1,7 @@
-"""The fault-tolerant replica axis on real processes: a torchft lighthouse, 3 replica groups of 2
-gloo ranks each (``init_device_mesh`` over the group, ``fh.DistMesh(dm, replicas=ft)``), whole
-groups killed by pid (SIGKILL) at chosen points and restarted.
+"""The fault-tolerant replica axis on real processes: a torchft lighthouse, 3 replica groups of
+gloo ranks (``init_device_mesh`` over the group, ``fh.DistMesh(dm, replicas=ft)``; 1 rank per
+group where the group's own axis is not what a test is about, else 2), whole groups killed by
+pid (SIGKILL) at chosen points and restarted.
 
 Per-step HSDP: a group killed during the outer collective, one killed after the quorum and one
 killed between steps; each restarted group heals from a live peer with no checkpoint. DiLoCo
@@ -29,13 +30,20 @@ from functional_hsdp.tools.testing.ft_train import grad_of  # noqa: E402
 from functional_hsdp.tools.testing.replica_groups import Group, Lighthouse  # noqa: E402
 
 G, I = 3, 2  # noqa: E741 - groups x ranks per group
+ONE = 1  # the failure runs' ranks per group where the inner axis is not what they test
 SHAPES = {"w": 10, "b": 3}
 LR = 0.1
 PROGRAM = [sys.executable, "-m", "functional_hsdp.tools.testing.ft_train"]
 
 
 def run_groups(
-    tmp: Path, cfg: dict, *, deadline: float = 150.0, n: int = G, torchrun: bool = False
+    tmp: Path,
+    cfg: dict,
+    *,
+    deadline: float = 150.0,
+    n: int = G,
+    ranks: int = I,
+    torchrun: bool = False,
 ) -> dict:
     """Start the lighthouse and the groups, kill each group named in ``cfg['die']`` by pid when
     it reaches its failure point, restart it after a pause, and wait for every group to end.
@@ -50,7 +58,7 @@ def run_groups(
     with Lighthouse(min_replicas=2, heartbeat_timeout_ms=1000, log=tmp / "lighthouse.log") as lh:
         try:
             groups = [
-                Group(g, I, argv, lighthouse=lh.addr, log_dir=tmp, torchrun=torchrun)
+                Group(g, ranks, argv, lighthouse=lh.addr, log_dir=tmp, torchrun=torchrun)
                 for g in range(n)
             ]
             while pending:  # whichever failure point is reached first
@@ -72,7 +80,7 @@ def run_groups(
                 lives[d["group"]] += 1
                 env = {"FH_RESTART": str(lives[d["group"]])}
                 groups[d["group"]] = Group(
-                    d["group"], I, argv, lighthouse=lh.addr, log_dir=tmp, env=env
+                    d["group"], ranks, argv, lighthouse=lh.addr, log_dir=tmp, env=env
                 )
                 pending.remove(d)
             for g in groups:
@@ -85,14 +93,14 @@ def run_groups(
     for g in range(n):
         lines = [json.loads(x) for x in (tmp / f"g{g}r0.jsonl").read_text().splitlines()]
         dones = []
-        for r in range(I):
+        for r in range(ranks):
             dones += [
                 json.loads(x)
                 for x in (tmp / f"g{g}r{r}.jsonl").read_text().splitlines()
                 if '"done"' in x
             ]
         paths = []
-        for r in range(I):
+        for r in range(ranks):
             text = (tmp / f"g{g}r{r}.jsonl").read_text().splitlines()
             paths += [json.loads(x) for x in text if '"paths"' in x]
         out[g] = {"records": [x for x in lines if "done" not in x], "done": dones, "paths": paths}
@@ -116,9 +124,8 @@ def test_hsdp_survivors_never_stop_and_a_restarted_group_heals(tmp_path):
         {"group": 2, "step": 8, "phase": "after_quorum"},  # mid-step
         {"group": 0, "step": 13, "phase": "before_quorum"},  # between steps
     ]
-    logs = run_groups(
-        tmp_path, {"mode": "hsdp", "steps": 16, "die": die, "pace": 0.05, "quorum_timeout": 30}
-    )
+    cfg = {"mode": "hsdp", "steps": 16, "die": die, "pace": 0.05, "quorum_timeout": 30}
+    logs = run_groups(tmp_path, cfg, ranks=ONE)
     # the reference: per committed torchft step, the participants and their data positions
     steps: dict[int, dict[int, int]] = {}
     sizes: dict[int, set] = {}
@@ -134,13 +141,13 @@ def test_hsdp_survivors_never_stop_and_a_restarted_group_heals(tmp_path):
         assert (True, len(who)) in sizes[s], (s, who, sizes[s])
         mean = {
             k: torch.stack(
-                [grad_of(g, i, p, shapes=SHAPES)[k] for g, p in who.items() for i in range(I)]
+                [grad_of(g, i, p, shapes=SHAPES)[k] for g, p in who.items() for i in range(ONE)]
             ).mean(0)
             for k in SHAPES
         }
         w = {k: w[k] - LR * mean[k] for k in SHAPES}
     for log in logs.values():
-        assert len(log["done"]) == I  # every rank of the last incarnation finished
+        assert len(log["done"]) == ONE  # every rank of the last incarnation finished
         for done in log["done"]:
             for k in SHAPES:
                 torch.testing.assert_close(_tensors(done["params"])[k], w[k], rtol=0, atol=1e-6)
@@ -160,7 +167,7 @@ def test_diloco_survivors_never_stop_and_match_the_simulated_quorum(tmp_path):
         {"group": 2, "step": 8, "phase": "in_flight"},  # its delayed sync issued, not landed
     ]
     cfg = {"mode": "diloco", "steps": steps, "every": every, "delay": 1, "die": die, "pace": 0.05}
-    logs = run_groups(tmp_path, cfg)
+    logs = run_groups(tmp_path, cfg, ranks=ONE)
     # the syncs as logged: who took part at each issue step t, and whether it committed
     syncs: dict[int, dict] = {}
     for g, log in logs.items():
@@ -193,19 +200,21 @@ def replay(alive: list, fails: list, *, steps: int, every: int, delay: int) -> d
     """The DiLoCo run on a SimMesh with the logged quorums: the final weights (every replica's
     are equal at the end)."""
     sim = fh.simulated_quorum(axis="replica", alive=alive, fail=fails)
-    mesh = fh.SimMesh({"replica": G, "dp_inner": I}, replicas=sim)
+    mesh = fh.SimMesh({"replica": G, "dp_inner": ONE}, replicas=sim)
     dl = fh.diloco(
         fh.hsdp(mesh, "replica", "dp_inner"), axis="replica", every=every, delay=delay,
         outer=fh.sgd(0.7, momentum=0.9, nesterov=True),
     )  # fmt: skip
     params = fh.shard({k: torch.zeros(n) for k, n in SHAPES.items()}, dl.inner)
     state = dl.init(params)
-    pos = torch.zeros(G, I, dtype=torch.int64)
+    pos = torch.zeros(G, ONE, dtype=torch.int64)
     while state.count < steps:
         grads = {
             k: torch.stack(
                 [
-                    torch.stack([grad_of(g, i, int(pos[g, i]), shapes=SHAPES)[k] for i in range(I)])
+                    torch.stack(
+                        [grad_of(g, i, int(pos[g, i]), shapes=SHAPES)[k] for i in range(ONE)]
+                    )
                     for g in range(G)
                 ]
             )

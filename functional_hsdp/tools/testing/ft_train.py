@@ -105,7 +105,7 @@ class Run:
 
     def all_died(self) -> bool:
         """Whether every failure of the schedule (any group's) has happened and the group it
-        killed is back: healed after its restart (its marker ``back.g{g}.{life}``)."""
+        killed is back: a committed step after its restart (its marker ``back.g{g}.{life}``)."""
         for d in self.cfg.get("die", []):
             if d["group"] is None:
                 marker = self.out / "dying.any.sending"
@@ -131,9 +131,9 @@ class Run:
         self.log.flush()
 
     def record(self, rec, params, spec, **kw) -> None:
-        """One decided quorum in the log; a restarted group that healed and committed marks
+        """One decided quorum in the log; a restarted group that committed a step marks
         itself back (the end of the run waits for it)."""
-        if self.restart and rec.healed and rec.committed:
+        if self.restart and rec.committed:  # in step with the others again
             (self.out / f"back.g{self.gid}.{self.restart}").write_text("")
         full = self.fh.gather(params, spec)
         self.write(q=rec.index, step=rec.step, n=rec.participants, rank=rec.rank,
