@@ -44,7 +44,8 @@ def lighthouse_command(
     heartbeat_timeout_ms: int = 2000,
 ) -> list[str]:
     """The lighthouse's command line (``torchft_lighthouse``, from the torchft wheel)."""
-    exe = shutil.which("torchft_lighthouse")
+    beside = Path(sys.executable).parent / "torchft_lighthouse"  # this interpreter's scripts
+    exe = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
     if exe is None:
         raise RuntimeError("torchft_lighthouse is not on PATH: pip install -e '.[ft]'")
     return [
