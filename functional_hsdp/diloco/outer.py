@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from ..base.cache import lru
 from ..base.tree import MaskedNode, masked_node
 from ..mesh import Mesh
 from ..mesh.replicas import replica_quorum
@@ -514,14 +515,23 @@ def _row(weight: Any, mesh: Mesh) -> torch.Tensor:
 def check_gaps(*, every: int, fragments: int, delay: int, axis: str) -> None:
     """On a fault-tolerant axis, a sync is committed before the next one's quorum: every sync
     must land before (or at the step where) no other is issued while it flies."""
+    gap = _least_gap(every, fragments)
+    if gap is not None and delay >= gap:
+        raise ValueError(
+            f"diloco: delay={delay} on the fault-tolerant axis {axis!r}: a sync must land before "
+            f"the next is issued (each sync's quorum commits when it lands), and two syncs are "
+            f"{gap} steps apart here (every={every}, fragments={fragments}); use "
+            f"delay < {gap}"
+        )
+
+
+@lru(maxsize=64)
+def _least_gap(every: int, fragments: int) -> int | None:
+    """The fewest steps between two syncs' issues (None: one sync per period, F=1, H=1...),
+    from the schedule's formula over three periods; once per (every, fragments), since every
+    update on a fault-tolerant axis asks."""
     issued = [
         t for t in range(1, 3 * every + 1) if syncs_after(t, every=every, fragments=fragments)
     ]
     gaps = [b - a for a, b in zip(issued, issued[1:])]
-    if gaps and delay >= min(gaps):
-        raise ValueError(
-            f"diloco: delay={delay} on the fault-tolerant axis {axis!r}: a sync must land before "
-            f"the next is issued (each sync's quorum commits when it lands), and two syncs are "
-            f"{min(gaps)} steps apart here (every={every}, fragments={fragments}); use "
-            f"delay < {min(gaps)}"
-        )
+    return min(gaps) if gaps else None

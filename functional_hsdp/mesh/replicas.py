@@ -152,18 +152,13 @@ class FaultTolerant(_Quorums):
 
     @property
     def size(self) -> int:
-        """Replica groups in the current quorum (1 before the first)."""
-        if not self.log:
-            return 1
-        return max(int(self.manager.num_participants()), 1)
+        """Replica groups in the current quorum (1 before the first): its record's."""
+        return self.log[-1].participants if self.log else 1
 
     @property
     def rank(self) -> int:
-        """This group's place in the current quorum (0 before the first)."""
-        if not self.log:
-            return 0
-        rank = self.manager.participating_rank()
-        return 0 if rank is None else int(rank)
+        """This group's place in the current quorum (0 before the first): its record's."""
+        return self.log[-1].rank if self.log else 0
 
     @property
     def healed(self) -> bool:
@@ -428,7 +423,7 @@ class ReplicaMesh(MeshAxes):
         self.overlap = self.group_mesh.overlap
         self.timeout = self.group_mesh.timeout
         self.issue_size_one = False
-        self.geometry = _ReplicaGeometry(self)
+        self.geometry = RankGeometry(self)  # reads this mesh's sizes and coordinates
         self.diagnostics = _ReplicaDiagnostics(self)
 
     def __repr__(self) -> str:
@@ -570,17 +565,6 @@ class ReplicaMesh(MeshAxes):
 
     def carriage(self, axis: str) -> Any:
         return self.group_mesh.carriage(axis) if not self._ft(axis) else None
-
-
-class _ReplicaGeometry:
-    """A DistMesh's geometry, with the coordinates of the replica mesh."""
-
-    def __init__(self, mesh: ReplicaMesh):
-        self._inner = RankGeometry(mesh)  # type: ignore[arg-type]
-        self.views = self._inner.views
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 class _ReplicaDiagnostics:
