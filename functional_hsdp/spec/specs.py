@@ -219,8 +219,9 @@ class Spec:
     @property
     def owner_axes(self) -> tuple[str, ...]:
         """The axes of an owner-major optimizer placement (Owner on every data-parallel
-        axis), in split order (empty: none): a bucket of this spec is laid out owner-major
-        over them."""
+        axis, or on some with Replicate on the others: owners within each replica), in
+        split order (empty: none): a bucket of this spec is laid out owner-major over
+        them."""
 
         # a keep spec's Owner axes chunk nothing: they are not in the split order
         names = self.mesh.axis_names
@@ -239,15 +240,23 @@ class Spec:
     @property
     def keep_axes(self) -> tuple[str, ...]:
         """The axes, in mesh order, of an Owner placement on only some data-parallel axes
-        (``fh.owned(spec, axes=...)``): the spec keeps its own layout, and along these axes
-        a rank keeps only the pieces of its chunk whose leaf's owner has its coordinate
-        there (see :mod:`functional_hsdp.plan.owner`)."""
+        where the others are Flat (``fh.owned(spec, axes=...)``): the spec keeps its own
+        layout, and along these axes a rank keeps only the pieces of its chunk whose leaf's
+        owner has its coordinate there (see :mod:`functional_hsdp.plan.owner`). Empty for an
+        Owner on every data-parallel axis, or on some with Replicate on the others: those
+        are owner-major over their Owner axes (:attr:`owner_axes`)."""
 
         def axes() -> tuple[str, ...]:
             owned = [
                 a for a, x in zip(self.mesh.axis_names, self.optimizer) if isinstance(x, Owner)
             ]
-            return tuple(owned) if owned and set(owned) != set(self.dp_axes) else ()
+            rest = [
+                x
+                for a, x in zip(self.mesh.axis_names, self.optimizer)
+                if a in self.dp_axes and a not in owned
+            ]
+            # Owner on every axis, or Replicate on the others: owner-major over the Owner axes
+            return tuple(owned) if owned and any(isinstance(x, Flat) for x in rest) else ()
 
         return self._memo("keep_axes", axes)
 

@@ -234,9 +234,9 @@ def replay(alive: list, fails: list, *, steps: int, every: int, delay: int) -> d
 @pytest.mark.timeout(120)
 def test_with_no_failure_every_path_equals_a_simmesh_bit_for_bit(tmp_path):
     """2 groups, each started by torchrun, no failure: a compressed reduction, MainGrad, Muon
-    and compressed DiLoCo with fragments give a plain SimMesh's results bit for bit, with the
-    same collectives (comm_log); a checkpoint saved and loaded on the fault-tolerant mesh gives
-    its values back."""
+    (HSDP's, and with owners within each group) and compressed DiLoCo with fragments give a
+    plain SimMesh's results bit for bit, with the same collectives (comm_log); a checkpoint
+    saved and loaded on the fault-tolerant mesh gives its values back."""
     from functional_hsdp.tools.testing.ft_train import exercise
 
     # each group one real torchrun job, with the environment torchft reads
@@ -265,6 +265,7 @@ def test_with_no_failure_every_path_equals_a_simmesh_bit_for_bit(tmp_path):
         for i, got in enumerate(logs[g]["paths"]):
             assert [tuple(e) for e in got["events"]] == events
             assert got["paths"]["checkpoint"] == got["paths"]["muon"]  # saved and loaded back
+            assert got["paths"]["checkpoint_owned"] == got["paths"]["owned"]
             for name, tree in want.items():
                 for k, v in tree.items():
                     assert torch.equal(torch.tensor(got["paths"][name][k]), v[g, i]), (

@@ -1,9 +1,12 @@
 """The simulated quorum (fh.simulated_quorum on a SimMesh) against naive references written
 here in plain torch: per-step HSDP (the mean over each quorum's participants, uncommitted
-steps dropped, a returning replica healed from a peer) and DiLoCo (the same, with weight=
-token-weighted merging and a healed replica contributing nothing); and the errors."""
+steps dropped, a returning replica healed from a peer), Muon with owners within each group
+(against torch's Muon per replica), and DiLoCo (the same, with weight= token-weighted merging
+and a healed replica contributing nothing); and the errors."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -84,6 +87,84 @@ def test_hsdp_per_step_matches_the_naive_reference():
         for r in alive:
             for key in SHAPES:
                 torch.testing.assert_close(full[key][r, 0], ref[r][key], rtol=0, atol=1e-12)
+    assert [q.committed for q in sim.log].count(False) == len(FAIL)
+    assert any(q.healed for q in sim.log)
+
+
+MATRICES = {"w": (8, 6), "v": (5, 7), "u": (6, 6)}
+
+
+def _muon_grads(r: int, i: int, pos: int) -> dict:
+    g = torch.Generator().manual_seed(7919 * r + 104_729 * i + pos)
+    return {k: torch.randn(s, generator=g) for k, s in MATRICES.items()}
+
+
+def test_owners_within_each_group_run_muon_per_step_as_the_naive_reference():
+    """fh.owned on a replica mesh owns leaves within each group (the replica axis stays
+    Replicate): Muon runs once per matrix in each group with no collective of its own, the
+    optimizer state heals with the weights, and every replica equals torch's Muon on the
+    mean gradient over each committed quorum's participants."""
+    from reference import torch_muon_in
+
+    sim = fh.simulated_quorum(axis="r", alive=ALIVE, fail=FAIL)
+    mesh = fh.SimMesh({"r": R, "dp": I}, replicas=sim)
+    spec = fh.owned(fh.hsdp(mesh, "r", "dp"))
+    assert spec.optimizer == (fh.Replicate(), fh.Owner()) and spec.owner_axes == ("dp",)
+    start = {k: torch.randn(s, generator=torch.Generator().manual_seed(3)) for k, s in
+             MATRICES.items()}  # fmt: skip
+    params = fh.shard(start, spec)
+    opt = fh.muon(spec, lr=0.02, ns_dtype=torch.float32)
+    state = opt.init(params)
+    pos = torch.zeros(R, I, dtype=torch.int64)
+    ref = {r: {k: v.clone().requires_grad_() for k, v in start.items()} for r in range(R)}
+    muon = {r: torch.optim.Muon(ref[r].values(), lr=0.02) for r in range(R)}
+    ref_pos, done = dict.fromkeys(range(R), 0), dict.fromkeys(range(R), 0)
+    for _ in range(len(ALIVE) + 2):
+        params, state, pos = sim.quorum((params, state, pos))
+        alive = sim.alive
+        top = max(done[r] for r in alive)
+        src = next(r for r in alive if done[r] == top)
+        for r in alive:
+            if done[r] < top:  # the naive heal: weights and Muon's momentum from the peer
+                with torch.no_grad():
+                    for k, v in ref[r].items():
+                        v.copy_(ref[src][k])
+                muon[r].load_state_dict(copy.deepcopy(muon[src].state_dict()))
+                ref_pos[r], done[r] = ref_pos[src], top
+        grads = {
+            k: torch.stack(
+                [torch.stack([_muon_grads(r, i, int(pos[r, i]))[k] for i in range(I)])
+                 for r in range(R)]
+            )
+            for k in MATRICES
+        }  # fmt: skip
+        with fh.comm_log() as log:
+            g = fh.reduce_grads(grads, spec, last=True)
+            updates, new_state = opt.update(g, state, params)
+        # the replica axis carries the gradient's all-reduce alone; Muon moves nothing
+        assert [e.op for e in log.events if e.axis == "r"] == ["all_reduce"]
+        assert {e.op for e in log.events if e.axis == "dp"} == {"reduce_scatter"}
+        mean = {
+            k: torch.stack([_muon_grads(q, i, ref_pos[q])[k] for q in alive for i in range(I)])
+            .double()
+            .mean(0)
+            .float()
+            for k in MATRICES
+        }
+        if sim.commit():
+            params, state = fh.apply_updates(params, updates), new_state
+            pos = pos + 1
+            for r in alive:
+                for k, v in ref[r].items():
+                    v.grad = mean[k].clone()
+                with torch_muon_in(torch.float32):
+                    muon[r].step()
+                ref_pos[r] += 1
+                done[r] += 1
+        full = fh.gather(params, spec)
+        for r in alive:
+            for k in MATRICES:
+                torch.testing.assert_close(full[k][r, 0], ref[r][k].detach(), rtol=0, atol=2e-6)
     assert [q.committed for q in sim.log].count(False) == len(FAIL)
     assert any(q.healed for q in sim.log)
 

@@ -64,11 +64,24 @@ class Counting:
         return self.fn(x)
 
 
+def _replicas(spec) -> int:
+    """How many times an owned spec runs fn on a leaf: once per coordinate of its Replicate
+    optimizer axes (Owner on the others); 1 for every other spec."""
+    if not spec.owner_axes:
+        return 1
+    names = spec.mesh.axis_names
+    return math.prod(
+        spec.mesh.size(a) for a in spec.dp_axes if spec.optimizer[names.index(a)] == fh.Replicate()
+    )
+
+
 def _specs(strategy, shape):
     """The preset, its owned form, and (hsdp, hfsdp) Owner on dp_outer only."""
     spec = preset(strategy, _mesh(shape))
     outer = [fh.owned(spec, "dp_outer")] if strategy in ("hsdp", "hfsdp") else []
-    return [spec, fh.owned(spec), *outer]
+    inner = [fh.owned(spec, "dp_inner")] if strategy in ("hsdp", "ddp") else []
+    outer += [fh.owned(spec, "dp_outer")] if strategy == "ddp" else []
+    return [spec, fh.owned(spec), *outer, *inner]
 
 
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
@@ -80,9 +93,10 @@ def test_per_matrix_equals_fn_of_each_dense_leaf_once(strategy, shape):
         out = fh.per_matrix(fn, fh.shard(full, spec), spec)
         ref = optree.tree_map(_fn, full)
         assert max_error(fh.gather(out, spec), ref) < 1e-5
-        assert fn.matrices == len(optree.tree_leaves(full))  # once per leaf, whole mesh
+        # once per leaf on the whole mesh; an owned spec's Replicate axes each compute their own
+        assert fn.matrices == len(optree.tree_leaves(full)) * _replicas(spec)
         # the three (4, 6) leaves share one call where they share a bucket (here: always)
-        assert (3, 4, 6) in fn.calls
+        assert (3 * _replicas(spec), 4, 6) in fn.calls
 
 
 def test_the_old_masked_spellings_warn_and_are_masked_node():
@@ -657,17 +671,15 @@ def test_owned_on_some_axes_needs_a_replicate_parameter_there():
     mesh = _mesh((2, 2))
     F, Own = fh.Flat(), fh.Owner()
     with pytest.raises(ValueError, match="needs parameter Replicate"):
-        fh.owned(fh.hsdp(mesh, *AXES), "dp_inner")
-    with pytest.raises(ValueError, match="needs parameter Replicate"):
         fh.Spec(mesh, [F, F], [F, F], [Own, F])
     # the kept pieces are of the gradient's Flat chunks: the same Flat axes in the gradient
-    # and the optimizer, at least one (ZeRO-1 style specs, ddp)
+    # and the optimizer, at least one (a ZeRO-1 style spec)
     R, P = fh.Replicate(), fh.Partial("avg")
-    for gradient, optimizer in (([P, P], [Own, F]), ([P, P], [Own, R])):
-        with pytest.raises(ValueError, match="same Flat axes"):
-            fh.Spec(mesh, [R, R], gradient, optimizer)
     with pytest.raises(ValueError, match="same Flat axes"):
-        fh.owned(fh.ddp(mesh), "dp_outer")
+        fh.Spec(mesh, [R, R], [P, P], [Own, F])
+    # Owner on some axes and Replicate on the others is owner-major within each replica
+    for spec in (fh.owned(fh.hsdp(mesh, *AXES), "dp_inner"), fh.owned(fh.ddp(mesh), "dp_outer")):
+        assert spec.keep_axes == () and len(spec.owner_axes) == 1
     with pytest.raises(ValueError, match="data-parallel axes"):
         fh.owned(fh.hsdp(mesh, *AXES), "tp")
     with pytest.raises(ValueError, match="data-parallel axes"):
@@ -678,8 +690,6 @@ def test_owned_on_some_axes_needs_a_replicate_parameter_there():
 def test_owner_only_in_the_optimizer_and_on_every_data_parallel_axis():
     mesh = _mesh((2, 2))
     R, F, P, Own = fh.Replicate(), fh.Flat(), fh.Partial("avg"), fh.Owner()
-    with pytest.raises(ValueError, match="every data-parallel axis"):
-        fh.Spec(mesh, [R, F], [P, F], [R, Own])
     with pytest.raises(ValueError, match="optimizer placement only"):
         fh.Spec(mesh, [R, Own], [P, F], [Own, Own])
     with pytest.raises(NotImplementedError, match="Shard"):
@@ -721,7 +731,7 @@ def _muon_run(spec, microbatches, muon_kw, steps=3, shapes=MUON_SHAPES):
 
 @pytest.mark.parametrize("ns", NS)
 @pytest.mark.parametrize("microbatches", [1, 3])
-@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp", "owned", "owned_outer"])
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp", "owned", "owned_outer", "owned_inner"])
 def test_muon_and_adamw_equal_torch_on_the_dense_mean_gradient(strategy, microbatches, ns):
     mesh = _mesh((2, 2))
     spec = _strategy(strategy, mesh)
@@ -835,10 +845,12 @@ def _strategy(name: str, mesh) -> fh.Spec:
         return fh.owned(preset("hsdp", mesh))
     if name == "owned_outer":
         return fh.owned(preset("hsdp", mesh), "dp_outer")
+    if name == "owned_inner":
+        return fh.owned(preset("hsdp", mesh), "dp_inner")
     return preset(name, mesh)
 
 
-@pytest.mark.parametrize("strategy", ["owned", "owned_outer"])
+@pytest.mark.parametrize("strategy", ["owned", "owned_outer", "owned_inner"])
 def test_muon_on_a_maingrad_equals_torch(strategy):
     """The whole-tree loop with persistent main grads: MainGrad.accumulate, then the
     optimizer on mg.grads, on the cheap routes."""

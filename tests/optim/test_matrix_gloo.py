@@ -1,6 +1,7 @@
 """Matrix optimizers on 4 real gloo processes (2x2 mesh), one pool for the module.
 
-fh.partition(fh.muon, fh.adamw) on hsdp, hfsdp, owned(hsdp) and owned(hsdp, "dp_outer"), with 1
+fh.partition(fh.muon, fh.adamw) on hsdp, hfsdp, owned(hsdp), owned(hsdp, "dp_outer") and
+owned(hsdp, "dp_inner"), with 1
 and 3 microbatches (and
 on an HSDP-style Shard(1) spec tree with 3),
 gives torch.optim.Muon + torch.optim.AdamW's parameters on the dense mean gradient; per_matrix
@@ -37,7 +38,8 @@ from functional_hsdp.mesh.launch import device_mesh
 
 MUON_KW, ADAMW_KW, STEPS = {"lr": 0.02}, {"lr": 1e-3, "weight_decay": 0.01}, 3
 STRATEGIES = ("hsdp", "hfsdp", "owned", "owned_outer")
-CASES = [(s, m) for s in STRATEGIES for m in (1, 3)] + [("shard1", 3)]
+# owned_inner: owners within each outer replica (optimizer [Replicate, Owner])
+CASES = [(s, m) for s in (*STRATEGIES, "owned_inner") for m in (1, 3)] + [("shard1", 3)]
 NS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -53,6 +55,8 @@ def _spec(strategy: str, mesh) -> fh.Spec | dict:
         return fh.owned(preset("hsdp", mesh))
     if strategy == "owned_outer":
         return fh.owned(preset("hsdp", mesh), "dp_outer")
+    if strategy == "owned_inner":
+        return fh.owned(preset("hsdp", mesh), "dp_inner")
     return preset(strategy, mesh)
 
 

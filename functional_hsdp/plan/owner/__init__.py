@@ -2,13 +2,15 @@
 
 A tree reaches it in one of three ways, each in its own room (each docstring says more):
 
-* :mod:`.major`: an Owner spec (:func:`owned`) lays its buckets out *owner-major*, balanced by
-  size (:func:`balance`), and moves as a Flat spec (Partial -> Owner a reduce-scatter, Owner
-  -> Replicate an all-gather);
+* :mod:`.major`: an Owner spec (:func:`owned`, Owner on every data-parallel axis, or on some
+  with Replicate on the others: owners within each replica) lays its buckets out
+  *owner-major* over its Owner axes, balanced by size (:func:`balance`), and moves as a Flat
+  spec (Partial -> Owner a reduce-scatter, Owner -> Replicate an all-gather);
 * :mod:`.routes`: any other spec keeps its layout; :func:`route` moves each bucket from the
   optimizer placement to the owners and back by uneven all-to-alls;
-* :mod:`.keep`: an Owner spec on some data-parallel axes only (``owned(spec, axes)``) keeps its
-  layout, each rank keeping the pieces of its chunk its coordinate owns.
+* :mod:`.keep`: an Owner spec on some data-parallel axes, Flat on the others
+  (``owned(spec, "dp_outer")``), keeps its layout, each rank keeping the pieces of its chunk
+  its coordinate owns.
 
 :mod:`.pieces` is what the routes and the keep moves are made of. No state but the routes'
 bounded cache. Dependencies go one way: ``plan.buckets`` and ``spec.placement`` -> this package

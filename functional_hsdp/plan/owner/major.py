@@ -154,7 +154,7 @@ def owner_of_slot(bucket: Bucket, slot: Slot) -> dict[str, int]:
 
 def owned(spec: Spec, axes: str | Sequence[str] | None = None) -> Spec:
     """``spec`` with its optimizer placement ``Owner`` on ``axes`` (default: every
-    data-parallel axis).
+    data-parallel axis but a fault-tolerant replica axis, whose groups may fail).
 
     The spec's parameter and gradient placements stay. Every leaf's final gradient, main
     weight and optimizer state then lives on its owner, one rank of the data-parallel mesh
@@ -180,6 +180,13 @@ def owned(spec: Spec, axes: str | Sequence[str] | None = None) -> Spec:
       straddle chunks (for HSDP at most an all-to-all pair over ``dp_inner``).
       Main weights and state are sharded over both axes, as owner-major's. One such axis of
       size > 1 at most.
+    * **On some axes, Replicate on the others** (HSDP's inner: ``axes="dp_inner"``, and the
+      default on a fault-tolerant replica mesh, whose replica axis stays Replicate: owners
+      within each replica group) the buckets are laid out owner-major over ``axes`` alone,
+      and each replica along the other axes holds the same owners' whole leaves: the last
+      microbatch all-reduces over the Replicate axes as HSDP does, ``per_matrix`` runs with
+      no communication once per leaf in each replica, and ``sync_params`` moves nothing.
+      The inner axis carries each bucket's padding to its heaviest owner, as owner-major's.
 
     Args:
         spec: a :class:`~functional_hsdp.Spec` without ``Shard(d)``.
@@ -195,13 +202,21 @@ def owned(spec: Spec, axes: str | Sequence[str] | None = None) -> Spec:
         (Owner(), Owner())
         >>> fh.owned(fh.hsdp(mesh, "dp_outer", "dp_inner"), "dp_outer").optimizer
         (Owner(), Flat())
+        >>> fh.owned(fh.hsdp(mesh, "dp_outer", "dp_inner"), "dp_inner").optimizer
+        (Replicate(), Owner())
     """
     if not isinstance(spec, Spec):
         raise TypeError(f"owned: expected a Spec; got {type(spec).__name__}")
     if spec.shard is not None:
         raise NotImplementedError("owned: a Shard(d) spec has no owner layout; use Flat()")
     if axes is None:
-        chosen = spec.dp_axes
+        apart = getattr(spec.mesh, "apart_axes", ())
+        chosen = tuple(a for a in spec.dp_axes if a not in apart)
+        if not chosen:
+            raise ValueError(
+                f"owned: every data-parallel axis of the spec {spec.dp_axes} is a "
+                "fault-tolerant replica axis: there is no axis to own leaves along"
+            )
     else:
         chosen = (axes,) if isinstance(axes, str) else tuple(axes)
         wrong = [a for a in chosen if a not in spec.dp_axes]

@@ -228,11 +228,12 @@ class Run:
 def exercise(fh, quorum, *, mesh, grads_at) -> tuple[dict, list]:
     """Every path over the replica axis once, with no failure, on ``mesh`` (a replicas
     DistMesh, or a SimMesh with a simulated quorum): a compressed HSDP reduction (the
-    all-to-all and all-gather over the axis), MainGrad over 3 microbatches, Muon on a matrix,
-    DiLoCo with 2 fragments and compressed syncs. ``quorum``
-    is the axis's quorum; ``grads_at(k)`` the k-th gradient tree of this rank (every rank's,
-    stacked, on a SimMesh). Returns the full results and ``comm_log``'s events; on a DistMesh
-    also the Muon result after a checkpoint's round trip (``checkpoint``, not logged)."""
+    all-to-all and all-gather over the axis), MainGrad over 3 microbatches, Muon on a matrix
+    (HSDP's, and with owners within each group: ``fh.owned(spec, "dp_inner")``), DiLoCo with
+    2 fragments and compressed syncs. ``quorum`` is the axis's quorum; ``grads_at(k)`` the
+    k-th gradient tree of this rank (every rank's, stacked, on a SimMesh). Returns the full
+    results and ``comm_log``'s events; on a DistMesh also the Muon results after a
+    checkpoint's round trip (``checkpoint``, ``checkpoint_owned``, not logged)."""
     out = {}
     like = {"w": torch.zeros(10), "b": torch.zeros(3), "m": torch.zeros(4, 6)}
     with fh.comm_log() as log:
@@ -253,6 +254,13 @@ def exercise(fh, quorum, *, mesh, grads_at) -> tuple[dict, list]:
         params = fh.apply_updates(params, updates)
         out["muon"] = fh.gather(params, spec)
         muon = params
+        owned = fh.owned(spec, "dp_inner")  # owners within each group: no Muon collective
+        opt = fh.muon(owned, lr=0.02)
+        params = fh.shard({"m": like["m"] + 1.0}, owned)
+        g = fh.reduce_grads({"m": grads_at(4)["m"]}, owned, last=True)
+        updates, _ = opt.update(g, opt.init(params), params)
+        out["owned"] = fh.gather(fh.apply_updates(params, updates), owned)
+        owned_params = fh.apply_updates(params, updates)
         assert quorum.commit()
         dl = fh.diloco(
             spec, axis="replica", every=2, fragments=2, outer=fh.sgd(0.7, momentum=0.9),
@@ -271,6 +279,8 @@ def exercise(fh, quorum, *, mesh, grads_at) -> tuple[dict, list]:
     if hasattr(mesh, "device_mesh"):  # checkpoints live on a real DeviceMesh: a round trip
         back = fh.load_state_dict(fh.state_dict(muon, spec), spec, {"m": like["m"]})
         out["checkpoint"] = fh.gather(back, spec)
+        back = fh.load_state_dict(fh.state_dict(owned_params, owned), owned, {"m": like["m"]})
+        out["checkpoint_owned"] = fh.gather(back, owned)
     return out, events
 
 
