@@ -25,6 +25,7 @@ from .optim.clipping import clip_by_global_norm, clip_global_norm, global_norm
 from .optim.combine import ChainState, PartitionState, chain, partition
 from .optim.matrix import per_matrix
 from .optim.muon import MuonState, muon, newton_schulz
+from .optim.noise import AddGaussianNoiseState, add_gaussian_noise, gaussian_noise
 from .optim.scaling import (
     ScaleByLearningRateState,
     add_decayed_weights,
@@ -49,6 +50,7 @@ from .units import Gathered, gathered, sequence
 from .units.module import functional_call, shard_module
 
 __all__ = [
+    "AddGaussianNoiseState",
     "ChainState",
     "CollectiveError",
     "CommLog",
@@ -78,6 +80,7 @@ __all__ = [
     "Spec",
     "adamw",
     "add_decayed_weights",
+    "add_gaussian_noise",
     "all_gather",
     "apply_updates",
     "chain",
@@ -95,6 +98,7 @@ __all__ = [
     "fsdp",
     "functional_call",
     "gather",
+    "gaussian_noise",
     "gathered",
     "global_norm",
     "grad",

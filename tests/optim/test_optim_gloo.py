@@ -4,7 +4,8 @@ HFSDP with fh.adamw and fh.clip_by_global_norm trains a small torch.func MLP and
 single-rank baseline that uses torch.optim.AdamW and torch.nn.utils.clip_grad_norm_ on the full
 batch; so does the chain fh.clip_global_norm, scale_by_adam, add_decayed_weights,
 scale_by_learning_rate(schedule) against AdamW with torch's LambdaLR (and fh.adamw with that
-schedule is the chain bit for bit); global_norm on a DistMesh gives SimMesh's norm on every rank.
+schedule is the chain bit for bit); global_norm on a DistMesh gives SimMesh's norm on every rank;
+fh.gaussian_noise on every rank is SimMesh's at its coordinates bit for bit, with no collective.
 """
 
 from __future__ import annotations
@@ -197,3 +198,45 @@ def test_adam_chain_with_a_schedule_matches_torch_adamw_with_lambdalr(pool):
         assert all(same) and counts == (SCHEDULE_STEPS,) * 3
         # the chain communicates only the norm: one scalar all-reduced per sharded axis
         assert events == [("all_reduce", "dp_outer", 1), ("all_reduce", "dp_inner", 1)]
+
+
+NOISE_SHAPES = {"w": (37, 11), "b": (5,), "big": (300,)}
+NOISE_SPECS = ("hsdp", "fsdp", "hfsdp", "owned", "owned_inner")
+
+
+def _noise_spec(name: str, mesh):
+    if name == "owned":
+        return fh.owned(preset("hsdp", mesh))
+    if name == "owned_inner":
+        return fh.owned(preset("hsdp", mesh), "dp_inner")
+    return preset(name, mesh)
+
+
+def _noise_on_rank():
+    """Each spec's noise (seed 7, step 3) as this rank draws it, with no collective."""
+    out = {}
+    for name in NOISE_SPECS:
+        spec = _noise_spec(name, dist_mesh())
+        g = fh.shard({k: torch.zeros(s) for k, s in NOISE_SHAPES.items()}, spec)
+        with fh.comm_log() as log:
+            out[name] = fh.gaussian_noise(g, spec, seed=7, step=3, block=64)
+        assert not log.events
+    return out
+
+
+def test_gaussian_noise_on_4_ranks_is_simmeshs_shard_by_shard(pool):
+    """Every rank's noise equals the SimMesh's at its coordinates bit for bit, for each spec
+    (so replicas along dp_outer draw the same noise, and the noise is the dense one's); the
+    SimMesh's zero fill of ragged pieces stays zero."""
+    results = pool.run(_noise_on_rank)
+    mesh = fh.SimMesh(dict(zip(AXES, GLOO_SHAPE)))
+    for name in NOISE_SPECS:
+        spec = _noise_spec(name, mesh)
+        g = fh.shard({k: torch.zeros(s) for k, s in NOISE_SHAPES.items()}, spec)
+        want = fh.gaussian_noise(g, spec, seed=7, step=3, block=64)
+        for rank, got in enumerate(results):
+            o, i = divmod(rank, GLOO_SHAPE[1])
+            for k in NOISE_SHAPES:
+                mine, sim = got[name][k], want[k][o, i]  # SimMesh: zero fill after the piece
+                assert torch.equal(mine, sim[: mine.shape[0]]), (name, k, rank)
+                assert not sim[mine.shape[0] :].any(), (name, k, rank)

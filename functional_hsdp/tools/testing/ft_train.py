@@ -225,6 +225,15 @@ class Run:
         return params, dl.inner
 
 
+def _muon_step(fh, spec, *, start: torch.Tensor, grad: torch.Tensor) -> dict:
+    """One Muon step on ``spec`` from the weights ``start`` with this rank's ``grad``."""
+    opt = fh.muon(spec, lr=0.02)
+    params = fh.shard({"m": start}, spec)
+    g = fh.reduce_grads({"m": grad}, spec, last=True)
+    updates, _ = opt.update(g, opt.init(params), params)
+    return fh.apply_updates(params, updates)
+
+
 def exercise(fh, quorum, *, mesh, grads_at) -> tuple[dict, list]:
     """Every path over the replica axis once, with no failure, on ``mesh`` (a replicas
     DistMesh, or a SimMesh with a simulated quorum): a compressed HSDP reduction (the
@@ -247,20 +256,11 @@ def exercise(fh, quorum, *, mesh, grads_at) -> tuple[dict, list]:
         for m in range(3):
             mg.accumulate(grads_at(1 + m), last=m == 2)
         out["maingrad"] = fh.gather(mg.grads, spec)
-        opt = fh.muon(spec, lr=0.02)
-        params = fh.shard({"m": like["m"] + 1.0}, spec)
-        g = fh.reduce_grads({"m": grads_at(4)["m"]}, spec, last=True)
-        updates, _ = opt.update(g, opt.init(params), params)
-        params = fh.apply_updates(params, updates)
-        out["muon"] = fh.gather(params, spec)
-        muon = params
+        muon = _muon_step(fh, spec, start=like["m"] + 1.0, grad=grads_at(4)["m"])
+        out["muon"] = fh.gather(muon, spec)
         owned = fh.owned(spec, "dp_inner")  # owners within each group: no Muon collective
-        opt = fh.muon(owned, lr=0.02)
-        params = fh.shard({"m": like["m"] + 1.0}, owned)
-        g = fh.reduce_grads({"m": grads_at(4)["m"]}, owned, last=True)
-        updates, _ = opt.update(g, opt.init(params), params)
-        out["owned"] = fh.gather(fh.apply_updates(params, updates), owned)
-        owned_params = fh.apply_updates(params, updates)
+        owned_params = _muon_step(fh, owned, start=like["m"] + 1.0, grad=grads_at(4)["m"])
+        out["owned"] = fh.gather(owned_params, owned)
         assert quorum.commit()
         dl = fh.diloco(
             spec, axis="replica", every=2, fragments=2, outer=fh.sgd(0.7, momentum=0.9),
