@@ -7,9 +7,11 @@ Task functions are module-level (``_task_*``): the ranks import them from this m
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -137,6 +139,91 @@ def test_within_a_site_ranks_talk_over_loopback_and_across_sites_over_the_link()
         assert inner_wan < numel * 4 / 4 and inner_lo >= 2 * numel * 4, site
         # Two pairs cross each way, each rank sending its payload once; loopback carries none.
         assert outer_wan >= 2 * numel * 4 and outer_lo < numel * 4 / 4, site
+
+
+def _forked(fn, *args) -> tuple[int, int]:
+    """Fork a child that runs ``fn(*args)``, writes its JSON result to a pipe and exits at once
+    (``os._exit``: nothing of this process's state runs in it); returns (pid, read end)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(r)
+            os.write(w, json.dumps(fn(*args)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+def _joined(pid: int, r: int) -> dict:
+    with os.fdopen(r, "rb") as f:
+        out = f.read()
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    return json.loads(out)
+
+
+def _listen_in(netns: str, addr: str, port: int, ready: int) -> dict:
+    """In a forked child: enter ``netns``, accept one connection on ``addr:port`` (after saying
+    so on the pipe ``ready``) and send its own address back to it."""
+    sites.enter(netns)
+    with socket.create_server((addr, port)) as srv:
+        os.write(ready, b"x")
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall(addr.encode())
+    return {}
+
+
+def _look_around(netns: str, other: str, port: int) -> dict:
+    """In a forked child: enter ``netns`` first thing, then what it sees: its interfaces, its
+    IPv4 addresses, whether it can bind another site's address, what a connection to that
+    site's listener answers."""
+    sites.enter(netns)
+    addrs = json.loads(subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True,
+                                      text=True, check=True).stdout)  # fmt: skip
+    try:
+        with socket.socket() as s:
+            s.bind((other, 0))
+        bind_other = "bound"
+    except OSError as e:
+        bind_other = e.errno
+    with socket.create_connection((other, port), timeout=10) as c:
+        answer = c.recv(64).decode()
+    return {
+        "ifnames": sorted(name for _, name in socket.if_nameindex()),
+        "addrs": sorted(a["local"] for x in addrs for a in x["addr_info"]),
+        "bind_other": bind_other,
+        "answer": answer,
+    }
+
+
+def test_entering_a_namespace_that_does_not_exist_names_it():
+    with pytest.raises(FileNotFoundError, match="fhsites-no-such-namespace"):
+        sites.enter("fhsites-no-such-namespace")
+
+
+@needs_sites
+def test_a_forked_child_that_entered_a_site_sees_only_that_sites_addresses():
+    """What B22's ranks do: forked from a process that stays in the machine's namespace, each
+    enters its site's with ``sites.enter`` before its first socket."""
+    mine = sorted(name for _, name in socket.if_nameindex())
+    with sites.Sites(2) as s:
+        a, b = s.sites
+        ready_r, ready_w = os.pipe()
+        listener = _forked(_listen_in, b.netns, b.addr, sites.PORT, ready_w)
+        os.close(ready_w)
+        assert os.read(ready_r, 1) == b"x"  # site 1 listens
+        os.close(ready_r)
+        got = _joined(*_forked(_look_around, a.netns, b.addr, sites.PORT))
+        _joined(*listener)
+    assert got["ifnames"] == sorted(["lo", sites.IFNAME]), got
+    assert got["addrs"] == sorted(["127.0.0.1", a.addr]), got
+    assert got["bind_other"] == errno.EADDRNOTAVAIL, got  # site 1's address is not here
+    assert got["answer"] == b.addr  # but it is reached across the link
+    assert sorted(name for _, name in socket.if_nameindex()) == mine  # this process never moved
 
 
 def _start_launcher() -> tuple[subprocess.Popen, str]:

@@ -7,7 +7,9 @@ each site's egress on it with the ``tbf`` qdisc (:meth:`Sites.set_rate`). Every 
 route lives inside the namespaces it makes: nothing is routed to or from the machine's own
 interfaces. :meth:`Sites.spawn` and :meth:`Sites.call` start each site's ranks inside its
 namespace (``ip netns exec``) with ``GLOO_SOCKET_IFNAME=wan0`` and the rendezvous (TCPStore) on
-site 0's address, so one gloo process group spans every site.
+site 0's address, so one gloo process group spans every site. A process that is not started that
+way (one forked from a process that has imported what it needs, as ``python -m bench faults``
+forks its ranks) enters its site with :func:`enter` before it opens any socket.
 
 What crosses the link: gloo gives each rank one address, its site's ``wan0`` address, and every
 pair of ranks connects to each other's. A pair in two sites goes over the veth (through the
@@ -51,8 +53,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "IFNAME", "PREFIX", "Site", "Sites", "cleanup", "limit_egress", "link_counters", "probe",
-    "run_namespaces",
+    "IFNAME", "PREFIX", "Site", "Sites", "cleanup", "enter", "limit_egress", "link_counters",
+    "probe", "run_namespaces",
 ]  # fmt: skip
 
 PREFIX = "fhsites-"  # every namespace a run makes starts with it (then the run's pid)
@@ -61,6 +63,8 @@ SUBNET = "10.213.0"  # a private range, only ever inside the namespaces made her
 _OPEN: set[str] = set()  # the runs of this process's open Sites (cleanup leaves them alone)
 PORT = 29500  # the rendezvous port on site 0's address (each namespace has its own ports)
 QUEUE_BYTES = 4 << 20  # tbf's queue: a TCP socket's limit here (tcp_limit_output_bytes)
+NETNS_DIR = "/var/run/netns"  # where ``ip netns add`` puts a namespace's handle
+CLONE_NEWNET = 0x40000000  # setns(2)'s namespace type: a network namespace
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,35 @@ def limit_egress(rate_mbit: float | None, *, netns: str | None = None) -> None:
         _run([*tc, "qdisc", "del", "dev", IFNAME, "root"], check=False)  # none set: no error
     else:
         _run([*tc, "qdisc", "replace", "dev", IFNAME, "root", *_tbf_args(rate_mbit)])
+
+
+def enter(netns: str) -> None:
+    """Move the calling thread into network namespace ``netns`` (a name ``ip netns`` knows, as
+    :class:`Site` holds it): ``setns(2)`` on ``/var/run/netns/<netns>`` with ``CLONE_NEWNET``
+    (``os.setns`` where Python has it, 3.12 on; through ``ctypes`` on 3.11).
+
+    For a process forked from one that has imported what a rank needs (B22's zygote), which
+    cannot be started through ``ip netns exec``: the child calls it first thing, before it
+    opens any socket. The sockets it opens afterwards are the site's (its addresses, routes
+    and ports); those opened before stay in the namespace they were made in. Only the network
+    namespace changes, and only the calling thread's: a child forked afterwards (or a thread
+    it starts) inherits it, the process's other threads keep theirs, and ``/sys`` still shows
+    the machine's interfaces (:func:`link_counters` reads a site's under ``ip netns exec``,
+    which mounts a ``/sys`` of the namespace; :meth:`Sites.counters` reads them from
+    outside). Needs root (``CAP_SYS_ADMIN``); raises ``OSError`` naming ``netns`` otherwise,
+    or where there is no such namespace."""
+    path = os.path.join(NETNS_DIR, netns)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if hasattr(os, "setns"):  # pragma: no cover - Python 3.12 and later
+            os.setns(fd, CLONE_NEWNET)
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}, CLONE_NEWNET): {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def link_counters(ifname: str = IFNAME) -> dict[str, int]:
