@@ -315,6 +315,42 @@ def test_bad_input_is_refused_with_a_clear_error():
             del store
 
 
+def test_manager_from_env_advertises_the_hostname_it_is_given(monkeypatch):
+    """``manager_from_env(hostname=...)``, by default ``FH_FT_HOSTNAME``: the manager server's
+    address (in the group's store, given to the lighthouse) and the checkpoint transport's (a
+    healing peer fetches from it) name that host, not the machine's name (torchft's default:
+    in a network namespace it would resolve to the namespace's own loopback)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from functional_hsdp.tools.testing import replica_groups as rg
+
+    with Lighthouse() as lh:
+        port = rg.free_port()
+        store = TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+               "WORLD_SIZE": "1", "TORCHFT_LIGHTHOUSE": lh.addr, "REPLICA_GROUP_ID": "0",
+               rg.HOSTNAME_ENV: "127.0.0.1"}  # fmt: skip
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        for hostname in (None, "127.0.0.1"):  # the variable's, then the argument's
+            manager = rg.manager_from_env(timeout=5.0, hostname=hostname)
+            try:
+                assert store.get("manager_addr").decode().startswith("http://127.0.0.1:")
+                heal = manager._checkpoint_transport.metadata()
+                assert heal.startswith("http://127.0.0.1:") and heal.endswith("/checkpoint/")
+            finally:
+                manager.shutdown(wait=False)
+                store.delete_key("manager_addr")
+        del store
+    transport = rg.checkpoint_transport("fd00::1", timedelta(seconds=5))  # an IPv6 address
+    try:
+        assert transport.address().startswith("http://[fd00::1]:")
+    finally:
+        transport.shutdown(wait=False)
+
+
 @pytest.mark.timeout(240)
 def test_compressed_diloco_survives_a_death_mid_sync_and_a_sender_killed_while_healing(tmp_path):
     """int8-compressed DiLoCo syncs (an all-to-all and an all-gather over the replica axis): a

@@ -10,6 +10,13 @@ replica group's ranks as separate processes with the environment ``torchrun`` gi
 reads (``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``): the same program runs under ``torchrun``
 unchanged (:func:`manager_from_env` makes its ``Manager``). :meth:`Group.kill` sends SIGKILL to
 every rank of the group by pid; everything started is stopped on exit.
+
+Groups in separate network namespaces (``functional_hsdp.tools.testing.sites``, as ``python -m
+bench faults`` runs them where the machine can make sites): the lighthouse runs in one of them
+(``Lighthouse(netns=..., host=...)``), reached by every group at that site's address; each
+group's rank 0 advertises its own site's address (:data:`HOSTNAME_ENV`, or
+``manager_from_env(hostname=...)``) instead of the machine's name, which every namespace
+resolves to its own loopback.
 """
 
 from __future__ import annotations
@@ -20,13 +27,20 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Group", "Lighthouse", "free_port", "lighthouse_command", "manager_from_env"]
+__all__ = [
+    "HOSTNAME_ENV", "Group", "Lighthouse", "checkpoint_transport", "free_port",
+    "lighthouse_command", "manager_from_env",
+]  # fmt: skip
+
+HOSTNAME_ENV = "FH_FT_HOSTNAME"  # what a group's rank 0 advertises (manager_from_env's default)
 
 
 def free_port() -> int:
@@ -59,8 +73,11 @@ def lighthouse_command(
 
 
 class Lighthouse:
-    """``torchft_lighthouse`` on a free port, for the ``with`` block; ``.addr`` is what
-    ``TORCHFT_LIGHTHOUSE`` holds."""
+    """``torchft_lighthouse`` for the ``with`` block; ``.addr`` is what ``TORCHFT_LIGHTHOUSE``
+    holds. By default on a free port of this machine, reached at ``localhost``. With ``netns``
+    (a network namespace's name, as ``ip netns`` knows it) it runs inside that namespace
+    (``ip netns exec``), on ``port`` (default 29510; every port of a fresh namespace is free),
+    reached at ``host`` (an address of that namespace, which the other namespaces route to)."""
 
     def __init__(
         self,
@@ -69,9 +86,16 @@ class Lighthouse:
         join_timeout_ms: int = 1000,
         heartbeat_timeout_ms: int = 2000,
         log: Any = None,
+        netns: str | None = None,
+        host: str | None = None,
+        port: int | None = None,
     ):
-        self.port = free_port()
-        self.addr = f"http://localhost:{self.port}"
+        if netns is not None and host is None:
+            raise ValueError("Lighthouse(netns=...) needs host=, an address of that namespace")
+        self.netns = netns
+        self.host = host or "localhost"
+        self.port = port or (29510 if netns else free_port())
+        self.addr = f"http://{self.host}:{self.port}"
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
         argv = lighthouse_command(
             self.port,
@@ -79,17 +103,20 @@ class Lighthouse:
             join_timeout_ms=join_timeout_ms,
             heartbeat_timeout_ms=heartbeat_timeout_ms,
         )
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
         out = open(log, "wb") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    break
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"torchft_lighthouse did not start (exit {self.proc.poll()})")
-            time.sleep(0.05)
+        try:
+            while not _connectable("127.0.0.1" if netns is None else self.host, self.port, netns):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    code = self.proc.poll()
+                    raise RuntimeError(f"torchft_lighthouse did not start (exit {code})")
+                time.sleep(0.05)
+        except BaseException:
+            self.close()
+            raise
 
     def __enter__(self) -> Lighthouse:
         return self
@@ -101,6 +128,32 @@ class Lighthouse:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+
+def _connectable(host: str, port: int, netns: str | None) -> bool:
+    """Whether ``host:port`` accepts a TCP connection: from this namespace, or (``netns``) from
+    a thread that entered that one (``sites.enter``: the thread's alone, which ends with it)."""
+
+    out: list[bool] = []
+
+    def attempt() -> None:
+        if netns is not None:
+            from .sites import enter
+
+            enter(netns)
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            out.append(s.connect_ex((host, port)) == 0)
+
+    if netns is None:
+        attempt()
+    else:
+        t = threading.Thread(target=attempt, daemon=True)
+        t.start()
+        t.join()
+        if not out:  # the thread failed (its traceback is on stderr)
+            raise RuntimeError(f"cannot try {host}:{port} from network namespace {netns}")
+    return out[0]
 
 
 class Group:
@@ -190,21 +243,52 @@ class Group:
         return [p.poll() for p in self.procs]
 
 
+def checkpoint_transport(hostname: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (what the ``Manager`` makes by default: a healing
+    peer fetches this rank's state from it) with its address at ``hostname``: torchft's own
+    advertises ``socket.gethostname()``, whatever the ``Manager``'s ``hostname=``."""
+    from torchft.checkpointing import HTTPTransport
+
+    class _HTTPTransportAt(HTTPTransport):
+        def address(self) -> str:
+            url = urllib.parse.urlsplit(super().address())
+            host = f"[{hostname}]" if ":" in hostname else hostname
+            return urllib.parse.urlunsplit(url._replace(netloc=f"{host}:{url.port}"))
+
+    return _HTTPTransportAt(timeout=timeout, num_chunks=0)
+
+
 def manager_from_env(
     *,
     timeout: float = 10.0,
     quorum_timeout: float = 60.0,
     connect_timeout: float = 10.0,
     min_replica_size: int = 1,
+    hostname: str | None = None,
 ) -> Any:
     """A ``torchft.Manager`` for fh, from the environment a replica group's ``torchrun`` (and
     torchft) gives: ``REPLICA_GROUP_ID`` names the group, ``TORCHFT_LIGHTHOUSE`` the
     lighthouse, ``MASTER_ADDR``/``MASTER_PORT`` the group's store (the default process group's:
     call ``init_process_group`` first), ``RANK``/``WORLD_SIZE`` the rank in the group. A gloo
     process group for the replica axis, a synchronous quorum, no initial sync, no state-dict
-    callbacks (``fh.fault_tolerant`` registers its own)."""
+    callbacks (``fh.fault_tolerant`` registers its own).
+
+    ``hostname``: the address the group's rank 0 advertises, to the lighthouse for its manager
+    server and to a healing peer for its checkpoint transport (:func:`checkpoint_transport`);
+    default: the environment's ``FH_FT_HOSTNAME`` (:data:`HOSTNAME_ENV`), else torchft's own
+    (the machine's name, ``socket.gethostname()``, which torchft reads no variable to change).
+    Set it where that name does not reach this group from the others: a network namespace (a
+    site of ``sites.Sites``: its address), a host whose name resolves to a loopback or to an
+    interface the other groups cannot reach."""
     from torchft import Manager, ProcessGroupGloo
 
+    hostname = hostname or os.environ.get(HOSTNAME_ENV) or None
+    where: dict[str, Any] = {}
+    if hostname:
+        where = dict(
+            hostname=hostname,
+            checkpoint_transport=checkpoint_transport(hostname, timedelta(seconds=timeout)),
+        )
     return Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout)),
         load_state_dict=None,
@@ -216,6 +300,7 @@ def manager_from_env(
         timeout=timedelta(seconds=timeout),
         quorum_timeout=timedelta(seconds=quorum_timeout),
         connect_timeout=timedelta(seconds=connect_timeout),
+        **where,
     )
 
 
