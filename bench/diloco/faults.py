@@ -10,8 +10,25 @@ through ``fh.shard_module`` + ``fh.functional_call(into=MainGrad)``, inner ``fh.
 ``fh.DistMesh(dm, replicas=fh.fault_tolerant(manager_from_env()))``. Modes: per-step HSDP (a
 quorum and a commit per step), DiLoCo every H steps (outer ``fh.sgd(0.7, momentum=0.9,
 nesterov=True)``) and Streaming DiLoCo (H, F fragments, delay 1: legal on a fault-tolerant
-axis, the delay being below the gap between two syncs, H / F). The groups run on this machine
-over loopback (not across the two-site launcher's rate-limited link).
+axis, the delay being below the gap between two syncs, H / F).
+
+Where the machine can make sites (``functional_hsdp.tools.testing.sites.probe()`` is None: root,
+``ip``/``tc``, ``tbf``), each replica group runs in a site of its own: group ``g``'s ranks in
+the network namespace of site ``g`` (address ``10.213.0.<g+1>`` on its end of the link,
+``wan0``), the sites joined by a link whose egress from each site ``tbf`` limits to
+``rate_mbit`` (B21's slow rate, 100 Mbit/s), so that a group's inner collectives stay inside
+its site and everything between groups (the replica axis's collectives, heals, the lighthouse's
+and the managers' traffic) crosses the link, and killing a group is killing every process of
+its site. The ranks, forked from the zygote in the machine's namespace, enter their site's
+(``sites.enter``) before any socket; each group's store (``MASTER_ADDR``) is its site's address,
+``GLOO_SOCKET_IFNAME=wan0``, and its rank 0 advertises its site's address to the lighthouse and
+to healing peers (``FH_FT_HOSTNAME``, read by ``replica_groups.manager_from_env``: torchft's
+default, the machine's name, would resolve to each namespace's own loopback). The lighthouse
+runs in site 0's namespace (group 0 is never killed; a two-site run has no bridge namespace to
+put it in), reached by every group at ``10.213.0.1``. The plain world runs across the same
+sites (group ``g``'s ranks in site ``g``, its store in site 0). The bytes each run put on the
+link are read from the sites' interface counters before and after it. Elsewhere everything
+runs over loopback, as it says in its report.
 
 Per mode, two runs of the same steps on the same tokens: **no failure**, and the mode's
 **failure schedule**: whole groups killed by pid (SIGKILL) at failure points the worker reaches
@@ -22,9 +39,9 @@ there, the harness kills it ``kill_after`` s later and restarts it ``pause`` s a
 fresh job that heals from live peers at its first quorum. A failure fires at the first such
 point at or after its step once the failures before it in the schedule happened and the last
 ``settle`` quorums had every group and committed (one failure at a time, each after the last
-restart is back). Then one **plain** world (``groups x ranks`` gloo ranks, a
-``(groups, ranks)`` device mesh, a plain ``fh.DistMesh``) runs every mode on the same tokens:
-the baseline of the step times and of the no-failure run's bits.
+restart is back). Before them one **plain** world (``groups x ranks`` gloo ranks, a
+``(groups, ranks)`` device mesh, a plain ``fh.DistMesh``) runs the mode on the same tokens: the
+baseline of the step times and of the no-failure run's bits.
 
 Measured from the workers' logs (wall clock of this one machine, ``time.time()``):
 
@@ -58,7 +75,9 @@ Measured from the workers' logs (wall clock of this one machine, ``time.time()``
   log is the tests' (``tests/mesh/test_fault_tolerance.py``), not this benchmark's;
 - **steady state**: the median step (the slowest rank's, each rank's first ``skip`` steps left
   out) of the no-failure run against the plain world's: HSDP's steps, DiLoCo's steps without a
-  sync.
+  sync;
+- **link bytes** (sites only): per run, what the sites' ends of the link sent (``wan0``'s
+  ``tx_bytes`` summed over the sites, Ethernet frames; ``Sites.counters``), and ``tbf``'s drops.
 
 Plot (``bench/faults.png``, full size): per mode, eval loss against wall-clock (both runs, kills
 marked) and the participants of each quorum against wall-clock (the failure run, each start of
@@ -67,6 +86,7 @@ a group apart). ``FH_B22_KEEP=1`` keeps the workers' logs (their directory is pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -99,9 +119,10 @@ SIZES = {
                       "streaming": [{"group": 1, "step": 2, "phase": "in_flight"}]},
                  timeout=5.0, quorum_timeout=60.0, join_timeout_ms=1000,
                  heartbeat_timeout_ms=2000, kill_after=0.2, pause=0.5, settle=2, skip=2,
-                 deadline=240.0),
+                 deadline=240.0, rate_mbit=100.0),
     # 3 groups x 2 ranks, B18's full model (hidden 64, 2 layers, 106,816 parameters); each
-    # failure waits for the one before it and for `settle` whole committed quorums after it
+    # failure waits for the one before it and for `settle` whole committed quorums after it.
+    # rate_mbit: each site's egress on the link where the groups run in sites (B21's slow rate)
     "full": dict(groups=3, ranks=2, min_replicas=2, hidden=64, layers=2, seq=64, batch=4,
                  data_mb=4.0, inner_lr=3e-3, outer_lr=0.7, outer_momentum=0.9, every=20,
                  fragments=4, delay=1, eval_every=20, eval_batches=8, modes=MODES,
@@ -119,7 +140,7 @@ SIZES = {
                                      "life": 1}]},
                  timeout=5.0, quorum_timeout=60.0, join_timeout_ms=1000,
                  heartbeat_timeout_ms=2000, kill_after=0.2, pause=3.0, settle=2, skip=5,
-                 deadline=1800.0),
+                 deadline=1800.0, rate_mbit=100.0),
 }  # fmt: skip
 
 
@@ -156,8 +177,10 @@ class Zygote:
         child.close()
         self.pids: list[int] = []
 
-    def spawn(self, cfg_path: Path, env: dict, log: str) -> int:
-        self.conn.send(("spawn", str(cfg_path), env, log))
+    def spawn(self, cfg_path: Path, env: dict, log: str, netns: str | None = None) -> int:
+        """Fork a rank (``faults_worker.forked``), in network namespace ``netns`` (None: this
+        one's); returns its pid."""
+        self.conn.send(("spawn", str(cfg_path), env, log, netns))
         pid = self.conn.recv()
         self.pids.append(pid)
         return pid
@@ -181,25 +204,100 @@ class Zygote:
             self.proc.kill()
 
 
+class Network:
+    """Where the ranks run: each replica group in a site of its own (``sites``: an open
+    ``functional_hsdp.tools.testing.sites.Sites`` of one site per group), or everything on this
+    machine's loopback (None)."""
+
+    def __init__(self, sites: Any = None) -> None:
+        self.sites = sites
+        self._port = 29600  # the sites' stores and lighthouses: a fresh port each (no reuse)
+
+    def describe(self) -> dict:
+        if self.sites is None:
+            return {"kind": "loopback"}
+        return {"kind": "sites", "sites": len(self.sites.sites), "rate_mbit": self.sites.rate_mbit,
+                "addrs": [x.addr for x in self.sites.sites]}  # fmt: skip
+
+    def port(self) -> int:
+        """A port for a store or a lighthouse: free on loopback; in a site, the next of a range
+        below the ephemeral ports that no process of this run has used."""
+        from functional_hsdp.tools.testing.replica_groups import free_port
+
+        if self.sites is None:
+            return free_port()
+        self._port += 1
+        return self._port
+
+    def site(self, g: int) -> tuple[str | None, str]:
+        """Site ``g``'s namespace and address (loopback: None, 127.0.0.1)."""
+        if self.sites is None:
+            return None, "127.0.0.1"
+        x = self.sites.sites[g]
+        return x.netns, x.addr
+
+    def env(self, g: int) -> dict:
+        """What a rank in site ``g`` gets beside torchrun's environment: gloo on the site's end
+        of the link, and the address its group's rank 0 advertises (``manager_from_env``)."""
+        if self.sites is None:
+            return {}
+        from functional_hsdp.tools.testing.replica_groups import HOSTNAME_ENV
+        from functional_hsdp.tools.testing.sites import IFNAME
+
+        return {"GLOO_SOCKET_IFNAME": IFNAME, HOSTNAME_ENV: self.site(g)[1]}
+
+    def lighthouse(self, cfg: dict, log: Path) -> Any:
+        """The run's lighthouse: in site 0 (group 0's, never killed), bound on every address of
+        it, reached by every group at site 0's address; or on a free port of loopback."""
+        from functional_hsdp.tools.testing.replica_groups import Lighthouse
+
+        where = {}
+        if self.sites is not None:
+            netns, addr = self.site(0)
+            where = dict(netns=netns, host=addr, port=self.port())
+        return Lighthouse(min_replicas=cfg["min_replicas"], join_timeout_ms=cfg["join_timeout_ms"],
+                          heartbeat_timeout_ms=cfg["heartbeat_timeout_ms"], log=log,
+                          **where)  # fmt: skip
+
+    def counters(self) -> list[dict] | None:
+        """Each site's counters of its end of the link (None: loopback)."""
+        if self.sites is None:
+            return None
+        return [self.sites.counters(i) for i in range(len(self.sites.sites))]
+
+    def measured(self, fn, *args, **kw) -> tuple[Any, dict | None]:
+        """``fn(*args, **kw)`` and the bytes the sites sent on the link meanwhile: in all and
+        per site (None: loopback)."""
+        before = self.counters()
+        out = fn(*args, **kw)
+        after = self.counters()
+        if before is None or after is None:
+            return out, None
+        sent = [b["tx_bytes"] - a["tx_bytes"] for a, b in zip(before, after)]
+        return out, {"bytes": sum(sent), "per_site": sent}
+
+
 class Ranks:
     """One replica group's ranks (or the plain world's), as
     :class:`~functional_hsdp.tools.testing.replica_groups.Group` makes them (the environment
     ``torchrun`` gives a rank, ``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``; output to
     ``log_dir/g{gid}r{r}.log``; killed by pid), each rank a process forked from ``zygote``,
-    running ``bench.diloco.faults_worker.main(cfg_path)``."""
+    running ``bench.diloco.faults_worker.main(cfg_path)``. Rank ``r`` runs in site
+    ``sites[r]`` of ``net`` (default: site ``gid`` for all), the store in rank 0's site."""
 
     def __init__(self, zygote: Zygote, gid: int, n: int, cfg_path: Path, *, lighthouse: str,
-                 log_dir: Path, env: dict) -> None:  # fmt: skip
-        from functional_hsdp.tools.testing.replica_groups import free_port
-
+                 log_dir: Path, env: dict, net: Network,
+                 sites: list[int] | None = None) -> None:  # fmt: skip
         self.zygote, self.gid, self.n = zygote, gid, n
-        base = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        sites = sites or [gid] * n
+        base = {**env, "MASTER_ADDR": net.site(sites[0])[1], "MASTER_PORT": str(net.port()),
                 "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "TORCHFT_LIGHTHOUSE": lighthouse,
                 "REPLICA_GROUP_ID": str(gid), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                 "TORCH_CPP_LOG_LEVEL": "ERROR"}  # fmt: skip
         self.pids = [
-            zygote.spawn(cfg_path, {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         str(Path(log_dir) / f"g{gid}r{r}.log"))
+            zygote.spawn(cfg_path, {**base, **net.env(sites[r]), "RANK": str(r),
+                                    "LOCAL_RANK": str(r)},
+                         str(Path(log_dir) / f"g{gid}r{r}.log"), net.site(sites[r])[0])
             for r in range(n)
         ]  # fmt: skip
         self.codes: list[int | None] = [None] * n
@@ -248,27 +346,20 @@ def _worker_cfg(cfg: dict, out: Path, **kw) -> Path:
     return path
 
 
-def _ft_run(zygote: Zygote, cfg: dict, mode: str, die: list, out: Path) -> dict:
+def _ft_run(zygote: Zygote, net: Network, cfg: dict, mode: str, die: list, out: Path) -> dict:
     """One fault-tolerant run: the lighthouse, the groups, the kills at the failure points and
     the restarts. Returns the harness's own events (kills, restarts, failures not reached)."""
-    from functional_hsdp.tools.testing.replica_groups import Lighthouse
-
     out.mkdir(parents=True)
     path = _worker_cfg(cfg, out, mode=mode, steps=cfg["steps"][mode], die=die)
     G, n = cfg["groups"], cfg["ranks"]
     pending = sorted(die, key=lambda d: (d.get("life", 0), d["step"]))
     lives, kills, groups = [0] * G, [], []
     start = time.monotonic()
-    with Lighthouse(
-        min_replicas=cfg["min_replicas"],
-        join_timeout_ms=cfg["join_timeout_ms"],
-        heartbeat_timeout_ms=cfg["heartbeat_timeout_ms"],
-        log=out / "lighthouse.log",
-    ) as lh:
+    with net.lighthouse(cfg, out / "lighthouse.log") as lh:
         try:
             t = time.time()
-            groups = [Ranks(zygote, g, n, path, lighthouse=lh.addr, log_dir=out, env=_env(t))
-                      for g in range(G)]  # fmt: skip
+            groups = [Ranks(zygote, g, n, path, lighthouse=lh.addr, log_dir=out, env=_env(t),
+                            net=net) for g in range(G)]  # fmt: skip
             while pending:  # whichever failure point is reached first
                 markers = {out / f"dying.{mode}.g{d['group']}.{d.get('life', 0)}": d
                            for d in pending}  # fmt: skip
@@ -291,7 +382,7 @@ def _ft_run(zygote: Zygote, cfg: dict, mode: str, die: list, out: Path) -> dict:
                 lives[g] += 1
                 t_restart = time.time()
                 groups[g] = Ranks(zygote, g, n, path, lighthouse=lh.addr, log_dir=out,
-                                  env=_env(t_restart, lives[g]))  # fmt: skip
+                                  env=_env(t_restart, lives[g]), net=net)  # fmt: skip
                 kills.append(dict(d, life=lives[g] - 1, t_kill=t_kill, t_restart=t_restart,
                                   **json.loads(marker.read_text())))  # fmt: skip
                 pending.remove(d)
@@ -305,12 +396,13 @@ def _ft_run(zygote: Zygote, cfg: dict, mode: str, die: list, out: Path) -> dict:
     return {"kills": kills, "missed": pending}
 
 
-def _plain_run(zygote: Zygote, cfg: dict, out: Path) -> None:
-    """The plain world: every mode in turn on one (groups, ranks) DistMesh."""
+def _plain_run(zygote: Zygote, net: Network, cfg: dict, mode: str, out: Path) -> None:
+    """The plain world of one mode: a (groups, ranks) DistMesh, group g's ranks in site g."""
     out.mkdir(parents=True)
-    path = _worker_cfg(cfg, out, plain=True, modes=list(cfg["modes"]), steps_by_mode=cfg["steps"])
+    path = _worker_cfg(cfg, out, plain=True, modes=[mode], steps_by_mode=cfg["steps"])
     world = cfg["groups"] * cfg["ranks"]
-    g = Ranks(zygote, 0, world, path, lighthouse="", log_dir=out, env=_env(time.time()))
+    g = Ranks(zygote, 0, world, path, lighthouse="", log_dir=out, env=_env(time.time()), net=net,
+              sites=[r // cfg["ranks"] for r in range(world)])  # fmt: skip
     try:
         codes = g.wait(cfg["deadline"])
         if codes != [0] * world:
@@ -592,6 +684,8 @@ def _hsdp_reference(cfg: dict, logs: dict, out: Path) -> dict:
 
 
 def run(size: str = "full", pool: Any = None, cfg: dict | None = None) -> dict:
+    from functional_hsdp.tools.testing import sites
+
     del pool  # its own processes: a lighthouse and one job per replica group
     cfg = cfg or SIZES[size]
     reason = probe()
@@ -599,26 +693,36 @@ def run(size: str = "full", pool: Any = None, cfg: dict | None = None) -> dict:
         return {"size": size, "cfg": cfg, "skipped": reason}
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="fh-b22-"))
+    no_sites = sites.probe()
     res: dict[str, Any] = {"size": size, "cfg": cfg, "modes": {}, "load": {}}
-    zygote = Zygote()
     try:
-        res["load"]["start"] = C.loadavg()
-        _plain_run(zygote, cfg, root / "plain")
-        runs = {}
-        for mode in cfg["modes"]:
-            runs[mode] = {
-                "none": _ft_run(zygote, cfg, mode, [], root / f"{mode}-none"),
-                "fail": _ft_run(zygote, cfg, mode, cfg["die"][mode], root / f"{mode}-fail"),
-            }
-        res["load"]["end"] = C.loadavg()
+        with contextlib.ExitStack() as stack:  # the zygote's ranks end, then the sites go
+            s = None
+            if no_sites is None:
+                s = stack.enter_context(sites.Sites(cfg["groups"], rate_mbit=cfg["rate_mbit"]))
+            net = Network(s)
+            res["network"] = net.describe() | ({"why": no_sites} if no_sites else {})
+            zygote = Zygote()
+            stack.callback(zygote.close)
+            res["load"]["start"] = C.loadavg()
+            runs = {}
+            for mode in cfg["modes"]:  # the plain world first, then the no-failure run
+                _, plain = net.measured(_plain_run, zygote, net, cfg, mode, root / f"plain-{mode}")
+                none, link_none = net.measured(_ft_run, zygote, net, cfg, mode, [],
+                                               root / f"{mode}-none")  # fmt: skip
+                fail, link_fail = net.measured(_ft_run, zygote, net, cfg, mode, cfg["die"][mode],
+                                               root / f"{mode}-fail")  # fmt: skip
+                link = {"plain": plain, "none": link_none, "fail": link_fail}
+                runs[mode] = {"none": none, "fail": fail, "link": link}
+            res["load"]["end"] = C.loadavg()
+            if s is not None:
+                res["network"]["drops"] = [s.drops(i) for i in range(len(s.sites))]
         for mode in cfg["modes"]:
             res["modes"][mode] = _summarize(cfg, mode, root, runs[mode])
         res["params"] = sum(p.numel() for p in _model_params(cfg))
     except BaseException:
         print(f"B22: the logs are kept in {root}", file=sys.stderr)
         raise
-    finally:
-        zygote.close()
     if os.environ.get("FH_B22_KEEP"):
         print(f"B22: the logs are kept in {root} (FH_B22_KEEP)", file=sys.stderr)
     else:
@@ -635,7 +739,7 @@ def _model_params(cfg: dict):
 
 
 def _summarize(cfg: dict, mode: str, root: Path, harness: dict) -> dict:
-    plain = _read(root / "plain", mode)
+    plain = _read(root / f"plain-{mode}", mode)
     none = _read(root / f"{mode}-none", mode)
     fail = _read(root / f"{mode}-fail", mode)
     skip = cfg["skip"]
@@ -656,6 +760,7 @@ def _summarize(cfg: dict, mode: str, root: Path, harness: dict) -> dict:
         bits=_same_bits(none, plain),
         consistent={"none": _consistent(none, mode), "fail": _consistent(fail, mode)},
         participants=_participants(fail),
+        link=harness["link"],
         t0={k: min(x["t0"] for v in logs.values() for x in v if x["kind"] == "step")
             for k, logs in (("none", none), ("fail", fail))},
     )  # fmt: skip
@@ -737,19 +842,41 @@ def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _where(res: dict) -> tuple[str, str]:
+    """The network the groups ran on: for the title, and the report's sentence on it."""
+    net = res.get("network", {"kind": "loopback"})
+    if net["kind"] == "sites":
+        n, rate = net["sites"], net["rate_mbit"]
+        link = "a bridge" if n > 2 else "a veth pair"
+        limit = "not limited" if rate is None else f"limited to {rate:g} Mbit/s by tbf"
+        return (f"{n} sites over {'an unlimited' if rate is None else f'a {rate:g} Mbit/s'} link", (
+            f"in {n} sites, one per group: network namespaces on this machine joined by {link} "
+            f"(`functional_hsdp.tools.testing.sites`), each site's egress on the link {limit} "
+            f"(tbf drops: {net.get('drops', '-')}); group g's ranks in site "
+            "g, their store at its address (10.213.0.<g+1>), `GLOO_SOCKET_IFNAME=wan0`, the "
+            "group's manager and checkpoint transport advertised at that address "
+            "(`manager_from_env`, `FH_FT_HOSTNAME`). A group's own ranks talk inside their site; "
+            "the replica axis, heals and the control traffic cross the link. The lighthouse runs "
+            "in site 0 (group 0's, never killed), every group reaching it at 10.213.0.1; killing "
+            "any other group kills every process of its site"))  # fmt: skip
+    why = f" (no sites: {net['why']})" if net.get("why") else ""
+    return "over loopback", f"on this machine over loopback{why}"
+
+
 def report(res: dict, command: str, when: str) -> str:
     title = "(B22) The fault-tolerant replica axis under failures (torchft, kill -9, heal)"
-    head = C.section_header(title, command, when)
     if "skipped" in res:
-        return head + f"\nSkipped: {res['skipped']}.\n"
+        return C.section_header(title, command, when) + f"\nSkipped: {res['skipped']}.\n"
+    where, sentence = _where(res)
+    head = C.section_header(f"{title}: {where}", command, when)
     cfg = res["cfg"]
     head += (
         f"\nA torchft lighthouse (`--min_replicas {cfg['min_replicas']} --join_timeout_ms "
         f"{cfg['join_timeout_ms']} --heartbeat_timeout_ms {cfg['heartbeat_timeout_ms']} "
         f"--quorum_tick_ms 100`) and {cfg['groups']} replica groups x {cfg['ranks']} gloo "
-        f"rank(s) on this machine (loopback), each rank a process of its own with torchrun's "
-        "environment (forked from one process that imported torch, transformers and torchft "
-        "once), `fh.DistMesh(dm, replicas=fh.fault_tolerant(manager))` (the Manager's timeout "
+        f"rank(s) {sentence}. Each rank is a process of its own with torchrun's environment "
+        "(forked from one process that imported torch, transformers and torchft once), "
+        "`fh.DistMesh(dm, replicas=fh.fault_tolerant(manager))` (the Manager's timeout "
         f"{cfg['timeout']:g} s). B18's Llama (hidden {cfg['hidden']}, {cfg['layers']} "
         f"layer(s), {res['params']:,} parameters) on the stdlib's `.py` bytes, {cfg['batch']}x"
         f"{cfg['seq']} tokens per rank and step, `fh.shard_module` + "
@@ -762,10 +889,11 @@ def report(res: dict, command: str, when: str) -> str:
         f"before it happened and {cfg['settle']} whole quorums committed after that. The plain "
         f"baseline: one world of {cfg['groups'] * cfg['ranks']} gloo ranks, a "
         f"({cfg['groups']}, {cfg['ranks']}) device mesh, a plain `fh.DistMesh`, the same tokens, "
-        "run before the fault-tolerant runs (the ratios compare runs one after the other, on "
-        "a machine whose load is given below). Eval: copies of the parameters taken every "
-        f"{cfg['eval_every']} steps, {cfg['eval_batches']} held-out batch(es), evaluated after "
-        "each run (not timed). "
+        + ("" if where == "over loopback" else "group g's ranks in site g, ")
+        + "run just before each mode's fault-tolerant runs (the ratios compare runs one after "
+        "the other, on a machine whose load is given below). Eval: copies of the parameters "
+        f"taken every {cfg['eval_every']} steps, {cfg['eval_batches']} held-out batch(es), "
+        "evaluated after each run (not timed). "
         f"Run time {res['wall_s']:.0f} s; load (1-min average) {res['load']}.\n"
     )
     return (
@@ -774,8 +902,13 @@ def report(res: dict, command: str, when: str) -> str:
     )  # fmt: skip
 
 
+def _mb(link: dict | None) -> str:
+    return "-" if not link else f"{link['bytes'] / 1e6:.2f}"
+
+
 def _runs_table(res: dict) -> str:
     rows = []
+    sites = any(v for x in res["modes"].values() for v in x.get("link", {}).values())
     for mode, x in res["modes"].items():
         g = x["goodput"]
         ev = x["evals"]
@@ -795,15 +928,25 @@ def _runs_table(res: dict) -> str:
             "-" if mode == "hsdp" else " / ".join(
                 f"{k} {_ms(m['none'][k])}" for k in ("sync", "issue", "land") if k in m["none"]),
         ])  # fmt: skip
+        if sites:
+            rows[-1].append(" / ".join(_mb(x["link"][k]) for k in ("plain", "none", "fail")))
     header = ["mode", "steps", "kills", "goodput, steps/s (no failure)", "goodput (failures)",
               "ratio", "eval loss, no failure / failures", "difference",
               "median step ms, plain / ft / ft with failures (HSDP: every step; DiLoCo: no sync)",
               "ft sync steps ms (no failure)"]  # fmt: skip
+    if sites:
+        header.append("MB across the link, plain / ft / ft with failures")
+    link = (
+        " Across the link: what the sites' ends of it sent during the run (each site's `wan0` "
+        "tx bytes, Ethernet frames, summed over the sites), the lighthouse's and the managers' "
+        "traffic, the heals and the failed runs' restarts included."
+    )
     return (
         "\n### The runs\n\nGoodput: the committed steps (DiLoCo: inner steps) per second of group "
         "0, never killed, from the run's first step to its last. Step times: the slowest rank's, "
-        "the first steps of each rank left out.\n\n" + C.table(header, rows) + "\n"
-    )
+        "the first steps of each rank left out." + (link if sites else "") + "\n\n"
+        + C.table(header, rows) + "\n"
+    )  # fmt: skip
 
 
 def _failures_table(res: dict) -> str:

@@ -3,9 +3,14 @@
 Forked by ``bench/diloco/faults.py``'s ``Ranks`` from its zygote (:func:`zygote`, then
 :func:`forked`) with the environment ``torchrun`` gives a rank plus ``TORCHFT_LIGHTHOUSE`` and
 ``REPLICA_GROUP_ID`` (as ``functional_hsdp.tools.testing.replica_groups.Group`` sets it), and
-runs :func:`main` on the run's config; the structure is the fault-tolerance tests' program
-(``functional_hsdp.tools.testing.ft_train``) with B18's Llama on B18's data: ``fh.shard_module``
-(a unit per decoder layer) + ``fh.functional_call(into=MainGrad)``, inner ``fh.adamw``.
+runs :func:`main` on the run's config. Where the groups run in sites (a network namespace per
+group, ``functional_hsdp.tools.testing.sites``), the forked rank enters its group's namespace
+before anything else, ``MASTER_ADDR`` is its site's address, ``GLOO_SOCKET_IFNAME`` the site's
+end of the link, and ``FH_FT_HOSTNAME`` the site's address, which ``manager_from_env``
+advertises for the group's manager and checkpoint transport. The structure is the
+fault-tolerance tests' program (``functional_hsdp.tools.testing.ft_train``) with B18's Llama on
+B18's data: ``fh.shard_module`` (a unit per decoder layer) + ``fh.functional_call(into=MainGrad)``,
+inner ``fh.adamw``.
 
 - **Fault-tolerant** (``CONFIG['mode']``): the group's ranks form a 1-D ``dp_inner`` device
   mesh; the replica axis ``replica`` is ``fh.fault_tolerant(manager_from_env())``. ``hsdp``: a
@@ -428,11 +433,17 @@ class Worker:
         self.write(kind="done", t=time.time(), digest=digest(m.leaves))
 
 
-def forked(path: str, env: dict, log: str) -> None:
-    """A rank forked from the zygote: torchrun's environment, its output to ``log``, then
-    :func:`main`; the process ends here whatever happens."""
+def forked(path: str, env: dict, log: str, netns: str | None = None) -> None:
+    """A rank forked from the zygote: into its site's network namespace ``netns`` first (None:
+    the machine's, loopback), before it opens any socket (``sites.enter``); then torchrun's
+    environment, its output to ``log``, then :func:`main`; the process ends here whatever
+    happens."""
     code = 1
     try:
+        if netns is not None:
+            from functional_hsdp.tools.testing.sites import enter
+
+            enter(netns)
         os.environ.update(env)
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
@@ -452,7 +463,8 @@ def forked(path: str, env: dict, log: str) -> None:
 def zygote(conn) -> None:
     """The benchmark's zygote (a process of its own, from the forkserver): imports what a rank
     needs once (torch, transformers' Llama, torchft, the library), then forks a rank on each
-    request, ``("spawn", cfg_path, env, log) -> pid``, and reaps them,
+    request, ``("spawn", cfg_path, env, log, netns) -> pid`` (:func:`forked`; ``netns``: the
+    rank's site, or None), and reaps them,
     ``("poll", pid) -> exit code or None``; ``("close",)`` ends it. A rank is then a process
     of its own, killed by pid, whose start costs no imports."""
     import torchft  # noqa: F401
@@ -460,6 +472,7 @@ def zygote(conn) -> None:
 
     import functional_hsdp  # noqa: F401
     import functional_hsdp.tools.testing.replica_groups  # noqa: F401
+    import functional_hsdp.tools.testing.sites  # noqa: F401
 
     from . import diloco  # noqa: F401
 

@@ -157,6 +157,15 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
         ref = res["modes"]["hsdp"]["reference"]
         assert ref["fail"]["max_abs"] < 1e-5 and ref["none"]["max_abs"] < 1e-5, ref
         assert "### Goals (issue 47)" in md
+        from functional_hsdp.tools.testing import sites
+
+        if sites.probe() is None:  # a group per site, across a rate-limited link
+            assert res["network"]["kind"] == "sites", res["network"]
+            assert f"{res['cfg']['groups']} sites over a 100 Mbit/s link" in md
+            for x in res["modes"].values():  # every run crossed it (the replica axis at least)
+                assert all(v["bytes"] > 0 for v in x["link"].values()), x["link"]
+        else:
+            assert res["network"]["kind"] == "loopback" and "over loopback" in md
     if name == "diloco":  # H=2: half HSDP's outer bytes, none on steps without a sync
         h2 = res["variants"]["H=2"]
         assert h2["quiet_nonzero"] == 0 and h2["syncs"] == res["cfg"]["steps"] // 2
