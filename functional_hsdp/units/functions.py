@@ -13,6 +13,7 @@ State: none of its own; each call's is on its record (:mod:`~functional_hsdp.uni
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +22,8 @@ import optree
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..base.tree import paths_of
+from ..sync.ghost import unit_scope
 from ..sync.maingrad import units_of
 from . import call as lifecycle
 from . import chain as chains
@@ -55,7 +58,8 @@ def _run(call: Call, full: list, args: Sequence[torch.Tensor]) -> tuple[torch.Te
     for i, x in zip(arguments.tensors, args):
         leaves[i] = x.to(cast) if cast is not None and x.is_floating_point() else x
     fn_args, fn_kwargs = optree.tree_unflatten(arguments.args_def, leaves)
-    out = block.fn(optree.tree_unflatten(call.treedef, full), *fn_args, **fn_kwargs)
+    with _ghost_scope(call, full):
+        out = block.fn(optree.tree_unflatten(call.treedef, full), *fn_args, **fn_kwargs)
     outs, call.out_def = optree.tree_flatten(out)
     for x in outs:
         if not isinstance(x, torch.Tensor):
@@ -66,6 +70,20 @@ def _run(call: Call, full: list, args: Sequence[torch.Tensor]) -> tuple[torch.Te
     if block.output_dtype is not None:
         outs = [x.to(block.output_dtype) if x.is_floating_point() else x for x in outs]
     return tuple(outs)
+
+
+def _ghost_scope(call: Call, full: list) -> contextlib.AbstractContextManager:
+    """In a ghost-norms pass, ``fn`` runs with the gathered weights known to it (a
+    recompute in backward registers them again, their uses counted once, in forward)."""
+    if call.ghost is None:
+        return contextlib.nullcontext()
+    return unit_scope(
+        call.ghost,
+        full,
+        labels=paths_of(call.treedef, call.where or call.named),
+        owners=call.pieces,
+        recount=call.phase is not Phase.BACKWARD,
+    )
 
 
 def _vjp(
@@ -251,7 +269,7 @@ class _Unit(torch.autograd.Function):
         wanted = any(ctx.needs_input_grad[1 : 1 + call.k])
         weight_grads, arg_grads = _differentiate(call, ctx, grads, kept=kept, wanted=wanted)
         rest = (*arg_grads, *(None for _ in range(ctx.n_extra)))
-        if not wanted:
+        if not wanted or call.ghost is not None:  # a ghost-norms pass reduces nothing
             lifecycle.wanted_none(call)
             return (None, *(None for _ in call.pieces), *rest)
         # the unit before's reduce-scatter ran during this unit's backward: waited now, before
