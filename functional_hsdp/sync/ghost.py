@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["GhostPass", "current_pass", "ghost_grad_norms", "unit_scope"]
+__all__ = ["GhostPass", "current_pass", "ghost_grad_norms", "run_pass", "unit_scope"]
 
 SEQUENCE_FORMS = ("auto", "gram", "materialize")
 
@@ -111,7 +111,10 @@ class GhostPass:
         self.known: dict[tuple, tuple[_Param, torch.Tensor]] = {}  # key -> (param, tensor)
         self.params: list[_Param] = []
         self.batch: tuple[tuple[int, ...], str] | None = None  # (shape, where) of the first op
-        self._owners: list[tuple[_Param, Any]] = []  # (param, the shard it was gathered from)
+        self._owners: dict[Any, _Param] = {}  # the shard gathered -> its parameter
+        #: per parameter (its label), how its norms were taken: ``linear:gram``,
+        #: ``embedding``, ``fallback``, ``summed`` (used more than once), ...
+        self.routes: dict[str, set[str]] = {}
         self.counting = True  # whether the ops run now are uses (not a recompute's)
 
     # forward ------------------------------------------------------------------------------
@@ -137,14 +140,12 @@ class GhostPass:
     def param(self, label: str, owner: Any = None) -> _Param:
         """A new parameter of the pass (``owner``: the same object for every gathering of the
         same shard gives the same parameter: its uses add up)."""
-        if owner is not None:
-            for p, o in self._owners:
-                if o == owner:
-                    return p
+        if owner is not None and owner in self._owners:
+            return self._owners[owner]
         p = _Param(label)
         self.params.append(p)
         if owner is not None:
-            self._owners.append((p, owner))
+            self._owners[owner] = p
         return p
 
     def found(self, t: Any) -> _Param | None:
@@ -167,13 +168,18 @@ class GhostPass:
             )
 
     # backward -----------------------------------------------------------------------------
-    def report(self, param: _Param, *, squared: Callable, per_example: Callable) -> None:
-        """One use of ``param`` in backward: its per-example squared norms (``squared()``,
-        ``(*lead, B)``) where it is its only use, else its per-example gradient
-        (``per_example()``, ``(*lead, B, *shape)``), summed with the other uses'."""
+    def report(
+        self, param: _Param, *, route: str, squared: Callable, per_example: Callable
+    ) -> None:
+        """One use of ``param`` in backward (by the formula ``route``): its per-example
+        squared norms (``squared()``, ``(*lead, B)``) where it is its only use, else its
+        per-example gradient (``per_example()``, ``(*lead, B, *shape)``), summed with the
+        other uses'."""
         if param.uses <= 1:
+            self.routes.setdefault(param.label, set()).add(route)
             self._add(squared())
             return
+        self.routes.setdefault(param.label, set()).add("summed")
         g = per_example()
         param.pending = g if param.pending is None else param.pending + g
         param.reported += 1
@@ -222,7 +228,7 @@ class _Intercept(TorchFunctionMode):
         found = [(i, p) for i, p in found if p is not None]
         if not found:
             return func(*args, **kwargs)
-        return _route(ghost, func, leaves, treedef, found)
+        return _route(ghost, func, leaves=leaves, treedef=treedef, found=found)
 
 
 def _is_tensor(x: Any) -> bool:
@@ -233,7 +239,8 @@ def _is_tensor(x: Any) -> bool:
 def _intercepting(ghost: GhostPass) -> Iterator[None]:
     """The pass's mode on this thread's stack, unless it is there already (one mode per
     pass: an inner one would route ops the outer one routes again)."""
-    stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    depth = torch._C._len_torch_function_stack()
+    stack = [torch._C._get_function_stack_at(i) for i in range(depth)]
     if any(isinstance(m, _Intercept) and m.ghost is ghost for m in stack):
         yield
         return
@@ -241,7 +248,7 @@ def _intercepting(ghost: GhostPass) -> Iterator[None]:
         yield
 
 
-def _route(ghost: GhostPass, func: Any, leaves: list, treedef: Any, found: list) -> Any:
+def _route(ghost: GhostPass, func: Any, *, leaves: list, treedef: Any, found: list) -> Any:
     """``func`` on ``leaves`` (its flattened arguments), through a :class:`_GhostOp` when
     the backward can reach a parameter in it."""
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -253,9 +260,9 @@ def _route(ghost: GhostPass, func: Any, leaves: list, treedef: Any, found: list)
         return func(*args, **kwargs)
     if not others:  # the parameters alone, no batch: metadata, or a new tensor of them
         out = func(*args, **kwargs)
-        _refuse_derived(out, leaves, params, func)
+        _refuse_derived(out, func, leaves=leaves, params=params)
         return out
-    kind = _kind(func, leaves, treedef, params)
+    kind = _kind(func, leaves, treedef=treedef, params=params)
     site = _Site(
         ghost=ghost,
         kind=kind,
@@ -275,7 +282,7 @@ def _count(ghost: GhostPass, params: Any) -> None:
             p.uses += 1
 
 
-def _refuse_derived(out: Any, leaves: list, params: dict, func: Any) -> None:
+def _refuse_derived(out: Any, func: Any, *, leaves: list, params: dict) -> None:
     """A parameter turned into another tensor before it meets the batch (``w.t()``,
     ``w * 2``) is not followed: refused, rather than norms that miss it."""
     outs = [o for o in optree.tree_leaves(out, is_leaf=_is_tensor) if isinstance(o, torch.Tensor)]
@@ -299,7 +306,7 @@ _MUL = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__
 _ADD = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
 
 
-def _kind(func: Any, leaves: list, treedef: Any, params: dict) -> str:
+def _kind(func: Any, leaves: list, *, treedef: Any, params: dict) -> str:
     """The formula for ``func`` with parameters at ``params`` (flat argument positions)."""
     args, kwargs = optree.tree_unflatten(treedef, list(range(len(leaves))))
     pos = lambda k, name: args[k] if len(args) > k else kwargs.get(name)  # noqa: E731
@@ -407,7 +414,7 @@ class _GhostOp(torch.autograd.Function):
         site, tensors = ctx.site, ctx.saved_tensors
         with torch._C.DisableTorchFunction():
             _CONTRIBUTE[site.kind](site, tensors, go)
-            grads = _input_grads(site, tensors, go, ctx.needs_input_grad[1:])
+            grads = _input_grads(site, tensors, go, needs=ctx.needs_input_grad[1:])
         return (None, *grads)
 
     @staticmethod
@@ -432,13 +439,11 @@ def _batched_input(site: _Site, tensors: Sequence[torch.Tensor]) -> torch.Tensor
     )
 
 
-def _input_grads(site: _Site, tensors: Sequence, go: torch.Tensor, needs: Sequence) -> list:
+def _input_grads(site: _Site, tensors: Sequence, go: torch.Tensor, *, needs: Sequence) -> list:
     """The gradients of the op's floating non-parameter inputs (none for the parameters)."""
     params = site.param_indices
     wanted = [
-        k
-        for k, t in enumerate(tensors)
-        if needs[k] and k not in params and t.is_floating_point()
+        k for k, t in enumerate(tensors) if needs[k] and k not in params and t.is_floating_point()
     ]
     grads: list = [None] * len(tensors)
     if not wanted:
@@ -481,30 +486,44 @@ def _linear(site: _Site, tensors: Sequence, go: torch.Tensor) -> None:
     shape = x.shape[: lead + 1]
     a = x.reshape(*shape, -1, x.shape[-1]).float()
     g = go.reshape(*shape, -1, go.shape[-1]).float()
+    form = _linear_form(site.ghost.sequence, a.shape[-2], sizes=(a.shape[-1], g.shape[-1]))
     for k, p in site.params:
         if k == 1:  # the weight
             site.ghost.report(
                 p,
-                squared=lambda: _linear_squares(site.ghost.sequence, a, g),
+                route=f"{site.kind}:{form}",
+                squared=lambda: _linear_squares(form, a, g),
                 per_example=lambda: g.mT @ a if site.kind == "linear" else a.mT @ g,
             )
         else:  # the bias: the per-example gradient is sum_t g_t
             site.ghost.report(
-                p, squared=lambda: g.sum(-2).square().sum(-1), per_example=lambda: g.sum(-2)
+                p,
+                route=f"{site.kind}:bias",
+                squared=lambda: g.sum(-2).square().sum(-1),
+                per_example=lambda: g.sum(-2),
             )
 
 
-def _linear_squares(sequence: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``||g_b^T a_b||^2`` for each example: the product of the norms without a sequence,
-    else the Gram form or the materialized gradient, by the count (or as ``sequence`` says).
-    """
-    steps, i, o = a.shape[-2], a.shape[-1], g.shape[-1]
+def _linear_form(sequence: str, steps: int, *, sizes: tuple[int, int]) -> str:
+    """How ``||g_b^T a_b||^2`` is taken: ``outer`` without a sequence (the product of the
+    norms); on a sequence of ``steps``, ``gram`` (``T^2 (i + o)`` per example, memory
+    ``B T^2``) where that count is at most ``materialize``'s (``T i o``, memory ``B i o``),
+    unless ``sequence`` forces one."""
+    i, o = sizes
     if steps == 1:
+        return "outer"
+    if sequence == "auto":
+        return "gram" if steps * (i + o) <= i * o else "materialize"
+    return sequence
+
+
+def _linear_squares(form: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``||g_b^T a_b||^2`` for each example, in ``form`` (:func:`_linear_form`)."""
+    if form == "outer":
         return a.square().sum((-2, -1)) * g.square().sum((-2, -1))
-    gram = sequence == "gram" or (sequence == "auto" and steps * (i + o) <= i * o)
-    if gram:  # T^2 (i + o) per example, memory B T^2
+    if form == "gram":
         return ((a @ a.mT) * (g @ g.mT)).sum((-2, -1))
-    return (g.mT @ a).square().sum((-2, -1))  # T i o per example, memory B i o
+    return (g.mT @ a).square().sum((-2, -1))
 
 
 def _embedding(site: _Site, tensors: Sequence, go: torch.Tensor) -> None:
@@ -535,14 +554,14 @@ def _embedding(site: _Site, tensors: Sequence, go: torch.Tensor) -> None:
         out = grads.new_zeros(rows * vocab, grads.shape[-1]).index_add_(0, keys, grads)
         return out.reshape(*shape, vocab, grads.shape[-1])
 
-    site.ghost.report(p, squared=squared, per_example=per_example)
+    site.ghost.report(p, route="embedding", squared=squared, per_example=per_example)
 
 
 def _elementwise(site: _Site, tensors: Sequence, go: torch.Tensor) -> None:
     """``x * w`` / ``x + w``: the per-example gradient of ``w`` is ``go * x`` (``go``)
     summed over the dims ``w`` broadcasts along."""
     lead = site.lead
-    (k, p), = site.params
+    ((k, p),) = site.params
     other = tensors[1 - k]
     contrib = go * other if site.kind == "mul" else go
     contrib = contrib.expand(torch.broadcast_shapes(contrib.shape, go.shape))
@@ -550,6 +569,7 @@ def _elementwise(site: _Site, tensors: Sequence, go: torch.Tensor) -> None:
     shape = contrib.shape[: lead + 1]
     site.ghost.report(
         p,
+        route=site.kind,
         squared=lambda: _squares(per, lead + 1),
         per_example=lambda: per.reshape(*shape, *tensors[k].shape[lead:]),
     )
@@ -566,9 +586,7 @@ def _per_example_sum(c: torch.Tensor, param_shape: tuple, lead: int) -> torch.Te
         shape = shape[1:]
     pad = len(rest) - len(shape)
     dims = [
-        lead + 1 + j
-        for j in range(len(rest))
-        if j < pad or (shape[j - pad] == 1 and rest[j] != 1)
+        lead + 1 + j for j in range(len(rest)) if j < pad or (shape[j - pad] == 1 and rest[j] != 1)
     ]
     out = c.sum(dims, keepdim=True) if dims else c
     return out.reshape(*c.shape[: lead + 1], *shape)
@@ -596,7 +614,10 @@ def _norm(site: _Site, tensors: Sequence, go: torch.Tensor) -> None:
         contrib = g * x_hat if which == "weight" else g
         per = _per_example_sum(contrib, tensors[k].shape[lead:], lead)
         site.ghost.report(
-            p, squared=lambda per=per: _squares(per, lead + 1), per_example=lambda per=per: per
+            p,
+            route=f"{site.func.__name__}:{which}",
+            squared=lambda per=per: _squares(per, lead + 1),
+            per_example=lambda per=per: per,
         )
 
 
@@ -627,7 +648,12 @@ def _fallback(site: _Site, tensors: Sequence, go: torch.Tensor) -> None:
     by_index = dict(zip(order, grads))
     for k, p in site.params:
         g = by_index[k]
-        site.ghost.report(p, squared=lambda g=g: _squares(g, lead + 1), per_example=lambda g=g: g)
+        site.ghost.report(
+            p,
+            route="fallback",
+            squared=lambda g=g: _squares(g, lead + 1),
+            per_example=lambda g=g: g,
+        )
 
 
 _CONTRIBUTE = {
@@ -704,10 +730,22 @@ def ghost_grad_norms(
         NotImplementedError: a parameter transformed before it meets the batch
             (``w.t()``, ``w * 2``): use :func:`per_example_grad_norms` there.
     """
+    return run_pass(losses_fn, shards, args=args, kwargs=kwargs, sequence=sequence)[0]
+
+
+def run_pass(
+    losses_fn: Callable, shards: Any, *, args: tuple, kwargs: dict, sequence: str
+) -> tuple[torch.Tensor, GhostPass]:
+    """:func:`ghost_grad_norms`'s body: the norms and the pass (which says, per parameter,
+    how its norms were taken: ``GhostPass.routes``)."""
     if not callable(losses_fn):
-        raise TypeError(f"ghost_grad_norms: losses_fn must be callable; got {type(losses_fn)}")
+        raise TypeError(
+            f"ghost_grad_norms: losses_fn must be callable; got {type(losses_fn).__name__}"
+        )
     if sequence not in SEQUENCE_FORMS:
-        raise ValueError(f"ghost_grad_norms: sequence must be one of {SEQUENCE_FORMS}; got {sequence!r}")
+        raise ValueError(
+            f"ghost_grad_norms: sequence must be one of {SEQUENCE_FORMS}; got {sequence!r}"
+        )
     ghost = GhostPass(sequence)
     token = _PASS.set(ghost)
     try:
@@ -723,7 +761,7 @@ def ghost_grad_norms(
             "ghost_grad_norms: the losses reached no parameter of a gathered unit (the norms "
             "are taken where the units' weights are used)"
         )
-    return total.reshape(losses.shape).sqrt()
+    return total.reshape(losses.shape).sqrt(), ghost
 
 
 def _check_losses(ghost: GhostPass, losses: Any) -> None:
