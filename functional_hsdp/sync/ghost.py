@@ -255,13 +255,14 @@ def _route(ghost: GhostPass, func: Any, *, leaves: list, treedef: Any, found: li
     params = dict(found)
     others = [i for i in tensors if i not in params]
     args, kwargs = optree.tree_unflatten(treedef, leaves)
+    if not others:  # the parameters alone, no batch: metadata, or a new tensor of them
+        out = func(*args, **kwargs)
+        if torch.is_grad_enabled():
+            _refuse_derived(out, func, leaves=leaves, params=params)
+        return out
     if not torch.is_grad_enabled():  # no backward (recompute's forward): only counted
         _count(ghost, params.values())
         return func(*args, **kwargs)
-    if not others:  # the parameters alone, no batch: metadata, or a new tensor of them
-        out = func(*args, **kwargs)
-        _refuse_derived(out, func, leaves=leaves, params=params)
-        return out
     kind = _kind(func, leaves, treedef=treedef, params=params)
     site = _Site(
         ghost=ghost,

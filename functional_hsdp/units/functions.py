@@ -77,10 +77,14 @@ def _ghost_scope(call: Call, full: list) -> contextlib.AbstractContextManager:
     recompute in backward registers them again, their uses counted once, in forward)."""
     if call.ghost is None:
         return contextlib.nullcontext()
+    leaves = paths_of(call.treedef, "")
+    unit = call.where or call.named  # the path of the unit's first leaf, or of the unit
+    if leaves and leaves[0] and unit.endswith(leaves[0]):
+        unit = unit[: -len(leaves[0])]
     return unit_scope(
         call.ghost,
         full,
-        labels=paths_of(call.treedef, call.where or call.named),
+        labels=[unit + leaf for leaf in leaves],
         owners=call.pieces,
         recount=call.phase is not Phase.BACKWARD,
     )
