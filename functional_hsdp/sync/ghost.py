@@ -685,7 +685,9 @@ def unit_scope(
     ``owners``: the local shards they were gathered from (the same shards give the same
     parameters: a unit called twice in one forward uses its parameters twice). ``recount``:
     False where ``fn`` runs again in backward (recompute), its uses counted in forward."""
-    params = [ghost.param(label, _key(owner)) for label, owner in zip(labels, owners)]
+    # a shard is known by its memory and its path (a rank's empty pieces of several
+    # parameters may sit at the same place)
+    params = [ghost.param(label, (label, _key(owner))) for label, owner in zip(labels, owners)]
     counting, ghost.counting = ghost.counting, recount
     try:
         with ghost.registered(weights, params):

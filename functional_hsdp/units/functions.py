@@ -78,7 +78,9 @@ def _ghost_scope(call: Call, full: list) -> contextlib.AbstractContextManager:
     if call.ghost is None:
         return contextlib.nullcontext()
     leaves = paths_of(call.treedef, "")
-    unit = call.where or call.named  # the path of the unit's first leaf, or of the unit
+    # the path of the unit's first leaf as the caller named it (fh.functional_call:
+    # shards['layers.0']['w']), else in the tree fh.shard made; less that leaf's own path
+    unit = call.named if call.block.shards_path != "shards" else call.where or call.named
     if leaves and leaves[0] and unit.endswith(leaves[0]):
         unit = unit[: -len(leaves[0])]
     return unit_scope(
