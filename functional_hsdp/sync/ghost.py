@@ -86,6 +86,32 @@ class _Param:
     pending: torch.Tensor | None = None
 
 
+@dataclasses.dataclass(eq=False)
+class _View:
+    """A parameter seen through an op that only moves or casts its values (``w.t()``,
+    ``w.view(...)``, ``w.to(dtype)``): its per-example gradient has the parameter's norm, and
+    is taken back to the parameter's shape (``fn``'s vjp, ``fn`` linear) where the
+    parameter's uses are summed. ``root``: the parameter's shape and dtype on one rank."""
+
+    param: _Param
+    fn: Callable  # the parameter (one rank's) -> this view of it
+    root: tuple[tuple[int, ...], torch.dtype]
+    shape: tuple[int, ...]  # this view's, on one rank
+
+    @property
+    def label(self) -> str:
+        return self.param.label
+
+    def to_root(self, g: torch.Tensor) -> torch.Tensor:
+        """Per-example gradients of the view ``(*lead, B, *shape)`` -> of the parameter."""
+        keep = g.dim() - len(self.shape)
+        shape, dtype = self.root
+        _, vjp = torch.func.vjp(self.fn, torch.zeros(shape, dtype=dtype, device=g.device))
+        flat = g.reshape(-1, *self.shape).to(dtype)
+        out = torch.vmap(lambda x: vjp(x)[0])(flat)
+        return out.reshape(*g.shape[:keep], *shape)
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """``t`` under its ``torch.func`` wrappers (vmap's batched tensors, grad's tracking ones)."""
     from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
@@ -116,6 +142,7 @@ class GhostPass:
         #: ``embedding``, ``fallback``, ``summed`` (used more than once), ...
         self.routes: dict[str, set[str]] = {}
         self.counting = True  # whether the ops run now are uses (not a recompute's)
+        self._scopes: list[list] = []  # the keys each open registration added
 
     # forward ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -123,7 +150,8 @@ class GhostPass:
         """``tensors`` are ``params`` (gathered weights) while the block runs: each op that
         uses one is routed. The registrations hold the tensors (their memory cannot be
         reused meanwhile) and end with the block."""
-        keys = []
+        keys: list = []
+        self._scopes.append(keys)
         for t, p in zip(tensors, params):
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
                 key = _key(t)
@@ -134,8 +162,16 @@ class GhostPass:
             with _intercepting(self):
                 yield
         finally:
+            self._scopes.pop()
             for key in keys:
                 self.known.pop(key, None)
+
+    def alias(self, t: torch.Tensor, view: _View) -> None:
+        """``t`` is ``view`` of a parameter until the registration it was made in ends."""
+        key = _key(t)
+        if key not in self.known and self._scopes:
+            self.known[key] = (view, t)
+            self._scopes[-1].append(key)
 
     def param(self, label: str, owner: Any = None) -> _Param:
         """A new parameter of the pass (``owner``: the same object for every gathering of the
@@ -148,7 +184,7 @@ class GhostPass:
             self._owners[owner] = p
         return p
 
-    def found(self, t: Any) -> _Param | None:
+    def found(self, t: Any) -> _Param | _View | None:
         if not self.known or not isinstance(t, torch.Tensor):
             return None
         entry = self.known.get(_key(t))
@@ -169,18 +205,19 @@ class GhostPass:
 
     # backward -----------------------------------------------------------------------------
     def report(
-        self, param: _Param, *, route: str, squared: Callable, per_example: Callable
+        self, param: _Param | _View, *, route: str, squared: Callable, per_example: Callable
     ) -> None:
         """One use of ``param`` in backward (by the formula ``route``): its per-example
         squared norms (``squared()``, ``(*lead, B)``) where it is its only use, else its
         per-example gradient (``per_example()``, ``(*lead, B, *shape)``), summed with the
         other uses'."""
+        view, param = (param, param.param) if isinstance(param, _View) else (None, param)
         if param.uses <= 1:
             self.routes.setdefault(param.label, set()).add(route)
             self._add(squared())
             return
         self.routes.setdefault(param.label, set()).add("summed")
-        g = per_example()
+        g = per_example() if view is None else view.to_root(per_example())
         param.pending = g if param.pending is None else param.pending + g
         param.reported += 1
         if param.reported >= param.uses:
@@ -258,7 +295,7 @@ def _route(ghost: GhostPass, func: Any, *, leaves: list, treedef: Any, found: li
     if not others:  # the parameters alone, no batch: metadata, or a new tensor of them
         out = func(*args, **kwargs)
         if torch.is_grad_enabled():
-            _refuse_derived(out, func, leaves=leaves, params=params)
+            _follow(ghost, out, func, leaves=leaves, treedef=treedef, params=params)
         return out
     if not torch.is_grad_enabled():  # no backward (recompute's forward): only counted
         _count(ghost, params.values())
@@ -280,23 +317,49 @@ def _route(ghost: GhostPass, func: Any, *, leaves: list, treedef: Any, found: li
 def _count(ghost: GhostPass, params: Any) -> None:
     if ghost.counting:
         for p in params:
-            p.uses += 1
+            (p.param if isinstance(p, _View) else p).uses += 1
 
 
-def _refuse_derived(out: Any, func: Any, *, leaves: list, params: dict) -> None:
-    """A parameter turned into another tensor before it meets the batch (``w.t()``,
-    ``w * 2``) is not followed: refused, rather than norms that miss it."""
+#: ops that only move or cast a tensor's values: a parameter through them is a view of it
+_VIEWS = {
+    torch.Tensor.t, torch.t, torch.Tensor.transpose, torch.transpose, torch.Tensor.permute,
+    torch.permute, torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten,
+    torch.flatten, torch.Tensor.unflatten, torch.Tensor.squeeze, torch.squeeze,
+    torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.contiguous, torch.Tensor.clone,
+    torch.clone, torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half,
+    torch.Tensor.bfloat16, torch.Tensor.type_as, torch.Tensor.T.__get__,
+    torch.Tensor.mT.__get__, torch.Tensor.mH.__get__, torch.Tensor.H.__get__,
+}  # fmt: skip
+
+
+def _follow(
+    ghost: GhostPass, out: Any, func: Any, *, leaves: list, treedef: Any, params: dict
+) -> None:
+    """A parameter through a view op (:data:`_VIEWS`) is followed as that parameter; through
+    any other op (``w * 2``, ``w.exp()``) before it meets the batch, refused, rather than
+    norms that miss it. ``detach`` and metadata pass."""
     outs = [o for o in optree.tree_leaves(out, is_leaf=_is_tensor) if isinstance(o, torch.Tensor)]
     mine = {_key(leaves[i]) for i in params}
     for o in outs:
-        if o.is_floating_point() and _key(o) not in mine:
-            p = next(iter(params.values()))
-            raise NotImplementedError(
-                f"ghost_grad_norms: the parameter {p.label} goes through "
-                f"{getattr(func, '__name__', func)} before it meets the examples; ghost norms "
-                "follow a parameter only into the op that uses it with the batch (use it "
-                "there as it is, or take the norms with fh.per_example_grad_norms)"
-            )
+        if not o.is_floating_point() or _key(o) in mine or func is torch.Tensor.detach:
+            continue
+        if func in _VIEWS and len(outs) == 1 and len(params) == 1:
+            ((k, use),) = params.items()
+            param = use.param if isinstance(use, _View) else use
+            root = use.root if isinstance(use, _View) else (tuple(leaves[k].shape), leaves[k].dtype)
+            fn = _view_of(use, func, leaves=leaves, treedef=treedef, k=k)
+            ghost.alias(o, _View(param=param, fn=fn, root=root, shape=tuple(o.shape)))
+            continue
+        p = next(iter(params.values()))
+        p = p.param if isinstance(p, _View) else p
+        raise NotImplementedError(
+            f"ghost_grad_norms: the parameter {p.label} goes through "
+            f"{getattr(func, '__name__', func)} before it meets the examples; ghost norms "
+            "follow a parameter through ops that only move or cast its values (t, "
+            "transpose, view, reshape, to, ...) into the op that uses it with the batch "
+            "(apply the others to the batch's side, or take the norms with "
+            "fh.per_example_grad_norms)"
+        )
 
 
 # -- which formula --------------------------------------------------------------------------
@@ -305,6 +368,21 @@ _LINEAR = {F.linear, torch._C._nn.linear}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 _MUL = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
 _ADD = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+
+
+def _view_of(use: Any, func: Any, *, leaves: list, treedef: Any, k: int) -> Callable:
+    """``(the parameter of use, fn)``: ``fn`` makes ``func``'s output of the parameter (or
+    view) ``use`` at ``leaves[k]`` from the parameter (one rank's)."""
+    inner = use.fn if isinstance(use, _View) else (lambda r: r)
+    kept = [None if i == k else x for i, x in enumerate(leaves)]  # no tensor held
+
+    def fn(r: torch.Tensor) -> torch.Tensor:
+        now = list(kept)
+        now[k] = inner(r)
+        args, kwargs = optree.tree_unflatten(treedef, now)
+        return func(*args, **kwargs)
+
+    return fn
 
 
 def _kind(func: Any, leaves: list, *, treedef: Any, params: dict) -> str:

@@ -247,6 +247,31 @@ def test_a_unit_called_twice_and_a_parameter_used_twice_sum_their_gradients():
     assert _close(norms, want)
 
 
+def test_a_parameter_through_views_is_followed():
+    """``h @ w.T``, ``F.linear(h, w.t().contiguous().t())``: views of the parameter, with its
+    norm; used twice (as ``w`` and ``w.T``), each use's gradient is taken back to ``w``'s
+    shape before the sum (else the transposed one would be added as it is)."""
+    mesh = fh.SimMesh(MESH)
+    spec = preset("hsdp", mesh)
+    full = [{"w": torch.randn(D, D, generator=_gen(6)) / 2}]
+    params = fh.sync_params(fh.shard(full, [spec]), [spec])
+    layers = {
+        "T": lambda p, h: torch.tanh(h @ p["w"].T),
+        "chain": lambda p, h: torch.tanh(F.linear(h, p["w"].t().contiguous().t())),
+        "twice": lambda p, h: torch.tanh(h @ p["w"].T) + torch.sin(h @ p["w"]),
+    }
+    x = _data(B, T, D)
+    for name, layer in layers.items():
+        block = fh.gathered(fh.per_rank(layer, mesh), spec)
+        losses = lambda s, x, block=block: block(s[0], x).square().flatten(3).sum(-1)  # noqa: E731
+        norms, done = ghost.run_pass(losses, params, args=(x,), kwargs={}, sequence="auto")
+        dense = lambda w, xb, layer=layer: layer(w[0], xb[None]).square().sum()  # noqa: E731
+        per = torch.func.vmap(torch.func.grad(dense), in_dims=(None, 0))
+        want = torch.stack([_norm_of(per(full, r)) for r in x.reshape(-1, B, T, D)])
+        assert _close(norms, want.reshape(2, 2, B)), name
+        assert ("summed" in done.routes["tree[0]['w']"]) == (name == "twice")
+
+
 def test_recompute_counts_each_use_once():
     stack = Stack(["linear", "tanh_linear"])
     stack.blocks = [
