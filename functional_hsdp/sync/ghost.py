@@ -337,12 +337,13 @@ def _follow(
 ) -> None:
     """A parameter through a view op (:data:`_VIEWS`) is followed as that parameter; through
     any other op (``w * 2``, ``w.exp()``) before it meets the batch, refused, rather than
-    norms that miss it. ``detach`` and metadata pass."""
+    norms that miss it. What carries no gradient (``detach``, ``zeros_like``, metadata)
+    passes."""
     outs = [o for o in optree.tree_leaves(out, is_leaf=_is_tensor) if isinstance(o, torch.Tensor)]
     mine = {_key(leaves[i]) for i in params}
     for o in outs:
-        if not o.is_floating_point() or _key(o) in mine or func is torch.Tensor.detach:
-            continue
+        if not o.is_floating_point() or _key(o) in mine or not _differentiable(o):
+            continue  # metadata, the parameter itself, detach, zeros_like: no gradient
         if func in _VIEWS and len(outs) == 1 and len(params) == 1:
             ((k, use),) = params.items()
             param = use.param if isinstance(use, _View) else use
@@ -368,6 +369,15 @@ _LINEAR = {F.linear, torch._C._nn.linear}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 _MUL = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
 _ADD = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    """Whether ``t`` carries a gradient back (read under vmap's wrappers, which do not say)."""
+    from torch._C._functorch import get_unwrapped, is_batchedtensor
+
+    while is_batchedtensor(t):
+        t = get_unwrapped(t)
+    return t.requires_grad
 
 
 def _view_of(use: Any, func: Any, *, leaves: list, treedef: Any, k: int) -> Callable:

@@ -406,7 +406,11 @@ def test_a_parameter_transformed_before_the_batch_and_a_unit_under_vmap_are_refu
     mesh = fh.SimMesh(MESH)
     spec = preset("hsdp", mesh)
     params = fh.sync_params(fh.shard([{"w": torch.randn(D, D)}], [spec]), [spec])
-    block = fh.gathered(fh.per_rank(lambda p, h: h @ p["w"].exp(), mesh), spec)
+
+    def layer(p, h):  # what carries no gradient passes: zeros_like, detach
+        return torch.zeros_like(p["w"]).sum() + p["w"].detach().sum() + h @ p["w"].exp()
+
+    block = fh.gathered(fh.per_rank(layer, mesh), spec)
     with pytest.raises(NotImplementedError, match=r"tree\[0\]\['w'\] goes through exp"):
         fh.ghost_grad_norms(lambda s, x: block(s[0], x).sum(-1), params, _data(B, D))
     plain = fh.gathered(fh.per_rank(lambda p, h: h @ p["w"], mesh), spec)
