@@ -21,8 +21,9 @@ clipping; Opacus's ``ghost`` grad-sample mode):
 
 How: :func:`ghost_grad_norms` runs the losses' forward under a ``TorchFunctionMode``
 (:class:`_Intercept`) that knows the parameters: the gathered full weights of each unit while
-its ``fn`` runs (registered by the unit, :func:`unit_scope`) and those a caller registers for
-the whole forward (``fh.functional_call``'s root weights). An op that uses one is routed
+its ``fn`` runs (registered by the unit, :func:`unit_scope`), and those a unit returns as they
+are (an identity unit: ``fh.functional_call``'s root, whose weights the model uses outside
+every unit) for the rest of the forward (:func:`returned_weights`). An op that uses one is routed
 through :class:`_GhostOp`, an ``autograd.Function`` whose backward adds the op's
 contribution to the pass's accumulator (a :class:`GhostPass`), which the op's record took in
 forward, on the caller's thread: a backward may run on autograd's device thread, which sees
@@ -143,6 +144,7 @@ class GhostPass:
         self.routes: dict[str, set[str]] = {}
         self.counting = True  # whether the ops run now are uses (not a recompute's)
         self._scopes: list[list] = []  # the keys each open registration added
+        self.silent = 0  # > 0 while the pass's own Functions compute: nothing is routed
 
     # forward ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -166,12 +168,36 @@ class GhostPass:
             for key in keys:
                 self.known.pop(key, None)
 
+    def params_of(self, labels: Sequence[str], owners: Sequence[torch.Tensor]) -> list[_Param]:
+        """The parameters of a unit's leaves: a shard is known by its path and its memory
+        (the same shards gathered again give the same parameters; a rank's empty pieces of
+        several parameters may sit at the same place)."""
+        return [self.param(label, (label, _key(owner))) for label, owner in zip(labels, owners)]
+
+    def keep(self, tensors: Sequence[torch.Tensor], params: Sequence[_Param]) -> None:
+        """``tensors`` are ``params`` until the pass's forward ends (its outermost scope)."""
+        for t, p in zip(tensors, params):
+            key = _key(t)
+            if self._scopes and t.is_floating_point() and t.numel() and key not in self.known:
+                self.known[key] = (p, t)
+                self._scopes[0].append(key)
+
     def alias(self, t: torch.Tensor, view: _View) -> None:
         """``t`` is ``view`` of a parameter until the registration it was made in ends."""
         key = _key(t)
         if key not in self.known and self._scopes:
             self.known[key] = (view, t)
             self._scopes[-1].append(key)
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """The pass's own computations (a routed op's forward and backward): the ops they
+        run on parameters are not routed again, should the mode be on this thread."""
+        self.silent += 1
+        try:
+            yield
+        finally:
+            self.silent -= 1
 
     def param(self, label: str, owner: Any = None) -> _Param:
         """A new parameter of the pass (``owner``: the same object for every gathering of the
@@ -258,7 +284,7 @@ class _Intercept(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         ghost = self.ghost
-        if not ghost.known:
+        if not ghost.known or ghost.silent or _library_function(func, args):
             return func(*args, **kwargs)
         leaves, treedef = optree.tree_flatten((args, kwargs), is_leaf=_is_tensor)
         found = [(i, ghost.found(x)) for i, x in enumerate(leaves)]
@@ -266,6 +292,15 @@ class _Intercept(TorchFunctionMode):
         if not found:
             return func(*args, **kwargs)
         return _route(ghost, func, leaves=leaves, treedef=treedef, found=found)
+
+
+def _library_function(func: Any, args: tuple) -> bool:
+    """Whether ``func`` applies one of this library's ``autograd.Function``s (a unit, a
+    move: under ``torch.func`` their ``apply`` reaches the mode): not an op on parameters,
+    and the unit registers its own weights inside."""
+    if not isinstance(func, torch._ops.HigherOrderOperator) or not args:
+        return False
+    return getattr(args[0], "__module__", "").startswith("functional_hsdp.")
 
 
 def _is_tensor(x: Any) -> bool:
@@ -480,7 +515,7 @@ class _GhostOp(torch.autograd.Function):
 
     @staticmethod
     def forward(site: _Site, *tensors: torch.Tensor) -> torch.Tensor:
-        with torch._C.DisableTorchFunction():
+        with site.ghost.quiet():
             out = _nest(site.call, site.lead)(*tensors)
         if not isinstance(out, torch.Tensor):
             raise NotImplementedError(
@@ -501,7 +536,7 @@ class _GhostOp(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, go: torch.Tensor) -> tuple:
         site, tensors = ctx.site, ctx.saved_tensors
-        with torch._C.DisableTorchFunction():
+        with site.ghost.quiet():
             _CONTRIBUTE[site.kind](site, tensors, go)
             grads = _input_grads(site, tensors, go, needs=ctx.needs_input_grad[1:])
         return (None, *grads)
@@ -541,14 +576,17 @@ def _input_grads(site: _Site, tensors: Sequence, go: torch.Tensor, *, needs: Seq
         grads[0] = _linear_input_grad(site, tensors, go)
         return grads
 
-    def f(*acts: torch.Tensor) -> torch.Tensor:
-        ts = list(tensors)
-        for k, a in zip(wanted, acts):
-            ts[k] = a
-        return _nest(site.call, site.lead)(*ts)
+    def one_rank(g: torch.Tensor, *ts: torch.Tensor) -> tuple:  # the vjp inside the vmaps
+        def f(*acts: torch.Tensor) -> torch.Tensor:
+            now = list(ts)
+            for k, a in zip(wanted, acts):
+                now[k] = a
+            return site.call(*now)
 
-    _, vjp = torch.func.vjp(f, *(tensors[k] for k in wanted))
-    for k, g in zip(wanted, vjp(go)):
+        _, vjp = torch.func.vjp(f, *(ts[k] for k in wanted))
+        return vjp(g)
+
+    for k, g in zip(wanted, _nest(one_rank, site.lead)(go, *tensors)):
         grads[k] = g
     return grads
 
@@ -773,15 +811,26 @@ def unit_scope(
     ``owners``: the local shards they were gathered from (the same shards give the same
     parameters: a unit called twice in one forward uses its parameters twice). ``recount``:
     False where ``fn`` runs again in backward (recompute), its uses counted in forward."""
-    # a shard is known by its memory and its path (a rank's empty pieces of several
-    # parameters may sit at the same place)
-    params = [ghost.param(label, (label, _key(owner))) for label, owner in zip(labels, owners)]
+    params = ghost.params_of(labels, owners)
     counting, ghost.counting = ghost.counting, recount
     try:
         with ghost.registered(weights, params):
             yield
     finally:
         ghost.counting = counting
+
+
+def returned_weights(
+    ghost: GhostPass,
+    weights: Sequence[torch.Tensor],
+    *,
+    labels: Sequence[str],
+    owners: Sequence[torch.Tensor],
+) -> None:
+    """Gathered ``weights`` a unit returned as they are (an identity unit: the root of
+    ``fh.functional_call``) are known to the pass until its forward ends (the unit holds
+    them until its backward: their memory is not reused meanwhile)."""
+    ghost.keep(weights, ghost.params_of(labels, owners))
 
 
 # -- the public function ----------------------------------------------------------------------
@@ -840,7 +889,7 @@ def run_pass(
     ghost = GhostPass(sequence)
     token = _PASS.set(ghost)
     try:
-        with _intercepting(ghost):
+        with ghost.registered([], []):  # the pass's scope: what units return stays known
             losses, vjp = torch.func.vjp(lambda s: losses_fn(s, *args, **kwargs), shards)
     finally:
         _PASS.reset(token)

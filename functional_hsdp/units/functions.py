@@ -23,7 +23,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..base.tree import paths_of
-from ..sync.ghost import unit_scope
+from ..sync.ghost import returned_weights, unit_scope
 from ..sync.maingrad import units_of
 from . import call as lifecycle
 from . import chain as chains
@@ -77,19 +77,39 @@ def _ghost_scope(call: Call, full: list) -> contextlib.AbstractContextManager:
     recompute in backward registers them again, their uses counted once, in forward)."""
     if call.ghost is None:
         return contextlib.nullcontext()
-    leaves = paths_of(call.treedef, "")
-    # the path of the unit's first leaf as the caller named it (fh.functional_call:
-    # shards['layers.0']['w']), else in the tree fh.shard made; less that leaf's own path
-    unit = call.named if call.block.shards_path != "shards" else call.where or call.named
-    if leaves and leaves[0] and unit.endswith(leaves[0]):
-        unit = unit[: -len(leaves[0])]
     return unit_scope(
         call.ghost,
         full,
-        labels=[unit + leaf for leaf in leaves],
+        labels=_ghost_labels(call),
         owners=call.pieces,
         recount=call.phase is not Phase.BACKWARD,
     )
+
+
+def _ghost_labels(call: Call) -> list[str]:
+    """The unit's parameters' paths: the unit's first leaf as the caller named it
+    (fh.functional_call: ``shards['layers.0']['w']``), else in the tree fh.shard made, less
+    that leaf's own path, then each leaf's."""
+    leaves = paths_of(call.treedef, "")
+    unit = call.named if call.block.shards_path != "shards" else call.where or call.named
+    if leaves and leaves[0] and unit.endswith(leaves[0]):
+        unit = unit[: -len(leaves[0])]
+    return [unit + leaf for leaf in leaves]
+
+
+def _ghost_returned(call: Call, outs: tuple, full: list) -> None:
+    """In a ghost-norms pass, the gathered weights a unit returns as they are (an identity
+    unit: ``fh.functional_call``'s root) stay known for the rest of the pass's forward: the
+    caller uses them outside the unit."""
+    found = [(o, i) for o in outs for i, w in enumerate(full) if _is_weight(o, [w])]
+    if found:
+        labels = _ghost_labels(call)
+        returned_weights(
+            call.ghost,
+            [o for o, _ in found],
+            labels=[labels[i] for _, i in found],
+            owners=[call.pieces[i] for _, i in found],
+        )
 
 
 def _vjp(
@@ -245,6 +265,8 @@ class _Unit(torch.autograd.Function):
             chains.abandon(chain)
             raise
         outs, kept = _outputs(outs, full, args)
+        if kept and call.ghost is not None:
+            _ghost_returned(call, outs, full)
         storage.hold(call, full, kept)
         chains.keep_last(chain, call, full)
         lifecycle.forward_ran(call)

@@ -25,7 +25,6 @@ from torch.nn.utils.stateless import _reparametrize_module
 from ..base.cache import register
 from ..spec.precision import check_mp_policy
 from ..spec.specs import Spec
-from ..sync.ghost import current_pass, unit_scope
 from ..sync.maingrad import MainGrad
 from ..sync.reduce import shard
 from . import Gathered
@@ -382,28 +381,12 @@ def functional_call(
                 )
                 stack.enter_context(_forward_replaced(part, forward))
             stack.enter_context(_reparametrize_module(model, params, tie_weights=True))
-            stack.enter_context(_root_known(shards, params))
             out = model(*args, **kwargs)
     finally:
         sharded.active -= 1
     if ran and ran != order:
         sharded.order = ran  # prefetch in the order the units run
     return out
-
-
-def _root_known(shards: dict, params: dict) -> contextlib.AbstractContextManager:
-    """In a ghost-norms pass, the root's gathered weights are known to it for the whole
-    forward (the model uses them outside every unit, and units borrow tied ones)."""
-    ghost = current_pass()
-    if ghost is None or not params:
-        return contextlib.nullcontext()
-    names = list(params)
-    return unit_scope(
-        ghost,
-        [params[n] for n in names],
-        labels=[f"shards[{ROOT!r}][{n!r}]" for n in names],
-        owners=[shards[ROOT][n] for n in names],
-    )
 
 
 def _check_options(into: Any, **flags: Any) -> None:

@@ -49,8 +49,29 @@ def _units(kinds: list[str], seed: int = 0) -> tuple[list[dict], list]:
             lambda p, h: F.conv1d(h.mT, p["w"], p["b"], padding=1).mT,
         ),
         "atan2": ({"c": rand(D)}, lambda p, h: torch.atan2(h, p["c"])),  # fallback, elementwise
+        "function": ({"c": rand(D)}, lambda p, h: _Softplus.apply(h, p["c"])),  # a user's
     }
     return [made[k][0] for k in kinds], [made[k][1] for k in kinds]
+
+
+class _Softplus(torch.autograd.Function):
+    """A user's ``autograd.Function`` of an activation and a parameter: the fallback."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(h, c):
+        return F.softplus(h * c)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, c = ctx.saved_tensors
+        s = torch.sigmoid(h * c) * g
+        return s * c, (s * h).sum_to_size(c.shape)
 
 
 def _llama_rms_norm(p: dict, h: torch.Tensor) -> torch.Tensor:
@@ -143,6 +164,7 @@ CASES = {
     "scale and shift": (["tanh_linear", "scale_shift"], (B, T, D), None),
     "conv1d: fallback": (["tanh_linear", "conv"], (B, T, D), None),
     "atan2: fallback": (["tanh_linear", "atan2"], (B, T, D), None),
+    "a user's autograd.Function: fallback": (["tanh_linear", "function"], (B, T, D), None),
 }
 SECOND = {  # the routes of the second unit's parameters
     "x @ W + b": {"w": "matmul:outer", "b": "add"},
@@ -152,6 +174,7 @@ SECOND = {  # the routes of the second unit's parameters
     "scale and shift": {"s": "mul", "c": "add"},
     "conv1d: fallback": {"w": "fallback", "b": "fallback"},
     "atan2: fallback": {"c": "fallback"},
+    "a user's autograd.Function: fallback": {"c": "fallback"},
 }
 
 
@@ -270,6 +293,39 @@ def test_a_parameter_through_views_is_followed():
         want = torch.stack([_norm_of(per(full, r)) for r in x.reshape(-1, B, T, D)])
         assert _close(norms, want.reshape(2, 2, B)), name
         assert ("summed" in done.routes["tree[0]['w']"]) == (name == "twice")
+
+
+def test_weights_a_unit_returns_are_counted_where_the_caller_uses_them():
+    """An identity unit (``fh.functional_call``'s root is one): its weights are used outside
+    it, by the caller, and inside another unit as an argument (a tied weight)."""
+    mesh = fh.SimMesh(MESH)
+    spec = preset("hsdp", mesh)
+    gen = _gen(8)
+    full = [
+        {"w": torch.randn(D, D, generator=gen) / 2},
+        {"v": torch.randn(D, D, generator=gen) / 2},
+    ]
+    params = fh.sync_params(fh.shard(full, [spec] * 2), [spec] * 2)
+    root = fh.gathered(lambda p: p, spec, reshard_after_forward=False, recompute=True)
+    inner = fh.per_rank(lambda p, w, h: torch.tanh(h @ p["v"]) @ w, mesh)
+    block = fh.gathered(inner, spec)
+    outer = fh.per_rank(lambda w, h: torch.tanh(F.linear(h, w)), mesh)
+
+    def losses(s, x):
+        w = root(s[0])["w"]
+        return block(s[1], w, outer(w, x)).square().sum(-1)
+
+    x = _data(B, D)
+    norms, done = ghost.run_pass(losses, params, args=(x,), kwargs={}, sequence="auto")
+    assert done.routes["tree[0]['w']"] == {"summed"}  # outside and inside the other unit
+
+    def dense(f, xb):
+        h = torch.tanh(F.linear(xb[None], f[0]["w"]))
+        return (torch.tanh(h @ f[1]["v"]) @ f[0]["w"]).square().sum()
+
+    per = torch.func.vmap(torch.func.grad(dense), in_dims=(None, 0))
+    want = torch.stack([_norm_of(per(full, r)) for r in x.reshape(-1, B, D)]).reshape(2, 2, B)
+    assert _close(norms, want)
 
 
 def test_recompute_counts_each_use_once():
