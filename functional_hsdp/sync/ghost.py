@@ -15,9 +15,18 @@ clipping; Opacus's ``ghost`` grad-sample mode):
 - the affine weight and bias of ``F.layer_norm`` / ``F.rms_norm``, and a parameter that
   multiplies or is added elementwise (Hugging Face's ``LlamaRMSNorm`` computes
   ``self.weight * hidden.to(dtype)``): their per-example gradients are vectors, taken as such;
-- any other op that takes a parameter and a batched tensor falls back to per-example
-  gradients for that op alone: ``vmap`` over the examples of the op's vjp, with its saved
-  inputs and output gradient (Opacus's functorch fallback).
+- any other op that takes a parameter and a batched tensor (a convolution, ``atan2``, a
+  user's ``autograd.Function``) falls back to per-example gradients for that op alone:
+  ``vmap`` over the examples of the op's vjp, with its saved inputs and output gradient
+  (Opacus's functorch fallback), the other ops of its unit keeping their formulas;
+- a parameter through an op that only moves or casts its values (``w.t()``, ``w.view``,
+  ``w.to``) is followed as that parameter into the op that meets the batch; through any
+  other differentiable op of the parameters alone (``w.exp()``, ``w * 2``) it is refused
+  (``NotImplementedError``): its per-example gradient exists only past that op.
+
+The examples are along the leading dim of each such op's batched input and output (batch
+first, as the units' per-rank tensors are): an op that sees another leading dim is an error
+(the batch differs between parameters), unless that dim happens to equal the batch size.
 
 How: :func:`ghost_grad_norms` runs the losses' forward under a ``TorchFunctionMode``
 (:class:`_Intercept`) that knows the parameters: the gathered full weights of each unit while
@@ -416,8 +425,8 @@ def _differentiable(t: torch.Tensor) -> bool:
 
 
 def _view_of(use: Any, func: Any, *, leaves: list, treedef: Any, k: int) -> Callable:
-    """``(the parameter of use, fn)``: ``fn`` makes ``func``'s output of the parameter (or
-    view) ``use`` at ``leaves[k]`` from the parameter (one rank's)."""
+    """``fn``: the parameter (one rank's) -> ``func``'s output of the parameter (or view)
+    ``use`` at ``leaves[k]``."""
     inner = use.fn if isinstance(use, _View) else (lambda r: r)
     kept = [None if i == k else x for i, x in enumerate(leaves)]  # no tensor held
 
