@@ -849,35 +849,65 @@ def ghost_grad_norms(
     losses_fn: Callable, shards: Any, *args: Any, sequence: str = "auto", **kwargs: Any
 ) -> torch.Tensor:
     """Each example's gradient norm from one first-order backward, without per-example
-    gradients: DP-SGD's first pass (Opacus's ghost clipping), at FSDP memory.
+    gradients ("ghost norms"): DP-SGD's first pass (Opacus's ghost clipping), at FSDP memory.
 
     ``losses_fn(shards, *args, **kwargs)`` returns this rank's per-example losses, the
     examples along the last dim (``(B,)``; on a SimMesh ``(*mesh, B)``), through gathered
-    units or ``fh.functional_call``: the same function whose clip-weighted sum is DP-SGD's
-    second pass. It runs once forward and once backward; in that backward each op that
-    uses a unit's gathered weights adds its parameters' per-example squared norms from its
-    input activations and output gradient (the module docstring lists the formulas), the
-    units reduce-scatter nothing and no parameter gradient is formed. Each rank's norms
-    are complete locally (see the module docstring), so no collective is added.
+    units or ``fh.functional_call``: the function whose clip-weighted sum is DP-SGD's second
+    pass (an ordinary first-order gradient). It runs forward and backward once; in that
+    backward each op that uses a unit's gathered weights adds its parameters' per-example
+    squared norms, taken from its input activations and output gradient:
+
+    - ``F.linear`` / ``x @ W`` on ``(B, d)``: ``||g_b||^2 ||a_b||^2``; on sequences
+      ``(B, T, d)``: the Gram form ``sum_{t,s} (a_t . a_s)(g_t . g_s)`` or the materialized
+      ``g_b^T a_b``, whichever costs less (``sequence=``); the bias: ``||sum_t g_t||^2``;
+    - ``F.embedding``: the output gradients summed per (example, token id);
+    - the weight and bias of ``F.layer_norm`` / ``F.rms_norm``, and a parameter multiplied or
+      added elementwise (Hugging Face's ``LlamaRMSNorm``);
+    - any other op (a convolution, a user's ``autograd.Function``): that op's per-example
+      gradients, by ``vmap`` of its vjp over the examples;
+
+    a parameter through ``t``, ``transpose``, ``view``, ``reshape``, ``to``, ... is followed
+    into the op that meets the batch, and one used more than once (tied weights, a unit
+    called twice) has its uses' per-example gradients summed before the norm. The units
+    reduce-scatter nothing and no parameter gradient is formed. The weights a unit's ops see
+    are its full gathered weights and a rank's examples are its own, so each rank's norms
+    are complete where they are taken: no collective is added (the vmap path,
+    :func:`~functional_hsdp.per_example_grad_norms`, likewise takes them before any
+    reduce-scatter would mix ranks' examples).
 
     Args:
         losses_fn: ``losses_fn(shards, *args, **kwargs)`` -> per-example losses.
         shards: the units' shards at the parameter placement.
         *args: the rest of ``losses_fn``'s arguments (the batch).
         sequence: for a linear layer on sequences, ``"auto"`` (default: the Gram form when
-            its count, ``T^2 (d_in + d_out)``, is at most the per-example gradient's,
-            ``T d_in d_out``), ``"gram"`` or ``"materialize"``.
+            its count, ``T^2 (d_in + d_out)`` per example, is at most the materialized
+            gradient's, ``T d_in d_out``), ``"gram"`` or ``"materialize"``.
         **kwargs: keyword arguments of ``losses_fn``.
 
     Returns:
-        The norms, float32, of the losses' shape.
+        The norms, float32, of the losses' shape: ``norms[..., b]`` is example ``b``'s.
 
     Raises:
         ValueError: a batch dim that differs between the ops that use parameters, or from
             the losses'; losses that are not a floating tensor with the examples along its
-            last dim; a loss that reaches no gathered unit's parameter.
-        NotImplementedError: a parameter transformed before it meets the batch
-            (``w.t()``, ``w * 2``): use :func:`per_example_grad_norms` there.
+            last dim; losses that reach no gathered unit's parameter; a unit run under
+            vmap, jvp or a second derivative.
+        NotImplementedError: a parameter through a differentiable op of the parameters
+            alone other than a view or cast (``w.exp()``, ``w * 2``) before it meets the
+            batch: take those norms with :func:`~functional_hsdp.per_example_grad_norms`.
+
+    Example:
+        >>> import torch, functional_hsdp as fh
+        >>> mesh = fh.SimMesh({"dp": 2})
+        >>> spec = fh.fsdp(mesh)
+        >>> shards = fh.shard([{"w": torch.eye(3)}], [spec])
+        >>> block = fh.gathered(fh.per_rank(lambda p, x: x @ p["w"], mesh), spec)
+        >>> x = torch.tensor([[[1.0, 0, 0], [0, 2, 0]], [[0, 0, 3], [1, 1, 1]]])  # (rank, B, 3)
+        >>> losses = lambda s, x: block(s[0], x).sum(-1)  # (rank, B)
+        >>> fh.ghost_grad_norms(losses, shards, x)  # ||x_b|| * ||(1, 1, 1)||
+        tensor([[1.7321, 3.4641],
+                [5.1962, 3.0000]])
     """
     return run_pass(losses_fn, shards, args=args, kwargs=kwargs, sequence=sequence)[0]
 
