@@ -328,6 +328,29 @@ def test_weights_a_unit_returns_are_counted_where_the_caller_uses_them():
     assert _close(norms, want)
 
 
+def test_bf16_weights_and_activations():
+    """FSDP2's mixed precision (bf16 gathers and compute): the norms are taken in float32 of
+    the bf16 activations and output gradients, close to the fp32 ones as bf16 allows, and to
+    the vmap path's under the same policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    stack = Stack(["linear", "layer_norm", "matmul"])
+    mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    stack.blocks = [
+        fh.gathered(fh.per_rank(fn, stack.mesh), stack.spec, mp_policy=mp) for fn in stack.fns
+    ]
+    x = _data(B, T, D)
+    got, _ = _run(stack, x)
+    assert got.dtype == torch.float32
+    assert _close(got, stack.want(x), rtol=2e-2)
+
+    def one(s, example):
+        return stack.losses(s, example[:, :, None]).float().sum()
+
+    vmap_norms = fh.per_example_grad_norms(one, stack.params, x.movedim(2, 0)).movedim(0, -1)
+    assert _close(got, vmap_norms, rtol=2e-2)
+
+
 def test_recompute_counts_each_use_once():
     stack = Stack(["linear", "tanh_linear"])
     stack.blocks = [
