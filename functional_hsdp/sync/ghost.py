@@ -644,7 +644,9 @@ def _linear_form(sequence: str, steps: int, *, sizes: tuple[int, int]) -> str:
     """How ``||g_b^T a_b||^2`` is taken: ``outer`` without a sequence (the product of the
     norms); on a sequence of ``steps``, ``gram`` (``T^2 (i + o)`` per example, memory
     ``B T^2``) where that count is at most ``materialize``'s (``T i o``, memory ``B i o``),
-    unless ``sequence`` forces one."""
+    unless ``sequence`` forces one. Where the count picks ``gram``, ``gram`` also takes at
+    most half the memory (``T (i + o) <= i o`` gives ``2 T^2 <= i o / 2``): the FLOP and the
+    memory counts disagree only near the boundary, where the two forms cost about alike."""
     i, o = sizes
     if steps == 1:
         return "outer"
