@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -67,7 +68,19 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["GhostPass", "current_pass", "ghost_grad_norms", "run_pass", "unit_scope"]
+from ..base.tree import flatten
+from .reduce import reduce_grads
+
+__all__ = [
+    "GhostPass",
+    "clipped_grads",
+    "current_pass",
+    "ghost_clipped_grad",
+    "ghost_grad_norms",
+    "returned_weights",
+    "run_pass",
+    "unit_scope",
+]
 
 SEQUENCE_FORMS = ("auto", "gram", "materialize")
 
@@ -94,6 +107,7 @@ class _Param:
     uses: int = 0
     reported: int = 0
     pending: torch.Tensor | None = None
+    grad: torch.Tensor | None = None  # book-keeping: the clip-weighted gradient, summed
 
 
 @dataclasses.dataclass(eq=False)
@@ -111,6 +125,12 @@ class _View:
     @property
     def label(self) -> str:
         return self.param.label
+
+    def grad_to_root(self, g: torch.Tensor) -> torch.Tensor:
+        """A gradient of the view ``(*lead, *shape)`` -> of the parameter."""
+        shape, dtype = self.root
+        _, vjp = torch.func.vjp(self.fn, torch.zeros(shape, dtype=dtype, device=g.device))
+        return _nest(lambda x: vjp(x)[0], g.dim() - len(self.shape))(g.to(dtype))
 
     def to_root(self, g: torch.Tensor) -> torch.Tensor:
         """Per-example gradients of the view ``(*lead, B, *shape)`` -> of the parameter."""
@@ -141,8 +161,14 @@ class GhostPass:
     """The accumulator of one pass: per example, the squared norms summed over every
     parameter the backward reaches; the parameters registered now; each op's batch size."""
 
-    def __init__(self, sequence: str):
+    def __init__(self, sequence: str, *, bookkeeping: bool = False):
         self.sequence = sequence
+        #: book-keeping (Bu et al. 2023): each use's clip-weighted gradient is formed once the
+        #: norms are known, from what its backward kept (``clipped``: (param, c -> gradient))
+        self.bookkeeping = bookkeeping
+        self.clipped: list[tuple[Any, Callable]] = []
+        #: per unit (its shards' keys): (spec, treedef, params, full shapes and dtypes)
+        self.units: dict[tuple, tuple] = {}
         self.total: torch.Tensor | None = None  # (*lead, B), float32
         self.known: dict[tuple, tuple[_Param, torch.Tensor]] = {}  # key -> (param, tensor)
         self.params: list[_Param] = []
@@ -182,6 +208,14 @@ class GhostPass:
         (the same shards gathered again give the same parameters; a rank's empty pieces of
         several parameters may sit at the same place)."""
         return [self.param(label, (label, _key(owner))) for label, owner in zip(labels, owners)]
+
+    def unit(self, unit: tuple, weights: Sequence, *, params: list, owners: Sequence) -> None:
+        """A unit's spec and structure, its parameters and the full shapes and dtypes of its
+        weights (book-keeping reduces each unit's clip-weighted gradient once)."""
+        keys = tuple(_key(o) for o in owners)
+        if keys not in self.units:
+            metas = [(tuple(_plain(w).shape), w.dtype, w.device) for w in weights]
+            self.units[keys] = (*unit, params, metas)
 
     def keep(self, tensors: Sequence[torch.Tensor], params: Sequence[_Param]) -> None:
         """``tensors`` are ``params`` until the pass's forward ends (its outermost scope)."""
@@ -240,12 +274,24 @@ class GhostPass:
 
     # backward -----------------------------------------------------------------------------
     def report(
-        self, param: _Param | _View, *, route: str, squared: Callable, per_example: Callable
+        self,
+        param: _Param | _View,
+        *,
+        route: str,
+        squared: Callable,
+        per_example: Callable,
+        clipped: Callable | None = None,
     ) -> None:
         """One use of ``param`` in backward (by the formula ``route``): its per-example
         squared norms (``squared()``, ``(*lead, B)``) where it is its only use, else its
         per-example gradient (``per_example()``, ``(*lead, B, *shape)``), summed with the
-        other uses'."""
+        other uses'. With book-keeping, ``clipped(c)`` (the sum over examples of ``c_b``
+        times their gradient, ``(*lead, *shape)``; by default from ``per_example()``) is
+        kept until the clip factors ``c`` are known."""
+        if self.bookkeeping:
+            keep = len(self.batch[0])
+            weigh = clipped or (lambda c: _weighted(per_example(), c, keep))
+            self.clipped.append((param, weigh))
         view, param = (param, param.param) if isinstance(param, _View) else (None, param)
         if param.uses <= 1:
             self.routes.setdefault(param.label, set()).add(route)
@@ -273,6 +319,12 @@ class GhostPass:
         for p in self.params:
             self._flush(p)
         return self.total
+
+
+def _weighted(per: torch.Tensor, c: torch.Tensor, keep: int) -> torch.Tensor:
+    """``sum_b c_b per_b``: ``per`` ``(*lead, B, *shape)``, ``c`` ``(*lead, B)``."""
+    c = c.reshape(*c.shape, *[1] * (per.dim() - keep)).to(per.dtype)
+    return (per * c).sum(keep - 1)
 
 
 def _squares(g: torch.Tensor, keep: int) -> torch.Tensor:
@@ -630,6 +682,7 @@ def _linear(site: _Site, tensors: Sequence, go: torch.Tensor) -> None:
                 route=f"{site.kind}:{form}",
                 squared=lambda: _linear_squares(form, a, g),
                 per_example=lambda: g.mT @ a if site.kind == "linear" else a.mT @ g,
+                clipped=lambda c: _linear_clipped(site, (a, g), c),
             )
         else:  # the bias: the per-example gradient is sum_t g_t
             site.ghost.report(
@@ -637,7 +690,17 @@ def _linear(site: _Site, tensors: Sequence, go: torch.Tensor) -> None:
                 route=f"{site.kind}:bias",
                 squared=lambda: g.sum(-2).square().sum(-1),
                 per_example=lambda: g.sum(-2),
+                clipped=lambda c: (g * c[..., None, None]).sum((-3, -2)),
             )
+
+
+def _linear_clipped(site: _Site, ag: tuple, c: torch.Tensor) -> torch.Tensor:
+    """``sum_b c_b g_b^T a_b`` (``a_b^T g_b`` for ``x @ W``): the weight's clipped gradient,
+    one matmul over all the examples' positions."""
+    a, g = ag
+    weighted = (g * c[..., None, None]).flatten(-3, -2)
+    flat = a.flatten(-3, -2)
+    return weighted.mT @ flat if site.kind == "linear" else flat.mT @ weighted
 
 
 def _linear_form(sequence: str, steps: int, *, sizes: tuple[int, int]) -> str:
@@ -692,7 +755,15 @@ def _embedding(site: _Site, tensors: Sequence, go: torch.Tensor) -> None:
         out = grads.new_zeros(rows * vocab, grads.shape[-1]).index_add_(0, keys, grads)
         return out.reshape(*shape, vocab, grads.shape[-1])
 
-    site.ghost.report(p, route="embedding", squared=squared, per_example=per_example)
+    def clipped(c: torch.Tensor) -> torch.Tensor:  # rows: (lead index, id)
+        weighted = grads * c.reshape(-1).to(grads.dtype)[keys // vocab, None]
+        per_lead = (keys // vocab) // shape[-1] * vocab + keys % vocab
+        out = grads.new_zeros(rows // shape[-1] * vocab, grads.shape[-1])
+        return out.index_add_(0, per_lead, weighted).reshape(*shape[:-1], vocab, -1)
+
+    site.ghost.report(
+        p, route="embedding", squared=squared, per_example=per_example, clipped=clipped
+    )
 
 
 def _elementwise(site: _Site, tensors: Sequence, go: torch.Tensor) -> None:
@@ -816,13 +887,18 @@ def unit_scope(
     labels: Sequence[str],
     owners: Sequence[torch.Tensor],
     recount: bool = True,
+    unit: tuple | None = None,
 ) -> Iterator[None]:
     """A unit's ``fn`` runs with its gathered ``weights`` known to the pass ``ghost``.
 
     ``owners``: the local shards they were gathered from (the same shards give the same
     parameters: a unit called twice in one forward uses its parameters twice). ``recount``:
-    False where ``fn`` runs again in backward (recompute), its uses counted in forward."""
+    False where ``fn`` runs again in backward (recompute), its uses counted in forward.
+    ``unit``: ``(spec, treedef)`` of the unit, for book-keeping's reduction of its
+    gradient."""
     params = ghost.params_of(labels, owners)
+    if unit is not None:
+        ghost.unit(unit, weights, params=params, owners=owners)
     counting, ghost.counting = ghost.counting, recount
     try:
         with ghost.registered(weights, params):
@@ -914,11 +990,94 @@ def ghost_grad_norms(
     return run_pass(losses_fn, shards, args=args, kwargs=kwargs, sequence=sequence)[0]
 
 
+def ghost_clipped_grad(
+    losses_fn: Callable,
+    shards: Any,
+    *args: Any,
+    max_norm: float,
+    sequence: str = "auto",
+    **kwargs: Any,
+) -> tuple[Any, torch.Tensor]:
+    """DP-SGD's clipped gradient from one forward and one backward (book-keeping, Bu et al.
+    2023): the norms as :func:`ghost_grad_norms` takes them, then each parameter's
+    clip-weighted gradient from what that backward kept, with no second pass.
+
+    The gradient is that of ``sum_b c_b * losses_b`` with ``c_b = min(1, max_norm /
+    (norm_b + 1e-6))`` (Opacus's factor), averaged over the ranks (the library's gradient
+    convention) and reduced to the optimizer placement, unit by unit: what
+    ``fh.reduce_grads(torch.func.grad(weighted)(shards), spec, last=True, at="gradient")``
+    gives after a norms pass, without that second forward and backward. Memory: each op's
+    input activations and output gradients (for an op without a formula, its per-example
+    gradients) are kept until the backward ends, and one unit's full gradient is formed at
+    a time; weigh that against the second pass's time.
+
+    Args:
+        losses_fn: as :func:`ghost_grad_norms`'s.
+        shards: the units' shards at the parameter placement (each a shard a unit the losses
+            reach was called with).
+        *args: the rest of ``losses_fn``'s arguments.
+        max_norm: the clipping norm ``C``, a positive number.
+        sequence: as :func:`ghost_grad_norms`'s.
+        **kwargs: keyword arguments of ``losses_fn``.
+
+    Returns:
+        ``(grads, norms)``: ``grads`` like ``shards``, at the optimizer placement; ``norms``
+        as :func:`ghost_grad_norms` returns them.
+
+    Raises:
+        ValueError / TypeError: a ``max_norm`` that is not a positive finite number; a shard
+            no unit the losses reached was called with; and as :func:`ghost_grad_norms`.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise TypeError(f"ghost_clipped_grad: max_norm must be a number; got {max_norm!r}")
+    if not math.isfinite(max_norm) or max_norm <= 0:
+        raise ValueError(f"ghost_clipped_grad: max_norm must be positive; got {max_norm!r}")
+    norms, ghost = run_pass(
+        losses_fn, shards, args=args, kwargs=kwargs, sequence=sequence, bookkeeping=True
+    )
+    return clipped_grads(ghost, shards, norms=norms, max_norm=max_norm), norms
+
+
+def clipped_grads(ghost: GhostPass, shards: Any, *, norms: torch.Tensor, max_norm: float) -> Any:
+    """Book-keeping's end: each parameter's clip-weighted gradient from what its uses kept,
+    then each unit's reduced to the optimizer placement, as a tree like ``shards``."""
+    c = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    clipped, ghost.clipped = ghost.clipped, []
+    for use, weigh in clipped:
+        g = weigh(c)
+        param = use.param if isinstance(use, _View) else use
+        g = use.grad_to_root(g) if isinstance(use, _View) else g
+        param.grad = g if param.grad is None else param.grad + g
+    reduced: dict = {}
+    for keys, (spec, treedef, params, metas) in ghost.units.items():
+        grads = [
+            torch.zeros(shape, dtype=dtype, device=device) if p.grad is None else p.grad.to(dtype)
+            for p, (shape, dtype, device) in zip(params, metas)
+        ]
+        out = reduce_grads(optree.tree_unflatten(treedef, grads), spec, last=True)
+        reduced.update(zip(keys, optree.tree_leaves(out)))
+    leaves, treedef, paths = flatten(shards, "shards")
+    missing = [path for leaf, path in zip(leaves, paths) if _key(leaf) not in reduced]
+    if missing:
+        raise ValueError(
+            f"ghost_clipped_grad: {missing[0]} is no shard a unit the losses reached was "
+            "called with (every shard must be a unit's, as fh.shard or fh.shard_module made)"
+        )
+    return optree.tree_unflatten(treedef, [reduced[_key(leaf)] for leaf in leaves])
+
+
 def run_pass(
-    losses_fn: Callable, shards: Any, *, args: tuple, kwargs: dict, sequence: str
+    losses_fn: Callable,
+    shards: Any,
+    *,
+    args: tuple,
+    kwargs: dict,
+    sequence: str,
+    bookkeeping: bool = False,
 ) -> tuple[torch.Tensor, GhostPass]:
     """:func:`ghost_grad_norms`'s body: the norms and the pass (which says, per parameter,
-    how its norms were taken: ``GhostPass.routes``)."""
+    how its norms were taken: ``GhostPass.routes``; with ``bookkeeping``, it keeps each
+    use's clip-weighted gradient to be formed)."""
     if not callable(losses_fn):
         raise TypeError(
             f"ghost_grad_norms: losses_fn must be callable; got {type(losses_fn).__name__}"
@@ -927,7 +1086,7 @@ def run_pass(
         raise ValueError(
             f"ghost_grad_norms: sequence must be one of {SEQUENCE_FORMS}; got {sequence!r}"
         )
-    ghost = GhostPass(sequence)
+    ghost = GhostPass(sequence, bookkeeping=bookkeeping)
     token = _PASS.set(ghost)
     try:
         with ghost.registered([], []):  # the pass's scope: what units return stays known
