@@ -69,7 +69,7 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from ..base.tree import flatten
-from .reduce import reduce_grads
+from .autodiff import Move
 
 __all__ = [
     "GhostPass",
@@ -167,7 +167,7 @@ class GhostPass:
         #: norms are known, from what its backward kept (``clipped``: (param, c -> gradient))
         self.bookkeeping = bookkeeping
         self.clipped: list[tuple[Any, Callable]] = []
-        #: per unit (its shards' keys): (spec, treedef, params, full shapes and dtypes)
+        #: per unit (its shards' keys): (plan, reduce dtype, params, full shapes and dtypes)
         self.units: dict[tuple, tuple] = {}
         self.total: torch.Tensor | None = None  # (*lead, B), float32
         self.known: dict[tuple, tuple[_Param, torch.Tensor]] = {}  # key -> (param, tensor)
@@ -210,8 +210,8 @@ class GhostPass:
         return [self.param(label, (label, _key(owner))) for label, owner in zip(labels, owners)]
 
     def unit(self, unit: tuple, weights: Sequence, *, params: list, owners: Sequence) -> None:
-        """A unit's spec and structure, its parameters and the full shapes and dtypes of its
-        weights (book-keeping reduces each unit's clip-weighted gradient once)."""
+        """A unit's plan and reduce dtype, its parameters and the full shapes and dtypes of
+        its weights (book-keeping reduce-scatters each unit's clip-weighted gradient once)."""
         keys = tuple(_key(o) for o in owners)
         if keys not in self.units:
             metas = [(tuple(_plain(w).shape), w.dtype, w.device) for w in weights]
@@ -894,8 +894,8 @@ def unit_scope(
     ``owners``: the local shards they were gathered from (the same shards give the same
     parameters: a unit called twice in one forward uses its parameters twice). ``recount``:
     False where ``fn`` runs again in backward (recompute), its uses counted in forward.
-    ``unit``: ``(spec, treedef)`` of the unit, for book-keeping's reduction of its
-    gradient."""
+    ``unit``: ``(plan, reduce dtype)`` of the unit, for book-keeping's reduce-scatter of
+    its gradient."""
     params = ghost.params_of(labels, owners)
     if unit is not None:
         ghost.unit(unit, weights, params=params, owners=owners)
@@ -1003,12 +1003,13 @@ def ghost_clipped_grad(
     clip-weighted gradient from what that backward kept, with no second pass.
 
     The gradient is that of ``sum_b c_b * losses_b`` with ``c_b = min(1, max_norm /
-    (norm_b + 1e-6))`` (Opacus's factor), averaged over the ranks (the library's gradient
-    convention) and reduced to the optimizer placement, unit by unit: what
-    ``fh.reduce_grads(torch.func.grad(weighted)(shards), spec, last=True, at="gradient")``
-    gives after a norms pass, without that second forward and backward. Memory: each op's
-    input activations and output gradients (for an op without a formula, its per-example
-    gradients) are kept until the backward ends, and one unit's full gradient is formed at
+    (norm_b + 1e-6))`` (Opacus's factor), at the gradient placement, each unit's
+    reduce-scattered as its backward would: what ``torch.func.grad(weighted)(shards)``
+    returns through the units after a norms pass, without that second forward and
+    backward. Finish it as that one: ``fh.reduce_grads(grads, spec, last=True,
+    at="gradient")`` or ``mg.accumulate(grads, at="gradient")``. Memory: each op's input
+    activations and output gradients (for an op without a formula, its per-example
+    gradients) are kept until the backward ends, then one unit's full gradient is formed at
     a time; weigh that against the second pass's time.
 
     Args:
@@ -1021,7 +1022,7 @@ def ghost_clipped_grad(
         **kwargs: keyword arguments of ``losses_fn``.
 
     Returns:
-        ``(grads, norms)``: ``grads`` like ``shards``, at the optimizer placement; ``norms``
+        ``(grads, norms)``: ``grads`` like ``shards``, at the gradient placement; ``norms``
         as :func:`ghost_grad_norms` returns them.
 
     Raises:
@@ -1040,7 +1041,7 @@ def ghost_clipped_grad(
 
 def clipped_grads(ghost: GhostPass, shards: Any, *, norms: torch.Tensor, max_norm: float) -> Any:
     """Book-keeping's end: each parameter's clip-weighted gradient from what its uses kept,
-    then each unit's reduced to the optimizer placement, as a tree like ``shards``."""
+    then each unit's reduce-scattered to the gradient placement, as a tree like ``shards``."""
     c = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     clipped, ghost.clipped = ghost.clipped, []
     for use, weigh in clipped:
@@ -1049,13 +1050,13 @@ def clipped_grads(ghost: GhostPass, shards: Any, *, norms: torch.Tensor, max_nor
         g = use.grad_to_root(g) if isinstance(use, _View) else g
         param.grad = g if param.grad is None else param.grad + g
     reduced: dict = {}
-    for keys, (spec, treedef, params, metas) in ghost.units.items():
+    for keys, (plan, grad_dtype, params, metas) in ghost.units.items():
         grads = [
             torch.zeros(shape, dtype=dtype, device=device) if p.grad is None else p.grad.to(dtype)
             for p, (shape, dtype, device) in zip(params, metas)
         ]
-        out = reduce_grads(optree.tree_unflatten(treedef, grads), spec, last=True)
-        reduced.update(zip(keys, optree.tree_leaves(out)))
+        # the unit's own reduce-scatter: its gradient placement, as its backward gives it
+        reduced.update(zip(keys, Move(plan, "input", "gradient", dtype=grad_dtype).run(grads)))
     leaves, treedef, paths = flatten(shards, "shards")
     missing = [path for leaf, path in zip(leaves, paths) if _key(leaf) not in reduced]
     if missing:

@@ -83,7 +83,7 @@ def _ghost_scope(call: Call, full: list) -> contextlib.AbstractContextManager:
         labels=_ghost_labels(call),
         owners=call.pieces,
         recount=call.phase is not Phase.BACKWARD,
-        unit=(call.block.spec, call.treedef),
+        unit=(call.plan, call.block.reduce_dtype),
     )
 
 

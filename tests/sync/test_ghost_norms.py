@@ -499,3 +499,90 @@ def test_a_parameter_transformed_before_the_batch_and_a_unit_under_vmap_are_refu
 
     with pytest.raises(ValueError, match="runs under vmap"):
         fh.ghost_grad_norms(under_vmap, params, _data(B, D))
+
+
+# -- book-keeping: the clipped gradient from the same backward ------------------------------------
+
+
+def _two_pass(stack: Stack, x: torch.Tensor, norms: torch.Tensor, max_norm: float):
+    """The clip-weighted losses' first-order gradient, reduced: DP-SGD's second pass."""
+    scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    g = torch.func.grad(lambda s: (stack.losses(s, x) * scale).sum())(stack.params)
+    return fh.reduce_grads(g, stack.tree_spec, last=True, at="gradient")
+
+
+def _finish(stack: Stack, grads):
+    return fh.reduce_grads(grads, stack.tree_spec, last=True, at="gradient")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bookkeeping_equals_the_second_pass(strategy):
+    stack = Stack(
+        ["linear", "layer_norm", "conv", "matmul", "atan2", "rms_norm", "scale_shift"],
+        strategy=strategy,
+    )
+    x = _data(B, T, D)
+    norms = fh.ghost_grad_norms(stack.losses, stack.params, x)
+    clip = norms.median().item()  # about half the examples clipped
+    grads, got_norms = fh.ghost_clipped_grad(stack.losses, stack.params, x, max_norm=clip)
+    assert torch.equal(got_norms, norms)
+    assert _max_rel(_finish(stack, grads), _two_pass(stack, x, norms, clip)) <= 1e-6
+
+
+def test_bookkeeping_through_views_tied_uses_and_a_unit_called_twice():
+    mesh = fh.SimMesh(MESH)
+    spec = preset("hsdp", mesh)
+    full = [{"w": torch.randn(D, D, generator=_gen(6)) / 2, "s": torch.randn(D, generator=_gen(7))}]
+    stack = Stack(["linear"])
+    stack.full, stack.tree_spec = full, [spec]
+    stack.params = fh.sync_params(fh.shard(full, [spec]), [spec])
+
+    def layer(p, h):
+        return torch.tanh(h @ p["w"].T * p["s"]) + torch.sin(F.linear(h, p["w"]))
+
+    block = fh.gathered(fh.per_rank(layer, mesh), spec)
+    stack.losses = lambda s, x: block(s[0], block(s[0], x)).square().flatten(3).sum(-1)
+    x = _data(B, T, D)
+    grads, norms = fh.ghost_clipped_grad(stack.losses, stack.params, x, max_norm=1.0)
+    assert _max_rel(_finish(stack, grads), _two_pass(stack, x, norms, 1.0)) <= 1e-6
+
+
+def test_bookkeeping_embedding_and_a_users_function_against_dense():
+    """Against dense per-rank gradients (the second pass through ``per_rank``'s vmap is no
+    reference here: torch's gradient of ``vmap(F.embedding(..., padding_idx=0))`` over
+    batched weights is wrong at the padding row on torch 2.13)."""
+    stack = Stack(["embedding", "tanh_linear", "function"])
+    x = _ids()
+    clip = 0.5 * stack.want(x).median().item()
+    grads, norms = fh.ghost_clipped_grad(stack.losses, stack.params, x, max_norm=clip)
+    assert _close(norms, stack.want(x))
+    scale = (clip / (norms + 1e-6)).clamp(max=1.0)
+    ranks = x.reshape(-1, *x.shape[2:])
+    per_rank = [
+        torch.func.grad(
+            lambda f, xr=xr, c=c: sum(c[b] * stack.dense(f, xr[b : b + 1]) for b in range(B))
+        )(stack.full)
+        for xr, c in zip(ranks, scale.reshape(-1, B))
+    ]
+    want = optree.tree_map(lambda *t: sum(t) / len(t), *per_rank)
+    got = optree.tree_map(lambda t: t[0, 0], fh.gather(_finish(stack, grads), stack.tree_spec))
+    assert _max_rel(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_bookkeeping_needs_a_positive_max_norm(bad):
+    stack = Stack(["linear"])
+    with pytest.raises(ValueError, match="max_norm must be positive"):
+        fh.ghost_clipped_grad(stack.losses, stack.params, _data(B, D), max_norm=bad)
+    with pytest.raises(TypeError, match="max_norm must be a number"):
+        fh.ghost_clipped_grad(stack.losses, stack.params, _data(B, D), max_norm=True)
+
+
+def test_bookkeeping_refuses_a_shard_no_unit_was_called_with():
+    stack = Stack(["linear", "tanh_linear"])
+
+    def first_only(s, x):
+        return stack.blocks[0](s[0], x).square().sum(-1)
+
+    with pytest.raises(ValueError, match=r"shards\[1\]\['w'\] is no shard a unit the losses"):
+        fh.ghost_clipped_grad(first_only, stack.params, _data(B, D), max_norm=1.0)

@@ -2,8 +2,9 @@
 (2x2 mesh): a model mixing formulas and the fallback (an embedding and a layer norm in the
 root, linear and conv units, a linear head), a Hugging Face ``LlamaForCausalLM`` (untied and
 tied: the tied weight is used twice), and DP-SGD's step (ghost norms, then the clip-weighted
-first-order pass into a ``MainGrad``) against the dense reference: clip each example of the
-global batch, then the mean (no noise).
+first-order pass into a ``MainGrad``; or book-keeping's one pass, ``fh.ghost_clipped_grad``)
+against the dense reference: clip each example of the global batch, then the mean (no
+noise).
 """
 
 from __future__ import annotations
@@ -71,11 +72,25 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).abs() / want.double().abs()).max().item()
 
 
+def _bookkeeping_vs_second_pass(losses, shards, tree_spec, *batch) -> float:
+    """The largest relative difference between ``fh.ghost_clipped_grad``'s gradient and the
+    second pass's (the clip-weighted losses' first-order gradient, reduced)."""
+    norms = fh.ghost_grad_norms(losses, shards, *batch)
+    clip = norms.median().item()
+    grads, _ = fh.ghost_clipped_grad(losses, shards, *batch, max_norm=clip)
+    grads = fh.reduce_grads(grads, tree_spec, last=True, at="gradient")
+    scale = (clip / (norms + 1e-6)).clamp(max=1.0)
+    g = torch.func.grad(lambda s: (losses(s, *batch) * scale).sum())(shards)
+    want = fh.gather(fh.reduce_grads(g, tree_spec, last=True, at="gradient"), tree_spec)
+    got = fh.gather(grads, tree_spec)  # the full gradients (a rank's shard may be empty)
+    return max(_rel_tensor(a, b) for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)))
+
+
 def _mixed_task(strategy: str) -> dict:
     torch.manual_seed(0)
     model, dense = Net(), Net()
     dense.load_state_dict(model.state_dict())
-    shards, _ = fh.shard_module(model, dist_preset(strategy), units=list(model.blocks))
+    shards, tree_spec = fh.shard_module(model, dist_preset(strategy), units=list(model.blocks))
     ids = _ids(dist.get_rank())
 
     def losses(s, ids):
@@ -91,6 +106,7 @@ def _mixed_task(strategy: str) -> dict:
     return {
         "dense": _rel(norms, want),
         "vmap": _rel(norms, fh.per_example_grad_norms(one, shards, ids)),
+        "bookkeeping": _bookkeeping_vs_second_pass(losses, shards, tree_spec, ids),
         "routes": {k: sorted(v) for k, v in done.routes.items()},
         "reduced": [e.op for e in log.events if e.op in ("reduce_scatter", "all_reduce")],
     }
@@ -100,6 +116,7 @@ def _mixed_task(strategy: str) -> dict:
 def test_functional_call_mixing_formulas_and_the_fallback(pool, strategy):
     for r in pool.run(_mixed_task, strategy):
         assert r["dense"] <= 1e-5 and r["vmap"] <= 1e-5
+        assert r["bookkeeping"] <= 1e-5
         assert r["reduced"] == []
         routes = r["routes"]
         assert routes["shards['']['embed.weight']"] == ["embedding"]
@@ -122,7 +139,7 @@ def _llama_task(tied: bool) -> dict:
     import hf_problem
 
     model, dense = hf_problem.model(tied), hf_problem.model(tied)
-    shards, _ = fh.shard_module(model, dist_preset("hsdp"), units=list(model.model.layers))
+    shards, tree_spec = fh.shard_module(model, dist_preset("hsdp"), units=list(model.model.layers))
     gen = torch.Generator().manual_seed(dist.get_rank())
     ids = torch.randint(hf_problem.V, (B, hf_problem.SEQ), generator=gen)
 
@@ -137,6 +154,7 @@ def _llama_task(tied: bool) -> dict:
     return {
         "rel": _rel(norms, _dense_norms(dense, one, ids)),
         "routes": set().union(*done.routes.values()),
+        "bookkeeping": _bookkeeping_vs_second_pass(losses, shards, tree_spec, ids),
     }
 
 
@@ -144,7 +162,7 @@ def _llama_task(tied: bool) -> dict:
 def test_a_hugging_face_llama(pool, tied):
     pytest.importorskip("transformers")
     for r in pool.run(_llama_task, tied):
-        assert r["rel"] <= 1e-5
+        assert r["rel"] <= 1e-5 and r["bookkeeping"] <= 1e-5
         assert "fallback" not in r["routes"]  # every Llama layer has its formula
         assert {"embedding", "mul"} <= r["routes"] or tied
         assert ("summed" in r["routes"]) == tied  # the tied weight: embedding and head
@@ -174,6 +192,16 @@ def _dpsgd_task(method: str) -> dict:
     shards, tree_spec = fh.shard_module(model, dist_preset("hsdp"), units=list(model))
     mg = fh.MainGrad(tree_spec, like=shards)
     x, y = _xy(dist.get_rank())
+    if method == "bookkeeping":  # one pass: the clipped gradient, reduced (the mean over ranks)
+        losses = lambda s, x, y: _per_example(fh.functional_call(model, s, x), y)  # noqa: E731
+        grads, _ = fh.ghost_clipped_grad(losses, shards, x, y, max_norm=CLIP)
+        grads = fh.reduce_grads(grads, tree_spec, last=True, at="gradient")
+        with torch.no_grad():  # clipped sum / B: the mean over the global batch
+            torch._foreach_add_(
+                optree.tree_leaves(shards), optree.tree_leaves(grads), alpha=-LR / B
+            )
+        full = fh.gather(shards, tree_spec)
+        return {f"{k}.{n}": t for k, unit in full.items() for n, t in unit.items()}
     if method == "ghost":
         losses = lambda s, x, y: _per_example(fh.functional_call(model, s, x), y)  # noqa: E731
         norms = fh.ghost_grad_norms(losses, shards, x, y)
@@ -213,11 +241,13 @@ def _dense_dpsgd() -> dict:
 
 def test_dp_sgd_step_equals_the_dense_reference_and_the_vmap_path(pool):
     ghost_runs, vmap_runs = pool.run(_dpsgd_task, "ghost"), pool.run(_dpsgd_task, "vmap")
+    bookkeeping_runs = pool.run(_dpsgd_task, "bookkeeping")
     want = _dense_dpsgd()
-    for got, with_vmap in zip(ghost_runs, vmap_runs):
+    for got, with_vmap, one_pass in zip(ghost_runs, vmap_runs, bookkeeping_runs):
         for k, w in want.items():
             assert _rel_tensor(got[k], w) <= 1e-5
             assert _rel_tensor(got[k], with_vmap[k]) <= 1e-6
+            assert _rel_tensor(one_pass[k], w) <= 1e-5
 
 
 def _rel_tensor(a: torch.Tensor, b: torch.Tensor) -> float:
