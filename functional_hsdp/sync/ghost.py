@@ -43,6 +43,14 @@ next). A parameter used more than once (tied weights, a unit called twice) has c
 each of its uses then materializes its per-example gradient and the norm is taken of their
 sum.
 
+Book-keeping (Bu et al. 2023, :func:`ghost_clipped_grad`): the same backward also keeps what
+each use needs for its clip-weighted gradient (a linear layer's activations and output
+gradients, a vector parameter's per-example gradients); once the norms, hence the clip
+factors ``c_b``, are known, each parameter's gradient of ``sum_b c_b loss_b`` is formed
+(``(c * g)^T a`` for a linear layer: one matmul) and each unit's is reduce-scattered by its own
+plan, as its backward would have: DP-SGD's step without a second forward and backward, at the
+memory of keeping those tensors until the backward ends.
+
 Placement: the weights a unit's ``fn`` sees are its full gathered weights, and each rank's
 examples are its own, so every rank's norms are complete locally: the per-example gradient
 of an example never leaves its rank before it is clipped, and no reduction across ranks is
