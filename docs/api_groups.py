@@ -33,7 +33,8 @@ GROUPS: dict[str, tuple[str, str, list[str]]] = {
         "gradients",
         "Reducing and accumulating gradients, whole trees and persistent buffers.",
         ["reduce_grads", "shard", "gather", "sync_params", "MainGrad", "microbatches",
-         "grad", "grad_and_value", "per_example_grad_norms"],
+         "grad", "grad_and_value", "per_example_grad_norms", "ghost_grad_norms",
+         "ghost_clipped_grad"],
     ),
     "Units and modules": (
         "units",

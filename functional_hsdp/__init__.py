@@ -44,6 +44,7 @@ from .sync.autodiff import per_example_grad_norms
 from .sync.collectives import all_gather, pmean, psum, psum_scatter
 from .sync.dtensor import to_dtensor
 from .sync.first_order import grad, grad_and_value
+from .sync.ghost import ghost_clipped_grad, ghost_grad_norms
 from .sync.maingrad import MainGrad, microbatches
 from .sync.reduce import gather, reduce_grads, shard, sync_params
 from .units import Gathered, gathered, sequence
@@ -100,6 +101,8 @@ __all__ = [
     "gather",
     "gaussian_noise",
     "gathered",
+    "ghost_clipped_grad",
+    "ghost_grad_norms",
     "global_norm",
     "grad",
     "grad_and_value",

@@ -22,6 +22,7 @@ from ..runtime import validate
 from ..runtime.unit_calls import unit_log
 from ..spec.precision import Precision, check_mp_policy
 from ..spec.specs import Spec
+from ..sync.ghost import current_pass
 from ..sync.maingrad import MainGrad, units_of
 from . import chain as chains
 from . import functions, registry, transfers
@@ -88,7 +89,14 @@ class Gathered:
         Returns:
             ``fn``'s result (a pytree of tensors).
         """
+        ghost = current_pass()
         if composed():
+            if ghost is not None:
+                raise ValueError(
+                    f"ghost_grad_norms: the unit {self.name} runs under vmap, jvp or a second "
+                    "derivative; ghost norms take one first-order backward of the batch's "
+                    "losses (fh.per_example_grad_norms is the vmap path)"
+                )
             nxt, self._next = self._next, None
             if nxt is not None:  # the composable path gathers each unit when it is called
                 transfers.abandon_ahead(nxt[0])
@@ -98,7 +106,8 @@ class Gathered:
         chains.join(call, registry.current_chain(), validate.current_mode())
         if call.mode != "off":  # the step's running fingerprint, agreed where it exchanges
             unit_log(self.spec.mesh).record(*describe(self, call))
-        if call.sink is not None:  # its backward's gradient is one more for the MainGrad
+        call.ghost = ghost  # a ghost-norms pass: norms only, nothing reduced or added
+        if call.sink is not None and ghost is None:  # one more gradient for the MainGrad
             units_of(self.into).called(call.sink)
         nxt, self._next = self._next, None
         call.arguments, tensors = _arguments(self, wrapped, (args, kwargs))

@@ -101,6 +101,9 @@ class Call:
     # not see the caller's context)
     chain: Any = None  # its chain.Chain
     mode: str = "on"
+    # block.py, at the call: the ghost-norms pass running then (sync.ghost), read in forward
+    # on the caller's thread and carried into backward (a recompute registers again)
+    ghost: Any = None
     prev: Any = None  # weak reference to the unit called before this one (backward prefetch)
     # functions.py: what the unit's Functions learn
     where: str = ""  # the shards' place in the tree they were sharded from, for messages

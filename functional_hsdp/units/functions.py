@@ -13,6 +13,7 @@ State: none of its own; each call's is on its record (:mod:`~functional_hsdp.uni
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +22,8 @@ import optree
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..base.tree import paths_of
+from ..sync.ghost import returned_weights, unit_scope
 from ..sync.maingrad import units_of
 from . import call as lifecycle
 from . import chain as chains
@@ -55,7 +58,8 @@ def _run(call: Call, full: list, args: Sequence[torch.Tensor]) -> tuple[torch.Te
     for i, x in zip(arguments.tensors, args):
         leaves[i] = x.to(cast) if cast is not None and x.is_floating_point() else x
     fn_args, fn_kwargs = optree.tree_unflatten(arguments.args_def, leaves)
-    out = block.fn(optree.tree_unflatten(call.treedef, full), *fn_args, **fn_kwargs)
+    with _ghost_scope(call, full):
+        out = block.fn(optree.tree_unflatten(call.treedef, full), *fn_args, **fn_kwargs)
     outs, call.out_def = optree.tree_flatten(out)
     for x in outs:
         if not isinstance(x, torch.Tensor):
@@ -66,6 +70,47 @@ def _run(call: Call, full: list, args: Sequence[torch.Tensor]) -> tuple[torch.Te
     if block.output_dtype is not None:
         outs = [x.to(block.output_dtype) if x.is_floating_point() else x for x in outs]
     return tuple(outs)
+
+
+def _ghost_scope(call: Call, full: list) -> contextlib.AbstractContextManager:
+    """In a ghost-norms pass, ``fn`` runs with the gathered weights known to it (a
+    recompute in backward registers them again, their uses counted once, in forward)."""
+    if call.ghost is None:
+        return contextlib.nullcontext()
+    return unit_scope(
+        call.ghost,
+        full,
+        labels=_ghost_labels(call),
+        owners=call.pieces,
+        recount=call.phase is not Phase.BACKWARD,
+        unit=(call.plan, call.block.reduce_dtype),
+    )
+
+
+def _ghost_labels(call: Call) -> list[str]:
+    """The unit's parameters' paths: the unit's first leaf as the caller named it
+    (fh.functional_call: ``shards['layers.0']['w']``), else in the tree fh.shard made, less
+    that leaf's own path, then each leaf's."""
+    leaves = paths_of(call.treedef, "")
+    unit = call.named if call.block.shards_path != "shards" else call.where or call.named
+    if leaves and leaves[0] and unit.endswith(leaves[0]):
+        unit = unit[: -len(leaves[0])]
+    return [unit + leaf for leaf in leaves]
+
+
+def _ghost_returned(call: Call, outs: tuple, full: list) -> None:
+    """In a ghost-norms pass, the gathered weights a unit returns as they are (an identity
+    unit: ``fh.functional_call``'s root) stay known for the rest of the pass's forward: the
+    caller uses them outside the unit."""
+    found = [(o, i) for o in outs for i, w in enumerate(full) if _is_weight(o, [w])]
+    if found:
+        labels = _ghost_labels(call)
+        returned_weights(
+            call.ghost,
+            [o for o, _ in found],
+            labels=[labels[i] for _, i in found],
+            owners=[call.pieces[i] for _, i in found],
+        )
 
 
 def _vjp(
@@ -221,6 +266,8 @@ class _Unit(torch.autograd.Function):
             chains.abandon(chain)
             raise
         outs, kept = _outputs(outs, full, args)
+        if kept and call.ghost is not None:
+            _ghost_returned(call, outs, full)
         storage.hold(call, full, kept)
         chains.keep_last(chain, call, full)
         lifecycle.forward_ran(call)
@@ -251,7 +298,7 @@ class _Unit(torch.autograd.Function):
         wanted = any(ctx.needs_input_grad[1 : 1 + call.k])
         weight_grads, arg_grads = _differentiate(call, ctx, grads, kept=kept, wanted=wanted)
         rest = (*arg_grads, *(None for _ in range(ctx.n_extra)))
-        if not wanted:
+        if not wanted or call.ghost is not None:  # a ghost-norms pass reduces nothing
             lifecycle.wanted_none(call)
             return (None, *(None for _ in call.pieces), *rest)
         # the unit before's reduce-scatter ran during this unit's backward: waited now, before
