@@ -78,6 +78,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..base.tree import flatten
 from .autodiff import Move
+from .first_order import _transformed
 
 __all__ = [
     "GhostPass",
@@ -960,7 +961,9 @@ def ghost_grad_norms(
     are its full gathered weights and a rank's examples are its own, so each rank's norms
     are complete where they are taken: no collective is added (the vmap path,
     :func:`~functional_hsdp.per_example_grad_norms`, likewise takes them before any
-    reduce-scatter would mix ranks' examples).
+    reduce-scatter would mix ranks' examples). The backward runs as ``loss.backward()``
+    does (:func:`~functional_hsdp.grad`'s memory: each node's saved tensors freed as soon
+    as it has run), so the pass holds what a plain step's backward holds.
 
     Args:
         losses_fn: ``losses_fn(shards, *args, **kwargs)`` -> per-example losses.
@@ -1096,14 +1099,17 @@ def run_pass(
             f"ghost_grad_norms: sequence must be one of {SEQUENCE_FORMS}; got {sequence!r}"
         )
     ghost = GhostPass(sequence, bookkeeping=bookkeeping)
-    token = _PASS.set(ghost)
-    try:
-        with ghost.registered([], []):  # the pass's scope: what units return stays known
-            losses, vjp = torch.func.vjp(lambda s: losses_fn(s, *args, **kwargs), shards)
-    finally:
-        _PASS.reset(token)
-    _check_losses(ghost, losses)
-    vjp(torch.ones_like(losses))
+    if _transformed():  # under a torch.func transform: its vjp (the units refuse it anyway)
+        token = _PASS.set(ghost)
+        try:
+            with ghost.registered([], []):  # the pass's scope: what units return stays known
+                losses, vjp = torch.func.vjp(lambda s: losses_fn(s, *args, **kwargs), shards)
+        finally:
+            _PASS.reset(token)
+        _check_losses(ghost, losses)
+        vjp(torch.ones_like(losses))
+    else:
+        losses = _first_order(ghost, losses_fn, shards, args=args, kwargs=kwargs)
     total = ghost.finish()
     if total is None:
         raise ValueError(
@@ -1111,6 +1117,33 @@ def run_pass(
             "are taken where the units' weights are used)"
         )
     return total.reshape(losses.shape).sqrt(), ghost
+
+
+def _first_order(
+    ghost: GhostPass, losses_fn: Callable, shards: Any, *, args: tuple, kwargs: dict
+) -> torch.Tensor:
+    """The pass's forward (under the pass) and one backward, as ``loss.backward()`` runs it:
+    each node's saved tensors freed as soon as it has run (``fh.grad``'s memory, where
+    ``torch.func.vjp`` keeps them to the end). The shards require a gradient for the call
+    only; none is formed (the units' pieces get none in this pass)."""
+    leaves = [x for x in optree.tree_leaves(shards) if _is_tensor(x) and x.is_floating_point()]
+    toggled = [x for x in leaves if not x.requires_grad]
+    token = _PASS.set(ghost)
+    try:
+        for x in toggled:
+            x.requires_grad_(True)
+        try:
+            with torch.enable_grad(), ghost.registered([], []):  # what units return stays known
+                losses = losses_fn(shards, *args, **kwargs)
+        finally:
+            _PASS.reset(token)
+        _check_losses(ghost, losses)
+        if losses.requires_grad:
+            torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
+    finally:
+        for x in toggled:
+            x.requires_grad_(False)
+    return losses.detach()
 
 
 def _check_losses(ghost: GhostPass, losses: Any) -> None:
