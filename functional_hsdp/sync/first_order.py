@@ -22,7 +22,7 @@ from ..base.tree import flatten
 __all__ = ["grad", "grad_and_value"]
 
 
-def _transformed() -> bool:
+def transformed() -> bool:
     """Whether a ``torch.func`` transform is running (its interpreter stack is not empty) or
     ``torch.compile`` is tracing: then ``torch.func``'s own transform runs."""
     return torch._C._functorch.peek_interpreter_stack() is not None or torch.compiler.is_compiling()
@@ -141,7 +141,7 @@ def grad_and_value(
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if _transformed():
+        if transformed():
             return torch.func.grad_and_value(fn, argnums, has_aux)(*args, **kwargs)
         nums = _argnums(argnums, len(args))
         leaves, trees = _inputs(args, nums)

@@ -78,7 +78,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..base.tree import flatten
 from .autodiff import Move
-from .first_order import _transformed
+from .first_order import transformed
 
 __all__ = [
     "GhostPass",
@@ -1099,7 +1099,7 @@ def run_pass(
             f"ghost_grad_norms: sequence must be one of {SEQUENCE_FORMS}; got {sequence!r}"
         )
     ghost = GhostPass(sequence, bookkeeping=bookkeeping)
-    if _transformed():  # under a torch.func transform: its vjp (the units refuse it anyway)
+    if transformed():  # under a torch.func transform: its vjp (the units refuse it anyway)
         token = _PASS.set(ghost)
         try:
             with ghost.registered([], []):  # the pass's scope: what units return stays known
