@@ -172,6 +172,11 @@ def add_gaussian_noise(
     draw the same, so they stay equal; different shards draw independent noise; the noise is
     a function of ``(seed, step)`` alone, the same on any mesh. No communication.
 
+    Use one for the whole gradient tree. A leaf's noise is keyed by its position in the
+    tree this transformation is given, so two of them with the same seed (one per unit's
+    subtree, say) draw the *same* noise for leaves at the same positions, and the
+    difference of two such gradients cancels it: give each its own seed.
+
     Args:
         spec: the :class:`~functional_hsdp.Spec` (or spec tree) of the updates' optimizer
             placement.

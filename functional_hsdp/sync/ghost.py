@@ -356,12 +356,29 @@ class _Intercept(TorchFunctionMode):
         ghost = self.ghost
         if not ghost.known or ghost.silent or _library_function(func, args):
             return func(*args, **kwargs)
+        args, kwargs = _positional(func, args, kwargs)
         leaves, treedef = optree.tree_flatten((args, kwargs), is_leaf=_is_tensor)
         found = [(i, ghost.found(x)) for i, x in enumerate(leaves)]
         found = [(i, p) for i, p in found if p is not None]
         if not found:
             return func(*args, **kwargs)
         return _route(ghost, func, leaves=leaves, treedef=treedef, found=found)
+
+
+def _positional(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A linear layer's or a matmul's tensors by position (``F.linear(x, weight=W,
+    bias=b)`` as ``F.linear(x, W, b)``): their formulas read the input, the weight and the
+    bias by position, and keywords flatten in another order."""
+    names = ("input", "weight", "bias") if func in _LINEAR else None
+    names = ("input", "other") if func in _MATMUL else names
+    if names is None or not kwargs:
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    for name in names[len(args) :]:
+        if name not in kwargs:
+            break
+        args.append(kwargs.pop(name))
+    return tuple(args), kwargs
 
 
 def _library_function(func: Any, args: tuple) -> bool:
@@ -592,7 +609,9 @@ class _GhostOp(torch.autograd.Function):
                 f"ghost_grad_norms: {site.where} returns {type(out).__name__}; an op that "
                 "uses a parameter must return one tensor"
             )
-        return out
+        # an input returned as it is (h.type_as(w) of the same dtype): a view of it, which
+        # autograd lets a Function return and save
+        return out.view_as(out) if any(out is t for t in tensors) else out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

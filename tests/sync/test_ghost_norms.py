@@ -35,6 +35,14 @@ def _units(kinds: list[str], seed: int = 0) -> tuple[list[dict], list]:
     made = {
         "linear": ({"w": rand(D, D), "b": rand(D)}, lambda p, h: F.linear(h, p["w"], p["b"])),
         "tanh_linear": ({"w": rand(D, D)}, lambda p, h: torch.tanh(F.linear(h, p["w"]))),
+        "keywords": (  # F.linear's tensors by keyword (flattened in another order), non-square
+            {"w": rand(D, 2 * D), "b": rand(D)},
+            lambda p, h: F.linear(torch.cat([h, h.sin()], -1), weight=p["w"], bias=p["b"]),
+        ),
+        "type_as": (  # an op that returns its input as it is (the dtypes already match)
+            {"w": rand(D, D)},
+            lambda p, h: torch.tanh(F.linear(h.type_as(p["w"]), p["w"])),
+        ),
         "matmul": ({"w": rand(D, D), "b": rand(D)}, lambda p, h: torch.tanh(h @ p["w"] + p["b"])),
         "embedding": ({"e": rand(V, D)}, lambda p, ids: F.embedding(ids, p["e"], padding_idx=0)),
         "layer_norm": (
@@ -153,6 +161,8 @@ CASES = {
         {"w": "linear:outer", "b": "linear:bias"},
     ),
     "x @ W + b": (["tanh_linear", "matmul"], (B, D), None),
+    "F.linear by keyword": (["tanh_linear", "keywords"], (B, T, D), None),
+    "an input returned as it is": (["tanh_linear", "type_as"], (B, T, D), None),
     "embedding, repeated ids and padding": (
         ["embedding", "tanh_linear"],
         "ids",
@@ -168,6 +178,8 @@ CASES = {
 }
 SECOND = {  # the routes of the second unit's parameters
     "x @ W + b": {"w": "matmul:outer", "b": "add"},
+    "F.linear by keyword": {"w": "linear:materialize", "b": "linear:bias"},
+    "an input returned as it is": {"w": "summed"},
     "layer norm": {"w": "layer_norm:weight", "b": "layer_norm:bias"},
     "rms norm": {"w": "rms_norm:weight"},
     "LlamaRMSNorm": {"w": "mul"},
