@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -617,6 +618,7 @@ class _GhostOp(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         site = inputs[0]
         ctx.site = site
+        ctx.autocast = _autocast_now(inputs[1:])  # the backward recomputes in it
         ctx.save_for_backward(*inputs[1:])
         act = _batched_input(site, inputs[1:])
         site.ghost.check_batch(tuple(act.shape[: site.lead + 1]), site.where)
@@ -625,9 +627,15 @@ class _GhostOp(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, go: torch.Tensor) -> tuple:
         site, tensors = ctx.site, ctx.saved_tensors
+        # what recomputes the op (the inputs' gradients, the fallback's per-example vjp) runs
+        # in the forward's autocast state, whatever region the backward runs in; the
+        # formulas' own sums run outside it, in float32
+        recompute = functools.partial(_autocast_in, ctx.autocast)
         with site.ghost.quiet():
-            _CONTRIBUTE[site.kind](site, tensors, go)
-            grads = _input_grads(site, tensors, go, needs=ctx.needs_input_grad[1:])
+            with recompute() if site.kind == "fallback" else contextlib.nullcontext():
+                _CONTRIBUTE[site.kind](site, tensors, go)
+            with recompute():
+                grads = _input_grads(site, tensors, go, needs=ctx.needs_input_grad[1:])
         return (None, *grads)
 
     @staticmethod
@@ -637,6 +645,27 @@ class _GhostOp(torch.autograd.Function):
             for t, d in zip(tensors, in_dims[1:])
         ]
         return _GhostOp.apply(dataclasses.replace(site, lead=site.lead + 1), *moved), 0
+
+
+def _autocast_now(tensors: Sequence[torch.Tensor]) -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast regions on now, for the device types of ``tensors``: ``(device type,
+    dtype)`` of each."""
+    kinds = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+    return tuple(
+        (kind, torch.get_autocast_dtype(kind))
+        for kind in sorted(kinds)
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    )
+
+
+@contextlib.contextmanager
+def _autocast_in(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+    """In the autocast state :func:`_autocast_now` took (none: autocast off for the devices
+    it saw on, as the forward ran)."""
+    with contextlib.ExitStack() as stack:
+        for kind, dtype in state:
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+        yield
 
 
 def _batched_input(site: _Site, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -672,8 +701,8 @@ def _input_grads(site: _Site, tensors: Sequence, go: torch.Tensor, *, needs: Seq
                 now[k] = a
             return site.call(*now)
 
-        _, vjp = torch.func.vjp(f, *(ts[k] for k in wanted))
-        return vjp(g)
+        out, vjp = torch.func.vjp(f, *(ts[k] for k in wanted))
+        return vjp(g.to(out.dtype))  # an autocast recompute may give another dtype
 
     for k, g in zip(wanted, _nest(one_rank, site.lead)(go, *tensors)):
         grads[k] = g
@@ -877,8 +906,8 @@ def _fallback(site: _Site, tensors: Sequence, go: torch.Tensor) -> None:
                 full[k] = q
             return site.call(*full)
 
-        _, vjp = torch.func.vjp(f, *(ts[k] for k in order))
-        return vjp(g.unsqueeze(0))
+        out, vjp = torch.func.vjp(f, *(ts[k] for k in order))
+        return vjp(g.unsqueeze(0).to(out.dtype))
 
     per_rank = torch.vmap(one, in_dims=(*(0 if b else None for b in batched), 0))
     grads = _nest(per_rank, lead)(*tensors, go)

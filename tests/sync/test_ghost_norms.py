@@ -363,6 +363,23 @@ def test_bf16_weights_and_activations():
     assert _close(got, vmap_norms, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kinds", [["linear", "matmul"], ["tanh_linear", "scale_shift"]])
+def test_autocast_entered_inside_the_losses(kinds):
+    """An autocast region inside ``losses_fn`` (the backward outside it): the backward
+    recomputes the inputs' gradients in the forward's autocast state, and the norms are the
+    float32 pass's to bfloat16's precision."""
+    stack = Stack(kinds)
+    x = _data(B, T, D)
+
+    def losses(shards, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return stack.losses(shards, x).float()
+
+    got = fh.ghost_grad_norms(losses, stack.params, x)
+    want = fh.ghost_grad_norms(stack.losses, stack.params, x)
+    assert _close(got, want, rtol=5e-2) and not torch.equal(got, want)
+
+
 def test_recompute_counts_each_use_once():
     stack = Stack(["linear", "tanh_linear"])
     stack.blocks = [
