@@ -321,19 +321,15 @@ class _Opacus:
 
 def _opacus_version() -> str | None:
     """Opacus's version where it is installed (``pip install opacus``), else None."""
-    if not _opacus():
+    try:
+        import opacus
+    except ImportError:
         return None
-    import opacus
-
     return opacus.__version__
 
 
 def _opacus() -> bool:
-    try:
-        import opacus  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _opacus_version() is not None
 
 
 def _variants(cfg: dict) -> tuple[str, ...]:

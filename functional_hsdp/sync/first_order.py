@@ -10,8 +10,9 @@ so nothing composes differently.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -26,6 +27,20 @@ def transformed() -> bool:
     """Whether a ``torch.func`` transform is running (its interpreter stack is not empty) or
     ``torch.compile`` is tracing: then ``torch.func``'s own transform runs."""
     return torch._C._functorch.peek_interpreter_stack() is not None or torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def requiring_grad(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
+    """``leaves`` require a gradient in the block; those that did not are reset after it,
+    also when it raises (so that the library's shards stay the very tensors it knows)."""
+    toggled = [x for x in leaves if not x.requires_grad]
+    try:
+        for x in toggled:
+            x.requires_grad_(True)
+        yield
+    finally:
+        for x in toggled:
+            x.requires_grad_(False)
 
 
 def _argnums(argnums: int | Sequence[int], n: int) -> tuple[int, ...]:
@@ -145,10 +160,7 @@ def grad_and_value(
             return torch.func.grad_and_value(fn, argnums, has_aux)(*args, **kwargs)
         nums = _argnums(argnums, len(args))
         leaves, trees = _inputs(args, nums)
-        toggled = [x for x in leaves if not x.requires_grad]
-        try:
-            for x in toggled:
-                x.requires_grad_(True)
+        with requiring_grad(leaves):
             with torch.enable_grad():
                 value, aux = _value(fn(*args, **kwargs), has_aux)
             if value.requires_grad:
@@ -157,9 +169,6 @@ def grad_and_value(
                 )
             else:  # nothing to differentiate: zeros, as torch.func gives
                 grads = tuple(torch.zeros_like(x) for x in leaves)
-        finally:
-            for x in toggled:
-                x.requires_grad_(False)
         it = iter(grads)
         out = tuple(optree.tree_unflatten(t, [next(it) for _ in range(n)]) for t, n in trees)
         out = out[0] if isinstance(argnums, int) else out

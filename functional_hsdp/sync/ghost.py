@@ -77,9 +77,10 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
+from ..base.autocast import autocast_state, autocasting
 from ..base.tree import flatten
 from .autodiff import Move
-from .first_order import transformed
+from .first_order import requiring_grad, transformed
 
 __all__ = [
     "GhostPass",
@@ -618,7 +619,7 @@ class _GhostOp(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         site = inputs[0]
         ctx.site = site
-        ctx.autocast = _autocast_now(inputs[1:])  # the backward recomputes in it
+        ctx.autocast = autocast_state(inputs[1:])  # the backward recomputes in it
         ctx.save_for_backward(*inputs[1:])
         act = _batched_input(site, inputs[1:])
         site.ghost.check_batch(tuple(act.shape[: site.lead + 1]), site.where)
@@ -630,7 +631,7 @@ class _GhostOp(torch.autograd.Function):
         # what recomputes the op (the inputs' gradients, the fallback's per-example vjp) runs
         # in the forward's autocast state, whatever region the backward runs in; the
         # formulas' own sums run outside it, in float32
-        recompute = functools.partial(_autocast_in, ctx.autocast)
+        recompute = functools.partial(autocasting, ctx.autocast)
         with site.ghost.quiet():
             with recompute() if site.kind == "fallback" else contextlib.nullcontext():
                 _CONTRIBUTE[site.kind](site, tensors, go)
@@ -645,27 +646,6 @@ class _GhostOp(torch.autograd.Function):
             for t, d in zip(tensors, in_dims[1:])
         ]
         return _GhostOp.apply(dataclasses.replace(site, lead=site.lead + 1), *moved), 0
-
-
-def _autocast_now(tensors: Sequence[torch.Tensor]) -> tuple[tuple[str, torch.dtype], ...]:
-    """The autocast regions on now, for the device types of ``tensors``: ``(device type,
-    dtype)`` of each."""
-    kinds = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
-    return tuple(
-        (kind, torch.get_autocast_dtype(kind))
-        for kind in sorted(kinds)
-        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
-    )
-
-
-@contextlib.contextmanager
-def _autocast_in(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
-    """In the autocast state :func:`_autocast_now` took (none: autocast off for the devices
-    it saw on, as the forward ran)."""
-    with contextlib.ExitStack() as stack:
-        for kind, dtype in state:
-            stack.enter_context(torch.autocast(kind, dtype=dtype))
-        yield
 
 
 def _batched_input(site: _Site, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -1175,11 +1155,8 @@ def _first_order(
     ``torch.func.vjp`` keeps them to the end). The shards require a gradient for the call
     only; none is formed (the units' pieces get none in this pass)."""
     leaves = [x for x in optree.tree_leaves(shards) if _is_tensor(x) and x.is_floating_point()]
-    toggled = [x for x in leaves if not x.requires_grad]
-    token = _PASS.set(ghost)
-    try:
-        for x in toggled:
-            x.requires_grad_(True)
+    with requiring_grad(leaves):
+        token = _PASS.set(ghost)
         try:
             with torch.enable_grad(), ghost.registered([], []):  # what units return stays known
                 losses = losses_fn(shards, *args, **kwargs)
@@ -1188,9 +1165,6 @@ def _first_order(
         _check_losses(ghost, losses)
         if losses.requires_grad:
             torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
-    finally:
-        for x in toggled:
-            x.requires_grad_(False)
     return losses.detach()
 
 

@@ -18,6 +18,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from ..base.autocast import autocast_state, autocasting
+
 __all__ = ["Replay", "autocast_state", "capture", "replaying", "rng_states"]
 
 
@@ -44,19 +46,6 @@ def rng_states(full: list, args: Sequence[Any]) -> tuple:
     return torch.get_rng_state(), devices, states, device
 
 
-def autocast_state(tensors: Sequence[torch.Tensor]) -> tuple[tuple[str, dict], ...]:
-    """The autocast state now, for the CPU and each device type of ``tensors`` (what
-    torch.utils.checkpoint saves): ``(device_type, torch.autocast's keyword arguments)``
-    pairs, so that a recomputed unit runs in the dtypes its forward ran in."""
-    cache, on = torch.is_autocast_cache_enabled(), torch.is_autocast_enabled
-    kinds = dict.fromkeys(["cpu", *(t.device.type for t in tensors)])
-    return tuple(
-        (kind, dict(enabled=on(kind), dtype=torch.get_autocast_dtype(kind), cache_enabled=cache))
-        for kind in kinds
-        if torch.amp.is_autocast_available(kind)  # not "meta", say: it has no autocast
-    )
-
-
 @contextlib.contextmanager
 def replaying(rng: tuple | None, autocast: tuple) -> Iterator[None]:
     """Run the block as its forward ran: with the RNG states ``rng`` (the caller's states
@@ -64,8 +53,7 @@ def replaying(rng: tuple | None, autocast: tuple) -> Iterator[None]:
     on or off whatever autocast region the backward was called in. Around the recompute
     only: ``fn``'s own backward runs, as with ``recompute=False``, in the backward's state."""
     with contextlib.ExitStack() as stack:
-        for kind, kwargs in autocast:
-            stack.enter_context(torch.autocast(kind, **kwargs))
+        stack.enter_context(autocasting(autocast))
         if rng is not None:
             cpu, devices, states, device = rng
             kwargs = {"device_type": device} if device is not None else {}
