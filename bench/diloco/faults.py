@@ -118,14 +118,14 @@ SIZES = {
                       "diloco": [{"group": 1, "step": 2, "phase": "in_collective"}],
                       "streaming": [{"group": 1, "step": 2, "phase": "in_flight"}]},
                  timeout=5.0, quorum_timeout=60.0, join_timeout_ms=1000,
-                 heartbeat_timeout_ms=2000, kill_after=0.2, pause=0.5, settle=2, skip=2,
+                 heartbeat_timeout_ms=2000, kill_after=0.2, pause=2.5, settle=2, skip=2,
                  deadline=240.0, rate_mbit=100.0),
     # 3 groups x 2 ranks, B18's full model (hidden 64, 2 layers, 106,816 parameters); each
     # failure waits for the one before it and for `settle` whole committed quorums after it.
     # rate_mbit: each site's egress on the link where the groups run in sites (B21's slow rate)
     "full": dict(groups=3, ranks=2, min_replicas=2, hidden=64, layers=2, seq=64, batch=4,
                  data_mb=4.0, inner_lr=3e-3, outer_lr=0.7, outer_momentum=0.9, every=20,
-                 fragments=4, delay=1, eval_every=20, eval_batches=8, modes=MODES,
+                 fragments=4, delay=1, eval_every=20, eval_batches=32, modes=MODES,
                  steps={"hsdp": 500, "diloco": 600, "streaming": 600},
                  die={"hsdp": [{"group": 1, "step": 50, "phase": "in_collective"},
                                {"group": 2, "step": 200, "phase": "after_quorum"},
@@ -411,6 +411,82 @@ def _plain_run(zygote: Zygote, net: Network, cfg: dict, mode: str, out: Path) ->
         g.kill()
 
 
+def _replay_run(zygote: Zygote, cfg: dict, fail: Path, out: Path) -> dict:
+    """Per-step HSDP replayed from the failure run's quorum log (``faults_worker``'s
+    ``Worker.replay``) in a plain world of ``groups x ranks`` gloo ranks on this machine's
+    loopback (what is compared is the bits, not the time)."""
+    schedule = _replay_schedule(_read(fail, "hsdp"))
+    if "error" in schedule:
+        return schedule
+    out.mkdir(parents=True)
+    path = _worker_cfg(cfg, out, plain=True, modes=["hsdp"], steps_by_mode=cfg["steps"],
+                       replay=schedule["steps"])  # fmt: skip
+    world = cfg["groups"] * cfg["ranks"]
+    t0 = time.perf_counter()
+    g = Ranks(zygote, 0, world, path, lighthouse="", log_dir=out, env=_env(time.time()),
+              net=Network(None))  # fmt: skip
+    try:
+        codes = g.wait(cfg["deadline"])
+        if codes != [0] * world:
+            raise RuntimeError(f"B22 replay ended with {codes}; see {out}")
+    finally:
+        g.kill()
+    return {"steps": len(schedule["steps"]), "sets": schedule["sets"],
+            "wall": time.perf_counter() - t0}  # fmt: skip
+
+
+def _replay_schedule(logs: dict) -> dict:
+    """From a per-step HSDP run's logs: per committed torchft step, ``[[group, data position],
+    ...]`` in the quorum's order along the replica axis (each group's rank 0's records: its
+    quorum's ``rank``, the step's count less one); uncommitted steps are left out."""
+    steps: dict[int, dict[int, tuple[int, int]]] = {}
+    for (g, r, _), recs in logs.items():
+        if r:
+            continue
+        quorums = {x["q"]: x for x in recs if x["kind"] == "quorum"}
+        for x in recs:
+            if x["kind"] == "step" and x.get("commit"):
+                q = quorums[x["q"]]
+                steps.setdefault(q["step"], {})[g] = (q["rank"], x["count"] - 1)
+    order = sorted(steps)
+    if order != list(range(len(order))):
+        return {"error": f"committed steps not contiguous: {order[:10]}"}
+    out = []
+    for s in order:
+        by_rank = sorted((rank, g, pos) for g, (rank, pos) in steps[s].items())
+        if [rank for rank, _, _ in by_rank] != list(range(len(by_rank))):
+            return {"error": f"step {s}: quorum ranks {by_rank}"}
+        out.append([[g, pos] for _, g, pos in by_rank])
+    sets = sorted({tuple(g for g, _ in s) for s in out})
+    return {"steps": out, "sets": [list(x) for x in sets]}
+
+
+def _final(path: Path) -> dict[str, torch.Tensor]:
+    """A saved ``<mode>.g{g}.final.pt``: full parameter name -> tensor."""
+    return {f"{u}.{k}" if u else k: v for u, sub in torch.load(path).items()
+            for k, v in sub.items()}  # fmt: skip
+
+
+def _replayed(ft: Path, replay: Path, info: dict) -> dict:
+    """Every group's final parameters of the failure run against the replay's (the groups of
+    its last step): max abs difference and whether every bit is equal."""
+    if "error" in info:
+        return info
+    want = [_final(p) for p in sorted(replay.glob("hsdp.g*.final.pt"))]
+    if not want:
+        return {"error": "the replay saved no parameters"}
+    per, same = {}, True
+    for p in sorted(ft.glob("hsdp.g*.final.pt")):
+        got = _final(p)
+        per[p.name.split(".")[1]] = max(
+            (got[k] - w[k]).abs().max().item() for w in want for k in w
+        )
+        same = same and all(torch.equal(got[k], w[k]) for w in want for k in w)
+    return {"steps": info["steps"], "sets": info["sets"], "wall": info["wall"],
+            "max_abs": max(per.values()) if per else None, "per_group": per,
+            "bitwise": same and bool(per)}  # fmt: skip
+
+
 # -- the logs ----------------------------------------------------------------------------------
 
 
@@ -673,8 +749,7 @@ def _hsdp_reference(cfg: dict, logs: dict, out: Path) -> dict:
         params = fh.apply_updates(params, updates)
     diffs = {}
     for p in sorted(out.glob("hsdp.g*.final.pt")):
-        final = {f"{u}.{k}" if u else k: v for u, sub in torch.load(p).items()
-                 for k, v in sub.items()}  # fmt: skip
+        final = _final(p)
         diffs[p.name.split(".")[1]] = max((final[k] - params[k]).abs().max().item() for k in params)
     return {"steps": len(order), "max_abs": max(diffs.values()) if diffs else None,
             "per_group": diffs}  # fmt: skip
@@ -714,6 +789,9 @@ def run(size: str = "full", pool: Any = None, cfg: dict | None = None) -> dict:
                                                root / f"{mode}-fail")  # fmt: skip
                 link = {"plain": plain, "none": link_none, "fail": link_fail}
                 runs[mode] = {"none": none, "fail": fail, "link": link}
+                if mode == "hsdp":  # the failure run replayed from its quorum log
+                    runs[mode]["replay"] = _replay_run(zygote, cfg, root / "hsdp-fail",
+                                                       root / "hsdp-replay")  # fmt: skip
             res["load"]["end"] = C.loadavg()
             if s is not None:
                 res["network"]["drops"] = [s.drops(i) for i in range(len(s.sites))]
@@ -767,6 +845,8 @@ def _summarize(cfg: dict, mode: str, root: Path, harness: dict) -> dict:
     if mode == "hsdp":
         x["reference"] = {"fail": _hsdp_reference(cfg, fail, root / f"{mode}-fail"),
                           "none": _hsdp_reference(cfg, none, root / f"{mode}-none")}  # fmt: skip
+        x["replay"] = _replayed(root / f"{mode}-fail", root / f"{mode}-replay",
+                                harness["replay"])  # fmt: skip
     return x
 
 
@@ -1008,6 +1088,14 @@ def _reference_cell(ref: dict) -> str:
     return f"{one(ref['fail'])}; the no-failure run's: {one(ref['none'])}"
 
 
+def _replay_cell(rep: dict) -> str:
+    if rep.get("max_abs") is None:
+        return rep.get("error", "-")
+    sets = ", ".join("{" + ",".join(map(str, x)) + "}" for x in rep["sets"])
+    bits = "every bit equal" if rep["bitwise"] else "bits differ"
+    return f"{rep['max_abs']:.2e}, {bits} ({rep['steps']} steps; participants {sets})"
+
+
 def _bits_table(res: dict) -> str:
     rows = []
     for mode, x in res["modes"].items():
@@ -1020,12 +1108,14 @@ def _bits_table(res: dict) -> str:
             f"{b['comm']['compared'] - b['comm']['differ']}/{b['comm']['compared']}",
             "-" if mode == "streaming" else f"{c['fail']['compared'] - c['fail']['differ']}/"
             f"{c['fail']['compared']}",
+            "-" if "replay" not in x else _replay_cell(x["replay"]),
             "-" if not ref else _reference_cell(ref),
         ])  # fmt: skip
     header = ["mode", "no failure = plain: shards equal (rank-steps)",
               "collectives equal (rank-steps)",
               "failures: groups equal at each commit (HSDP steps, DiLoCo syncs)",
-              "final params vs the reference from the quorum log, max abs"]  # fmt: skip
+              "failures: final params vs the quorum log replayed in a plain world, max abs",
+              "final params vs the dense reference from the quorum log, max abs"]  # fmt: skip
     return "\n### Nothing silently wrong\n\n" + C.table(header, rows) + "\n"
 
 
@@ -1054,12 +1144,12 @@ def goals(res: dict) -> dict[str, tuple[str, str, bool]]:
             same,
         )
         if mode == "hsdp":
-            ref = x["reference"]["fail"].get("max_abs")
-            control = x["reference"]["none"].get("max_abs")
-            got = "-" if ref is None else f"{ref:.2e}"
-            if control is not None:  # the replay's own rounding, Adam-amplified
-                got += f" (the no-failure run's, the control: {control:.2e})"
-            out[f"{name}: failures: weights = reference from the quorum log, max abs"] = (
+            rep = x["replay"]
+            ref = rep.get("max_abs")
+            got = rep.get("error", "-") if ref is None else f"{ref:.2e}"
+            if rep.get("bitwise"):
+                got += " (every bit)"
+            out[f"{name}: failures: weights = the quorum log replayed in a plain world, max abs"] = (
                 got,
                 "1e-6",
                 ref is not None and ref <= 1e-6,

@@ -208,7 +208,9 @@ class Worker:
         dist.init_process_group("gloo")
         self.G, self.I = cfg["groups"], cfg["ranks"]
         self.ft = None
-        if self.plain:
+        if self.plain and cfg.get("replay") is not None:  # meshes per quorum: Worker.replay
+            self.gid, self.rank = divmod(dist.get_rank(), self.I)
+        elif self.plain:
             dm = init_device_mesh("cpu", (self.G, self.I), mesh_dim_names=AXES)
             self.gid, self.rank = divmod(dist.get_rank(), self.I)
             self.mesh = fh.DistMesh(dm)
@@ -419,8 +421,66 @@ class Worker:
         self.copies = copies
         return m
 
+    def replay(self) -> Model:
+        """Per-step HSDP replayed from a fault-tolerant run's quorum log in this plain world
+        (``CONFIG['replay']``: per committed torchft step, its participants in their order
+        along the replica axis, each with the data position it used; uncommitted steps are not
+        in it). Each step runs on a plain ``fh.DistMesh`` over a ``(participants, ranks)``
+        device mesh of this world's ranks (one per distinct set of participants, every rank
+        making every one, a group's rows in the quorum's order), the participants' ranks only,
+        with the same loop as :meth:`hsdp` and no quorum; a group that was not in the previous
+        step receives its trees (shards, optimizer state) from the same inner rank of the
+        previous step's first participant (``dist.send_object_list``: pickled tensors, every
+        bit). The result: what the fault-tolerant run must give, computed without torchft, its
+        failures or its heals."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        fh = self.fh
+        steps = [[tuple(x) for x in s] for s in self.cfg["replay"]]
+        sets = list(dict.fromkeys(tuple(g for g, _ in s) for s in steps))
+        meshes = {
+            P: DeviceMesh("cpu", [[g * self.I + i for i in range(self.I)] for g in P],
+                          mesh_dim_names=AXES)
+            for P in sets
+        }  # fmt: skip
+        models: dict[tuple, Model] = {}
+        trees = None  # this rank's (shard leaves, optimizer state), once its group has a model
+        prev = tuple(range(self.G))  # every group starts from the same seeded weights
+        for step in steps:
+            P, pos = tuple(g for g, _ in step), dict(step)
+            src = prev[0]
+            for g in (g for g in P if g not in prev):  # joining: healed from prev's first
+                if self.gid == src:
+                    dist.send_object_list([trees], dst=g * self.I + self.rank)
+                elif self.gid == g:
+                    got = [None]
+                    dist.recv_object_list(got, src=src * self.I + self.rank)
+                    trees = got[0]
+            prev = P
+            if self.gid not in P:
+                continue
+            if P not in models:  # made by P's ranks together, at P's first step
+                models[P] = Model(self.cfg, "hsdp", fh.DistMesh(meshes[P]))
+            m = models[P]
+            if trees is not None:  # this rank's current trees into P's model (its MainGrad
+                leaves, m.opt_state = trees  # knows its own shard tensors: copied into them)
+                with torch.no_grad():
+                    for p, q in zip(m.leaves, leaves):
+                        if p is not q:
+                            p.copy_(q)
+            with fh.comm_log() as log:
+                t0 = time.time()
+                m.grads(batch_of(self.train, self.cfg, self.gid, self.rank, pos[self.gid]))
+                m.apply()
+                m.mg.zero_grad()
+            self.step_record(t0, pos[self.gid] + 1, "sync", m, log)
+            trees = (m.leaves, m.opt_state)
+        self.copies = []
+        return models[prev] if self.gid in prev else None
+
     def evaluate(self, m: Model) -> None:
-        """The copies' eval losses (every rank of a group computes the same: the full model)."""
+        """The copies' eval losses (every rank of a group computes the same: the full model,
+        gathered over the group's ranks)."""
         for count, t, shards in self.copies:
             self.write(kind="eval", count=count, t=t, loss=m.evaluate(self.evals, shards))
 
@@ -508,6 +568,14 @@ def main(path: str) -> None:
         w.open(mode)
         if w.started:
             w.write(kind="start", t=w.started, ready=time.time())
+        if cfg.get("replay") is not None:
+            m = w.replay()
+            w.write(kind="end", t=time.time())
+            if m is not None:  # the last step's participants: their final parameters
+                w.final(m)
+            w.log.close()
+            dist.barrier()
+            continue
         m = w.hsdp() if mode == "hsdp" else w.diloco(mode)
         w.write(kind="end", t=time.time())
         w.evaluate(m)

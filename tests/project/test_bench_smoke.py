@@ -155,7 +155,11 @@ def test_benchmark_runs_at_tiny_size(name, pool, results, tmp_path):
             bits = x["bits"]
             assert all(b["compared"] > 0 and b["differ"] == 0 for b in bits.values()), bits
         ref = res["modes"]["hsdp"]["reference"]
-        assert ref["fail"]["max_abs"] < 1e-5 and ref["none"]["max_abs"] < 1e-5, ref
+        assert ref["fail"]["max_abs"] < 1e-4 and ref["none"]["max_abs"] < 1e-4, ref
+        # the failure run = its quorum log replayed in a plain world (a heal in it), every bit
+        replay = res["modes"]["hsdp"]["replay"]
+        assert replay["bitwise"] and replay["max_abs"] == 0.0, replay
+        assert len(replay["sets"]) >= 2, replay  # the whole quorum and one without the dead
         assert "### Goals (issue 47)" in md
         from functional_hsdp.tools.testing import sites
 
