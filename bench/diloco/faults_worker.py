@@ -427,8 +427,9 @@ class Worker:
         along the replica axis, each with the data position it used; uncommitted steps are not
         in it). Each step runs on a plain ``fh.DistMesh`` over a ``(participants, ranks)``
         device mesh of this world's ranks (one per distinct set of participants, every rank
-        making every one, a group's rows in the quorum's order), the participants' ranks only,
-        with the same loop as :meth:`hsdp` and no quorum; a group that was not in the previous
+        making every one, and its host group, upfront; a group's rows in the quorum's order),
+        the participants' ranks only, with the same loop as :meth:`hsdp` and no quorum; a
+        group that was not in the previous
         step receives its trees (shards, optimizer state) from the same inner rank of the
         previous step's first participant (``dist.send_object_list``: pickled tensors, every
         bit). The result: what the fault-tolerant run must give, computed without torchft, its
@@ -438,11 +439,15 @@ class Worker:
         fh = self.fh
         steps = [[tuple(x) for x in s] for s in self.cfg["replay"]]
         sets = list(dict.fromkeys(tuple(g for g, _ in s) for s in steps))
-        meshes = {
-            P: DeviceMesh("cpu", [[g * self.I + i for i in range(self.I)] for g in P],
-                          mesh_dim_names=AXES)
-            for P in sets
-        }  # fmt: skip
+        meshes = {}
+        for P in sets:
+            dm = DeviceMesh("cpu", [[g * self.I + i for i in range(self.I)] for g in P],
+                            mesh_dim_names=AXES)  # fmt: skip
+            # the host group a DistMesh on a mesh short of the world makes (dist.py's
+            # _host_group, a collective of the world), made now by every rank under the same
+            # name, so that P's ranks alone can make P's DistMesh at P's first step
+            dm._flatten("fh_host_" + "_".join(AXES), backend_override="gloo")
+            meshes[P] = dm
         models: dict[tuple, Model] = {}
         trees = None  # this rank's (shard leaves, optimizer state), once its group has a model
         prev = tuple(range(self.G))  # every group starts from the same seeded weights
