@@ -68,14 +68,24 @@ Measured from the workers' logs (wall clock of this one machine, ``time.time()``
 - **bits**: no failure against the plain DistMesh, every rank's parameter shards after every
   step and the collectives of every step (``fh.comm_log``); with failures, every group's shards
   at every committed HSDP step and after every committed DiLoCo sync (one fragment), all
-  equal; and HSDP's final parameters against a reference replayed in this process from the
-  logged quorums (each committed step's mean gradient over its participants' batches at the
-  data positions they used, ``fh.adamw``; uncommitted steps left out), the no-failure run
-  replayed alike as the control of the replay's own rounding. DiLoCo's replay from the quorum
-  log is the tests' (``tests/mesh/test_fault_tolerance.py``), not this benchmark's;
+  equal; HSDP's failure run **replayed from its quorum log in a plain world** (the goal's
+  check): ``groups x ranks`` gloo ranks on loopback run each committed torchft step, in
+  order, on a plain ``fh.DistMesh`` over that step's participants only (a ``(participants,
+  ranks)`` device mesh in the quorum's order; uncommitted steps left out), each participant
+  at the data position it used, a group that was not in the step before taking its trees
+  from a group that was (``faults_worker``'s ``Worker.replay``): no torchft, no failure, no
+  heal; every group's final parameters against the replay's, max abs and bit for bit; and
+  the same final parameters against a dense reference replayed in this process (each
+  committed step's mean gradient over its participants' batches, ``torch.func.grad`` and
+  ``fh.adamw`` on the full parameters), the no-failure run replayed alike as the control of
+  that reference's own rounding (it sums in another order than gloo's ring, and Adam
+  amplifies the difference over the steps). DiLoCo's replay from the quorum log is the
+  tests' (``tests/mesh/test_fault_tolerance.py``), not this benchmark's;
 - **steady state**: the median step (the slowest rank's, each rank's first ``skip`` steps left
   out) of the no-failure run against the plain world's: HSDP's steps, DiLoCo's steps without a
-  sync;
+  sync; beside it the median CPU time of such a step (``time.process_time()`` of the rank's
+  process: every thread, torchft's manager threads included), the work it costs, which the
+  other busy processes on the machine move less than the wall time;
 - **link bytes** (sites only): per run, what the sites' ends of the link sent (``wan0``'s
   ``tx_bytes`` summed over the sites, Ethernet frames; ``Sites.counters``), and ``tbf``'s drops.
 
@@ -550,6 +560,21 @@ def _medians(logs: dict, skip: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in _slowest_steps(logs, skip).items() if v}
 
 
+def _cpu_medians(logs: dict, skip: int) -> dict[str, float]:
+    """Per kind of step, the median CPU time of a step over every rank's steps (the rank's
+    process, every thread of it: torchft's manager threads too; a rank's first ``skip`` steps
+    left out; fault-tolerant runs: the first life only): the work a step costs, which the
+    other processes on the machine move less than its wall time."""
+    per: dict[str, list[float]] = {}
+    for (_, _, life), recs in logs.items():
+        if life:
+            continue
+        steps = [x for x in recs if x["kind"] == "step" and "cpu" in x]
+        for x in steps[skip:]:
+            per.setdefault(x["sync"], []).append(x["cpu"])
+    return {k: statistics.median(v) for k, v in per.items() if v}
+
+
 def _failures(logs: dict, kills: list, mode: str, cfg: dict, normal: dict) -> list[dict]:
     """Per kill: detection, each survivor's cost, the heal of the restart."""
     out = []
@@ -827,6 +852,7 @@ def _summarize(cfg: dict, mode: str, root: Path, harness: dict) -> dict:
     x = dict(
         steps=cfg["steps"][mode],
         medians={"plain": _medians(plain, skip), "none": normal, "fail": _medians(fail, skip)},
+        cpu={"plain": _cpu_medians(plain, skip), "none": _cpu_medians(none, skip)},
         goodput={"none": _goodput(none, mode, survivor), "fail": _goodput(fail, mode, survivor),
                  "survivor": survivor},
         failures=_failures(fail, harness["fail"]["kills"], mode, cfg, normal),
@@ -1003,6 +1029,7 @@ def _runs_table(res: dict) -> str:
             "-" if last is None else f"{lossf / lossn - 1:+.2%}",
             f"{_ms(m['plain'].get(quiet))} / {_ms(m['none'].get(quiet))} / "
             f"{_ms(m['fail'].get(quiet))}",
+            f"{_ms(x['cpu']['plain'].get(quiet))} / {_ms(x['cpu']['none'].get(quiet))}",
             "-" if mode == "hsdp" else " / ".join(
                 f"{k} {_ms(m['none'][k])}" for k in ("sync", "issue", "land") if k in m["none"]),
         ])  # fmt: skip
@@ -1011,6 +1038,7 @@ def _runs_table(res: dict) -> str:
     header = ["mode", "steps", "kills", "goodput, steps/s (no failure)", "goodput (failures)",
               "ratio", "eval loss, no failure / failures", "difference",
               "median step ms, plain / ft / ft with failures (HSDP: every step; DiLoCo: no sync)",
+              "median CPU ms of such a step (a rank's threads), plain / ft",
               "ft sync steps ms (no failure)"]  # fmt: skip
     if sites:
         header.append("MB across the link, plain / ft / ft with failures")
@@ -1022,7 +1050,10 @@ def _runs_table(res: dict) -> str:
     return (
         "\n### The runs\n\nGoodput: the committed steps (DiLoCo: inner steps) per second of group "
         "0, never killed, from the run's first step to its last. Step times: the slowest rank's, "
-        "the first steps of each rank left out." + (link if sites else "") + "\n\n"
+        "the first steps of each rank left out. CPU time of a step: the rank's process, every "
+        "thread of it (torchft's manager threads included), the median over every rank's steps: "
+        "the work a step costs, which the other processes on the two cores move less than its "
+        "wall time." + (link if sites else "") + "\n\n"
         + C.table(header, rows) + "\n"
     )  # fmt: skip
 
@@ -1188,8 +1219,12 @@ def goals(res: dict) -> dict[str, tuple[str, str, bool]]:
         if kind in m["plain"] and kind in m["none"]:
             ratio = m["none"][kind] / m["plain"][kind]
             what = "steps" if mode == "hsdp" else "steps without a sync"
+            cpu = x.get("cpu", {})
+            work = ""
+            if kind in cpu.get("plain", {}) and kind in cpu.get("none", {}):
+                work = f" (CPU time per step: {cpu['none'][kind] / cpu['plain'][kind]:.3f})"
             out[f"{name}: {what} <= {bound:.2f}x the plain DistMesh's"] = (
-                f"{ratio:.3f}",
+                f"{ratio:.3f}{work}",
                 f"{bound:.2f}",
                 ratio <= bound,
             )

@@ -327,10 +327,17 @@ class Worker:
 
     # the loops -----------------------------------------------------------------------------
 
+    def clock(self) -> float:
+        """A step's start: its wall time (returned) and this process's CPU time, every thread
+        of it (torchft's manager threads included), kept for :meth:`step_record`."""
+        self.cpu0 = time.process_time()
+        return time.time()
+
     def step_record(self, t0: float, count: int, kind: str, m: Model, log, **kw) -> None:
         t1 = time.time()
+        cpu = time.process_time() - self.cpu0
         events = [(e.op, e.axis, str(e.dtype), e.numel, e.reduce) for e in log.events]
-        self.write(kind="step", t0=t0, t1=t1, count=count, sync=kind,
+        self.write(kind="step", t0=t0, t1=t1, cpu=cpu, count=count, sync=kind,
                    digest=digest(m.leaves), comm=digest([repr(events)]), ncomm=len(events),
                    **kw)  # fmt: skip
 
@@ -344,7 +351,7 @@ class Worker:
         while not self.ended(pos):
             self.maybe_die(pos, "between")
             with fh.comm_log() as log:
-                t0 = time.time()
+                t0 = self.clock()
                 q = None
                 if ft is not None:
                     m.shards, m.opt_state, pos = self.quorum(
@@ -375,7 +382,7 @@ class Worker:
         self.barrier()
         if self.life:  # join at the survivors' next sync, healed there
             with fh.comm_log() as log:
-                t0 = time.time()
+                t0 = self.clock()
                 trees = (m.shards, m.opt_state, m.state, pos)
                 m.shards, m.opt_state, m.state, pos = self.quorum(
                     m, trees, lambda x: x[2].count + 1
@@ -391,7 +398,7 @@ class Worker:
             t = m.state.count + 1
             q = None
             with fh.comm_log() as log:
-                t0 = time.time()
+                t0 = self.clock()
                 ids = batch_of(self.train, self.cfg, self.gid, self.rank, pos)
                 m.grads(ids)  # over dp_inner only
                 m.apply()
@@ -474,7 +481,7 @@ class Worker:
                         if p is not q:
                             p.copy_(q)
             with fh.comm_log() as log:
-                t0 = time.time()
+                t0 = self.clock()
                 m.grads(batch_of(self.train, self.cfg, self.gid, self.rank, pos[self.gid]))
                 m.apply()
                 m.mg.zero_grad()
