@@ -513,7 +513,8 @@ def _kind(logs: dict, kind: str) -> dict:
 
 def _slowest_steps(logs: dict, skip: int) -> dict[str, list[float]]:
     """Per kind of step, the step times of the slowest rank (by step count, a rank's first
-    ``skip`` steps left out; fault-tolerant runs: the first life only)."""
+    ``skip`` steps left out; fault-tolerant runs: the first life only), less the benchmark's
+    own work in the step (the digest of a quorum's trees, ``own``)."""
     per: dict[tuple, float] = {}
     for (_, _, life), recs in logs.items():
         if life:
@@ -523,7 +524,8 @@ def _slowest_steps(logs: dict, skip: int) -> dict[str, list[float]]:
             if k < skip:
                 continue
             key = (x["sync"], k)
-            per[key] = max(per.get(key, 0.0), x["t1"] - x["t0"])
+            own = x.get("own", (0.0, 0.0))[0]  # the benchmark's digest of a quorum's trees
+            per[key] = max(per.get(key, 0.0), x["t1"] - x["t0"] - own)
     out: dict[str, list[float]] = {}
     for (kind, _), t in sorted(per.items(), key=lambda kv: kv[0][1]):
         out.setdefault(kind, []).append(t)
@@ -571,7 +573,7 @@ def _cpu_medians(logs: dict, skip: int) -> dict[str, float]:
             continue
         steps = [x for x in recs if x["kind"] == "step" and "cpu" in x]
         for x in steps[skip:]:
-            per.setdefault(x["sync"], []).append(x["cpu"])
+            per.setdefault(x["sync"], []).append(x["cpu"] - x.get("own", (0.0, 0.0))[1])
     return {k: statistics.median(v) for k, v in per.items() if v}
 
 
