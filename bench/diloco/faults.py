@@ -41,7 +41,10 @@ point at or after its step once the failures before it in the schedule happened 
 ``settle`` quorums had every group and committed (one failure at a time, each after the last
 restart is back). Before them one **plain** world (``groups x ranks`` gloo ranks, a
 ``(groups, ranks)`` device mesh, a plain ``fh.DistMesh``) runs the mode on the same tokens: the
-baseline of the step times and of the no-failure run's bits.
+baseline of the step times and of the no-failure run's bits; with ``bracket`` (the full size)
+the plain world runs again right after the no-failure run, so that the steady state is
+compared with the plain runs on both sides of it, and their own difference is the report's
+measure of how much the machine moved meanwhile.
 
 Measured from the workers' logs (wall clock of this one machine, ``time.time()``):
 
@@ -82,10 +85,11 @@ Measured from the workers' logs (wall clock of this one machine, ``time.time()``
   amplifies the difference over the steps). DiLoCo's replay from the quorum log is the
   tests' (``tests/mesh/test_fault_tolerance.py``), not this benchmark's;
 - **steady state**: the median step (the slowest rank's, each rank's first ``skip`` steps left
-  out) of the no-failure run against the plain world's: HSDP's steps, DiLoCo's steps without a
-  sync; beside it the median CPU time of such a step (``time.process_time()`` of the rank's
-  process: every thread, torchft's manager threads included), the work it costs, which the
-  other busy processes on the machine move less than the wall time;
+  out) of the no-failure run against the plain world's (with ``bracket``: the mean of the
+  plain runs before and after it, their ratio shown beside): HSDP's steps, DiLoCo's steps
+  without a sync; beside it the median CPU time of such a step (``time.process_time()`` of
+  the rank's process: every thread, torchft's manager threads included), the work it costs,
+  which the other busy processes on the machine move less than the wall time;
 - **link bytes** (sites only): per run, what the sites' ends of the link sent (``wan0``'s
   ``tx_bytes`` summed over the sites, Ethernet frames; ``Sites.counters``), and ``tbf``'s drops.
 
@@ -150,7 +154,7 @@ SIZES = {
                                      "life": 1}]},
                  timeout=5.0, quorum_timeout=60.0, join_timeout_ms=1000,
                  heartbeat_timeout_ms=2000, kill_after=0.2, pause=3.0, settle=2, skip=5,
-                 deadline=1800.0, rate_mbit=100.0),
+                 deadline=1800.0, rate_mbit=100.0, bracket=True),
 }  # fmt: skip
 
 
@@ -810,6 +814,8 @@ def run(size: str = "full", pool: Any = None, cfg: dict | None = None) -> dict:
                 _, plain = net.measured(_plain_run, zygote, net, cfg, mode, root / f"plain-{mode}")
                 none, link_none = net.measured(_ft_run, zygote, net, cfg, mode, [],
                                                root / f"{mode}-none")  # fmt: skip
+                if cfg.get("bracket"):  # the plain world again: the steady state's bracket
+                    _plain_run(zygote, net, cfg, mode, root / f"plain-{mode}-after")
                 fail, link_fail = net.measured(_ft_run, zygote, net, cfg, mode, cfg["die"][mode],
                                                root / f"{mode}-fail")  # fmt: skip
                 link = {"plain": plain, "none": link_none, "fail": link_fail}
@@ -843,6 +849,7 @@ def _model_params(cfg: dict):
 
 def _summarize(cfg: dict, mode: str, root: Path, harness: dict) -> dict:
     plain = _read(root / f"plain-{mode}", mode)
+    after = _read(root / f"plain-{mode}-after", mode) if cfg.get("bracket") else None
     none = _read(root / f"{mode}-none", mode)
     fail = _read(root / f"{mode}-fail", mode)
     skip = cfg["skip"]
@@ -853,8 +860,10 @@ def _summarize(cfg: dict, mode: str, root: Path, harness: dict) -> dict:
     last = max(set(ev_none) & set(ev_fail), default=None)
     x = dict(
         steps=cfg["steps"][mode],
-        medians={"plain": _medians(plain, skip), "none": normal, "fail": _medians(fail, skip)},
-        cpu={"plain": _cpu_medians(plain, skip), "none": _cpu_medians(none, skip)},
+        medians={"plain": _medians(plain, skip), "none": normal, "fail": _medians(fail, skip)}
+        | ({"plain_after": _medians(after, skip)} if after is not None else {}),
+        cpu={"plain": _cpu_medians(plain, skip), "none": _cpu_medians(none, skip)}
+        | ({"plain_after": _cpu_medians(after, skip)} if after is not None else {}),
         goodput={"none": _goodput(none, mode, survivor), "fail": _goodput(fail, mode, survivor),
                  "survivor": survivor},
         failures=_failures(fail, harness["fail"]["kills"], mode, cfg, normal),
@@ -996,8 +1005,16 @@ def report(res: dict, command: str, when: str) -> str:
         f"baseline: one world of {cfg['groups'] * cfg['ranks']} gloo ranks, a "
         f"({cfg['groups']}, {cfg['ranks']}) device mesh, a plain `fh.DistMesh`, the same tokens, "
         + ("" if where == "over loopback" else "group g's ranks in site g, ")
-        + "run just before each mode's fault-tolerant runs (the ratios compare runs one after "
-        "the other, on a machine whose load is given below). Eval: copies of the parameters "
+        + "run just before each mode's fault-tolerant runs"
+        + (
+            " and again right after its no-failure run (the steady state: the no-failure run "
+            "against the mean of the two plain runs; their own ratio shows how far the machine "
+            "moved meanwhile)"
+            if cfg.get("bracket")
+            else ""
+        )
+        + " (the ratios compare runs one after the other, on a machine whose load is given "
+        "below). Eval: copies of the parameters "
         f"taken every {cfg['eval_every']} steps, {cfg['eval_batches']} held-out batch(es), "
         "evaluated after each run (not timed). "
         f"Run time {res['wall_s']:.0f} s; load (1-min average) {res['load']}.\n"
@@ -1030,7 +1047,8 @@ def _runs_table(res: dict) -> str:
             "-" if last is None else f"{lossn:.4f} / {lossf:.4f} (step {last})",
             "-" if last is None else f"{lossf / lossn - 1:+.2%}",
             f"{_ms(m['plain'].get(quiet))} / {_ms(m['none'].get(quiet))} / "
-            f"{_ms(m['fail'].get(quiet))}",
+            f"{_ms(m['fail'].get(quiet))}"
+            + (f" (plain after: {_ms(m['plain_after'].get(quiet))})" if "plain_after" in m else ""),
             f"{_ms(x['cpu']['plain'].get(quiet))} / {_ms(x['cpu']['none'].get(quiet))}",
             "-" if mode == "hsdp" else " / ".join(
                 f"{k} {_ms(m['none'][k])}" for k in ("sync", "issue", "land") if k in m["none"]),
@@ -1219,18 +1237,29 @@ def goals(res: dict) -> dict[str, tuple[str, str, bool]]:
         m = x["medians"]
         kind, bound = ("sync", 1.10) if mode == "hsdp" else ("quiet", 1.02)
         if kind in m["plain"] and kind in m["none"]:
-            ratio = m["none"][kind] / m["plain"][kind]
-            what = "steps" if mode == "hsdp" else "steps without a sync"
             cpu = x.get("cpu", {})
-            work = ""
-            if kind in cpu.get("plain", {}) and kind in cpu.get("none", {}):
-                work = f" (CPU time per step: {cpu['none'][kind] / cpu['plain'][kind]:.3f})"
+            ratio, spread = _steady(m, kind), None
+            work = _steady(cpu, kind) if kind in cpu.get("none", {}) else None
+            if kind in m.get("plain_after", {}):
+                spread = m["plain_after"][kind] / m["plain"][kind]
+            what = "steps" if mode == "hsdp" else "steps without a sync"
+            notes = [f"CPU time per step: {work:.3f}"] if work is not None else []
+            if spread is not None:
+                notes.insert(0, "against the mean of the plain runs before and after it")
+                notes.append(f"the plain runs, after / before: {spread:.3f}")
             out[f"{name}: {what} <= {bound:.2f}x the plain DistMesh's"] = (
-                f"{ratio:.3f}{work}",
+                f"{ratio:.3f}" + (f" ({'; '.join(notes)})" if notes else ""),
                 f"{bound:.2f}",
                 ratio <= bound,
             )
     return out
+
+
+def _steady(m: dict, kind: str) -> float:
+    """The no-failure run's median step of ``kind`` against the plain world's: the plain
+    run's, or the mean of the plain runs before and after it (``bracket``)."""
+    plain = [m[k][kind] for k in ("plain", "plain_after") if kind in m.get(k, {})]
+    return m["none"][kind] / (sum(plain) / len(plain))
 
 
 def _goals(res: dict) -> str:
