@@ -450,10 +450,10 @@ def _replay_run(zygote: Zygote, cfg: dict, fail: Path, out: Path) -> dict:
             "wall": time.perf_counter() - t0}  # fmt: skip
 
 
-def _replay_schedule(logs: dict) -> dict:
-    """From a per-step HSDP run's logs: per committed torchft step, ``[[group, data position],
-    ...]`` in the quorum's order along the replica axis (each group's rank 0's records: its
-    quorum's ``rank``, the step's count less one); uncommitted steps are left out."""
+def _committed_steps(logs: dict) -> dict:
+    """From a per-step HSDP run's logs (each group's rank 0's records): ``{torchft step:
+    {group: (its quorum's rank, the data position it used)}}`` of the committed steps, in
+    order (``{"error": ...}`` where they are not contiguous from 0)."""
     steps: dict[int, dict[int, tuple[int, int]]] = {}
     for (g, r, _), recs in logs.items():
         if r:
@@ -466,8 +466,18 @@ def _replay_schedule(logs: dict) -> dict:
     order = sorted(steps)
     if order != list(range(len(order))):
         return {"error": f"committed steps not contiguous: {order[:10]}"}
+    return {s: steps[s] for s in order}
+
+
+def _replay_schedule(logs: dict) -> dict:
+    """From a per-step HSDP run's logs: per committed torchft step, ``[[group, data position],
+    ...]`` in the quorum's order along the replica axis (:func:`_committed_steps`);
+    uncommitted steps are left out."""
+    steps = _committed_steps(logs)
+    if "error" in steps:
+        return steps
     out = []
-    for s in order:
+    for s in steps:
         by_rank = sorted((rank, g, pos) for g, (rank, pos) in steps[s].items())
         if [rank for rank, _, _ in by_rank] != list(range(len(by_rank))):
             return {"error": f"step {s}: quorum ranks {by_rank}"}
@@ -738,18 +748,9 @@ def _hsdp_reference(cfg: dict, logs: dict, out: Path) -> dict:
     from . import diloco as B18
     from .faults_worker import batch_of, texts
 
-    steps: dict[int, dict[int, int]] = {}
-    for (g, r, _), recs in logs.items():
-        if r:
-            continue
-        quorums = {x["q"]: x for x in recs if x["kind"] == "quorum"}
-        for x in recs:
-            if x["kind"] == "step" and x.get("commit"):
-                q = quorums[x["q"]]
-                steps.setdefault(q["step"], {})[g] = x["count"] - 1
-    order = sorted(steps)
-    if order != list(range(len(order))):
-        return {"error": f"committed steps not contiguous: {order[:10]}"}
+    steps = _committed_steps(logs)
+    if "error" in steps:
+        return steps
     model = B18._model(cfg)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = fh.adamw(lr=cfg["inner_lr"], weight_decay=0.0)
@@ -767,11 +768,11 @@ def _hsdp_reference(cfg: dict, logs: dict, out: Path) -> dict:
             total = total + x
         return total / len(xs)
 
-    for s in order:
+    for by_group in steps.values():
         # each group's mean over its inner ranks (dp_inner), then the mean over the step's
         # participants (the replica axis)
         inner = []
-        for g, pos in sorted(steps[s].items()):
+        for g, (_, pos) in sorted(by_group.items()):
             gs = [grad(params, batch_of(train, cfg, g, i, pos)) for i in range(cfg["ranks"])]
             inner.append(optree.tree_map(lambda *xs: mean(xs), *gs))
         mean_ = optree.tree_map(lambda *xs: mean(xs), *inner)
@@ -781,7 +782,7 @@ def _hsdp_reference(cfg: dict, logs: dict, out: Path) -> dict:
     for p in sorted(out.glob("hsdp.g*.final.pt")):
         final = _final(p)
         diffs[p.name.split(".")[1]] = max((final[k] - params[k]).abs().max().item() for k in params)
-    return {"steps": len(order), "max_abs": max(diffs.values()) if diffs else None,
+    return {"steps": len(steps), "max_abs": max(diffs.values()) if diffs else None,
             "per_group": diffs}  # fmt: skip
 
 

@@ -26,12 +26,13 @@ pos) (the position is a leaf of the healed trees), so that every run (fault-tole
 with failures or not) and the reference replay see the same tokens at the same position.
 
 The log (JSON lines, ``CONFIG['out']/<mode>.g{g}r{r}.{life}.jsonl``): one line per step (wall
-times from ``time.time()`` at its start and end, the step count after it, its kind, the quorum
-started in it, a digest of this rank's parameter shards after it and of the collectives it
-issued), one line per quorum once decided (its record, when it was requested and when it
-returned, a digest of the trees it returned, the bytes of their tensors), the eval losses of the
-parameter copies taken at every ``eval_every``-th step (evaluated after the run, so that no eval
-runs between timed steps), and ``done``; rank 0 of each group saves the full parameters at the
+times from ``time.time()`` at its start and end, its CPU time, the benchmark's own part of both,
+the step count after it, its kind, the quorum started in it, a digest of this rank's parameter
+shards after it and of the collectives it issued), one line per quorum once decided (its
+record, when it was requested and when it returned, the CPU time it took, a digest of the trees
+it returned, the bytes of their tensors), the eval losses of the parameter copies taken at
+every ``eval_every``-th step (evaluated after the run, so that no eval runs between timed
+steps), and ``done``; rank 0 of each group saves the full parameters at the
 end (``<mode>.g{g}.final.pt``). Failure points (``CONFIG['die']``, in the schedule's order; this
 group's for its ``FH_RESTART``-th start): the ranks write ``dying.<mode>.g{g}.{life}`` (with the
 time) and sleep until the harness kills them: ``between`` (between two steps: after a step,
@@ -208,12 +209,11 @@ class Worker:
         dist.init_process_group("gloo")
         self.G, self.I = cfg["groups"], cfg["ranks"]
         self.ft = None
-        if self.plain and cfg.get("replay") is not None:  # meshes per quorum: Worker.replay
+        if self.plain:
             self.gid, self.rank = divmod(dist.get_rank(), self.I)
-        elif self.plain:
-            dm = init_device_mesh("cpu", (self.G, self.I), mesh_dim_names=AXES)
-            self.gid, self.rank = divmod(dist.get_rank(), self.I)
-            self.mesh = fh.DistMesh(dm)
+            if cfg.get("replay") is None:  # a replay makes a mesh per quorum: Worker.replay
+                dm = init_device_mesh("cpu", (self.G, self.I), mesh_dim_names=AXES)
+                self.mesh = fh.DistMesh(dm)
         else:
             from functional_hsdp.tools.testing.replica_groups import manager_from_env
 
@@ -441,11 +441,11 @@ class Worker:
         device mesh of this world's ranks (one per distinct set of participants, every rank
         making every one, and its host group, upfront; a group's rows in the quorum's order),
         the participants' ranks only, with the same loop as :meth:`hsdp` and no quorum; a
-        group that was not in the previous
-        step receives its trees (shards, optimizer state) from the same inner rank of the
-        previous step's first participant (``dist.send_object_list``: pickled tensors, every
-        bit). The result: what the fault-tolerant run must give, computed without torchft, its
-        failures or its heals."""
+        group that was not in the previous step receives its trees (shards, optimizer state)
+        from the same inner rank of the previous step's first participant
+        (``dist.send_object_list``: pickled tensors, every bit). The result: what the
+        fault-tolerant run must give, computed without torchft, its failures or its heals.
+        Returns the model of the last step's participants (None on the other ranks)."""
         from torch.distributed.device_mesh import DeviceMesh
 
         fh = self.fh
@@ -587,16 +587,12 @@ def main(path: str) -> None:
             w.write(kind="start", t=w.started, ready=time.time())
         if cfg.get("replay") is not None:
             m = w.replay()
-            w.write(kind="end", t=time.time())
-            if m is not None:  # the last step's participants: their final parameters
-                w.final(m)
-            w.log.close()
-            dist.barrier()
-            continue
-        m = w.hsdp() if mode == "hsdp" else w.diloco(mode)
+        else:
+            m = w.hsdp() if mode == "hsdp" else w.diloco(mode)
         w.write(kind="end", t=time.time())
-        w.evaluate(m)
-        w.final(m)
+        w.evaluate(m)  # a replay keeps no copies
+        if m is not None:  # a replay: the last step's participants only
+            w.final(m)
         w.log.close()
         if w.plain:
             dist.barrier()
